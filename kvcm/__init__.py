@@ -1,0 +1,38 @@
+"""kvcm: a KV-cache metadata manager for LLM inference.
+
+The public API is small on purpose: the client, the config, and the error types.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from kvcm.client import Client  # noqa: E402
+from kvcm.config import Config, ConfigError  # noqa: E402
+from kvcm.errors import (  # noqa: E402
+    AccessDenied,
+    CapacityError,
+    Code,
+    Conflict,
+    InvalidArgument,
+    KvcmError,
+    NotFound,
+    ServerError,
+    Unavailable,
+)
+
+__all__ = [
+    "AccessDenied",
+    "CapacityError",
+    "Client",
+    "Code",
+    "Config",
+    "ConfigError",
+    "Conflict",
+    "InvalidArgument",
+    "KvcmError",
+    "NotFound",
+    "ServerError",
+    "Unavailable",
+    "__version__",
+]

@@ -1,0 +1,171 @@
+"""The composition root: builds every part in dependency order and stops them in reverse.
+
+Start: config -> store -> registry -> managers -> dispatcher -> server (binds) -> background
+threads -> side HTTP. Stop (idempotent): close the front door first (the RPC loop answers what it
+already received, then closes its socket), stop and join every background thread, and close the
+store last, after nothing can touch it any more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from kvcm import __version__
+from kvcm.backends import LmdbStore, MemoryStore, MetaStore
+from kvcm.config import Config
+from kvcm.dispatch import Dispatcher, Method
+from kvcm.http import SideHttp
+from kvcm.metrics import Metrics
+from kvcm.server import Server, Timer
+from kvcm.threads import LoopThread
+
+log = logging.getLogger("kvcm.app")
+
+_LIVE_AFTER_S = 10.0  # /livez fails when the RPC loop has not turned for this long
+
+
+def open_store(config: Config) -> MetaStore:
+    """The configured metadata store (an LMDB env under the data dir by default)."""
+    if config.store.backend == "memory":
+        return MemoryStore()
+    return LmdbStore(
+        os.path.abspath(config.store.data_dir),
+        map_size=config.store.map_size,
+        map_size_max=config.store.map_size_max,
+        sync=config.store.sync,
+        max_readers=config.store.max_readers,
+    )
+
+
+class App:
+    """One kvcm process. ``start()`` serves on a thread; ``run()`` serves on the caller's."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.started_at = time.time()
+        self.store = open_store(config)
+        self.threads: list[Any] = []
+        self.timers: list[Timer] = []
+        self._stopped = False
+        self._serve_thread: threading.Thread | None = None
+        try:
+            methods = self._build_services()
+            self.dispatcher = Dispatcher(
+                methods,
+                metrics=self.metrics,
+                group=self.store.group,
+                atomic=self.store.write,
+                authorize=self.authorize,
+                max_keys=config.server.max_keys,
+                group_commit=config.server.group_commit,
+                access_log=config.server.access_log,
+            )
+            self.server = Server(
+                config.server.endpoint,
+                self.dispatcher.handle_batch,
+                metrics=self.metrics,
+                timers=self.timers,
+                max_message_bytes=config.server.max_message_bytes,
+                drain_max=config.server.drain_max,
+                poll_ms=config.server.poll_ms,
+                sndhwm=config.server.sndhwm,
+            )
+        except BaseException:
+            self.store.close()
+            raise
+        self.endpoint = self.server.endpoint
+        self.http: SideHttp | None = None
+
+    # -- wiring ---------------------------------------------------------------------------------
+
+    def _build_services(self) -> list[Method]:
+        """Every service of the process; returns the RPC method table."""
+        from kvcm.api import registry as registry_api
+        from kvcm.api import system as system_api
+        from kvcm.auth import Authenticator
+        from kvcm.registry import Registry
+
+        data_dir = None if self.store.path is None else os.path.abspath(self.config.store.data_dir)
+        self.registry = Registry(self.store, data_dir)
+        self.registry.ensure_defaults(data_dir or os.path.abspath(self.config.store.data_dir))
+        self.authorize = Authenticator(self.registry, self.config.auth)
+        methods: list[Method] = []
+        methods += registry_api.methods(self.registry, self.info)
+        methods += system_api.methods(self.metrics, self.info)
+        return methods
+
+    def info(self) -> dict[str, Any]:
+        """Facts about this node for check_health / get_manager_cluster_info."""
+        return {
+            "version": __version__,
+            "endpoint": getattr(self, "endpoint", self.config.server.endpoint),
+            "http_port": self.http.port if self.http is not None else None,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "data_dir": self.store.path,
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def _start_background(self) -> None:
+        for thread in self.threads:
+            thread.start()
+        if self.config.http.enabled:
+            self.http = SideHttp(
+                self.config.http.host, self.config.http.port, self.metrics, self.endpoint, self.live, self.ready
+            )
+            self.http.start()
+
+    def start(self) -> App:
+        """Serve on a background thread (tests, embedding); returns self."""
+        self._start_background()
+        self._serve_thread = threading.Thread(target=self.server.serve, name="kvcm-rpc", daemon=True)
+        self._serve_thread.start()
+        return self
+
+    def run(self) -> None:
+        """Serve on the calling thread until :meth:`request_stop`; then shut down in order."""
+        self._start_background()
+        try:
+            self.server.serve()
+        finally:
+            self.stop()
+
+    def request_stop(self) -> None:
+        """Signal-safe: only asks the loop to end."""
+        self.server.stop()
+
+    def live(self) -> bool:
+        return time.monotonic() - self.server.heartbeat < _LIVE_AFTER_S
+
+    def ready(self) -> bool:
+        return self.live() and not self.server.draining and not self._stopped
+
+    def stop(self) -> None:
+        """Idempotent, in reverse order of start: front door, threads, HTTP, store last."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.server.shutdown_grace_s
+        if self._serve_thread is not None:
+            self.server.stop(timeout=grace)
+            self._serve_thread.join(grace)
+        else:
+            self.server.stop()
+            self.server.close_unserved()
+        for thread in reversed(self.threads):
+            thread.stop()
+        if self.http is not None:
+            self.http.stop()
+        self.store.close()
+        log.info("kvcm stopped")
+
+
+__all__ = ["App", "LoopThread", "open_store"]

@@ -1,0 +1,27 @@
+"""Metadata stores behind one contract (:mod:`kvcm.backends.base`), chosen by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvcm.backends.base import DATABASES, MetaStore, ReadTxn, WriteTxn, from_i64, from_u64, i64, u64
+from kvcm.backends.lmdb_store import DataDirLocked, LmdbStore
+from kvcm.backends.memory_store import MemoryStore
+
+STORES: dict[str, Callable[..., Any]] = {"lmdb": LmdbStore, "memory": MemoryStore}
+
+__all__ = [
+    "DATABASES",
+    "DataDirLocked",
+    "LmdbStore",
+    "MemoryStore",
+    "MetaStore",
+    "ReadTxn",
+    "STORES",
+    "WriteTxn",
+    "from_i64",
+    "from_u64",
+    "i64",
+    "u64",
+]

@@ -1,0 +1,393 @@
+"""LMDB implementation of :class:`~kvcm.backends.base.MetaStore`.
+
+One environment under the data dir, one named sub-database per entry of ``DATABASES``.
+Durability: with ``sync=True`` (default) every top-level commit is fsynced before it returns,
+so anything acknowledged after a commit survives ``kill -9`` and power loss (as far as the disk
+honours fdatasync). Throughput comes from group commit (``group()``), not from weakening sync.
+
+Rules from py-lmdb and lmdb.h this module enforces:
+
+* a write transaction is opened, used and committed on one thread; nested ``write()`` blocks on
+  that thread become child transactions (LMDB nested txns), never a second writer (deadlock);
+* ``set_mapsize`` needs a process with no live transaction, so growth waits at :class:`_Gate`
+  until every transaction has ended;
+* ``MapFullError`` becomes :class:`~kvcm.errors.CapacityError`; the next top-level write grows
+  the map (doubling) up to ``map_size_max``;
+* a data dir is used by one kvcm at a time: an ``flock`` on ``kvcm.lock`` refuses a second one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lmdb
+
+from kvcm.backends.base import DATABASES
+from kvcm.errors import CapacityError, Code, ServerError, Unavailable
+
+_GROW_AT = 0.75  # grow the map once it is this full, before a write fails
+
+
+class DataDirLocked(Unavailable):
+    """Another process holds the data dir."""
+
+
+class _Gate:
+    """Shared/exclusive gate: transactions enter shared, map growth enters exclusive."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._exclusive = False
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if self._active == 0:
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            while self._active:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+def _translate(exc: lmdb.Error) -> Exception:
+    if isinstance(exc, lmdb.MapFullError):
+        return CapacityError(
+            "metadata store is full (LMDB map size reached); raise store.map_size_max",
+            Code.CAPACITY_EXHAUSTED,
+        )
+    if isinstance(exc, lmdb.DiskError):
+        return ServerError(f"metadata store disk error: {exc}", Code.IO_ERROR)
+    return ServerError(f"metadata store error: {exc}", Code.IO_ERROR)
+
+
+class _ReadTxn:
+    """A read view over one LMDB transaction (committed data, or a write txn's own writes)."""
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, Any]) -> None:
+        self._txn = txn
+        self._dbs = dbs
+
+    def get(self, db: str, key: bytes) -> bytes | None:
+        value: bytes | None = self._txn.get(key, db=self._dbs[db])
+        return value
+
+    def get_many(self, db: str, keys: Iterable[bytes]) -> list[bytes | None]:
+        get, handle = self._txn.get, self._dbs[db]
+        return [get(k, db=handle) for k in keys]
+
+    def scan(
+        self, db: str, start: bytes = b"", prefix: bytes = b"", limit: int | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        cursor = self._txn.cursor(db=self._dbs[db])
+        if not cursor.set_range(max(start, prefix)):
+            return
+        n = 0
+        for key, value in cursor.iternext():
+            if not key.startswith(prefix) or (limit is not None and n >= limit):
+                return
+            n += 1
+            yield key, value
+
+    def count(self, db: str) -> int:
+        return int(self._txn.stat(self._dbs[db])["entries"])
+
+
+class _WriteTxn(_ReadTxn):
+    def __init__(
+        self, txn: lmdb.Transaction, dbs: dict[str, Any], callbacks: list[Callable[[], None]]
+    ) -> None:
+        super().__init__(txn, dbs)
+        self.callbacks = callbacks
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        self._txn.put(key, value, db=self._dbs[db])
+
+    def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
+        put, handle = self._txn.put, self._dbs[db]
+        for key, value in items:
+            put(key, value, db=handle)
+
+    def delete(self, db: str, key: bytes) -> bool:
+        return bool(self._txn.delete(key, db=self._dbs[db]))
+
+    def delete_many(self, db: str, keys: Iterable[bytes]) -> int:
+        delete, handle = self._txn.delete, self._dbs[db]
+        return sum(1 for k in keys if delete(k, db=handle))
+
+    def drop(self, db: str) -> None:
+        self._txn.drop(self._dbs[db], delete=False)
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        self.callbacks.append(fn)
+
+
+def _key_range(view: _ReadTxn, db: str, prefix: bytes) -> tuple[bytes, bytes]:
+    cursor = view._txn.cursor(db=view._dbs[db])
+    cursor.set_range(prefix)
+    first = cursor.key()
+    # The last key with this prefix: jump past the prefix range and step back once.
+    if prefix and cursor.set_range(_next_prefix(prefix)):
+        cursor.prev()
+    else:
+        cursor.last()
+    return first, cursor.key()
+
+
+def _next_prefix(prefix: bytes) -> bytes:
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return b"\xff" * (len(prefix) + 1)
+    return stripped[:-1] + bytes([stripped[-1] + 1])
+
+
+class _Group:
+    """Per-thread group-commit state: the lazily opened top-level txn and its callbacks."""
+
+    def __init__(self) -> None:
+        self.txn: lmdb.Transaction | None = None
+        self.callbacks: list[Callable[[], None]] = []
+
+
+class LmdbStore:
+    """Metadata store on LMDB. Thread-safe: each thread gets its own transactions."""
+
+    def __init__(
+        self,
+        path: str,
+        map_size: int = 256 << 20,
+        map_size_max: int = 64 << 30,
+        sync: bool = True,
+        max_readers: int = 126,
+        lock_dir: bool = True,
+    ) -> None:
+        self.path: str | None = path
+        os.makedirs(path, exist_ok=True)
+        self._lock_fd = self._lock_dir(path) if lock_dir else None
+        self.map_size_max = max(map_size, map_size_max)
+        self.sync = sync
+        self._env = lmdb.open(
+            os.path.join(path, "meta"),
+            map_size=map_size,
+            max_dbs=len(DATABASES) + 8,
+            sync=sync,
+            metasync=sync,
+            max_readers=max_readers,
+            subdir=True,
+        )
+        self._env.reader_check()  # slots left by killed readers of a previous run
+        self._dbs = {name: self._env.open_db(name.encode()) for name in DATABASES}
+        self._gate = _Gate()
+        self._local = threading.local()
+        self._closed = False
+
+    @staticmethod
+    def _lock_dir(path: str) -> int:
+        fd = os.open(os.path.join(path, "kvcm.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DataDirLocked(
+                f"data dir {path!r} is in use by another kvcm process (lock file kvcm.lock); "
+                "stop it or choose another --data-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
+
+    # -- transactions -------------------------------------------------------------------------
+
+    @contextmanager
+    def read(self) -> Iterator[_ReadTxn]:
+        self._enter()
+        try:
+            txn = self._env.begin(buffers=False)
+            try:
+                yield _ReadTxn(txn, self._dbs)
+            finally:
+                txn.abort()
+        finally:
+            self._leave()
+
+    @contextmanager
+    def group(self) -> Iterator[None]:
+        """Share one top-level transaction among the ``write()`` blocks inside; commit once."""
+        if getattr(self._local, "group", None) is not None:
+            yield  # already inside a group on this thread: join it
+            return
+        group = _Group()
+        self._local.group = group
+        try:
+            yield
+        except BaseException:
+            self._local.group = None
+            if group.txn is not None:
+                group.txn.abort()
+                self._leave()
+            raise
+        self._local.group = None
+        if group.txn is not None:
+            self._commit_top(group.txn)
+        for fn in group.callbacks:
+            fn()
+
+    @contextmanager
+    def write(self) -> Iterator[_WriteTxn]:
+        group = getattr(self._local, "group", None)
+        if group is None:
+            with self.group():
+                with self.write() as txn:
+                    yield txn
+            return
+        if group.txn is None:
+            group.txn = self._begin_top()
+        stack: list[_WriteTxn] = self._stack()
+        parent = stack[-1]._txn if stack else group.txn
+        try:
+            child = _WriteTxn(self._env.begin(write=True, parent=parent), self._dbs, [])
+        except lmdb.Error as exc:
+            raise _translate(exc) from None
+        stack.append(child)
+        try:
+            yield child
+        except lmdb.Error as exc:
+            stack.pop()
+            child._txn.abort()
+            raise _translate(exc) from None
+        except BaseException:
+            stack.pop()
+            child._txn.abort()
+            raise
+        stack.pop()
+        try:
+            child._txn.commit()
+        except lmdb.Error as exc:
+            raise _translate(exc) from None
+        # A committed child's callbacks follow its parent's fate; a parent that aborts later
+        # takes the callbacks of its committed children down with it.
+        (stack[-1].callbacks if stack else group.callbacks).extend(child.callbacks)
+
+    def _stack(self) -> list[Any]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _begin_top(self) -> lmdb.Transaction:
+        self._maybe_grow()
+        self._enter()
+        try:
+            return self._env.begin(write=True)
+        except lmdb.Error as exc:
+            self._leave()
+            raise _translate(exc) from None
+
+    def _commit_top(self, txn: lmdb.Transaction) -> None:
+        try:
+            txn.commit()  # with sync on, LMDB fsyncs inside commit()
+        except lmdb.Error as exc:
+            raise _translate(exc) from None
+        finally:
+            self._leave()
+
+    def _enter(self) -> None:
+        # Re-entrant per thread: a thread that already holds the gate must not queue behind a
+        # waiting grower, or the grower (waiting for this thread) and this thread deadlock.
+        held = getattr(self._local, "held", 0)
+        if held == 0:
+            self._gate.enter()
+        self._local.held = held + 1
+
+    def _leave(self) -> None:
+        self._local.held -= 1
+        if self._local.held == 0:
+            self._gate.leave()
+
+    # -- map growth ----------------------------------------------------------------------------
+
+    def _used_bytes(self) -> int:
+        info = self._env.info()
+        return int((info["last_pgno"] + 1) * self._env.stat()["psize"])
+
+    def _maybe_grow(self) -> None:
+        size = int(self._env.info()["map_size"])
+        if size >= self.map_size_max or self._used_bytes() < size * _GROW_AT:
+            return
+        if getattr(self._local, "held", 0):
+            return  # this thread holds a transaction: growing now would wait on itself
+        with self._gate.exclusive():
+            new = min(size * 2, self.map_size_max)
+            if int(self._env.info()["map_size"]) < new:
+                self._env.set_mapsize(new)
+
+    # -- misc ------------------------------------------------------------------------------------
+
+    def sample(self, db: str, n: int, prefix: bytes = b"") -> list[tuple[bytes, bytes]]:
+        """Up to ``n`` random items: probes spread uniformly between the first and last key.
+
+        Each probe takes the next key at or after a random point, so keys after a wide gap are
+        more likely to be picked: good enough for sampled eviction, not a uniform sample.
+        """
+        with self.read() as view:
+            items = list(view.scan(db, prefix=prefix, limit=n * 4 + 1))
+            if len(items) <= n * 4:
+                return random.sample(items, min(max(n, 0), len(items)))
+            lo, hi = _key_range(view, db, prefix)
+            width = max(len(lo), len(hi))
+            low, high = int.from_bytes(lo.ljust(width, b"\0"), "big"), int.from_bytes(hi.ljust(width, b"\0"), "big")
+            out: dict[bytes, bytes] = {}
+            for _ in range(n * 3):
+                probe = random.randint(low, high).to_bytes(width, "big")
+                for key, value in view.scan(db, start=probe, prefix=prefix, limit=1):
+                    out[key] = value
+                if len(out) >= n:
+                    break
+        return list(out.items())
+
+    def stats(self) -> dict[str, int]:
+        info = self._env.info()
+        facts = {
+            "map_size": int(info["map_size"]),
+            "used_bytes": self._used_bytes(),
+            "readers": int(info["num_readers"]),
+            "stale_readers_cleared": int(self._env.reader_check()),
+        }
+        with self.read() as view:
+            for name in DATABASES:
+                facts[f"entries.{name}"] = view.count(name)
+        return facts
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._gate.exclusive():
+            self._env.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -1,0 +1,151 @@
+"""The ``kvcm`` command line: thin wrappers over the app, the client and the optimizer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvcm.config import Config, ConfigError, load, overrides_from_pairs, to_toml
+from kvcm.errors import KvcmError
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:6381"
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML config file")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one setting (repeatable)")
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the kvcm server (embedded default: ./kvcm-data)")
+    _add_config_args(p)
+    p.add_argument("--endpoint", help="RPC endpoint, e.g. tcp://127.0.0.1:6381 or ipc:///tmp/kvcm.sock")
+    p.add_argument("--data-dir", help="data directory (LMDB metadata, file storage)")
+    p.add_argument("--http-port", type=int, help="side HTTP port for /metrics, /livez, /readyz (0 = any)")
+    p.add_argument("--memory", action="store_true", help="keep metadata in memory only (nothing persisted)")
+
+
+def _call_parser(sub: Any) -> None:
+    p = sub.add_parser("call", help="call one RPC method and print its JSON result")
+    p.add_argument("method")
+    p.add_argument("params", nargs="?", default="{}", help="JSON object of parameters")
+    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--user", help="account name (when auth is on)")
+    p.add_argument("--password", help="account password (when auth is on)")
+
+
+def _config_parser(sub: Any) -> None:
+    p = sub.add_parser("config", help="configuration tools")
+    csub = p.add_subparsers(dest="config_cmd", required=True)
+    show = csub.add_parser("show", help="print the effective config as TOML")
+    _add_config_args(show)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcm", description="KV-cache metadata manager for LLM inference")
+    parser.add_argument("--version", action="version", version=f"kvcm {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _call_parser(sub)
+    _config_parser(sub)
+    _plugin_parsers(sub)
+    return parser
+
+
+def _plugin_parsers(sub: Any) -> None:
+    """Subcommands owned by other packages (optimizer, engine events)."""
+    for module_name, adder in (("kvcm.optimizer.cli", "add_optimize_parser"), ("kvcm.engines.cli", "add_events_parser")):
+        try:
+            module = __import__(module_name, fromlist=[adder])
+        except ImportError:
+            continue
+        getattr(module, adder)(sub)
+
+
+def _version() -> str:
+    from kvcm import __version__
+
+    return __version__
+
+
+def effective_config(args: argparse.Namespace) -> Config:
+    layer = overrides_from_pairs(getattr(args, "sets", []) or [])
+    flags = {
+        ("server", "endpoint"): getattr(args, "endpoint", None),
+        ("store", "data_dir"): getattr(args, "data_dir", None),
+        ("http", "port"): getattr(args, "http_port", None),
+        ("store", "backend"): "memory" if getattr(args, "memory", False) else None,
+    }
+    for (section, key), value in flags.items():
+        if value is not None:
+            layer.setdefault(section, {})[key] = value
+    return load(getattr(args, "config", None), overrides=layer)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvcm.app import App
+
+    config = effective_config(args)
+    logging.basicConfig(level=config.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = App(config)
+    signal.signal(signal.SIGTERM, lambda *_: app.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: app.request_stop())
+    http = f", http on port {app.http.port}" if app.http is not None else ""
+    logging.getLogger("kvcm").info("kvcm %s serving on %s (data dir %s)%s", _version(), app.endpoint,
+                                   app.store.path or "memory", http)
+    print(f"kvcm serving on {app.endpoint}", flush=True)
+    app.run()
+    return 0
+
+
+def cmd_call(args: argparse.Namespace) -> int:
+    from kvcm.client import Client
+
+    try:
+        params = json.loads(args.params)
+    except json.JSONDecodeError as exc:
+        print(f"kvcm call: params are not valid JSON: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(params, dict):
+        print("kvcm call: params must be a JSON object", file=sys.stderr)
+        return 2
+    auth = {"user": args.user, "password": args.password or ""} if args.user else None
+    with Client(args.endpoint, timeout=args.timeout, auth=auth) as client:
+        result = client.call(args.method, params)
+    print(json.dumps(result, indent=2, sort_keys=True, default=_jsonable))
+    return 0
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    print(to_toml(effective_config(args)), end="")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"serve": cmd_serve, "call": cmd_call, "config": cmd_config}
+    handler = handlers.get(args.command) or getattr(args, "run", None)
+    if handler is None:
+        parser.error(f"unknown command {args.command}")
+    try:
+        return int(handler(args))
+    except ConfigError as exc:
+        print(f"kvcm: config error: {exc}", file=sys.stderr)
+        return 2
+    except KvcmError as exc:
+        print(f"kvcm: {exc}", file=sys.stderr)
+        return 1

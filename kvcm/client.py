@@ -1,0 +1,140 @@
+"""Synchronous kvcm client: one DEALER socket, request ids, per-call timeouts, safe retries.
+
+>>> with Client("tcp://127.0.0.1:6381") as kv:          # doctest: +SKIP
+...     kv.call("check_health")
+{'status': 'ok', ...}
+
+Errors come back as :class:`~kvcm.errors.KvcmError` subclasses, mapped in one place
+(:func:`kvcm.errors.error_from_wire`). A call that gets no reply in time raises
+:class:`~kvcm.errors.Unavailable` with code ``TIMEOUT``. Only idempotent methods are retried
+(Lazy Pirate: drop the socket, reconnect, resend); a write such as ``start_write_cache`` is
+never sent twice behind the caller's back. Not thread-safe: one client per thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import time
+from typing import Any
+
+import zmq
+
+from kvcm.errors import Code, KvcmError, ServerError, Unavailable, error_from_wire
+from kvcm.proto import wire
+
+#: Methods that may be re-sent after a timeout without changing the outcome.
+IDEMPOTENT_METHODS = frozenset(
+    {
+        "check_health", "get_manager_cluster_info", "get_metrics", "get_instance_info",
+        "list_instance_info", "get_cache_location", "get_cache_meta", "get_instance_group",
+        "list_instance_groups", "list_storage", "list_accounts", "gen_config_snapshot",
+        "register_instance", "list_event_sources", "match_engines", "enable_storage",
+        "disable_storage",
+    }
+)
+
+
+class ClientState(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Client:
+    """A connection to one kvcm server. Use as a context manager, or call :meth:`close`."""
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://127.0.0.1:6381",
+        timeout: float = 5.0,
+        retries: int = 2,
+        auth: dict[str, str] | None = None,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.retries = retries
+        self.auth = auth
+        self._ctx = context or zmq.Context.instance()
+        self._ids = itertools.count(int.from_bytes(os.urandom(3), "big"))
+        self._socket: zmq.Socket[bytes] | None = None
+        self.state = ClientState.OPEN
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Idempotent; the client refuses calls afterwards."""
+        self._drop_socket()
+        self.state = ClientState.CLOSED
+
+    def call(
+        self,
+        method: str,
+        params: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        retry: bool | None = None,
+    ) -> Any:
+        """Send one request and return its result map; raise the mapped KvcmError on error."""
+        if self.state is ClientState.CLOSED:
+            raise RuntimeError("client is closed")
+        params = dict(params or {})
+        if self.auth is not None and "auth" not in params:
+            params["auth"] = self.auth
+        msgid = next(self._ids) & wire.MAX_MSGID
+        payload = wire.pack_request(msgid, method, params)
+        may_retry = method in IDEMPOTENT_METHODS if retry is None else retry
+        attempts = 1 + (self.retries if may_retry else 0)
+        wait = self.timeout if timeout is None else timeout
+        for attempt in range(attempts):
+            reply = self._roundtrip(payload, msgid, wait)
+            if reply is not None:
+                return _result(reply)
+            self._drop_socket()  # Lazy Pirate: a fresh socket discards any late reply
+        raise Unavailable(
+            f"no reply to {method} from {self.endpoint} within {wait:g}s ({attempts} attempt(s))",
+            Code.TIMEOUT,
+        )
+
+    def _roundtrip(self, payload: bytes, msgid: int, wait: float) -> tuple[Any, Any] | None:
+        sock = self._connected()
+        sock.send(payload)
+        deadline = time.monotonic() + wait
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                break
+            try:
+                got, err, result = wire.parse_response(sock.recv())
+            except wire.BadEnvelope as exc:
+                raise ServerError(f"malformed reply from server: {exc}") from None
+            if got == msgid:
+                return err, result
+            # a late reply to an earlier, timed-out call: skip it
+        return None
+
+    def _connected(self) -> zmq.Socket[bytes]:
+        if self._socket is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            self._socket = sock
+        return self._socket
+
+    def _drop_socket(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+
+def _result(reply: tuple[Any, Any]) -> Any:
+    err, result = reply
+    if err is not None:
+        raise error_from_wire(err)
+    return result
+
+
+__all__ = ["Client", "ClientState", "IDEMPOTENT_METHODS", "KvcmError"]

@@ -1,0 +1,298 @@
+"""Configuration: frozen dataclasses with every default in one place.
+
+Sources, lowest precedence first: the defaults below < a TOML file (``--config``) < environment
+variables ``KVCM_<SECTION>_<KEY>`` (e.g. ``KVCM_SERVER_ENDPOINT``) < command-line overrides
+(``--set section.key=value`` and the dedicated flags of ``kvcm serve``). This module is the only
+place that reads ``os.environ`` for settings. Unknown keys and bad values fail at start-up with a
+:class:`ConfigError` that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or has a bad value; the message names it."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    endpoint: str = "tcp://127.0.0.1:6381"  # the msgpack-RPC ROUTER endpoint (tcp:// or ipc://)
+    max_message_bytes: int = 4 << 20  # larger requests get MESSAGE_TOO_LARGE
+    max_keys: int = 65536  # keys per request; more gets TOO_MANY_KEYS
+    drain_max: int = 256  # requests handled per wake-up (they share one commit)
+    poll_ms: int = 100  # poll timeout: bounds timer lag and shutdown latency
+    group_commit: bool = True  # share one LMDB commit among the requests of one wake-up
+    shutdown_grace_s: float = 10.0  # SIGTERM: time allowed to drain in-flight requests
+    sndhwm: int = 10000  # per-peer reply queue; a peer over it loses replies (counted)
+    access_log: bool = False  # one log line per request at INFO
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 6382  # /metrics, /livez, /readyz, POST /api/<method>; 0 picks a free port
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    backend: str = "lmdb"  # lmdb | memory
+    data_dir: str = "./kvcm-data"
+    map_size: int = 256 << 20  # initial LMDB map; grows by doubling up to map_size_max
+    map_size_max: int = 64 << 30
+    sync: bool = True  # fsync every commit: an acknowledged write survives power loss
+    max_readers: int = 126
+    lock_shards: int = 64  # in-memory lock shards; a power of two
+    search_cache_size: int = 65536  # entries of the lookup LRU cache; 0 disables it
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    write_timeout_seconds: float = 30.0  # default write-session lifetime
+    session_check_ms: int = 200  # how often expired write sessions are swept
+    delete_poll_ms: int = 100  # deleter thread wake-up interval
+    storage_health_interval_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class ReclaimConfig:
+    enabled: bool = True
+    interval_s: float = 1.0
+    hysteresis: float = 0.05  # reclaim until usage < watermark - hysteresis
+    sample_size: int = 0  # 0 = exact victim choice; >0 = sampled choice of this many candidates
+    max_victims_per_round: int = 10000
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    enabled: bool = True
+    pub_port: int = 5557  # default engine PUB port when a source gives a host only
+    replay_port: int = 5558
+    poll_ms: int = 100
+    replay_timeout_s: float = 5.0
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+    sources: tuple[str, ...] = ()  # static sources, JSON objects as given to add_event_source
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    enabled: bool = False  # publish kvcm's own storage-tier events in vLLM's format
+    endpoint: str = "tcp://127.0.0.1:5567"
+    replay_endpoint: str = "tcp://127.0.0.1:5568"
+    topic: str = "kvcm"
+    buffer_steps: int = 10000  # batches kept for replay
+    event_log: str = ""  # JSON-lines event log path ("" = off)
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    enabled: bool = False  # when on, every request needs "auth": {"user", "password"}
+    admin_user: str = "admin"  # bootstrap admin account created on first start when auth is on
+    admin_password: str = ""
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = "INFO"
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    reclaim: ReclaimConfig = field(default_factory=ReclaimConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+    publisher: PublisherConfig = field(default_factory=PublisherConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **sections: Any) -> Config:
+        return dataclasses.replace(self, **sections)
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _coerce(key: str, kind: Any, value: Any) -> Any:
+    """Convert ``value`` (from TOML, env text or CLI text) to ``kind`` or raise ConfigError."""
+    origin = typing.get_origin(kind)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = _parse_text_list(key, value)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return tuple(v if isinstance(v, str) else json.dumps(v) for v in value)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if kind in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            number = kind(value) if isinstance(value, str) else value
+        except ValueError:
+            raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}") from None
+        if kind is int and isinstance(number, float) and not number.is_integer():
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if not isinstance(number, (int, float)):
+            raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}")
+        return kind(number)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported setting type {kind!r}")  # pragma: no cover
+
+
+def _parse_text_list(key: str, text: str) -> list[Any]:
+    text = text.strip()
+    if not text:
+        return []
+    if text.startswith("["):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{key}: bad JSON list: {exc}") from None
+        if not isinstance(parsed, list):
+            raise ConfigError(f"{key}: expected a JSON list")
+        return parsed
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _merge(layers: list[tuple[str, Mapping[str, Mapping[str, Any]]]]) -> dict[str, dict[str, Any]]:
+    sections = _sections()
+    merged: dict[str, dict[str, Any]] = {name: {} for name in sections}
+    for origin, layer in layers:
+        for section, values in layer.items():
+            if section not in sections:
+                raise ConfigError(f"unknown config section {section!r} ({origin}); valid: {', '.join(sections)}")
+            if not isinstance(values, Mapping):
+                raise ConfigError(f"{section}: expected a table of settings ({origin})")
+            hints = typing.get_type_hints(sections[section])
+            for key, value in values.items():
+                if key not in hints:
+                    valid = ", ".join(hints)
+                    raise ConfigError(f"unknown config key {section}.{key} ({origin}); valid keys: {valid}")
+                merged[section][key] = _coerce(f"{section}.{key}", hints[key], value)
+    return merged
+
+
+def _env_layer(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    layer: dict[str, dict[str, Any]] = {}
+    sections = _sections()
+    for name, value in environ.items():
+        if not name.startswith("KVCM_") or name.startswith("KVCM_TEST_"):
+            continue
+        rest = name[5:].lower()
+        section = next((s for s in sections if rest.startswith(s + "_")), None)
+        if section is None:
+            raise ConfigError(f"unknown config environment variable {name}")
+        layer.setdefault(section, {})[rest[len(section) + 1 :]] = value
+    return layer
+
+
+def overrides_from_pairs(pairs: list[str]) -> dict[str, dict[str, Any]]:
+    """``["server.endpoint=ipc:///tmp/k"]`` -> ``{"server": {"endpoint": "ipc:///tmp/k"}}``."""
+    layer: dict[str, dict[str, Any]] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"bad override {pair!r}: expected section.key=value")
+        layer.setdefault(section, {})[name] = value
+    return layer
+
+
+def load(
+    path: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Config:
+    """Build the effective config from file, environment and overrides, validated."""
+    layers: list[tuple[str, Mapping[str, Mapping[str, Any]]]] = []
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                layers.append((path, tomllib.load(fh)))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    layers.append(("environment", _env_layer(os.environ if environ is None else environ)))
+    if overrides:
+        layers.append(("command line", overrides))
+    merged = _merge(layers)
+    built = {name: kind(**merged[name]) for name, kind in _sections().items()}
+    config = Config(**built)
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Cross-field and range checks; raise ConfigError naming the key."""
+    checks: list[tuple[bool, str]] = [
+        (config.store.lock_shards > 0 and config.store.lock_shards & (config.store.lock_shards - 1) == 0,
+         "store.lock_shards must be a power of two"),
+        (config.store.backend in ("lmdb", "memory"), "store.backend must be one of: lmdb, memory"),
+        (config.store.map_size >= 64 << 10, "store.map_size must be at least 64 KiB"),
+        (config.server.max_message_bytes >= 1024, "server.max_message_bytes must be at least 1024"),
+        (config.server.max_keys > 0, "server.max_keys must be positive"),
+        (config.server.drain_max > 0, "server.drain_max must be positive"),
+        (config.server.poll_ms > 0, "server.poll_ms must be positive"),
+        (0 <= config.http.port < 65536, "http.port must be in 0..65535"),
+        (config.cache.write_timeout_seconds > 0, "cache.write_timeout_seconds must be positive"),
+        (0 <= config.reclaim.hysteresis < 1, "reclaim.hysteresis must be in [0, 1)"),
+        (config.reclaim.interval_s > 0, "reclaim.interval_s must be positive"),
+        (config.events.backoff_initial_s > 0, "events.backoff_initial_s must be positive"),
+        (config.log.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log.level must be DEBUG, INFO, WARNING or ERROR"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def to_toml(config: Config) -> str:
+    """The effective config as TOML text (``kvcm config show``)."""
+    lines: list[str] = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)
+

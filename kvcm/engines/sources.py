@@ -1,0 +1,187 @@
+"""Event sources: one engine endpoint (one DP rank of one pod) bound to a kvcm instance.
+
+A :class:`SourceSpec` is what ``add_event_source`` and the ``[events]`` config section describe;
+:class:`SubscriberSettings` holds the subscriber-wide defaults (AIBrix's: PUB port 5557, replay
+port 5558, poll 100 ms, replay timeout 5 s, reconnect backoff 1 s doubling to 30 s).
+
+DP ranks follow vLLM's ``offset_endpoint_port``: rank *r* of a pod publishes on ``port + r`` for
+both PUB and replay ROUTER (``ipc://``/``inproc://`` endpoints get a ``_dp{r}`` suffix). Explicit
+endpoints are taken as given, since vLLM >= #55844 may bind OS-assigned ports per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvcm.errors import InvalidArgument
+
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_ID = re.compile(r"^[A-Za-z0-9._:@/\-\[\]]{1,200}$")
+
+
+@dataclass(frozen=True)
+class SubscriberSettings:
+    """Subscriber-wide defaults; each may be overridden per source (``None`` there = use these)."""
+
+    pub_port: int = 5557
+    replay_port: int = 5558
+    poll_ms: int = 100
+    replay_timeout_s: float = 5.0
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+    backoff_factor: float = 2.0
+    max_payload_bytes: int = 64 << 20  # larger PUB messages are dropped by ZMQ (MAXMSGSIZE)
+    max_held: int = 100_000  # live messages held per source while its replay runs
+    rcvhwm: int = 100_000
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> SubscriberSettings:
+        """Build from ``kvcm.config.EventsConfig`` (fields it lacks keep their defaults)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{n: getattr(cfg, n) for n in names if hasattr(cfg, n)})
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One event source. ``source_id`` is the pod key (unique), ``dp_rank`` its DP rank."""
+
+    source_id: str
+    instance_id: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    dp_rank: int = 0
+    replay_timeout_s: float | None = None
+    backoff_initial_s: float | None = None
+    backoff_max_s: float | None = None
+    poll_ms: int | None = None
+    static: bool = False  # comes from the config file (re-added at every start)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SourceSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """``tcp://host:port`` with IPv6 literals bracketed."""
+    host = host.strip("[]")
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            return f"tcp://[{host}]:{port}"
+    except ValueError:
+        pass  # a DNS name
+    return f"tcp://{host}:{port}"
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """vLLM's per-rank endpoint: tcp port + rank, ``_dp{rank}`` suffix for ipc/inproc."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise InvalidArgument(f"endpoint {endpoint!r} has no port to offset by dp_rank")
+        return f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+def is_ipv6(endpoint: str) -> bool:
+    return endpoint.startswith("tcp://[")
+
+
+def check_endpoint(endpoint: str, what: str) -> str:
+    if not isinstance(endpoint, str) or not endpoint.startswith(_SCHEMES):
+        raise InvalidArgument(f"{what} must start with one of {_SCHEMES}, got {endpoint!r}")
+    if endpoint.startswith("ipc://") and len(endpoint) - 6 > 100:
+        raise InvalidArgument(f"{what}: ipc path longer than 100 bytes (Unix socket limit)")
+    return endpoint
+
+
+def build_spec(params: dict[str, Any], settings: SubscriberSettings) -> SourceSpec:
+    """Validate ``add_event_source`` params (or a static config entry) into a :class:`SourceSpec`.
+
+    Either ``endpoint`` (used as given; ``replay_endpoint`` optional) or ``host`` (ports from
+    ``port``/``replay_port`` or the settings, offset by ``dp_rank``). ``replay: false`` turns
+    replay off for a host-derived source.
+    """
+    source_id = params.get("source_id")
+    if not isinstance(source_id, str) or not _ID.match(source_id):
+        raise InvalidArgument(f"source_id must be 1-200 chars of [A-Za-z0-9._:@/-], got {source_id!r}")
+    instance_id = params.get("instance_id")
+    if not isinstance(instance_id, str) or not instance_id:
+        raise InvalidArgument("instance_id is required")
+    rank = params.get("dp_rank", 0)
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 4096:
+        raise InvalidArgument(f"dp_rank must be an int in [0, 4096), got {rank!r}")
+    endpoint, replay = _endpoints(params, settings, rank)
+    topic = params.get("topic") or ""
+    if not isinstance(topic, str):
+        raise InvalidArgument("topic must be a string")
+    return SourceSpec(
+        source_id=source_id,
+        instance_id=instance_id,
+        endpoint=endpoint,
+        replay_endpoint=replay,
+        topic=topic,
+        dp_rank=rank,
+        replay_timeout_s=_positive(params, "replay_timeout_s"),
+        backoff_initial_s=_positive(params, "backoff_initial_s"),
+        backoff_max_s=_positive(params, "backoff_max_s"),
+        poll_ms=_positive_int(params, "poll_ms"),
+        static=bool(params.get("static", False)),
+    )
+
+
+def _endpoints(
+    params: dict[str, Any], settings: SubscriberSettings, rank: int
+) -> tuple[str, str | None]:
+    endpoint, host = params.get("endpoint"), params.get("host")
+    if endpoint and host:
+        raise InvalidArgument("give either endpoint or host, not both")
+    if endpoint:
+        replay = params.get("replay_endpoint") or None
+        check_endpoint(endpoint, "endpoint")
+        if replay is not None:
+            check_endpoint(replay, "replay_endpoint")
+        return endpoint, replay
+    if not isinstance(host, str) or not host:
+        raise InvalidArgument("endpoint or host is required")
+    port = int(params.get("port") or settings.pub_port)
+    replay_port = int(params.get("replay_port") or settings.replay_port)
+    pub = tcp_endpoint(host, port + rank)
+    if params.get("replay", True) is False:
+        return pub, None
+    return pub, tcp_endpoint(host, replay_port + rank)
+
+
+def _positive(params: dict[str, Any], name: str) -> float | None:
+    value = params.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise InvalidArgument(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _positive_int(params: dict[str, Any], name: str) -> int | None:
+    value = _positive(params, name)
+    return None if value is None else max(1, int(value))
+
+
+def static_specs(entries: tuple[str, ...] | list[Any], settings: SubscriberSettings) -> list[SourceSpec]:
+    """Static sources from the ``[events]`` config: JSON objects (or dicts) as ``add_event_source``."""
+    specs = []
+    for entry in entries:
+        params = json.loads(entry) if isinstance(entry, str) else dict(entry)
+        params["static"] = True
+        specs.append(build_spec(params, settings))
+    return specs

@@ -1,0 +1,163 @@
+"""The query side of the engine index: which (source, medium, group) holds which kvcm key.
+
+One :class:`HolderTable` per ``(instance_id, lora_name)`` namespace. Every holder is a *slot*
+``(source_id, medium, group_idx)`` with a small integer id, and ``holders[key]`` is an int bit
+mask of the slots holding ``key``. A longest-prefix query for all sources at once is then one
+walk over the query keys with a shrinking ``active`` mask: a slot's match length is the position
+where its bit first drops out. Cost ``O(len(keys) + slots)`` int operations, independent of the
+number of blocks held, which is what keeps ``match_engines`` on 100 sources close to a single
+storage-tier ``prefix_match``.
+
+Holdings are reference counted per slot and key, because one slot can reach the same kvcm key
+through several engine blocks (duplicate stores, re-chunked blocks, multimodal variants).
+
+Thread ownership: none of its own; :class:`~kvcm.engines.index.EngineIndex` guards it with its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+#: KV-cache group kinds that carry the prefix (Dynamo's "main attention"); SWA / mamba groups
+#: evict differently and are matched only when asked for by ``group_idx``.
+MAIN_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
+
+
+@dataclass(frozen=True)
+class Slot:
+    source_id: str
+    medium: str
+    group: int
+    main: bool
+
+
+class HolderTable:
+    """Key -> bit mask of holder slots, for one ``(instance_id, lora_name)`` namespace."""
+
+    def __init__(self) -> None:
+        self.holders: dict[int, int] = {}
+        self.slots: list[Slot | None] = []
+        self.refs: list[dict[int, int]] = []
+        self.slot_ids: dict[tuple[str, str, int], int] = {}
+        self._free: list[int] = []
+
+    # --- slots ------------------------------------------------------------------------------
+
+    def slot(self, source_id: str, medium: str, group: int, main: bool) -> int:
+        """The id of the slot, allocated on first use (ids of freed slots are reused)."""
+        key = (source_id, medium, group)
+        sid = self.slot_ids.get(key)
+        if sid is not None:
+            return sid
+        sid = self._free.pop() if self._free else len(self.slots)
+        if sid == len(self.slots):
+            self.slots.append(None)
+            self.refs.append({})
+        self.slots[sid] = Slot(source_id, medium, group, main)
+        self.refs[sid] = {}
+        self.slot_ids[key] = sid
+        return sid
+
+    def drop_slot(self, sid: int) -> None:
+        """Forget every holding of the slot and free its id."""
+        clear = ~(1 << sid)
+        holders = self.holders
+        for key in self.refs[sid]:
+            mask = holders.get(key, 0) & clear
+            if mask:
+                holders[key] = mask
+            else:
+                holders.pop(key, None)
+        slot = self.slots[sid]
+        if slot is not None:
+            del self.slot_ids[(slot.source_id, slot.medium, slot.group)]
+        self.slots[sid] = None
+        self.refs[sid] = {}
+        self._free.append(sid)
+
+    def source_slots(self, source_id: str) -> list[int]:
+        return [sid for (src, _, _), sid in self.slot_ids.items() if src == source_id]
+
+    @property
+    def empty(self) -> bool:
+        return not self.slot_ids
+
+    # --- holdings -------------------------------------------------------------------------------
+
+    def hold(self, sid: int, keys: Iterable[int]) -> None:
+        refs, holders, bit = self.refs[sid], self.holders, 1 << sid
+        for key in keys:
+            count = refs.get(key, 0)
+            refs[key] = count + 1
+            if not count:
+                holders[key] = holders.get(key, 0) | bit
+        return None
+
+    def release(self, sid: int, keys: Iterable[int]) -> None:
+        refs, holders, clear = self.refs[sid], self.holders, ~(1 << sid)
+        for key in keys:
+            count = refs.get(key, 0)
+            if count > 1:
+                refs[key] = count - 1
+            elif count == 1:
+                del refs[key]
+                mask = holders.get(key, 0) & clear
+                if mask:
+                    holders[key] = mask
+                else:
+                    holders.pop(key, None)
+
+    def count(self, sid: int) -> int:
+        """Distinct keys the slot holds."""
+        return len(self.refs[sid])
+
+    # --- queries --------------------------------------------------------------------------------
+
+    def allowed(self, media: frozenset[str] | None, group: int | None) -> int:
+        """Mask of the slots a query may count: main-kind groups unless ``group`` is given."""
+        mask = 0
+        for sid, slot in enumerate(self.slots):
+            if slot is None or (media is not None and slot.medium not in media):
+                continue
+            if (slot.main if group is None else slot.group == group):
+                mask |= 1 << sid
+        return mask
+
+    def longest_prefixes(self, keys: Sequence[int], allowed: int) -> dict[int, int]:
+        """Slot id -> number of leading ``keys`` the slot holds (slots with 0 omitted)."""
+        if not keys or not allowed:
+            return {}
+        holders = self.holders
+        active = holders.get(keys[0], 0) & allowed
+        lengths: dict[int, int] = {}
+        i = 1
+        n = len(keys)
+        while active and i < n:
+            mask = holders.get(keys[i], 0)
+            dropped = active & ~mask
+            if dropped:
+                _record(lengths, dropped, i)
+                active &= mask
+            i += 1
+        if active:
+            _record(lengths, active, n)
+        return lengths
+
+    def holders_of(self, key: int, allowed: int) -> list[Slot]:
+        mask = self.holders.get(key, 0) & allowed
+        out = []
+        while mask:
+            low = mask & -mask
+            slot = self.slots[low.bit_length() - 1]
+            if slot is not None:
+                out.append(slot)
+            mask ^= low
+        return out
+
+
+def _record(lengths: dict[int, int], bits: int, length: int) -> None:
+    while bits:
+        low = bits & -bits
+        lengths[low.bit_length() - 1] = length
+        bits ^= low

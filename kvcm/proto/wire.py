@@ -1,0 +1,138 @@
+"""MessagePack-RPC envelopes (https://github.com/msgpack-rpc/msgpack-rpc/blob/master/spec.md).
+
+* request      ``[0, msgid, method, params]`` — kvcm methods take one map: ``params = [{...}]``
+  (``[]`` means an empty map);
+* response     ``[1, msgid, error, result]`` — ``error`` is nil or ``{"code", "name", "message"}``;
+* notification ``[2, method, params]`` — never answered.
+
+Decoding is defensive: untrusted bytes never raise anything but :class:`BadEnvelope`, ext types
+are refused, and container sizes are capped by the message size (msgpack's own rule) and by
+``max_items``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
+MAX_MSGID = 2**32 - 1
+
+
+class BadEnvelope(ValueError):
+    """The payload is not a valid msgpack-RPC message. ``msgid`` is set when it could be read."""
+
+    def __init__(self, message: str, msgid: int | None = None) -> None:
+        super().__init__(message)
+        self.msgid = msgid
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A result that is already msgpack bytes: spliced into the reply without repacking."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Request:
+    msgid: int | None  # None for a notification
+    method: str
+    params: dict[str, Any]
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack ext type {code} is not accepted")
+
+
+def unpack(payload: bytes, max_items: int = 1 << 20) -> Any:
+    """Decode untrusted msgpack; any failure becomes :class:`BadEnvelope`."""
+    try:
+        return msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            max_array_len=max_items,
+            max_map_len=max_items,
+        )
+    except Exception as exc:  # noqa: BLE001 - msgpack raises ValueError, TypeError, StackError, ...
+        raise BadEnvelope(f"payload is not valid msgpack: {type(exc).__name__}: {exc}") from None
+
+
+def parse_request(payload: bytes, max_items: int = 1 << 20) -> Request:
+    """Validate a request or notification envelope."""
+    obj = unpack(payload, max_items)
+    if not isinstance(obj, list) or not obj:
+        raise BadEnvelope("message must be a msgpack-RPC array")
+    kind = obj[0]
+    if kind == REQUEST and len(obj) == 4:
+        msgid, method, params = obj[1], obj[2], obj[3]
+        if isinstance(msgid, bool) or not isinstance(msgid, int) or not 0 <= msgid <= MAX_MSGID:
+            raise BadEnvelope("msgid must be an unsigned 32-bit integer")
+    elif kind == NOTIFICATION and len(obj) == 3:
+        msgid, method, params = None, obj[1], obj[2]
+    else:
+        raise BadEnvelope("expected [0, msgid, method, params] or [2, method, params]")
+    if not isinstance(method, str) or not method:
+        raise BadEnvelope("method must be a non-empty string", msgid)
+    return Request(msgid, method, _params_map(params, msgid))
+
+
+def _params_map(params: Any, msgid: int | None) -> dict[str, Any]:
+    if isinstance(params, dict):  # lenient: a bare map instead of [map]
+        return params
+    if not isinstance(params, list) or len(params) > 1:
+        raise BadEnvelope("params must be [] or [ {map} ]", msgid)
+    if not params:
+        return {}
+    if not isinstance(params[0], dict):
+        raise BadEnvelope("params must be [] or [ {map} ]", msgid)
+    return params[0]
+
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def pack_request(msgid: int, method: str, params: dict[str, Any]) -> bytes:
+    return _packer.pack([REQUEST, msgid, method, [params]])
+
+
+def pack_notification(method: str, params: dict[str, Any]) -> bytes:
+    return _packer.pack([NOTIFICATION, method, [params]])
+
+
+def pack_response(msgid: int, error: dict[str, Any] | None, result: Any) -> bytes:
+    """A response; a :class:`Raw` result is spliced in as-is."""
+    if isinstance(result, Raw):
+        return _packer.pack_array_header(4) + _packer.pack(RESPONSE) + _packer.pack(msgid) + _packer.pack(error) + result.data
+    return _packer.pack([RESPONSE, msgid, error, result])
+
+
+def parse_response(payload: bytes) -> tuple[int, Any, Any]:
+    """``(msgid, error, result)`` of a response; :class:`BadEnvelope` if malformed."""
+    obj = unpack(payload, max_items=1 << 24)
+    if not isinstance(obj, list) or len(obj) != 4 or obj[0] != RESPONSE or not isinstance(obj[1], int):
+        raise BadEnvelope("expected [1, msgid, error, result]")
+    return obj[1], obj[2], obj[3]
+
+
+def pack(obj: Any) -> bytes:
+    """Pack one value the way kvcm does everywhere (bin type on)."""
+    return _packer.pack(obj)
+
+
+def pack_map_raw(items: dict[str, Any | Raw]) -> Raw:
+    """A map result whose values may be :class:`Raw`, spliced without repacking."""
+    parts = [_packer.pack_map_header(len(items))]
+    for key, value in items.items():
+        parts.append(_packer.pack(key))
+        parts.append(value.data if isinstance(value, Raw) else _packer.pack(value))
+    return Raw(b"".join(parts))
+
+
+def pack_array_raw(items: list[bytes]) -> Raw:
+    """An array of already packed values."""
+    return Raw(_packer.pack_array_header(len(items)) + b"".join(items))

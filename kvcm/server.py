@@ -1,0 +1,218 @@
+"""The RPC front door: one ZMQ ROUTER socket driven by a ``zmq.Poller`` loop.
+
+The server knows frames and bytes only. It is handed a ``handle_batch(payloads) -> replies``
+callable (the dispatcher) and timers; it never imports the manager, the index or a store.
+
+Per wake-up it drains every ready message (up to ``drain_max``) and hands them over as one batch,
+so the dispatcher can commit all their writes at once; then it sends the replies and runs the
+timers that are due. Envelopes: ``[identity, payload]`` from DEALER clients and
+``[identity, b"", payload]`` from REQ clients, answered in kind. Nothing a peer sends can raise
+out of the loop: malformed frames are answered with an error when a reply is possible, else
+dropped and counted. ``ROUTER_MANDATORY`` plus ``NOBLOCK`` make replies to vanished or stalled
+peers fail fast (counted) instead of vanishing silently or blocking the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgpack
+import zmq
+
+from kvcm.errors import Code, ServerError, error
+from kvcm.metrics import Metrics
+from kvcm.proto import wire
+
+log = logging.getLogger("kvcm.server")
+
+BatchHandler = Callable[[Sequence[bytes], Sequence[bytes]], list[bytes | None]]
+
+
+@dataclass
+class Timer:
+    """A callable run on the RPC thread every ``interval`` seconds, between polls."""
+
+    name: str
+    interval: float
+    fn: Callable[[], object]
+    due: float = field(default=0.0)
+
+
+class Server:
+    """Owns the ROUTER socket; only the thread running :meth:`serve` touches it."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        handle_batch: BatchHandler,
+        metrics: Metrics | None = None,
+        timers: Sequence[Timer] = (),
+        max_message_bytes: int = 4 << 20,
+        drain_max: int = 256,
+        poll_ms: int = 100,
+        sndhwm: int = 10000,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self._handle_batch = handle_batch
+        self.metrics = metrics or Metrics()
+        self._timers = list(timers)
+        self._max_bytes = max_message_bytes
+        self._drain_max = drain_max
+        self._poll_ms = poll_ms
+        self._ctx = context or zmq.Context.instance()
+        self._stop = threading.Event()
+        self._closed = threading.Event()
+        self.heartbeat = time.monotonic()
+        self.draining = False
+        self._socket = self._bind(endpoint, sndhwm)
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _bind(self, endpoint: str, sndhwm: int) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.RCVHWM, sndhwm)
+        # A hard cap far above the per-request limit: an attacker's 1 GiB frame is cut off in
+        # libzmq (peer disconnected), while merely oversize requests still get a typed reply.
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes * 4 + 4096)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise error(Code.SERVICE_NOT_READY, f"cannot bind {endpoint}: {exc}") from None
+        return sock
+
+    # -- loop ---------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Run until :meth:`stop`; then answer what is already queued and close the socket."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        self.metrics.up.set(1)
+        try:
+            while not self._stop.is_set():
+                self.heartbeat = time.monotonic()
+                if poller.poll(self._next_timeout()):
+                    self._serve_ready()
+                self._run_timers()
+            self.draining = True
+            self._serve_ready()  # in-flight requests already received get their answers
+        finally:
+            self.metrics.up.set(0)
+            self._socket.close(linger=1000)
+            self._closed.set()
+
+    def _serve_ready(self) -> None:
+        """Drain ready messages into one batch; reply to each."""
+        peers: list[list[bytes]] = []
+        payloads: list[bytes] = []
+        sock = self._socket
+        for _ in range(self._drain_max):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            except zmq.ZMQError as exc:  # pragma: no cover - socket-level trouble, keep serving
+                log.warning("recv failed: %s", exc)
+                break
+            self._accept(frames, peers, payloads)
+        if payloads:
+            self._send_all(peers, self._safe_handle(payloads, [head[0] for head in peers]))
+
+    def _accept(self, frames: list[bytes], peers: list[list[bytes]], payloads: list[bytes]) -> None:
+        envelope = _split(frames)
+        if envelope is None:
+            self.metrics.bad_messages.labels("frames").inc()
+            return
+        head, payload = envelope
+        if len(payload) > self._max_bytes:
+            self.metrics.bad_messages.labels("too_large").inc()
+            too_large = error(Code.MESSAGE_TOO_LARGE, f"message of {len(payload)} bytes exceeds {self._max_bytes}")
+            self._send(head, wire.pack_response(_peek_msgid(payload), too_large.to_wire(), None))
+            return
+        peers.append(head)
+        payloads.append(payload)
+
+    def _safe_handle(self, payloads: list[bytes], senders: list[bytes]) -> list[bytes | None]:
+        try:
+            replies = self._handle_batch(payloads, senders)
+            if len(replies) == len(payloads):
+                return replies
+            log.error("handler returned %d replies for %d requests", len(replies), len(payloads))
+        except Exception:  # noqa: BLE001 - the loop must outlive any handler bug
+            log.exception("batch handler failed")
+        failure = ServerError("internal error").to_wire()
+        return [wire.pack_response(_peek_msgid(p), failure, None) for p in payloads]
+
+    def _send_all(self, peers: list[list[bytes]], replies: list[bytes | None]) -> None:
+        for head, reply in zip(peers, replies):
+            if reply is not None:
+                self._send(head, reply)
+
+    def _send(self, head: list[bytes], reply: bytes) -> None:
+        try:
+            self._socket.send_multipart([*head, reply], zmq.NOBLOCK)
+        except zmq.Again:
+            self.metrics.replies_dropped.labels("hwm").inc()
+        except zmq.ZMQError as exc:
+            reason = "gone" if exc.errno == zmq.EHOSTUNREACH else "error"
+            self.metrics.replies_dropped.labels(reason).inc()
+
+    # -- timers -------------------------------------------------------------------------------
+
+    def _next_timeout(self) -> int:
+        if not self._timers:
+            return self._poll_ms
+        wait = min(t.due for t in self._timers) - time.monotonic()
+        return max(0, min(self._poll_ms, int(wait * 1000) + 1))
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        for timer in self._timers:
+            if now < timer.due:
+                continue
+            timer.due = now + timer.interval
+            try:
+                timer.fn()
+            except Exception:  # noqa: BLE001 - a failing timer must not stop the loop
+                log.exception("timer %s failed", timer.name)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Ask the loop to finish (any thread); wait up to ``timeout`` for the socket to close."""
+        self._stop.set()
+        return self._closed.wait(timeout) if timeout is not None else True
+
+    def close_unserved(self) -> None:
+        """Close the socket of a server whose loop never ran."""
+        if not self._closed.is_set():
+            self._socket.close(linger=0)
+            self._closed.set()
+
+
+def _split(frames: list[bytes]) -> tuple[list[bytes], bytes] | None:
+    """``(reply head, payload)`` for DEALER ``[id, payload]`` or REQ ``[id, b"", payload]``."""
+    if len(frames) == 2 and frames[1]:
+        return frames[:1], frames[1]
+    if len(frames) == 3 and frames[1] == b"" and frames[2]:
+        return frames[:2], frames[2]
+    return None
+
+
+def _peek_msgid(payload: bytes) -> int:
+    """Best-effort msgid of a request we will not decode in full (0 when unreadable)."""
+    try:
+        unpacker = msgpack.Unpacker(max_buffer_size=64)
+        unpacker.feed(payload[:32])
+        unpacker.read_array_header()
+        unpacker.unpack()
+        msgid = unpacker.unpack()
+    except Exception:  # noqa: BLE001 - truly unreadable: answer under msgid 0
+        return 0
+    return msgid if isinstance(msgid, int) and 0 <= msgid <= wire.MAX_MSGID else 0

@@ -1,0 +1,147 @@
+"""The MetaStore contract, run against LMDB and the in-memory twin."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcm.backends import DataDirLocked, LmdbStore, from_i64, i64, u64
+from kvcm.errors import CapacityError, Code
+
+
+def test_put_get_delete(store):
+    with store.write() as txn:
+        txn.put("blocks", b"k1", b"v1")
+        txn.put_many("blocks", [(b"k2", b"v2"), (b"k3", b"v3")])
+        assert txn.get("blocks", b"k2") == b"v2"  # own writes visible
+    with store.read() as view:
+        assert view.get_many("blocks", [b"k1", b"k3", b"nope"]) == [b"v1", b"v3", None]
+        assert view.count("blocks") == 3
+    with store.write() as txn:
+        assert txn.delete("blocks", b"k1") is True
+        assert txn.delete("blocks", b"k1") is False
+        assert txn.delete_many("blocks", [b"k2", b"zz"]) == 1
+    with store.read() as view:
+        assert [k for k, _ in view.scan("blocks")] == [b"k3"]
+
+
+def test_databases_are_separate(store):
+    with store.write() as txn:
+        txn.put("blocks", b"a", b"1")
+        txn.put("sessions", b"a", b"2")
+    with store.read() as view:
+        assert view.get("blocks", b"a") == b"1"
+        assert view.get("sessions", b"a") == b"2"
+
+
+def test_scan_is_ordered_with_prefix_start_and_limit(store):
+    keys = [u64(i) for i in (5, 1, 300, 2**40, 7)]
+    with store.write() as txn:
+        txn.put_many("blocks", [(k, b"x") for k in keys])
+        txn.put("blocks", b"\xff\xff", b"y")
+    with store.read() as view:
+        got = [k for k, _ in view.scan("blocks")]
+        assert got == sorted(keys) + [b"\xff\xff"]
+        assert [k for k, _ in view.scan("blocks", start=u64(6))][:2] == [u64(7), u64(300)]
+        assert [k for k, _ in view.scan("blocks", prefix=b"\xff")] == [b"\xff\xff"]
+        assert len(list(view.scan("blocks", limit=2))) == 2
+
+
+def test_signed_keys_sort_numerically():
+    values = [-(2**63), -5, -1, 0, 1, 2**63 - 1]
+    assert sorted(i64(v) for v in values) == [i64(v) for v in values]
+    assert [from_i64(i64(v)) for v in values] == values
+
+
+def test_failed_write_rolls_back_and_skips_callbacks(store):
+    fired = []
+    with pytest.raises(RuntimeError):
+        with store.write() as txn:
+            txn.put("blocks", b"a", b"1")
+            txn.on_commit(lambda: fired.append("a"))
+            raise RuntimeError("boom")
+    with store.read() as view:
+        assert view.get("blocks", b"a") is None
+    assert fired == []
+
+
+def test_group_children_commit_or_roll_back_alone(store):
+    fired = []
+    with store.group():
+        with store.write() as txn:
+            txn.put("blocks", b"a", b"1")
+            txn.on_commit(lambda: fired.append("a"))
+        with pytest.raises(ValueError):
+            with store.write() as txn:
+                txn.put("blocks", b"b", b"2")
+                txn.on_commit(lambda: fired.append("b"))
+                raise ValueError
+        with store.write() as txn:
+            assert txn.get("blocks", b"a") == b"1"  # sees the earlier child of the group
+            assert txn.get("blocks", b"b") is None
+        assert fired == []  # nothing runs before the group commits
+    assert fired == ["a"]
+    with store.read() as view:
+        assert view.get("blocks", b"a") == b"1" and view.get("blocks", b"b") is None
+
+
+def test_nested_write_joins_outer(store):
+    with store.write() as outer:
+        outer.put("blocks", b"a", b"1")
+        with store.write() as inner:
+            assert inner.get("blocks", b"a") == b"1"
+            inner.put("blocks", b"b", b"2")
+    with store.read() as view:
+        assert view.count("blocks") == 2
+
+
+def test_drop_and_sample(store):
+    with store.write() as txn:
+        txn.put_many("access", [(u64(i), b"v") for i in range(100)])
+    picked = store.sample("access", 10)
+    assert len(picked) == 10 and len({k for k, _ in picked}) == 10
+    with store.write() as txn:
+        txn.drop("access")
+    with store.read() as view:
+        assert view.count("access") == 0
+
+
+def test_lmdb_second_process_lock_refused(tmp_path):
+    first = LmdbStore(str(tmp_path / "d"))
+    try:
+        # flock is per open file description: a second open in this process conflicts too.
+        with pytest.raises(DataDirLocked, match="in use by another kvcm"):
+            LmdbStore(str(tmp_path / "d"))
+    finally:
+        first.close()
+    LmdbStore(str(tmp_path / "d")).close()  # free again after close
+
+
+def test_lmdb_map_full_is_capacity_error_then_grows(tmp_path):
+    s = LmdbStore(str(tmp_path / "d"), map_size=256 << 10, map_size_max=256 << 10)
+    try:
+        with pytest.raises(CapacityError) as info:
+            for i in range(10_000):
+                with s.write() as txn:
+                    txn.put("blocks", u64(i), b"x" * 200)
+        assert info.value.code == Code.CAPACITY_EXHAUSTED
+        with s.read() as view:
+            committed = view.count("blocks")
+        assert committed > 0  # everything committed before the error is intact
+        s.map_size_max = 8 << 20
+        for i in range(10_000, 10_500):
+            with s.write() as txn:
+                txn.put("blocks", u64(i), b"x" * 200)
+        assert s.stats()["map_size"] > 256 << 10
+    finally:
+        s.close()
+
+
+def test_lmdb_survives_reopen(tmp_path):
+    s = LmdbStore(str(tmp_path / "d"))
+    with s.write() as txn:
+        txn.put("instances", b"i1", b"rec")
+    s.close()
+    s = LmdbStore(str(tmp_path / "d"))
+    with s.read() as view:
+        assert view.get("instances", b"i1") == b"rec"
+    s.close()

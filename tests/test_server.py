@@ -1,0 +1,223 @@
+"""The ROUTER loop with a small method table: envelopes, malformed frames, timers, shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import msgspec
+import pytest
+import zmq
+
+from kvcm.backends import MemoryStore
+from kvcm.client import Client
+from kvcm.dispatch import Dispatcher, Method
+from kvcm.errors import Code, InvalidArgument, KvcmError, NotFound, Unavailable
+from kvcm.proto import wire
+from kvcm.server import Server, Timer
+
+
+class Put(msgspec.Struct):
+    key: str
+    value: int
+
+
+def _methods(store):
+    def put(req: Put):
+        with store.write() as txn:
+            if req.value < 0:
+                raise InvalidArgument("negative")
+            txn.put("meta", req.key.encode(), str(req.value).encode())
+        return {"ok": True}
+
+    def get(params):
+        with store.read() as view:
+            raw = view.get("meta", str(params.get("key", "")).encode())
+        if raw is None:
+            raise NotFound("no such key")
+        return {"value": int(raw)}
+
+    def boom(params):
+        raise RuntimeError("handler bug")
+
+    return [
+        Method("echo", lambda p: {"echo": p}),
+        Method("put", put, request=Put, writes=True, idempotent=False),
+        Method("get", get),
+        Method("boom", boom),
+    ]
+
+
+@pytest.fixture
+def running(tmp_path):
+    store = MemoryStore()
+    ticks = []
+    dispatcher = Dispatcher(_methods(store), group=store.group, atomic=store.write)
+    server = Server(f"ipc://{tmp_path}/s", dispatcher.handle_batch,
+                    timers=[Timer("tick", 0.01, lambda: ticks.append(1))], poll_ms=20)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    yield server, ticks
+    server.stop(timeout=5)
+    thread.join(5)
+
+
+def test_dealer_roundtrip_and_typed_errors(running):
+    server, _ = running
+    with Client(server.endpoint, timeout=5) as c:
+        assert c.call("echo", {"a": [1, 2]}) == {"echo": {"a": [1, 2]}}
+        assert c.call("put", {"key": "k", "value": 7}) == {"ok": True}
+        assert c.call("get", {"key": "k"}) == {"value": 7}
+        with pytest.raises(NotFound):
+            c.call("get", {"key": "missing"})
+        with pytest.raises(InvalidArgument) as info:
+            c.call("put", {"key": "k", "value": "seven"})
+        assert "value" in info.value.message and info.value.code == Code.INVALID_ARGUMENT
+        with pytest.raises(KvcmError) as info:
+            c.call("nope")
+        assert info.value.code == Code.METHOD_NOT_FOUND
+        with pytest.raises(KvcmError) as info:
+            c.call("boom")
+        assert info.value.code == Code.INTERNAL_ERROR
+        assert c.call("echo") == {"echo": {}}  # still serving
+
+
+def test_req_socket_envelope(running):
+    server, _ = running
+    ctx = zmq.Context.instance()
+    req = ctx.socket(zmq.REQ)
+    req.connect(server.endpoint)
+    req.send(wire.pack_request(9, "echo", {"x": 1}))
+    assert req.poll(5000)
+    assert msgpack.unpackb(req.recv()) == [1, 9, None, {"echo": {"x": 1}}]
+    req.send(b"\xc1garbage")  # invalid msgpack still gets an error reply (msgid 0)
+    assert req.poll(5000)
+    kind, msgid, err, result = msgpack.unpackb(req.recv())
+    assert (kind, msgid, err["code"], result) == (1, 0, Code.INVALID_ARGUMENT, None)
+    req.close(0)
+
+
+def test_failed_request_in_batch_rolls_back_alone(running):
+    server, _ = running
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(server.endpoint)
+    # Queue several writes so they are drained into one batch / one group commit.
+    for i, value in enumerate([1, -1, 3]):
+        dealer.send(wire.pack_request(i, "put", {"key": f"k{i}", "value": value}))
+    replies = {}
+    while len(replies) < 3:
+        assert dealer.poll(5000)
+        msgid, err, result = wire.parse_response(dealer.recv())
+        replies[msgid] = (err, result)
+    assert replies[0] == (None, {"ok": True}) and replies[2] == (None, {"ok": True})
+    assert replies[1][0]["code"] == Code.INVALID_ARGUMENT
+    with Client(server.endpoint) as c:
+        assert c.call("get", {"key": "k2"}) == {"value": 3}
+        with pytest.raises(NotFound):
+            c.call("get", {"key": "k1"})
+    dealer.close(0)
+
+
+def test_notifications_get_no_reply_but_run(running):
+    server, _ = running
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(server.endpoint)
+    dealer.send(wire.pack_notification("put", {"key": "n", "value": 5}))
+    dealer.send(wire.pack_request(1, "get", {"key": "n"}))
+    assert dealer.poll(5000)
+    assert wire.parse_response(dealer.recv()) == (1, None, {"value": 5})
+    assert not dealer.poll(200)  # nothing else came back
+    dealer.close(0)
+
+
+def test_oversize_and_bad_frames(tmp_path):
+    dispatcher = Dispatcher([Method("echo", lambda p: p)])
+    server = Server(f"ipc://{tmp_path}/s", dispatcher.handle_batch, max_message_bytes=2048, poll_ms=20)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        ctx = zmq.Context.instance()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(server.endpoint)
+        dealer.send(wire.pack_request(77, "echo", {"blob": b"x" * 4096}))
+        assert dealer.poll(5000)
+        msgid, err, _ = wire.parse_response(dealer.recv())
+        assert msgid == 77 and err["code"] == Code.MESSAGE_TOO_LARGE
+        dealer.send_multipart([b"a", b"b", b"c"])  # wrong frame shape: dropped and counted
+        dealer.send_multipart([b""])
+        dealer.send(wire.pack_request(78, "echo", {}))
+        assert dealer.poll(5000)
+        assert wire.parse_response(dealer.recv())[0] == 78
+        assert server.metrics.bad_messages.labels("frames")._value.get() == 2
+        dealer.close(0)
+    finally:
+        server.stop(5)
+        thread.join(5)
+
+
+def test_vanished_client_does_not_break_loop(running):
+    server, _ = running
+    ctx = zmq.Context.instance()
+    for i in range(20):
+        d = ctx.socket(zmq.DEALER)
+        d.connect(server.endpoint)
+        d.send(wire.pack_request(i, "echo", {"i": i}))
+        d.close(0)  # gone before the reply
+    with Client(server.endpoint) as c:
+        assert c.call("echo", {"z": 1}) == {"echo": {"z": 1}}
+
+
+def test_timers_run_between_polls(running):
+    _, ticks = running
+    deadline = time.monotonic() + 5
+    while len(ticks) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(ticks) >= 5
+
+
+def test_client_timeout_and_closed_state(tmp_path):
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)  # accepts, never answers
+    silent.bind(f"ipc://{tmp_path}/silent")
+    c = Client(f"ipc://{tmp_path}/silent", timeout=0.2, retries=2)
+    with pytest.raises(Unavailable) as info:
+        c.call("check_health")  # idempotent: retried
+    assert info.value.code == Code.TIMEOUT and "3 attempt" in info.value.message
+    with pytest.raises(Unavailable) as info:
+        c.call("start_write_cache")  # not idempotent: never resent
+    assert "1 attempt" in info.value.message
+    c.close()
+    with pytest.raises(RuntimeError):
+        c.call("check_health")
+    silent.close(0)
+
+
+def test_stop_answers_queued_requests(tmp_path):
+    gate = threading.Event()
+
+    def slow(params):
+        gate.wait(5)
+        return {"done": True}
+
+    dispatcher = Dispatcher([Method("slow", slow)])
+    server = Server(f"ipc://{tmp_path}/s", dispatcher.handle_batch, poll_ms=20)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(server.endpoint)
+    dealer.send(wire.pack_request(1, "slow", {}))
+    time.sleep(0.2)
+    dealer.send(wire.pack_request(2, "slow", {}))
+    time.sleep(0.1)
+    server.stop()
+    gate.set()
+    got = set()
+    while len(got) < 2 and dealer.poll(5000):
+        got.add(wire.parse_response(dealer.recv())[0])
+    thread.join(5)
+    assert got == {1, 2}
+    dealer.close(0)
