@@ -210,9 +210,10 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
             continue
         rest = name[5:].lower()
         section = next((s for s in sections if rest.startswith(s + "_")), None)
-        if section is None:
+        key = rest[len(section) + 1 :] if section else ""
+        if section is None or key not in typing.get_type_hints(sections[section]):
             raise ConfigError(f"unknown config environment variable {name}")
-        layer.setdefault(section, {})[rest[len(section) + 1 :]] = value
+        layer.setdefault(section, {})[key] = value
     return layer
 
 

@@ -94,6 +94,7 @@ class Dispatcher:
         self._group_commit = group_commit
         self._access_log = access_log
         self._decoders: dict[type, Callable[[Any], Any]] = {}
+        self._metric_children: dict[str, tuple[Any, Any]] = {}
 
     # -- batch entry point ----------------------------------------------------------------------
 
@@ -195,7 +196,8 @@ class Dispatcher:
         method = outcome.method
         assert method is not None  # internal invariant: only called for resolved methods
         started = time.perf_counter()
-        self.metrics.requests.labels(method.name).inc()
+        counter, latency = self._children(method.name)
+        counter.inc()
         try:
             params = self._validate(method, outcome.result)
             if self._authorize is not None:
@@ -208,10 +210,19 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - the single exception boundary of a request
             outcome.error, outcome.result = self._to_error(exc, method.name), None
         elapsed = time.perf_counter() - started
-        self.metrics.latency.labels(method.name).observe(elapsed)
+        latency.observe(elapsed)
         if self._access_log:
             status = "ok" if outcome.error is None else outcome.error["name"]
             log.info("rpc %s %s %.0fus", method.name, status, elapsed * 1e6)
+
+    def _children(self, name: str) -> tuple[Any, Any]:
+        # Resolving labelled children costs a lock and a dict lookup each; do it once per method.
+        pair = self._metric_children.get(name)
+        if pair is None:
+            pair = self._metric_children[name] = (
+                self.metrics.requests.labels(name), self.metrics.latency.labels(name)
+            )
+        return pair
 
     def _validate(self, method: Method, params: dict[str, Any]) -> Any:
         for name in KEY_FIELDS:

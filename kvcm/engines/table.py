@@ -41,6 +41,7 @@ class HolderTable:
         self.refs: list[dict[int, int]] = []
         self.slot_ids: dict[tuple[str, str, int], int] = {}
         self._free: list[int] = []
+        self._allowed: dict[tuple[frozenset[str] | None, int | None], int] = {}
 
     # --- slots ------------------------------------------------------------------------------
 
@@ -54,6 +55,7 @@ class HolderTable:
         if sid == len(self.slots):
             self.slots.append(None)
             self.refs.append({})
+        self._allowed.clear()
         self.slots[sid] = Slot(source_id, medium, group, main)
         self.refs[sid] = {}
         self.slot_ids[key] = sid
@@ -75,6 +77,7 @@ class HolderTable:
         self.slots[sid] = None
         self.refs[sid] = {}
         self._free.append(sid)
+        self._allowed.clear()
 
     def source_slots(self, source_id: str) -> list[int]:
         return [sid for (src, _, _), sid in self.slot_ids.items() if src == source_id]
@@ -116,12 +119,16 @@ class HolderTable:
 
     def allowed(self, media: frozenset[str] | None, group: int | None) -> int:
         """Mask of the slots a query may count: main-kind groups unless ``group`` is given."""
+        cached = self._allowed.get((media, group))
+        if cached is not None:
+            return cached
         mask = 0
         for sid, slot in enumerate(self.slots):
             if slot is None or (media is not None and slot.medium not in media):
                 continue
-            if (slot.main if group is None else slot.group == group):
+            if slot.main if group is None else slot.group == group:
                 mask |= 1 << sid
+        self._allowed[(media, group)] = mask
         return mask
 
     def longest_prefixes(self, keys: Sequence[int], allowed: int) -> dict[int, int]:

@@ -1,0 +1,1 @@
+"""RPC method tables: request schemas and handlers, one module per area, each exporting ``methods(...)``."""

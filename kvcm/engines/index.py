@@ -1,0 +1,639 @@
+"""The engine index: which engine (source, DP rank, medium, group) holds which kvcm block.
+
+Engine events name blocks by the engine's own hashes; kvcm re-hashes their ``token_ids`` with the
+instance's block hash (:mod:`kvcm.blockkeys`), chained through the parent block, so engine blocks
+and storage-tier blocks share one key space and ``match_engines`` takes the same ``token_ids`` as
+``get_cache_location``. Per source the index keeps ``(group, engine hash) -> EngineBlock``: the
+block's kvcm keys, the running hash state and token position at its end (the parent seed of its
+children) and a holding count per medium (vLLM can store and remove one hash twice).
+
+Rules (``reference/kv_events.md`` §7(c)):
+
+* a store whose parent is unknown is skipped and counted, never rooted (edge 15);
+* engine block size ``e`` vs instance block size ``b``: re-chunked when one divides the other
+  (``e = k*b``: one engine block covers ``k`` kvcm keys; ``b = k*e``: every ``k``-th engine block
+  closes a kvcm key), else refused and counted (``block_size_mismatch``);
+* stores without token ids (tier placeholders) resolve through the hash map, else are skipped;
+* ``BlockRemoved`` drops one holding of that source/medium/group only; ``AllBlocksCleared``, a
+  publisher restart and removing the source clear exactly that source;
+* LoRA adapters (``lora_name``) are separate namespaces; groups are separate holder slots.
+
+Persistence (``engine_sources``, ``engine_blocks``): :meth:`EngineIndex.flush` writes the blocks
+touched since the last flush and each source's ``last_seq`` in one transaction, so the persisted
+index is always consistent with the persisted ``last_seq`` and a restarted kvcm resumes by replay
+from ``last_seq + 1``.
+
+Thread ownership: the subscriber thread applies and flushes; the RPC thread adds/removes sources
+and queries. One re-entrant lock guards all in-memory state; a write transaction, when needed,
+is always opened *before* taking the lock (the store's documented lock order).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvcm.backends.base import MetaStore
+from kvcm.engines.hashing import chain_states, chain_states_many, to_signed
+from kvcm.engines.sources import SourceSpec
+from kvcm.engines.table import MAIN_KINDS, HolderTable
+from kvcm.errors import Conflict, KvcmError, NotFound
+from kvcm.proto.vllm_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodedBatch,
+    hash_to_u64,
+)
+
+SOURCES_DB = "engine_sources"
+BLOCKS_DB = "engine_blocks"
+_BLOCK_KEY = struct.Struct(">IIQ")  # source number, group, engine hash
+_SID = struct.Struct(">I")
+_ENC = msgspec.msgpack.Encoder()
+_DEC = msgspec.msgpack.Decoder()
+
+
+def normalize_medium(medium: str | None) -> str:
+    """``None`` is the GPU block pool; spellings are upper-cased (LMCache sent ``cpu``)."""
+    return "GPU" if not medium else medium.upper()
+
+
+class EngineBlock:
+    """One engine block of one source: its kvcm keys, chain end state, and holdings per medium."""
+
+    __slots__ = ("lora", "end", "pos", "keys", "refs")
+
+    def __init__(self, lora: str, end: int, pos: int, keys: tuple[int, ...]) -> None:
+        self.lora = lora
+        self.end = end
+        self.pos = pos
+        self.keys = keys
+        self.refs: dict[str, int] = {}
+
+    def pack(self) -> bytes:
+        return _ENC.encode((self.lora, self.end, self.pos, self.keys, self.refs))
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> EngineBlock:
+        lora, end, pos, keys, refs = _DEC.decode(raw)
+        blk = cls(lora, end, pos, tuple(keys))
+        blk.refs = dict(refs)
+        return blk
+
+
+@dataclass
+class SourceState:
+    """Index-side state of one source (its connection state lives in the subscriber)."""
+
+    spec: SourceSpec
+    number: int  # fixed-width id used in persisted keys
+    generation: int
+    last_seq: int = -1
+    last_ts: float = 0.0
+    last_event_time: float = 0.0
+    blocks: dict[tuple[int, int], EngineBlock] = field(default_factory=dict)
+    groups: dict[int, str | None] = field(default_factory=dict)
+    dirty: set[tuple[int, int]] = field(default_factory=set)
+    cleared: bool = False
+
+    def record(self) -> bytes:
+        return _ENC.encode(
+            {
+                "spec": self.spec.to_dict(),
+                "number": self.number,
+                "last_seq": self.last_seq,
+                "last_ts": self.last_ts,
+                "groups": [[g, k] for g, k in self.groups.items()],
+            }
+        )
+
+
+@dataclass
+class ApplyStats:
+    """What one batch did: events processed per type, errors per kind, block events applied."""
+
+    processed: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    blocks: int = 0
+
+
+Item = tuple[str, int, int, DecodedBatch]  # source_id, generation, seq, batch
+
+
+class EngineIndex:
+    """Engine blocks of every source, mapped into kvcm keys (see the module docstring)."""
+
+    def __init__(self, store: MetaStore | None, block_size_of: Callable[[str], int]) -> None:
+        self._store = store
+        self._block_size_of = block_size_of
+        self._lock = threading.RLock()
+        self._sources: dict[str, SourceState] = {}
+        self._tables: dict[tuple[str, str], HolderTable] = {}
+        self._generation = 0
+        self._dirty: set[str] = set()
+        self._sizes: dict[str, int | None] = {}
+
+    # --- sources ----------------------------------------------------------------------------
+
+    def add_source(self, spec: SourceSpec) -> SourceState:
+        """Register a source (idempotent for an identical spec); persisted at once."""
+        with self._txn() as txn, self._lock:
+            old = self._sources.get(spec.source_id)
+            if old is not None:
+                if old.spec == spec:
+                    return old
+                raise Conflict(f"event source {spec.source_id!r} exists with another spec")
+            self._generation += 1
+            numbers = {s.number for s in self._sources.values()}
+            number = next(i for i in range(1, len(numbers) + 2) if i not in numbers)
+            state = SourceState(spec, number, self._generation)
+            self._sources[spec.source_id] = state
+            if txn is not None:
+                txn.put(SOURCES_DB, spec.source_id.encode(), state.record())
+            return state
+
+    def remove_source(self, source_id: str) -> SourceState:
+        """Forget a source and exactly its blocks; persisted at once."""
+        with self._txn() as txn, self._lock:
+            state = self._sources.pop(source_id, None)
+            if state is None:
+                raise NotFound(f"no event source {source_id!r}")
+            self._clear_memory(state)
+            self._dirty.discard(source_id)
+            if txn is not None:
+                txn.delete(SOURCES_DB, source_id.encode())
+                _delete_blocks(txn, state.number)
+            return state
+
+    def get(self, source_id: str) -> SourceState | None:
+        return self._sources.get(source_id)
+
+    def sources(self) -> list[SourceState]:
+        with self._lock:
+            return list(self._sources.values())
+
+    def blocks_held(self, source_id: str) -> dict[str, int]:
+        """Distinct kvcm keys the source holds, per medium."""
+        with self._lock:
+            out: Counter[str] = Counter()
+            state = self._sources.get(source_id)
+            if state is None:
+                return {}
+            for (inst, _), table in self._tables.items():
+                if inst != state.spec.instance_id:
+                    continue
+                for sid in table.source_slots(source_id):
+                    slot = table.slots[sid]
+                    if slot is not None:
+                        out[slot.medium] += table.count(sid)
+            return dict(out)
+
+    def clear_source(self, source_id: str, generation: int | None = None) -> bool:
+        """Drop every block of the source (``AllBlocksCleared`` or a publisher restart)."""
+        with self._lock:
+            state = self._sources.get(source_id)
+            if state is None or (generation is not None and state.generation != generation):
+                return False
+            self._clear_memory(state)
+            state.cleared = True
+            self._dirty.add(source_id)
+            return True
+
+    def set_position(self, source_id: str, generation: int, last_seq: int) -> None:
+        """Move a source's ``last_seq`` (a restart resets it to -1)."""
+        with self._lock:
+            state = self._sources.get(source_id)
+            if state is not None and state.generation == generation:
+                state.last_seq = last_seq
+                self._dirty.add(source_id)
+
+    def _clear_memory(self, state: SourceState) -> None:
+        for key in [k for k in self._tables if k[0] == state.spec.instance_id]:
+            table = self._tables[key]
+            for sid in table.source_slots(state.spec.source_id):
+                table.drop_slot(sid)
+            if table.empty:
+                del self._tables[key]
+        state.blocks.clear()
+        state.dirty.clear()
+
+    # --- applying events ------------------------------------------------------------------------
+
+    def apply(self, source_id: str, generation: int, seq: int, batch: DecodedBatch) -> ApplyStats | None:
+        return self.apply_many([(source_id, generation, seq, batch)])[0]
+
+    def apply_many(self, items: Sequence[Item]) -> list[ApplyStats | None]:
+        """Apply batches in order; ``None`` for a batch whose source is gone (stale generation)."""
+        with self._lock:
+            self._sizes: dict[str, int | None] = {}
+            pre = self._precompute(items)
+            return [self._apply_one(item, pre) for item in items]
+
+    def _apply_one(self, item: Item, pre: dict[int, list[int]]) -> ApplyStats | None:
+        source_id, generation, seq, batch = item
+        state = self._sources.get(source_id)
+        if state is None or state.generation != generation:
+            return None
+        stats = ApplyStats()
+        for event in batch.events:
+            kind = type(event).__name__
+            if type(event) is BlockStored:
+                stats.blocks += self._stored(state, event, pre, stats.errors)
+            elif type(event) is BlockRemoved:
+                stats.blocks += self._removed(state, event, stats.errors)
+            elif type(event) is AllBlocksCleared:
+                self._clear_memory(state)
+                state.cleared = True
+            stats.processed[kind] += 1
+        for kind in batch.errors:
+            stats.errors[kind] += 1
+        state.last_seq = seq
+        state.last_ts = batch.ts
+        state.last_event_time = time.time()
+        self._dirty.add(source_id)
+        return stats
+
+    def _stored(self, state: SourceState, ev: BlockStored, pre: dict[int, list[int]], errors: Counter[str]) -> int:
+        group = ev.group_idx or 0
+        medium = normalize_medium(ev.medium)
+        hashes = [hash_to_u64(h) for h in ev.block_hashes]
+        if ev.kv_cache_spec_kind is not None or group not in state.groups:
+            state.groups[group] = ev.kv_cache_spec_kind
+        if not ev.token_ids or ev.block_size <= 0:
+            return self._resolve_tokenless(state, hashes, group, medium, errors)
+        plan = self._plan(state, ev, hashes, group, errors)
+        if plan is None:
+            return 0
+        seed, pos, step, block_size = plan
+        states = pre.get(id(ev))
+        if states is None:
+            states = chain_states(seed, ev.token_ids, step)
+        per_block = ev.block_size // step
+        lora = ev.lora_name or ""
+        for i, h in enumerate(hashes):
+            blk = state.blocks.get((group, h))
+            if blk is None:
+                first = i * per_block
+                keys = tuple(
+                    to_signed(states[j]) for j in range(first, first + per_block)
+                    if (pos + (j + 1) * step) % block_size == 0
+                )  # fmt: skip
+                end_pos = pos + (i + 1) * ev.block_size
+                blk = EngineBlock(lora, states[first + per_block - 1], end_pos, keys)
+                state.blocks[(group, h)] = blk
+            self._hold(state, blk, medium, group)
+            state.dirty.add((group, h))
+        return len(hashes)
+
+    def _plan(
+        self, state: SourceState, ev: BlockStored, hashes: list[int], group: int, errors: Counter[str]
+    ) -> tuple[int, int, int, int] | None:
+        """``(seed, start position, hash step, instance block size)``, or None if refused."""
+        if len(ev.token_ids) != len(hashes) * ev.block_size:
+            errors["bad_shape"] += 1  # sparse mamba / partial chunks: cannot be re-hashed
+            return None
+        block_size = self._instance_block_size(state, errors)
+        if block_size is None:
+            return None
+        if ev.block_size % block_size and block_size % ev.block_size:
+            errors["block_size_mismatch"] += 1
+            return None
+        seed, pos = 0, 0
+        if ev.parent_block_hash is not None:
+            parent = state.blocks.get((group, hash_to_u64(ev.parent_block_hash)))
+            if parent is None:
+                errors["unknown_parent"] += 1
+                return None
+            seed, pos = parent.end, parent.pos
+        step = min(ev.block_size, block_size)
+        if pos % step:
+            errors["block_size_mismatch"] += 1
+            return None
+        return seed, pos, step, block_size
+
+    def _instance_block_size(self, state: SourceState, errors: Counter[str]) -> int | None:
+        """The instance's block size (cached for one ``apply_many``), None if it is gone."""
+        instance_id = state.spec.instance_id
+        if instance_id not in self._sizes:
+            try:
+                self._sizes[instance_id] = int(self._block_size_of(instance_id)) or None
+            except KvcmError:
+                self._sizes[instance_id] = None
+        size = self._sizes[instance_id]
+        if size is None or size <= 0:
+            errors["instance_not_found"] += 1
+            return None
+        return size
+
+    def _resolve_tokenless(
+        self, state: SourceState, hashes: list[int], group: int, medium: str, errors: Counter[str]
+    ) -> int:
+        done = 0
+        for h in hashes:
+            blk = state.blocks.get((group, h))
+            if blk is None:
+                errors["unknown_hash"] += 1
+                continue
+            self._hold(state, blk, medium, group)
+            state.dirty.add((group, h))
+            done += 1
+        return done
+
+    def _removed(self, state: SourceState, ev: BlockRemoved, errors: Counter[str]) -> int:
+        group = ev.group_idx or 0
+        medium = normalize_medium(ev.medium)
+        done = 0
+        for raw in ev.block_hashes:
+            h = hash_to_u64(raw)
+            blk = state.blocks.get((group, h))
+            if blk is None or medium not in blk.refs:
+                continue  # unknown removes are no-ops (edge 16)
+            self._release(state, blk, medium, group)
+            if not blk.refs:
+                del state.blocks[(group, h)]
+            state.dirty.add((group, h))
+            done += 1
+        return done
+
+    def _hold(self, state: SourceState, blk: EngineBlock, medium: str, group: int) -> None:
+        count = blk.refs.get(medium, 0)
+        blk.refs[medium] = count + 1
+        if count == 0 and blk.keys:
+            table = self._table(state.spec.instance_id, blk.lora)
+            kind = state.groups.get(group)
+            table.hold(table.slot(state.spec.source_id, medium, group, kind in MAIN_KINDS), blk.keys)
+
+    def _release(self, state: SourceState, blk: EngineBlock, medium: str, group: int) -> None:
+        count = blk.refs[medium]
+        if count > 1:
+            blk.refs[medium] = count - 1
+            return
+        del blk.refs[medium]
+        table = self._tables.get((state.spec.instance_id, blk.lora))
+        if table is None or not blk.keys:
+            return
+        sid = table.slot_ids.get((state.spec.source_id, medium, group))
+        if sid is not None:
+            table.release(sid, blk.keys)
+            if not table.refs[sid]:
+                table.drop_slot(sid)
+                if table.empty:
+                    del self._tables[(state.spec.instance_id, blk.lora)]
+
+    def _table(self, instance_id: str, lora: str) -> HolderTable:
+        table = self._tables.get((instance_id, lora))
+        if table is None:
+            table = self._tables[(instance_id, lora)] = HolderTable()
+        return table
+
+    # --- vectorised re-hashing across the stores of one drain -----------------------------------
+
+    def _precompute(self, items: Sequence[Item]) -> dict[int, list[int]]:
+        """Chain states of the stores in ``items`` whose parent can be known, hashed in waves of
+        independent chains (numpy across chains). Each store is still checked when applied."""
+        jobs = []
+        for source_id, generation, _, batch in items:
+            state = self._sources.get(source_id)
+            if state is None or state.generation != generation:
+                continue
+            for ev in batch.events:
+                if type(ev) is BlockStored and ev.token_ids and ev.block_size > 0:
+                    jobs.append((state, ev))
+        if len(jobs) < 12:
+            return {}  # below that the scalar path in _stored is as fast
+        return self._waves(jobs)
+
+    def _waves(self, jobs: list[tuple[SourceState, BlockStored]]) -> dict[int, list[int]]:
+        produced: dict[tuple[str, int, int], tuple[int, int]] = {}
+        producers = {
+            (s.spec.source_id, ev.group_idx or 0, hash_to_u64(h)) for s, ev in jobs for h in ev.block_hashes
+        }
+        out: dict[int, list[int]] = {}
+        todo = jobs
+        while todo:
+            waves: dict[int, list[tuple[SourceState, BlockStored, int, int]]] = {}
+            later = []
+            for state, ev in todo:
+                seed = self._job_seed(state, ev, produced, producers)
+                if seed is None:
+                    later.append((state, ev))
+                elif seed:
+                    waves.setdefault(seed[2], []).append((state, ev, seed[0], seed[1]))
+            if not waves:
+                break
+            for step, wave in waves.items():
+                results = chain_states_many([w[2] for w in wave], [w[1].token_ids for w in wave], step)
+                for (state, ev, _, pos), states in zip(wave, results):
+                    out[id(ev)] = states
+                    _note_produced(state, ev, states, pos, step, produced)
+            todo = later
+        return out
+
+    def _job_seed(
+        self,
+        state: SourceState,
+        ev: BlockStored,
+        produced: dict[tuple[str, int, int], tuple[int, int]],
+        producers: set[tuple[str, int, int]],
+    ) -> tuple[int, int, int] | tuple[()] | None:
+        """``(seed, pos, step)``; ``None``: its parent comes from a later wave; ``()``: skip."""
+        if len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+            return ()
+        block_size = self._instance_block_size(state, Counter())
+        if not block_size or (ev.block_size % block_size and block_size % ev.block_size):
+            return ()
+        step = min(ev.block_size, block_size)
+        seed, pos = 0, 0
+        if ev.parent_block_hash is not None:
+            group = ev.group_idx or 0
+            h = hash_to_u64(ev.parent_block_hash)
+            parent = state.blocks.get((group, h))
+            key = (state.spec.source_id, group, h)
+            if parent is not None:
+                seed, pos = parent.end, parent.pos
+            elif key in produced:
+                seed, pos = produced[key]
+            else:
+                return None if key in producers else ()
+        return () if pos % step else (seed, pos, step)
+
+    # --- queries ------------------------------------------------------------------------------
+
+    def match(
+        self,
+        instance_id: str,
+        keys: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        media: Iterable[str] | None = None,
+        group_idx: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Per source, the longest prefix of ``keys`` it holds, per medium; best first.
+
+        Sources holding nothing of the prefix are left out. ``matched_blocks`` is the source's
+        best medium; ties rank more GPU blocks first, then the source id.
+        """
+        wanted = None if media is None else frozenset(normalize_medium(m) for m in media)
+        with self._lock:
+            table = self._tables.get((instance_id, lora_name or ""))
+            if table is None:
+                return []
+            lengths = table.longest_prefixes(keys, table.allowed(wanted, group_idx))
+            per_source: dict[str, dict[str, int]] = {}
+            for sid, n in lengths.items():
+                slot = table.slots[sid]
+                if slot is None:
+                    continue
+                by_medium = per_source.setdefault(slot.source_id, {})
+                if n > by_medium.get(slot.medium, 0):
+                    by_medium[slot.medium] = n
+            out = [self._match_entry(source_id, by_medium) for source_id, by_medium in per_source.items()]
+        out.sort(key=lambda r: (-r["matched_blocks"], -r["media"].get("GPU", 0), r["source_id"]))
+        return out
+
+    def _match_entry(self, source_id: str, by_medium: dict[str, int]) -> dict[str, Any]:
+        state = self._sources.get(source_id)
+        return {
+            "source_id": source_id,
+            "dp_rank": state.spec.dp_rank if state is not None else 0,
+            "matched_blocks": max(by_medium.values()),
+            "media": by_medium,
+        }
+
+    def locations(
+        self, instance_id: str, keys: Sequence[int], *, lora_name: str | None = None
+    ) -> list[list[dict[str, Any]]]:
+        """Per key, the engines holding it (``{"source_id", "medium", "group_idx"}``), for
+        ``get_cache_location(include_engines=true)``."""
+        with self._lock:
+            table = self._tables.get((instance_id, lora_name or ""))
+            if table is None:
+                return [[] for _ in keys]
+            allowed = table.allowed(None, None)
+            return [
+                [{"source_id": s.source_id, "medium": s.medium, "group_idx": s.group} for s in table.holders_of(k, allowed)]
+                for k in keys
+            ]
+
+    # --- persistence ------------------------------------------------------------------------------
+
+    def flush(self) -> int:
+        """Persist what changed since the last flush in one transaction; returns records written."""
+        if not self._dirty:
+            return 0
+        if self._store is None:
+            with self._lock:
+                for source_id in self._dirty:
+                    state = self._sources.get(source_id)
+                    if state is not None:
+                        state.dirty.clear()
+                        state.cleared = False
+                self._dirty.clear()
+            return 0
+        with self._store.write() as txn, self._lock:
+            written = 0
+            try:
+                for source_id in self._dirty:
+                    state = self._sources.get(source_id)
+                    if state is not None:
+                        written += _flush_source(txn, state)
+            except BaseException:
+                self._mark_all_dirty()  # the transaction rolls back: rewrite everything next time
+                raise
+            self._dirty.clear()
+            return written
+
+    def _mark_all_dirty(self) -> None:
+        for state in self._sources.values():
+            state.cleared = True
+            state.dirty.update(state.blocks)
+            self._dirty.add(state.spec.source_id)
+
+    def load(self) -> list[SourceState]:
+        """Rebuild the in-memory index from the store (at start-up, before any source runs)."""
+        if self._store is None:
+            return []
+        with self._store.read() as txn, self._lock:
+            for _, raw in list(txn.scan(SOURCES_DB)):
+                state = self._load_source(_DEC.decode(raw))
+                for bkey, braw in txn.scan(BLOCKS_DB, prefix=_SID.pack(state.number)):
+                    _, group, h = _BLOCK_KEY.unpack(bkey)
+                    self._load_block(state, group, h, EngineBlock.unpack(braw))
+                self._sources[state.spec.source_id] = state
+            return list(self._sources.values())
+
+    def _load_source(self, rec: dict[str, Any]) -> SourceState:
+        self._generation += 1
+        state = SourceState(
+            SourceSpec.from_dict(rec["spec"]), int(rec["number"]), self._generation,
+            int(rec["last_seq"]), float(rec["last_ts"]),
+        )  # fmt: skip
+        state.groups = {int(g): k for g, k in rec.get("groups", [])}
+        return state
+
+    def _load_block(self, state: SourceState, group: int, h: int, blk: EngineBlock) -> None:
+        refs, blk.refs = blk.refs, {}
+        state.blocks[(group, h)] = blk
+        for medium, count in refs.items():
+            self._hold(state, blk, medium, group)
+            blk.refs[medium] = count
+
+    def _txn(self) -> Any:
+        return self._store.write() if self._store is not None else _NullTxn()
+
+
+class _NullTxn:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _note_produced(
+    state: SourceState,
+    ev: BlockStored,
+    states: list[int],
+    pos: int,
+    step: int,
+    produced: dict[tuple[str, int, int], tuple[int, int]],
+) -> None:
+    per_block = ev.block_size // step
+    group = ev.group_idx or 0
+    for i, raw in enumerate(ev.block_hashes):
+        end = (states[(i + 1) * per_block - 1], pos + (i + 1) * ev.block_size)
+        produced[(state.spec.source_id, group, hash_to_u64(raw))] = end
+
+
+def _flush_source(txn: Any, state: SourceState) -> int:
+    if state.cleared:
+        _delete_blocks(txn, state.number)
+        state.cleared = False
+    puts, dels = [], []
+    for group, h in state.dirty:
+        key = _BLOCK_KEY.pack(state.number, group, h)
+        blk = state.blocks.get((group, h))
+        if blk is None:
+            dels.append(key)
+        else:
+            puts.append((key, blk.pack()))
+    txn.put_many(BLOCKS_DB, puts)
+    if dels:
+        txn.delete_many(BLOCKS_DB, dels)
+    txn.put(SOURCES_DB, state.spec.source_id.encode(), state.record())
+    state.dirty.clear()
+    return len(puts) + len(dels) + 1
+
+
+def _delete_blocks(txn: Any, number: int) -> None:
+    keys = [k for k, _ in txn.scan(BLOCKS_DB, prefix=_SID.pack(number))]
+    if keys:
+        txn.delete_many(BLOCKS_DB, keys)

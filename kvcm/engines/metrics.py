@@ -1,0 +1,86 @@
+"""Per-source event metrics, named like AIBrix's KV-event metrics but ``kvcm_engine_event_*``.
+
+Every family carries a ``source`` label; :meth:`EventMetrics.remove_source` drops all series of a
+removed source so ``/metrics`` does not keep reporting a pod that is gone.
+
+Thread ownership: written by the subscriber thread, removed by whoever removes a source;
+prometheus_client metrics are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_PREFIX = "kvcm_engine_event_"
+
+
+class EventMetrics:
+    """The subscriber's metric families (see the module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry if registry is not None else CollectorRegistry()
+        self.registry = r
+        src = ["source"]
+        self.connections = Counter(_PREFIX + "connections", "Connections established", src, registry=r)
+        self.disconnections = Counter(_PREFIX + "disconnections", "Connections lost", src, registry=r)
+        self.reconnect_attempts = Counter(
+            _PREFIX + "reconnect_attempts", "Reconnect attempts (ZMQ retries and socket re-creations)", src, registry=r
+        )
+        self.received = Counter(
+            _PREFIX + "events_received", "Events decoded from the wire, by type", ["source", "event_type"], registry=r
+        )
+        self.processed = Counter(
+            _PREFIX + "events_processed", "Events applied to the index, by type", ["source", "event_type"], registry=r
+        )
+        self.latency = Histogram(
+            _PREFIX + "processing_latency_seconds", "Time to apply one batch", src, buckets=_LATENCY, registry=r
+        )
+        self.missed = Counter(_PREFIX + "missed_events", "Batches missed (sequence gaps)", src, registry=r)
+        self.replay_requests = Counter(_PREFIX + "replay_requests", "Replay requests sent", src, registry=r)
+        self.replay_success = Counter(_PREFIX + "replay_success", "Replays completed (end marker)", src, registry=r)
+        self.replay_failures = Counter(_PREFIX + "replay_failures", "Replays that timed out or failed", src, registry=r)
+        self.errors = Counter(_PREFIX + "errors", "Errors, by kind", ["source", "kind"], registry=r)
+        self.status = Gauge(_PREFIX + "connection_status", "1 while connected", src, registry=r)
+        self.last_seq = Gauge(_PREFIX + "last_sequence_id", "Last applied sequence number", src, registry=r)
+        self.blocks = Gauge(_PREFIX + "blocks_held", "Engine blocks held, by medium", ["source", "medium"], registry=r)
+        self._labels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        self._lock = threading.Lock()
+
+    def note(self, family: str, source: str, value: str) -> None:
+        """Remember a second label value used for ``source`` (so it can be removed later)."""
+        with self._lock:
+            self._labels[source][family].add(value)
+
+    def event(self, counter: Counter, family: str, source: str, event_type: str, n: int = 1) -> None:
+        self.note(family, source, event_type)
+        counter.labels(source, event_type).inc(n)
+
+    def error(self, source: str, kind: str, n: int = 1) -> None:
+        self.note("errors", source, kind)
+        self.errors.labels(source, kind).inc(n)
+
+    def remove_source(self, source: str) -> None:
+        """Drop every series of ``source``."""
+        with self._lock:
+            extra = self._labels.pop(source, {})
+        simple = (
+            self.connections, self.disconnections, self.reconnect_attempts, self.latency, self.missed,
+            self.replay_requests, self.replay_success, self.replay_failures, self.status, self.last_seq,
+        )  # fmt: skip
+        for metric in simple:
+            _remove(metric, source)
+        pairs = {"received": self.received, "processed": self.processed, "errors": self.errors, "blocks": self.blocks}
+        for family, metric in pairs.items():
+            for value in extra.get(family, ()):
+                _remove(metric, source, value)
+
+
+def _remove(metric: Counter | Gauge | Histogram, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass  # never observed

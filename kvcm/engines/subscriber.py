@@ -1,0 +1,517 @@
+"""The event subscriber: one thread, one ``zmq.Poller`` over every source's SUB, replay DEALER and
+connection monitor, keeping the :class:`~kvcm.engines.index.EngineIndex` in sync.
+
+Per source (``reference/kv_events.md`` §1.5, Appendix B):
+
+* frames ``[topic, seq(8B BE), payload]``; anything else is counted (``bad_frames``) and dropped;
+* on the first connection, replay from 0 (or from ``last_seq + 1`` when the index was restored
+  from disk); after a reconnect, from ``last_seq + 1``; on a gap (``seq > last_seq + 1``) the
+  missed batches are counted and replayed from ``last_seq + 1``. Live messages are held while a
+  replay runs and applied after its ``-1`` end marker, in seq order, duplicates dropped;
+* replies may have 2 (``[seq, payload]``) or 3 (``[topic, seq, payload]``) frames; a first
+  replayed seq above the one requested means the publisher's buffer no longer has the gap: the
+  source is cleared rather than left with blocks whose removal was missed;
+* publisher restart: a live seq below the last live seq on the same connection, or a seq at or
+  below ``last_seq`` whose batch timestamp is newer than the last applied one (a duplicate keeps
+  its old timestamp) -> clear that source and rebuild by replay from 0;
+* a replay that does not finish within its timeout is a failure: the DEALER is re-created (so
+  stale frames cannot leak into the next replay), held messages are applied with the gap
+  accepted, and further replays of that source back off 1 s -> 30 s (x2). Socket set-up failures
+  back off the same way; TCP reconnects use libzmq's own backoff set to the same numbers.
+
+Nothing blocks: every receive is non-blocking, each socket is drained at most ``_DRAIN`` messages
+per wake-up, and a silent replay endpoint only ever delays its own source.
+
+Thread ownership: every socket and :class:`_Conn` belongs to the thread calling :meth:`poll_once`
+(the subscriber thread). Other threads use :meth:`add`/:meth:`remove`/:meth:`snapshot` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvcm.engines.index import EngineIndex, Item
+from kvcm.engines.metrics import EventMetrics
+from kvcm.engines.sources import SourceSpec, SubscriberSettings, is_ipv6
+from kvcm.proto.vllm_events import DecodedBatch, EventDecodeError, decode_batch
+
+log = logging.getLogger("kvcm.engines.subscriber")
+
+END_SEQ = b"\xff" * 8
+_SEQ = struct.Struct(">Q")
+_DRAIN = 1000
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+
+
+class _Conn:
+    """Connection and sequencing state of one source (subscriber thread only)."""
+
+    def __init__(self, spec: SourceSpec, generation: int, last_seq: int, last_ts: float, cfg: SubscriberSettings) -> None:
+        self.spec = spec
+        self.generation = generation
+        self.last_seq = last_seq  # last seq applied or queued for applying
+        self.last_ts = last_ts
+        self.last_live: int | None = None  # highest seq seen live on the current connection
+        self.sub: zmq.Socket[bytes] | None = None
+        self.dealer: zmq.Socket[bytes] | None = None
+        self.monitor: zmq.Socket[bytes] | None = None
+        self.connected = False
+        self.ever_connected = False
+        self.replay_start: int | None = None  # seq requested by the replay in flight
+        self.replay_deadline = 0.0
+        self.replay_first: int | None = None
+        self.replay_not_before = 0.0
+        self.held: list[tuple[int, DecodedBatch | None]] = []
+        self.open_at = 0.0
+        self.replay_timeout = spec.replay_timeout_s or cfg.replay_timeout_s
+        self.backoff_initial = spec.backoff_initial_s or cfg.backoff_initial_s
+        self.backoff_max = spec.backoff_max_s or cfg.backoff_max_s
+        self.backoff = self.backoff_initial
+        self.replay_backoff = self.backoff_initial
+        self.stats: dict[str, Any] = {
+            "connections": 0, "disconnections": 0, "missed": 0, "replays": 0, "replay_failures": 0,
+            "duplicates": 0, "restarts": 0, "errors": 0, "errors_by_kind": {}, "last_event_time": None,
+        }  # fmt: skip
+
+    def next_backoff(self, attr: str, factor: float) -> float:
+        delay = float(getattr(self, attr))
+        setattr(self, attr, min(delay * factor, self.backoff_max))
+        return delay
+
+
+class EventSubscriber:
+    """Subscribes to every event source and applies their batches (see the module docstring)."""
+
+    def __init__(
+        self,
+        index: EngineIndex,
+        settings: SubscriberSettings | None = None,
+        metrics: EventMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.settings = settings or SubscriberSettings()
+        self.metrics = metrics or EventMetrics()
+        self._clock = clock
+        self._ctx = zmq.Context()
+        self._conns: dict[str, _Conn] = {}
+        self._owner: dict[Any, tuple[_Conn, str]] = {}
+        self._poller = zmq.Poller()
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._ops: list[tuple[str, Any]] = []
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
+
+    # --- control (any thread) -------------------------------------------------------------------
+
+    def add(self, spec: SourceSpec, generation: int, last_seq: int = -1, last_ts: float = 0.0) -> None:
+        """Start following a source (takes effect at the next :meth:`poll_once`)."""
+        self._commands.put(lambda: self._add(spec, generation, last_seq, last_ts))
+
+    def remove(self, source_id: str) -> None:
+        self._commands.put(lambda: self._remove(source_id))
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Connection facts per source, for ``list_event_sources``."""
+        out = {}
+        for source_id, conn in list(self._conns.items()):
+            stats = dict(conn.stats)
+            stats["errors_by_kind"] = dict(stats["errors_by_kind"])
+            stats["connected"] = conn.connected
+            stats["replaying"] = conn.replay_start is not None
+            out[source_id] = stats
+        return out
+
+    def start(self) -> None:
+        """Run :meth:`poll_once` on a daemon thread until :meth:`stop`."""
+        self._thread = threading.Thread(target=self._run, name="kvcm-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once(self.settings.poll_ms / 1000)
+            except Exception:  # noqa: BLE001 - the subscriber must outlive any one bad iteration
+                log.exception("event subscriber iteration failed")
+                self._stop.wait(0.1)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Idempotent: stop the thread, close every socket."""
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout)
+        if not self._closed:
+            self._closed = True
+            for conn in list(self._conns.values()):
+                self._close_sockets(conn)
+            self._ctx.term()
+
+    # --- the loop body ----------------------------------------------------------------------------
+
+    def poll_once(self, timeout: float = 0.1) -> int:
+        """One wake-up: run commands and timers, poll up to ``timeout`` seconds, apply what arrived.
+
+        Returns the number of messages handled.
+        """
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                break
+        self._timers(self._clock())
+        handled = 0
+        events = dict(self._poller.poll(int(timeout * 1000))) if self._owner else {}
+        if not self._owner and timeout > 0:
+            self._stop.wait(timeout)
+        for sock in events:
+            owner = self._owner.get(sock)
+            if owner is not None:
+                handled += self._drain(owner[0], owner[1], sock)
+        self._timers(self._clock())
+        self._apply_ops()
+        return handled
+
+    def _drain(self, conn: _Conn, role: str, sock: zmq.Socket[bytes]) -> int:
+        n = 0
+        while n < _DRAIN and sock in self._owner:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            n += 1
+            if role == "sub":
+                self._on_live(conn, frames)
+            elif role == "dealer":
+                self._on_replay(conn, frames)
+            else:
+                self._on_monitor(conn, frames)
+        return n
+
+    # --- sources ----------------------------------------------------------------------------------
+
+    def _add(self, spec: SourceSpec, generation: int, last_seq: int, last_ts: float) -> None:
+        if spec.source_id in self._conns:
+            self._remove(spec.source_id)
+        conn = _Conn(spec, generation, last_seq, last_ts, self.settings)
+        self._conns[spec.source_id] = conn
+        self.metrics.status.labels(spec.source_id).set(0)
+        self._open(conn)
+
+    def _remove(self, source_id: str) -> None:
+        conn = self._conns.pop(source_id, None)
+        if conn is not None:
+            self._close_sockets(conn)
+            self._ops = [op for op in self._ops if op[1][0] != source_id]
+
+    def _open(self, conn: _Conn) -> None:
+        """Create and connect the source's sockets; on failure, retry after a backoff."""
+        try:
+            conn.sub = self._socket(zmq.SUB, conn)
+            conn.sub.setsockopt(zmq.SUBSCRIBE, conn.spec.topic.encode())
+            conn.sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
+            conn.sub.setsockopt(zmq.MAXMSGSIZE, self.settings.max_payload_bytes + 4096)
+            conn.monitor = conn.sub.get_monitor_socket(_MONITORED)
+            conn.sub.connect(conn.spec.endpoint)
+            if conn.spec.replay_endpoint:
+                self._open_dealer(conn)
+        except zmq.ZMQError as exc:
+            self._close_sockets(conn)
+            self._error(conn, "connect")
+            delay = conn.next_backoff("backoff", self.settings.backoff_factor)
+            conn.open_at = self._clock() + delay
+            log.warning("source %s: cannot connect (%s); retry in %.1fs", conn.spec.source_id, exc, delay)
+            return
+        self._own(conn.sub, conn, "sub")
+        self._own(conn.monitor, conn, "monitor")
+
+    def _open_dealer(self, conn: _Conn) -> None:
+        assert conn.spec.replay_endpoint
+        conn.dealer = self._socket(zmq.DEALER, conn)
+        conn.dealer.connect(conn.spec.replay_endpoint)
+        self._own(conn.dealer, conn, "dealer")
+
+    def _socket(self, kind: int, conn: _Conn) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(conn.backoff_initial * 1000)))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(conn.backoff_max * 1000)))
+        if is_ipv6(conn.spec.endpoint) or is_ipv6(conn.spec.replay_endpoint or ""):
+            sock.setsockopt(zmq.IPV6, 1)
+        return sock
+
+    def _own(self, sock: zmq.Socket[bytes] | None, conn: _Conn, role: str) -> None:
+        if sock is not None:
+            self._owner[sock] = (conn, role)
+            self._poller.register(sock, zmq.POLLIN)
+
+    def _disown(self, sock: zmq.Socket[bytes] | None) -> None:
+        if sock is not None and self._owner.pop(sock, None) is not None:
+            self._poller.unregister(sock)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def _close_sockets(self, conn: _Conn) -> None:
+        if conn.sub is not None:
+            try:
+                conn.sub.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        for sock in (conn.sub, conn.dealer, conn.monitor):
+            self._disown(sock)
+        conn.sub = conn.dealer = conn.monitor = None
+        if conn.connected:
+            conn.connected = False
+            self.metrics.status.labels(conn.spec.source_id).set(0)
+
+    # --- timers -----------------------------------------------------------------------------------
+
+    def _timers(self, now: float) -> None:
+        for conn in list(self._conns.values()):
+            if conn.sub is None and now >= conn.open_at:
+                self.metrics.reconnect_attempts.labels(conn.spec.source_id).inc()
+                self._open(conn)
+            if conn.replay_start is not None and now >= conn.replay_deadline:
+                self._replay_failed(conn, "replay_timeout")
+
+    # --- live messages ----------------------------------------------------------------------------
+
+    def _on_live(self, conn: _Conn, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._error(conn, "bad_frames")
+            return
+        seq = _SEQ.unpack(frames[1])[0]
+        batch = self._decode(conn, frames[2])
+        if conn.last_live is not None and seq < conn.last_live:
+            conn.last_live = seq
+            self._restart(conn, seq, batch)
+            return
+        conn.last_live = seq if conn.last_live is None else max(conn.last_live, seq)
+        if conn.replay_start is not None:
+            self._hold(conn, seq, batch)
+            return
+        self._sequence(conn, seq, batch, allow_replay=True)
+
+    def _sequence(self, conn: _Conn, seq: int, batch: DecodedBatch | None, allow_replay: bool) -> None:
+        """Place one batch (live or replayed) against ``last_seq``: apply, drop, replay or reset."""
+        last = conn.last_seq
+        if seq == last + 1 or last < 0 and not self._can_replay(conn, allow_replay):
+            if seq > last + 1:
+                self._missed(conn, seq - last - 1)
+            self._queue_apply(conn, seq, batch)
+        elif seq <= last:
+            if batch is not None and batch.ts > conn.last_ts:
+                self._restart(conn, seq, batch)
+            else:
+                conn.stats["duplicates"] += 1
+        elif self._can_replay(conn, allow_replay):
+            self._missed(conn, seq - last - 1)
+            self._hold(conn, seq, batch)
+            self._start_replay(conn, last + 1)
+        else:
+            self._missed(conn, seq - last - 1)
+            self._queue_apply(conn, seq, batch)
+
+    def _can_replay(self, conn: _Conn, allow: bool) -> bool:
+        return allow and conn.dealer is not None and self._clock() >= conn.replay_not_before
+
+    def _restart(self, conn: _Conn, seq: int, batch: DecodedBatch | None) -> None:
+        """The publisher restarted (its seq went back): clear the source and rebuild."""
+        log.info("source %s: publisher restart detected (seq %d after %d)", conn.spec.source_id, seq, conn.last_seq)
+        conn.stats["restarts"] += 1
+        self._error(conn, "publisher_restart")
+        self._ops.append(("clear", (conn.spec.source_id, conn.generation)))
+        conn.last_seq, conn.last_ts = -1, 0.0
+        conn.replay_start = None
+        conn.held = []
+        if conn.dealer is not None:
+            self._hold(conn, seq, batch)
+            self._start_replay(conn, 0)
+        else:
+            self._sequence(conn, seq, batch, allow_replay=False)
+
+    def _hold(self, conn: _Conn, seq: int, batch: DecodedBatch | None) -> None:
+        if len(conn.held) >= self.settings.max_held:
+            conn.held.pop(0)
+            self._error(conn, "held_overflow")
+        conn.held.append((seq, batch))
+
+    def _queue_apply(self, conn: _Conn, seq: int, batch: DecodedBatch | None) -> None:
+        conn.last_seq = seq
+        if batch is not None:
+            conn.last_ts = batch.ts
+            conn.stats["last_event_time"] = time.time()
+        empty = DecodedBatch(conn.last_ts, [])
+        self._ops.append(("apply", (conn.spec.source_id, conn.generation, seq, batch or empty)))
+
+    def _decode(self, conn: _Conn, payload: bytes) -> DecodedBatch | None:
+        """The batch, or None for garbage (counted; its seq is still consumed)."""
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError:
+            self._error(conn, "decode")
+            return None
+        for event in batch.events:
+            self.metrics.event(self.metrics.received, "received", conn.spec.source_id, type(event).__name__)
+        for kind in batch.errors:
+            self._error(conn, kind)
+        if batch.data_parallel_rank is not None and batch.data_parallel_rank != conn.spec.dp_rank:
+            self._error(conn, "dp_rank_mismatch")
+        return batch
+
+    # --- replay -----------------------------------------------------------------------------------
+
+    def _start_replay(self, conn: _Conn, start: int) -> None:
+        if conn.dealer is None:
+            return
+        try:
+            conn.dealer.send_multipart([b"", _SEQ.pack(start)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._replay_failed(conn, "replay_send")
+            return
+        conn.replay_start = start
+        conn.replay_first = None
+        conn.replay_deadline = self._clock() + conn.replay_timeout
+        conn.stats["replays"] += 1
+        self.metrics.replay_requests.labels(conn.spec.source_id).inc()
+
+    def _on_replay(self, conn: _Conn, frames: list[bytes]) -> None:
+        if frames and frames[0] == b"":
+            frames = frames[1:]
+        if len(frames) == 3:
+            frames = frames[1:]  # vLLM >= 0.26 puts the topic first
+        if len(frames) != 2 or len(frames[0]) != 8:
+            self._error(conn, "bad_replay_frames")
+            return
+        if conn.replay_start is None:
+            return  # a late reply to a replay we gave up on
+        if frames[0] == END_SEQ or not frames[1]:
+            self._replay_done(conn)
+            return
+        seq = _SEQ.unpack(frames[0])[0]
+        batch = self._decode(conn, frames[1])
+        if conn.replay_first is None:
+            conn.replay_first = seq
+            if seq > conn.replay_start:
+                self._unrecoverable(conn, seq)
+        conn.replay_deadline = self._clock() + conn.replay_timeout  # progress extends the deadline
+        self._sequence(conn, seq, batch, allow_replay=False)
+
+    def _unrecoverable(self, conn: _Conn, first: int) -> None:
+        """The publisher no longer buffers the gap: drop the source's (possibly stale) blocks."""
+        self._error(conn, "replay_gap")
+        if conn.last_seq >= 0:
+            self._missed(conn, first - conn.last_seq - 1)
+            self._ops.append(("clear", (conn.spec.source_id, conn.generation)))
+        conn.last_seq = first - 1
+
+    def _replay_done(self, conn: _Conn) -> None:
+        conn.replay_start = None
+        conn.replay_backoff = conn.backoff_initial
+        conn.stats["replays_ok"] = conn.stats.get("replays_ok", 0) + 1
+        self.metrics.replay_success.labels(conn.spec.source_id).inc()
+        self._release_held(conn)
+
+    def _replay_failed(self, conn: _Conn, kind: str) -> None:
+        conn.replay_start = None
+        conn.stats["replay_failures"] += 1
+        self.metrics.replay_failures.labels(conn.spec.source_id).inc()
+        self._error(conn, kind)
+        conn.replay_not_before = self._clock() + conn.next_backoff("replay_backoff", self.settings.backoff_factor)
+        if conn.dealer is not None:  # stale replies must not leak into the next replay
+            self._disown(conn.dealer)
+            conn.dealer = None
+            self._open_dealer(conn)
+        self._release_held(conn)
+
+    def _release_held(self, conn: _Conn) -> None:
+        held, conn.held = sorted(conn.held, key=lambda x: x[0]), []
+        for seq, batch in held:
+            self._sequence(conn, seq, batch, allow_replay=False)
+
+    # --- connection monitor ------------------------------------------------------------------------
+
+    def _on_monitor(self, conn: _Conn, frames: list[bytes]) -> None:
+        try:
+            event = parse_monitor_message(frames)["event"]
+        except Exception:  # noqa: BLE001 - a malformed monitor frame is not worth dying for
+            return
+        source_id = conn.spec.source_id
+        if event == zmq.EVENT_CONNECTED:
+            conn.connected = True
+            conn.stats["connections"] += 1
+            self.metrics.connections.labels(source_id).inc()
+            self.metrics.status.labels(source_id).set(1)
+            conn.last_live = None
+            conn.backoff = conn.backoff_initial
+            reconnect, conn.ever_connected = conn.ever_connected, True
+            if conn.dealer is not None and conn.replay_start is None:
+                self._start_replay(conn, conn.last_seq + 1)
+            elif reconnect:
+                log.info("source %s reconnected without replay; gaps will be counted", source_id)
+        elif event == zmq.EVENT_DISCONNECTED:
+            conn.connected = False
+            conn.stats["disconnections"] += 1
+            self.metrics.disconnections.labels(source_id).inc()
+            self.metrics.status.labels(source_id).set(0)
+        elif event == zmq.EVENT_CONNECT_RETRIED:
+            self.metrics.reconnect_attempts.labels(source_id).inc()
+
+    # --- applying -----------------------------------------------------------------------------------
+
+    def _apply_ops(self) -> None:
+        ops, self._ops = self._ops, []
+        i = 0
+        while i < len(ops):
+            kind, arg = ops[i]
+            if kind == "clear":
+                self.index.clear_source(arg[0], arg[1])
+                self.index.set_position(arg[0], arg[1], -1)
+                i += 1
+                continue
+            j = i
+            while j < len(ops) and ops[j][0] == "apply":
+                j += 1
+            self._apply(ops[i:j])
+            i = j
+        if ops:
+            self.index.flush()
+
+    def _apply(self, ops: list[tuple[str, Any]]) -> None:
+        items: list[Item] = [arg for _, arg in ops]
+        start = time.perf_counter()
+        results = self.index.apply_many(items)
+        elapsed = (time.perf_counter() - start) / max(1, len(items))
+        for (source_id, _, seq, _), stats in zip(items, results):
+            if stats is None:
+                continue
+            self.metrics.latency.labels(source_id).observe(elapsed)
+            self.metrics.last_seq.labels(source_id).set(seq)
+            for event_type, n in stats.processed.items():
+                self.metrics.event(self.metrics.processed, "processed", source_id, event_type, n)
+            conn = self._conns.get(source_id)
+            for kind, n in stats.errors.items():
+                if conn is not None and kind not in ("unknown_event", "bad_event"):
+                    self._error(conn, kind, n)  # decode kinds were counted on receipt
+
+    # --- counting ---------------------------------------------------------------------------------------
+
+    def _missed(self, conn: _Conn, n: int) -> None:
+        if n > 0:
+            conn.stats["missed"] += n
+            self.metrics.missed.labels(conn.spec.source_id).inc(n)
+
+    def _error(self, conn: _Conn, kind: str, n: int = 1) -> None:
+        conn.stats["errors"] += n
+        by_kind = conn.stats["errors_by_kind"]
+        by_kind[kind] = by_kind.get(kind, 0) + n
+        self.metrics.error(conn.spec.source_id, kind, n)

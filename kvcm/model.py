@@ -1,0 +1,464 @@
+"""Registry records (storages, instance groups, instances, accounts) and their validation.
+
+Records are ``msgspec.Struct``s. Field names are Tair KVCM's proto field names (snake_case); enums
+are lower-case strings (``"file"``, ``"lru"``, ``"admin"``). The same encoding serves three uses:
+values in the store (:func:`encode` / :func:`decoder`, msgpack), wire replies
+(:func:`to_wire`, plain maps) and config snapshots.
+
+Validation lives next to the records: each ``check_*`` function raises
+:class:`~kvcm.errors.InvalidArgument` naming the offending field, and returns the normalized
+record (defaults filled in, spec groups sorted) that the registry stores.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import time
+from typing import Any, TypeVar
+
+import msgspec
+
+from kvcm.errors import InvalidArgument
+
+T = TypeVar("T")
+
+#: Storage types, and the Tair spellings accepted on input for them.
+STORAGE_TYPES: tuple[str, ...] = ("file", "shm", "3fs", "mooncake", "tairmempool")
+STORAGE_TYPE_ALIASES: dict[str, str] = {"nfs": "file", "hf3fs": "3fs", "pace": "tairmempool", "tair_mem_pool": "tairmempool"}
+RECLAIM_POLICIES: tuple[str, ...] = ("lru", "lfu", "ttl", "leaf_lru")
+ROLES: tuple[str, ...] = ("user", "admin")
+
+# Storage and group names become URI hosts, so they keep to host-safe characters.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# Instance ids and spec names become path segments of file URIs: no "/" and no "." / "..".
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,255}")
+_MAX_BLOCK_SIZE = 1 << 20
+_MAX_SPECS = 4096
+
+
+def now_ms() -> int:
+    """Wall-clock milliseconds, the unit of every ``*_time`` field."""
+    return int(time.time() * 1000)
+
+
+# -- storages ------------------------------------------------------------------------------------
+
+
+class FileSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """A directory (local or NFS); ``key_count_per_file`` blocks share one file."""
+
+    root_path: str
+    key_count_per_file: int = 1
+
+
+class ShmSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """POSIX shared memory on this host: segments ``/dev/shm/<prefix>*`` of ``segment_size`` bytes."""
+
+    prefix: str = "kvcm"
+    segment_size: int = 1 << 30
+
+
+class ThreeFsSpec(msgspec.Struct, forbid_unknown_fields=True):
+    mountpoint: str
+    root_dir: str
+    key_count_per_file: int = 1
+    touch_file_when_create: bool = False
+    cluster_name: str = ""
+
+
+class MooncakeSpec(msgspec.Struct, forbid_unknown_fields=True):
+    local_hostname: str = "localhost"
+    metadata_connstring: str = "http://localhost:8080/metadata"
+    protocol: str = "tcp"
+    rdma_device: str = ""
+    master_service_entry: str = "localhost:50051"
+
+
+class TairMemPoolSpec(msgspec.Struct, forbid_unknown_fields=True):
+    domain: str
+    timeout: int = 0
+    service_discovery_url: str = ""
+
+
+SPEC_TYPES: dict[str, type] = {
+    "file": FileSpec,
+    "shm": ShmSpec,
+    "3fs": ThreeFsSpec,
+    "mooncake": MooncakeSpec,
+    "tairmempool": TairMemPoolSpec,
+}
+
+
+class Storage(msgspec.Struct, kw_only=True):
+    """One data store kvcm hands out URIs on. ``enabled`` is the admin switch, ``available``
+    the health probe's verdict; a storage takes writes only when both are true."""
+
+    global_unique_name: str
+    storage_type: str
+    storage_spec: dict[str, Any] = {}
+    enabled: bool = True
+    available: bool = True
+    create_time: int = 0
+    update_time: int = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.enabled and self.available
+
+    def spec(self) -> Any:
+        """The typed spec (``FileSpec``, ``ShmSpec``, ...) of this storage."""
+        return msgspec.convert(self.storage_spec, SPEC_TYPES[self.storage_type])
+
+
+def check_storage(storage: Storage) -> Storage:
+    """Validate a storage definition; return it with its type normalized and its spec complete."""
+    check_name(storage.global_unique_name, "storage.global_unique_name")
+    kind = STORAGE_TYPE_ALIASES.get(storage.storage_type, storage.storage_type)
+    if kind not in SPEC_TYPES:
+        raise InvalidArgument(f"storage.storage_type: {storage.storage_type!r} is not one of {', '.join(STORAGE_TYPES)}")
+    spec = convert(storage.storage_spec, SPEC_TYPES[kind], "storage.storage_spec")
+    _SPEC_CHECKS[kind](spec)
+    return msgspec.structs.replace(storage, storage_type=kind, storage_spec=msgspec.to_builtins(spec))
+
+
+def _check_file(spec: FileSpec) -> None:
+    if not os.path.isabs(spec.root_path):
+        raise InvalidArgument(f"storage.storage_spec.root_path: must be an absolute path, got {spec.root_path!r}")
+    _check_key_count(spec)
+
+
+def _check_key_count(spec: FileSpec | ThreeFsSpec) -> None:
+    if spec.key_count_per_file == 0:  # Tair treats an unset (0) count as 1
+        spec.key_count_per_file = 1
+    if not 1 <= spec.key_count_per_file <= 65536:
+        raise InvalidArgument("storage.storage_spec.key_count_per_file: must be in 1..65536")
+
+
+def _check_shm(spec: ShmSpec) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", spec.prefix):
+        raise InvalidArgument(f"storage.storage_spec.prefix: {spec.prefix!r} is not a valid shm name prefix")
+    if spec.segment_size <= 0:
+        raise InvalidArgument("storage.storage_spec.segment_size: must be positive")
+
+
+def _check_3fs(spec: ThreeFsSpec) -> None:
+    _require(spec, "mountpoint", "root_dir")
+    _check_key_count(spec)
+
+
+def _check_mooncake(spec: MooncakeSpec) -> None:
+    _require(spec, "local_hostname", "metadata_connstring", "master_service_entry")
+    if spec.protocol not in ("tcp", "rdma"):
+        raise InvalidArgument(f"storage.storage_spec.protocol: must be 'tcp' or 'rdma', got {spec.protocol!r}")
+    if spec.protocol == "rdma":
+        _require(spec, "rdma_device")
+
+
+def _check_tairmempool(spec: TairMemPoolSpec) -> None:
+    _require(spec, "domain")
+    if spec.timeout < 0:
+        raise InvalidArgument("storage.storage_spec.timeout: must not be negative")
+
+
+def _require(spec: Any, *fields: str) -> None:
+    for name in fields:
+        if not getattr(spec, name):
+            raise InvalidArgument(f"storage.storage_spec.{name}: required")
+
+
+_SPEC_CHECKS: dict[str, Any] = {
+    "file": _check_file,
+    "shm": _check_shm,
+    "3fs": _check_3fs,
+    "mooncake": _check_mooncake,
+    "tairmempool": _check_tairmempool,
+}
+
+
+# -- instance groups -----------------------------------------------------------------------------
+
+
+class QuotaConfig(msgspec.Struct, kw_only=True):
+    storage_type: str
+    capacity: int = 0  # bytes; 0 = unlimited
+
+
+class Quota(msgspec.Struct, kw_only=True):
+    capacity: int = 0  # total bytes of the group; 0 = unlimited
+    quota_config: list[QuotaConfig] = []
+
+
+class ReclaimStrategy(msgspec.Struct, kw_only=True):
+    reclaim_policy: str = "lru"
+    used_percentage: float = 0.9  # reclaim when usage / quota passes this watermark
+    delay_before_delete_ms: int = 1000  # grace between "deleting" and freeing the data
+    ttl_seconds: int = 0  # "ttl" policy: blocks not read for this long are reclaimed
+
+
+class InstanceGroup(msgspec.Struct, kw_only=True):
+    """Quota owner of a set of instances. ``version`` is bumped on every update (CAS)."""
+
+    name: str
+    storage_candidates: list[str]
+    global_quota_group_name: str = ""
+    max_instance_count: int = 0  # 0 = unlimited
+    quota: Quota = msgspec.field(default_factory=Quota)
+    reclaim_strategy: ReclaimStrategy = msgspec.field(default_factory=ReclaimStrategy)
+    user_data: str = ""
+    version: int = 1
+    create_time: int = 0
+    update_time: int = 0
+
+
+def check_group(group: InstanceGroup) -> InstanceGroup:
+    """Validate a group on its own (that its candidates exist is the registry's check)."""
+    check_name(group.name, "instance_group.name")
+    if not group.storage_candidates:
+        raise InvalidArgument("instance_group.storage_candidates: at least one storage is required")
+    _check_unique(group.storage_candidates, "instance_group.storage_candidates")
+    for i, name in enumerate(group.storage_candidates):
+        check_name(name, f"instance_group.storage_candidates[{i}]")
+    if group.max_instance_count < 0:
+        raise InvalidArgument("instance_group.max_instance_count: must not be negative")
+    _check_quota(group.quota)
+    _check_reclaim(group.reclaim_strategy)
+    return group
+
+
+def _check_quota(quota: Quota) -> None:
+    if quota.capacity < 0:
+        raise InvalidArgument("instance_group.quota.capacity: must not be negative")
+    seen: set[str] = set()
+    for i, item in enumerate(quota.quota_config):
+        where = f"instance_group.quota.quota_config[{i}]"
+        item.storage_type = STORAGE_TYPE_ALIASES.get(item.storage_type, item.storage_type)
+        if item.storage_type not in STORAGE_TYPES:
+            raise InvalidArgument(f"{where}.storage_type: {item.storage_type!r} is not one of {', '.join(STORAGE_TYPES)}")
+        if item.storage_type in seen:
+            raise InvalidArgument(f"{where}.storage_type: {item.storage_type!r} appears twice")
+        if item.capacity < 0:
+            raise InvalidArgument(f"{where}.capacity: must not be negative")
+        seen.add(item.storage_type)
+
+
+def _check_reclaim(strategy: ReclaimStrategy) -> None:
+    where = "instance_group.reclaim_strategy"
+    if strategy.reclaim_policy not in RECLAIM_POLICIES:
+        raise InvalidArgument(f"{where}.reclaim_policy: {strategy.reclaim_policy!r} is not one of {', '.join(RECLAIM_POLICIES)}")
+    if not 0 < strategy.used_percentage <= 1:
+        raise InvalidArgument(f"{where}.used_percentage: must be in (0, 1], got {strategy.used_percentage}")
+    if strategy.delay_before_delete_ms < 0:
+        raise InvalidArgument(f"{where}.delay_before_delete_ms: must not be negative")
+    if strategy.ttl_seconds < 0 or (strategy.reclaim_policy == "ttl" and strategy.ttl_seconds == 0):
+        raise InvalidArgument(f"{where}.ttl_seconds: must be positive for the 'ttl' policy and never negative")
+
+
+# -- instances -----------------------------------------------------------------------------------
+
+
+class LocationSpecInfo(msgspec.Struct):
+    name: str
+    size: int  # bytes of this spec (shard) for one block
+
+
+class LocationSpecGroup(msgspec.Struct):
+    name: str
+    spec_names: list[str] = []
+
+
+class ModelDeployment(msgspec.Struct, kw_only=True):
+    model_name: str = ""
+    dtype: str = ""
+    use_mla: bool = False
+    tp_size: int = 0
+    dp_size: int = 0
+    lora_name: str = ""
+    pp_size: int = 0
+    extra: str = ""
+    user_data: str = ""  # opaque; not part of the identity of a deployment
+
+
+class Instance(msgspec.Struct, kw_only=True):
+    """One model deployment. Stored with spec groups sorted by name (spec names sorted too)."""
+
+    instance_id: str
+    instance_group: str = msgspec.field(name="instance_group_name")
+    quota_group_name: str = ""
+    block_size: int
+    location_spec_infos: list[LocationSpecInfo]
+    location_spec_groups: list[LocationSpecGroup] = []
+    model_deployment: ModelDeployment = msgspec.field(default_factory=ModelDeployment)
+    create_time: int = 0
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all specs."""
+        return sum(spec.size for spec in self.location_spec_infos)
+
+
+def check_instance(instance: Instance) -> Instance:
+    """Validate an instance; return it with its spec groups in canonical (sorted) order."""
+    check_name(instance.instance_id, "instance_id", _ID)
+    check_name(instance.instance_group, "instance_group")
+    if not 0 < instance.block_size <= _MAX_BLOCK_SIZE:
+        raise InvalidArgument(f"block_size: must be in 1..{_MAX_BLOCK_SIZE}, got {instance.block_size}")
+    specs = instance.location_spec_infos
+    if not specs or len(specs) > _MAX_SPECS:
+        raise InvalidArgument(f"location_spec_infos: between 1 and {_MAX_SPECS} specs are required")
+    for i, spec in enumerate(specs):
+        check_name(spec.name, f"location_spec_infos[{i}].name", _ID)
+        if spec.size <= 0:
+            raise InvalidArgument(f"location_spec_infos[{i}].size: must be positive, got {spec.size}")
+    _check_unique([s.name for s in specs], "location_spec_infos")
+    groups = [_check_spec_group(g, i, {s.name for s in specs}) for i, g in enumerate(instance.location_spec_groups)]
+    _check_unique([g.name for g in groups], "location_spec_groups")
+    return msgspec.structs.replace(instance, location_spec_groups=sorted(groups, key=lambda g: g.name))
+
+
+def _check_spec_group(group: LocationSpecGroup, i: int, spec_names: set[str]) -> LocationSpecGroup:
+    where = f"location_spec_groups[{i}]"
+    check_name(group.name, f"{where}.name", _ID)
+    if not group.spec_names:
+        raise InvalidArgument(f"{where}.spec_names: at least one spec name is required")
+    _check_unique(group.spec_names, f"{where}.spec_names")
+    unknown = [n for n in group.spec_names if n not in spec_names]
+    if unknown:
+        raise InvalidArgument(f"{where}.spec_names: {unknown[0]!r} is not in location_spec_infos")
+    return LocationSpecGroup(group.name, sorted(group.spec_names))
+
+
+def instance_identity(instance: Instance) -> tuple[Any, ...]:
+    """What must match for a repeated ``register_instance`` to be the same registration.
+
+    Unlike Tair, spec and group order do not matter, and the instance group does.
+    """
+    deployment = msgspec.structs.replace(instance.model_deployment, user_data="")
+    return (
+        instance.instance_group,
+        instance.block_size,
+        sorted((s.name, s.size) for s in instance.location_spec_infos),
+        sorted((g.name, tuple(sorted(g.spec_names))) for g in instance.location_spec_groups),
+        msgspec.structs.astuple(deployment),
+    )
+
+
+# -- accounts ------------------------------------------------------------------------------------
+
+
+class Account(msgspec.Struct, kw_only=True):
+    """A user. Only a salted scrypt hash of the password is ever stored."""
+
+    user_name: str
+    role: str = "user"
+    password_hash: str
+    create_time: int = 0
+    update_time: int = 0
+
+
+_SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 1 << 14, 8, 1
+_MAX_PASSWORD = 1024
+
+
+def check_account(user_name: str, role: str) -> None:
+    check_name(user_name, "user_name", _ID)
+    if role not in ROLES:
+        raise InvalidArgument(f"role: {role!r} is not one of {', '.join(ROLES)}")
+
+
+def hash_password(password: str) -> str:
+    """``scrypt$N$r$p$salt$hash`` (base64) with a fresh random salt."""
+    if not password or len(password.encode()) > _MAX_PASSWORD:
+        raise InvalidArgument(f"password: must be 1..{_MAX_PASSWORD} bytes")
+    salt = secrets.token_bytes(16)
+    digest = _scrypt(password, salt, _SCRYPT_N, _SCRYPT_R, _SCRYPT_P)
+    return "$".join(["scrypt", str(_SCRYPT_N), str(_SCRYPT_R), str(_SCRYPT_P), _b64(salt), _b64(digest)])
+
+
+def verify_password(password: str, encoded: str) -> bool:
+    """Constant-time check of ``password`` against a :func:`hash_password` string."""
+    try:
+        n, r, p, salt, digest = _parse_hash(encoded)
+    except ValueError:
+        return False
+    if len(password.encode()) > _MAX_PASSWORD:
+        return False
+    return hmac.compare_digest(_scrypt(password, salt, n, r, p), digest)
+
+
+def check_password_hash(encoded: str) -> None:
+    """Refuse a malformed or abusive (huge cost) hash, e.g. in a loaded snapshot."""
+    try:
+        _parse_hash(encoded)
+    except ValueError as exc:
+        raise InvalidArgument(f"password_hash: {exc}") from None
+
+
+def _parse_hash(encoded: str) -> tuple[int, int, int, bytes, bytes]:
+    parts = encoded.split("$")
+    if len(parts) != 6 or parts[0] != "scrypt":
+        raise ValueError("not an scrypt$N$r$p$salt$hash string")
+    n, r, p = (int(x) for x in parts[1:4])
+    if not (2 <= n <= 1 << 20 and n & (n - 1) == 0 and 1 <= r <= 32 and 1 <= p <= 16):
+        raise ValueError("scrypt parameters out of range")
+    return n, r, p, base64.b64decode(parts[4], validate=True), base64.b64decode(parts[5], validate=True)
+
+
+def _scrypt(password: str, salt: bytes, n: int, r: int, p: int) -> bytes:
+    return hashlib.scrypt(password.encode(), salt=salt, n=n, r=r, p=p, maxmem=256 * n * r + (1 << 20), dklen=32)
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+# -- shared helpers ------------------------------------------------------------------------------
+
+
+def check_name(value: str, field: str, pattern: re.Pattern[str] = _NAME) -> None:
+    """Names are identifiers: they end up in URIs, file paths and log lines."""
+    if not pattern.fullmatch(value):
+        raise InvalidArgument(f"{field}: {value[:200]!r} is not a valid name (letters, digits and {_allowed(pattern)}; "
+                              "starting with a letter or digit)")
+
+
+def _allowed(pattern: re.Pattern[str]) -> str:
+    return "'._-'" if pattern is _NAME else "'._:@+=-'"
+
+
+def _check_unique(values: list[str], field: str) -> None:
+    seen: set[str] = set()
+    for value in values:
+        if value in seen:
+            raise InvalidArgument(f"{field}: {value[:200]!r} appears twice")
+        seen.add(value)
+
+
+def convert(obj: Any, kind: type[T], where: str) -> T:
+    """``msgspec.convert`` (strict) with errors as InvalidArgument naming the field under ``where``."""
+    try:
+        return msgspec.convert(obj, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        message = str(exc).replace("`$", f"`{where}")
+        if "- at `" not in message:
+            message = f"{message} - at `{where}`"
+        raise InvalidArgument(message) from None
+
+
+def encode(record: msgspec.Struct) -> bytes:
+    """Store encoding of a record (msgpack)."""
+    return msgspec.msgpack.encode(record)
+
+
+def decoder(kind: type[T]) -> msgspec.msgpack.Decoder[T]:
+    return msgspec.msgpack.Decoder(kind)
+
+
+def to_wire(record: msgspec.Struct) -> dict[str, Any]:
+    """A record as a plain map with Tair field names (wire replies, snapshots)."""
+    out: dict[str, Any] = msgspec.to_builtins(record)
+    return out

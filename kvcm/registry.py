@@ -1,0 +1,539 @@
+"""The control plane: storages, instance groups, instances and accounts, persisted in the store.
+
+The whole registry is small, so it is also held in memory: every record is cached in a dict,
+loaded once at start and refreshed by ``txn.on_commit`` callbacks, so the data plane's
+:meth:`Registry.get_instance` (called on every request) is one dict lookup and a rolled-back
+write leaves the cache untouched. Write paths never trust the cache: inside a group commit an
+earlier request of the same batch may have changed a record that is not committed yet, so
+writes read through their transaction.
+
+Owned by the RPC thread for writes; reads (``get_*``, ``list_*``) are safe from any thread,
+and :meth:`Registry.set_storage_available` is meant for the storage-health thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from kvcm.backends.base import MetaStore, ReadTxn, WriteTxn
+from kvcm.errors import Code, Conflict, InvalidArgument, NotFound, error
+from kvcm.model import (
+    Account,
+    Instance,
+    InstanceGroup,
+    ReclaimStrategy,
+    Storage,
+    check_account,
+    check_group,
+    check_instance,
+    check_password_hash,
+    check_storage,
+    convert,
+    decoder,
+    encode,
+    hash_password,
+    instance_identity,
+    now_ms,
+    to_wire,
+)
+
+log = logging.getLogger("kvcm.registry")
+
+R = TypeVar("R", bound=msgspec.Struct)
+
+#: Kinds passed to ``on_change`` observers, one per table.
+STORAGE, GROUP, INSTANCE, ACCOUNT = "storage", "instance_group", "instance", "account"
+DEFAULT_STORAGE, DEFAULT_GROUP = "default-file", "default"
+SNAPSHOT_FORMAT, SNAPSHOT_VERSION = "kvcm-registry", 1
+_SCHEMA_KEY, _SCHEMA = b"registry.schema", b"1"
+_DEFAULTS_KEY = b"registry.defaults_created"
+
+Observer = Callable[[str, str], None]
+#: ``guard(txn, kind, name) -> reason or None``; a reason refuses the removal (STILL_REFERENCED).
+RemovalGuard = Callable[[ReadTxn, str, str], "str | None"]
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    """The whole registry, as ``gen_config_snapshot`` exports it."""
+
+    format: str = SNAPSHOT_FORMAT
+    version: int = SNAPSHOT_VERSION
+    created_time: int = 0
+    storages: list[Storage] = []
+    instance_groups: list[InstanceGroup] = []
+    instances: list[Instance] = []
+    accounts: list[Account] = []
+
+
+class _Table(Generic[R]):
+    """One sub-database of records keyed by name, mirrored in ``cache``."""
+
+    def __init__(self, kind: str, db: str, record: type[R], key: Callable[[R], str]) -> None:
+        self.kind, self.db, self.key = kind, db, key
+        self.cache: dict[str, R] = {}
+        self._decode = decoder(record).decode
+
+    def load(self, view: ReadTxn) -> None:
+        self.cache = {k.decode(): self._decode(v) for k, v in view.scan(self.db)}
+
+    def read(self, view: ReadTxn, name: str) -> R | None:
+        raw = view.get(self.db, name.encode())
+        return None if raw is None else self._decode(raw)
+
+    def all(self, view: ReadTxn) -> list[R]:
+        return [self._decode(v) for _, v in view.scan(self.db)]
+
+    def put(self, txn: WriteTxn, record: R, changed: Callable[[str, str, R | None], None]) -> None:
+        name = self.key(record)
+        txn.put(self.db, name.encode(), encode(record))
+        txn.on_commit(lambda: changed(self.kind, name, record))
+
+    def delete(self, txn: WriteTxn, name: str, changed: Callable[[str, str, R | None], None]) -> None:
+        txn.delete(self.db, name.encode())
+        txn.on_commit(lambda: changed(self.kind, name, None))
+
+
+class Registry:
+    """CRUD over the registry with Tair's rules (and without its known bugs)."""
+
+    def __init__(self, store: MetaStore, data_dir: str | None = None) -> None:
+        self._store = store
+        self._storages = _Table(STORAGE, "storages", Storage, lambda s: s.global_unique_name)
+        self._groups = _Table(GROUP, "groups", InstanceGroup, lambda g: g.name)
+        self._instances = _Table(INSTANCE, "instances", Instance, lambda i: i.instance_id)
+        self._accounts = _Table(ACCOUNT, "accounts", Account, lambda a: a.user_name)
+        self._tables: dict[str, _Table[Any]] = {t.kind: t for t in self._all_tables()}
+        self._observers: list[Observer] = []
+        self._guards: list[RemovalGuard] = []
+        self._open()
+        if data_dir is not None:
+            self.ensure_defaults(data_dir)
+
+    def _all_tables(self) -> tuple[_Table[Any], ...]:
+        return (self._storages, self._groups, self._instances, self._accounts)
+
+    def _open(self) -> None:
+        with self._store.write() as txn:
+            schema = txn.get("meta", _SCHEMA_KEY)
+            if schema is None:
+                txn.put("meta", _SCHEMA_KEY, _SCHEMA)
+            elif schema != _SCHEMA:
+                raise error(Code.UNSUPPORTED, f"registry schema {schema!r} is newer than this kvcm supports ({_SCHEMA!r})")
+        with self._store.read() as view:
+            for table in self._all_tables():
+                table.load(view)
+
+    def ensure_defaults(self, data_dir: str) -> None:
+        """On the first start only: a ``file`` storage under ``data_dir`` and a ``default`` group."""
+        with self._store.write() as txn:
+            if txn.get("meta", _DEFAULTS_KEY) is not None:
+                return
+            root = os.path.join(os.path.abspath(data_dir), "blocks")
+            if self._storages.read(txn, DEFAULT_STORAGE) is None:
+                spec = {"root_path": root, "key_count_per_file": 1}
+                self._put_new_storage(txn, Storage(global_unique_name=DEFAULT_STORAGE, storage_type="file", storage_spec=spec))
+            if self._groups.read(txn, DEFAULT_GROUP) is None:
+                group = InstanceGroup(name=DEFAULT_GROUP, storage_candidates=[DEFAULT_STORAGE],
+                                      reclaim_strategy=ReclaimStrategy(reclaim_policy="lru", used_percentage=0.9))
+                self._put_new_group(txn, group)
+            txn.put("meta", _DEFAULTS_KEY, b"1")
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def on_change(self, callback: Observer) -> None:
+        """Call ``callback(kind, name)`` after each committed change (kind: storage, instance_group,
+        instance, account). It runs on the committing thread and must not raise or block."""
+        self._observers.append(callback)
+
+    def guard_removal(self, guard: RemovalGuard) -> None:
+        """Add a check run inside ``remove_storage``/``remove_instance_group``/``remove_instance``."""
+        self._guards.append(guard)
+
+    def _changed(self, kind: str, name: str, record: Any) -> None:
+        cache = self._tables[kind].cache
+        if record is None:
+            cache.pop(name, None)
+        else:
+            cache[name] = record
+        for callback in self._observers:
+            try:
+                callback(kind, name)
+            except Exception:  # noqa: BLE001 - the commit already happened; an observer must not undo it
+                log.exception("registry observer failed on %s %r", kind, name)
+
+    # -- reads (cache) ------------------------------------------------------------------------
+
+    def get_instance(self, instance_id: str) -> Instance:
+        """O(1). :raises NotFound: INSTANCE_NOT_EXIST."""
+        try:
+            return self._instances.cache[instance_id]
+        except KeyError:
+            raise NotFound(f"instance {instance_id[:200]!r} is not registered", Code.INSTANCE_NOT_EXIST) from None
+
+    def get_group(self, name: str) -> InstanceGroup:
+        try:
+            return self._groups.cache[name]
+        except KeyError:
+            raise NotFound(f"instance group {name[:200]!r} does not exist") from None
+
+    def get_storage(self, name: str) -> Storage:
+        try:
+            return self._storages.cache[name]
+        except KeyError:
+            raise NotFound(f"storage {name[:200]!r} does not exist") from None
+
+    def get_account(self, user_name: str) -> Account | None:
+        return self._accounts.cache.get(user_name)
+
+    def list_storages(self) -> list[Storage]:
+        return sorted(self._storages.cache.values(), key=lambda s: s.global_unique_name)
+
+    def list_groups(self) -> list[InstanceGroup]:
+        return sorted(self._groups.cache.values(), key=lambda g: g.name)
+
+    def list_instances(self, group: str = "") -> list[Instance]:
+        """Every instance, or those of ``group`` ("" = all)."""
+        found = [i for i in self._instances.cache.values() if not group or i.instance_group == group]
+        return sorted(found, key=lambda i: i.instance_id)
+
+    def list_accounts(self) -> list[Account]:
+        return sorted(self._accounts.cache.values(), key=lambda a: a.user_name)
+
+    def group_storages(self, group: str) -> list[Storage]:
+        """The group's candidate storages, in candidate order."""
+        names = self.get_group(group).storage_candidates
+        return [self._storages.cache[n] for n in names if n in self._storages.cache]
+
+    def counts(self) -> dict[str, int]:
+        """Entries per table, read from the store (a cheap liveness check of the store)."""
+        with self._store.read() as view:
+            return {t.kind: view.count(t.db) for t in self._all_tables()}
+
+    # -- storages -----------------------------------------------------------------------------
+
+    def add_storage(self, storage: Storage) -> Storage:
+        """:raises Conflict: DUPLICATE_ENTITY if the name is taken (nothing is overwritten)."""
+        storage = check_storage(storage)
+        with self._store.write() as txn:
+            if self._storages.read(txn, storage.global_unique_name) is not None:
+                raise Conflict(f"storage {storage.global_unique_name!r} already exists", Code.DUPLICATE_ENTITY)
+            return self._put_new_storage(txn, storage)
+
+    def _put_new_storage(self, txn: WriteTxn, storage: Storage) -> Storage:
+        now = now_ms()
+        storage = check_storage(msgspec.structs.replace(storage, create_time=now, update_time=now))
+        self._storages.put(txn, storage, self._changed)
+        return storage
+
+    def update_storage(self, storage: Storage) -> Storage:
+        """Replace a storage's spec (and ``enabled``); its type cannot change."""
+        storage = check_storage(storage)
+        with self._store.write() as txn:
+            old = self._must(txn, self._storages, storage.global_unique_name)
+            if old.storage_type != storage.storage_type:
+                raise InvalidArgument(f"storage.storage_type: cannot change {old.storage_type!r} to {storage.storage_type!r}; "
+                                      "add a new storage instead")
+            new = msgspec.structs.replace(storage, available=old.available, create_time=old.create_time, update_time=now_ms())
+            self._storages.put(txn, new, self._changed)
+            return new
+
+    def set_storage_enabled(self, name: str, enabled: bool) -> Storage:
+        """Admin switch (``enable_storage`` / ``disable_storage``)."""
+        with self._store.write() as txn:
+            old = self._must(txn, self._storages, name)
+            new = msgspec.structs.replace(old, enabled=enabled, update_time=now_ms())
+            self._storages.put(txn, new, self._changed)
+            return new
+
+    def set_storage_available(self, name: str, available: bool) -> None:
+        """Health verdict; writes only when it changes. Unknown names are ignored (removed meanwhile)."""
+        cached = self._storages.cache.get(name)
+        if cached is None or cached.available == available:
+            return
+        with self._store.write() as txn:
+            old = self._storages.read(txn, name)
+            if old is not None and old.available != available:
+                self._storages.put(txn, msgspec.structs.replace(old, available=available), self._changed)
+
+    def remove_storage(self, name: str) -> None:
+        """:raises Conflict: STILL_REFERENCED while a group lists it as a candidate."""
+        with self._store.write() as txn:
+            self._must(txn, self._storages, name)
+            users = [g.name for g in self._groups.all(txn) if name in g.storage_candidates]
+            if users:
+                raise Conflict(f"storage {name!r} is still a storage candidate of instance group(s) {_names(users)}; "
+                               "remove it from their storage_candidates first", Code.STILL_REFERENCED)
+            self._run_guards(txn, STORAGE, name)
+            self._storages.delete(txn, name, self._changed)
+
+    # -- instance groups ----------------------------------------------------------------------
+
+    def create_group(self, group: InstanceGroup) -> InstanceGroup:
+        """:raises Conflict: DUPLICATE_ENTITY if it exists. Version starts at 1."""
+        group = check_group(group)
+        with self._store.write() as txn:
+            if self._groups.read(txn, group.name) is not None:
+                raise Conflict(f"instance group {group.name!r} already exists", Code.DUPLICATE_ENTITY)
+            return self._put_new_group(txn, group)
+
+    def _put_new_group(self, txn: WriteTxn, group: InstanceGroup) -> InstanceGroup:
+        self._check_candidates(txn, group)
+        now = now_ms()
+        group = msgspec.structs.replace(group, version=1, create_time=now, update_time=now)
+        self._groups.put(txn, group, self._changed)
+        return group
+
+    def update_group(self, changes: dict[str, Any], current_version: int) -> InstanceGroup:
+        """Merge ``changes`` (a partial group map with its ``name``) into the group if its version
+        is still ``current_version``; the stored version becomes ``current_version + 1``.
+
+        :raises Conflict: VERSION_CONFLICT when the group changed since the caller read it.
+        """
+        name = changes.get("name")
+        if not isinstance(name, str):
+            raise InvalidArgument("instance_group.name: required")
+        with self._store.write() as txn:
+            old = self._must(txn, self._groups, name)
+            if old.version != current_version:
+                raise Conflict(f"instance group {name!r} is at version {old.version}, not {current_version}; "
+                               "re-read it and retry", Code.VERSION_CONFLICT)
+            merged = _merge(to_wire(old), {k: v for k, v in changes.items() if k not in _GROUP_SERVER_FIELDS})
+            new = check_group(convert(merged, InstanceGroup, "instance_group"))
+            self._check_candidates(txn, new)
+            new = msgspec.structs.replace(new, version=old.version + 1, create_time=old.create_time, update_time=now_ms())
+            self._groups.put(txn, new, self._changed)
+            return new
+
+    def _check_candidates(self, txn: ReadTxn, group: InstanceGroup) -> None:
+        for i, name in enumerate(group.storage_candidates):
+            if self._storages.read(txn, name) is None:
+                raise InvalidArgument(f"instance_group.storage_candidates[{i}]: storage {name!r} does not exist")
+
+    def remove_group(self, name: str) -> None:
+        """:raises Conflict: STILL_REFERENCED while instances belong to it."""
+        with self._store.write() as txn:
+            self._must(txn, self._groups, name)
+            members = [i.instance_id for i in self._instances.all(txn) if i.instance_group == name]
+            if members:
+                raise Conflict(f"instance group {name!r} still has {len(members)} instance(s) ({_names(members)}); "
+                               "remove them first", Code.STILL_REFERENCED)
+            self._run_guards(txn, GROUP, name)
+            self._groups.delete(txn, name, self._changed)
+
+    # -- instances ----------------------------------------------------------------------------
+
+    def register_instance(self, instance: Instance) -> tuple[Instance, bool]:
+        """Register, or confirm an identical registration. Returns ``(instance, created)``.
+
+        :raises Conflict: DUPLICATE_ENTITY if the id exists with another group, block size, specs,
+            spec groups or deployment (order of specs and groups does not matter).
+        :raises NotFound: the group does not exist.
+        """
+        instance = check_instance(instance)
+        with self._store.write() as txn:
+            old = self._instances.read(txn, instance.instance_id)
+            if old is not None:
+                if instance_identity(old) != instance_identity(instance):
+                    raise Conflict(f"instance {instance.instance_id!r} is already registered with a different "
+                                   f"{_difference(old, instance)}", Code.DUPLICATE_ENTITY)
+                return old, False
+            group = self._must(txn, self._groups, instance.instance_group)
+            self._check_capacity(txn, group)
+            new = msgspec.structs.replace(instance, quota_group_name=group.global_quota_group_name, create_time=now_ms())
+            self._instances.put(txn, new, self._changed)
+            return new, True
+
+    def _check_capacity(self, txn: ReadTxn, group: InstanceGroup) -> None:
+        if group.max_instance_count <= 0:
+            return
+        count = sum(1 for i in self._instances.all(txn) if i.instance_group == group.name)
+        if count >= group.max_instance_count:
+            raise error(Code.REACH_MAX_ENTITY_CAPACITY,
+                        f"instance group {group.name!r} already has max_instance_count={group.max_instance_count} instances")
+
+    def remove_instance(self, instance_id: str) -> Instance:
+        """Unregister; observers learn of it (the data plane then drops the instance's blocks)."""
+        with self._store.write() as txn:
+            old = self._instances.read(txn, instance_id)
+            if old is None:
+                raise NotFound(f"instance {instance_id[:200]!r} is not registered", Code.INSTANCE_NOT_EXIST)
+            self._run_guards(txn, INSTANCE, instance_id)
+            self._instances.delete(txn, instance_id, self._changed)
+            return old
+
+    # -- accounts -----------------------------------------------------------------------------
+
+    def add_account(self, user_name: str, password: str, role: str = "user") -> Account:
+        check_account(user_name, role)
+        password_hash = hash_password(password)  # slow: outside the write transaction
+        with self._store.write() as txn:
+            if self._accounts.read(txn, user_name) is not None:
+                raise Conflict(f"account {user_name!r} already exists", Code.DUPLICATE_ENTITY)
+            now = now_ms()
+            account = Account(user_name=user_name, role=role, password_hash=password_hash, create_time=now, update_time=now)
+            self._accounts.put(txn, account, self._changed)
+            return account
+
+    def update_account(self, user_name: str, password: str | None = None, role: str | None = None) -> Account:
+        """Change a password and/or role. The last admin cannot be demoted."""
+        check_account(user_name, role or "user")
+        password_hash = None if password is None else hash_password(password)
+        with self._store.write() as txn:
+            old = self._must(txn, self._accounts, user_name)
+            if role == "user" and old.role == "admin":
+                self._keep_an_admin(txn, user_name)
+            new = msgspec.structs.replace(old, role=role or old.role, password_hash=password_hash or old.password_hash,
+                                          update_time=now_ms())
+            self._accounts.put(txn, new, self._changed)
+            return new
+
+    def delete_account(self, user_name: str) -> None:
+        """The last admin cannot be deleted (it would lock everyone out when auth is on)."""
+        with self._store.write() as txn:
+            old = self._must(txn, self._accounts, user_name)
+            if old.role == "admin":
+                self._keep_an_admin(txn, user_name)
+            self._accounts.delete(txn, user_name, self._changed)
+
+    def _keep_an_admin(self, txn: ReadTxn, leaving: str) -> None:
+        if not any(a.role == "admin" and a.user_name != leaving for a in self._accounts.all(txn)):
+            raise Conflict(f"account {leaving!r} is the last admin; add another admin first", Code.STILL_REFERENCED)
+
+    def ensure_admin(self, user_name: str, password: str) -> bool:
+        """Create ``user_name`` as admin unless some admin exists. Returns True if created."""
+        if any(a.role == "admin" for a in self._accounts.cache.values()):
+            return False
+        if self._accounts.cache.get(user_name) is not None:
+            self.update_account(user_name, password, "admin")
+        else:
+            self.add_account(user_name, password, "admin")
+        return True
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def gen_config_snapshot(self) -> dict[str, Any]:
+        """Everything in the registry (accounts with their hashes), as one map."""
+        with self._store.read() as view:
+            snapshot = Snapshot(created_time=now_ms(), storages=self._storages.all(view),
+                                instance_groups=self._groups.all(view), instances=self._instances.all(view),
+                                accounts=self._accounts.all(view))
+        return to_wire(snapshot)
+
+    def load_config_snapshot(self, data: dict[str, Any] | str) -> dict[str, int]:
+        """Validate a whole snapshot, then replace the registry with it in one transaction."""
+        snapshot = _check_snapshot(_parse_snapshot(data))
+        tables = {STORAGE: snapshot.storages, GROUP: snapshot.instance_groups,
+                  INSTANCE: snapshot.instances, ACCOUNT: snapshot.accounts}
+        with self._store.write() as txn:
+            for kind, records in tables.items():
+                table = self._tables[kind]
+                # Delete only what the snapshot lacks: a delete-then-put of a kept record would tell
+                # observers it was removed (and the data plane would drop its blocks).
+                keep = {table.key(r) for r in records}
+                for name in [k.decode() for k, _ in txn.scan(table.db)]:
+                    if name not in keep:
+                        table.delete(txn, name, self._changed)
+                for record in records:
+                    table.put(txn, record, self._changed)
+        return {kind: len(records) for kind, records in tables.items()}
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _must(txn: ReadTxn, table: _Table[R], name: str) -> R:
+        record = table.read(txn, name)
+        if record is None:
+            code = Code.INSTANCE_NOT_EXIST if table.kind == INSTANCE else Code.NOT_FOUND
+            raise error(code, f"{table.kind.replace('_', ' ')} {name[:200]!r} does not exist")
+        return record
+
+    def _run_guards(self, txn: ReadTxn, kind: str, name: str) -> None:
+        for guard in self._guards:
+            reason = guard(txn, kind, name)
+            if reason:
+                raise Conflict(reason, Code.STILL_REFERENCED)
+
+
+#: Group fields the server owns: an update never takes them from the caller.
+_GROUP_SERVER_FIELDS = ("version", "create_time", "update_time")
+
+
+def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """Nested maps merge key by key; anything else (lists included) is replaced."""
+    out = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _names(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _difference(old: Instance, new: Instance) -> str:
+    labels = ("instance_group", "block_size", "location_spec_infos", "location_spec_groups", "model_deployment")
+    for label, a, b in zip(labels, instance_identity(old), instance_identity(new)):
+        if a != b:
+            return label
+    return "definition"  # pragma: no cover - only called when the identities differ
+
+
+def _parse_snapshot(data: dict[str, Any] | str) -> Snapshot:
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"config_snapshot: not valid JSON: {exc}") from None
+    snapshot = convert(data, Snapshot, "config_snapshot")
+    if snapshot.format != SNAPSHOT_FORMAT or snapshot.version > SNAPSHOT_VERSION:
+        raise InvalidArgument(f"config_snapshot: format {snapshot.format!r} v{snapshot.version} is not "
+                              f"{SNAPSHOT_FORMAT!r} v{SNAPSHOT_VERSION}")
+    return snapshot
+
+
+def _check_snapshot(snapshot: Snapshot) -> Snapshot:
+    """Every record valid, names unique, every reference resolved: else nothing is loaded."""
+    storages = [_at(check_storage, s, "storages", i) for i, s in enumerate(snapshot.storages)]
+    groups = [_at(check_group, g, "instance_groups", i) for i, g in enumerate(snapshot.instance_groups)]
+    instances = [_at(check_instance, x, "instances", i) for i, x in enumerate(snapshot.instances)]
+    for i, account in enumerate(snapshot.accounts):
+        _at(lambda a: (check_account(a.user_name, a.role), check_password_hash(a.password_hash)), account, "accounts", i)
+    storage_names = _unique([s.global_unique_name for s in storages], "storages")
+    group_names = _unique([g.name for g in groups], "instance_groups")
+    _unique([x.instance_id for x in instances], "instances")
+    _unique([a.user_name for a in snapshot.accounts], "accounts")
+    for group in groups:
+        for name in group.storage_candidates:
+            if name not in storage_names:
+                raise InvalidArgument(f"config_snapshot.instance_groups: {group.name!r} names unknown storage {name!r}")
+    for instance in instances:
+        if instance.instance_group not in group_names:
+            raise InvalidArgument(f"config_snapshot.instances: {instance.instance_id!r} names unknown group "
+                                  f"{instance.instance_group!r}")
+    return msgspec.structs.replace(snapshot, storages=storages, instance_groups=groups, instances=instances)
+
+
+def _at(check: Callable[[Any], Any], record: Any, field: str, index: int) -> Any:
+    try:
+        return check(record)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"config_snapshot.{field}[{index}]: {exc.message}") from None
+
+
+def _unique(names: Iterable[str], field: str) -> set[str]:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise InvalidArgument(f"config_snapshot.{field}: {name!r} appears twice")
+        seen.add(name)
+    return seen
