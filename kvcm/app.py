@@ -98,7 +98,41 @@ class App:
         methods: list[Method] = []
         methods += registry_api.methods(self.registry, self.info)
         methods += system_api.methods(self.metrics, self.info)
+        methods += self._build_cache(data_dir)
+        self._build_reclaimer()
         return methods
+
+    def _build_cache(self, data_dir: str | None) -> list[Method]:
+        """The data plane (issue 3): storages, block index, write sessions, deleter, health."""
+        from kvcm.api import cache as cache_api
+        from kvcm.backends.storages import StorageHealth
+        from kvcm.manager import CacheManager
+        from kvcm.storage_pool import StoragePool
+
+        cfg = self.config.cache
+        self.storages = StoragePool(self.registry, data_dir)
+        self.cache = CacheManager(self.store, self.registry, self.storages, default_write_timeout=cfg.write_timeout_seconds,
+                                  lock_shards=self.config.store.lock_shards, cache_size=self.config.store.search_cache_size,
+                                  runs=cfg.runs)
+        self.cache.start()
+        self.timers.append(Timer("write-session-expiry", cfg.session_check_ms / 1000.0, self.cache.expire_sessions))
+        self.threads.append(LoopThread("deleter", self.cache.background_once, cfg.delete_poll_ms / 1000.0))
+        health = StorageHealth(self.storages.backends, self.registry.set_storage_available)
+        self.threads.append(LoopThread("storage-health", health.run_once, cfg.storage_health_interval_s))
+        return cache_api.methods(self.cache)
+
+    def _build_reclaimer(self) -> None:
+        """Capacity management (issue 4): the reclaimer thread, fed by the cache manager's hooks."""
+        from kvcm.reclaimer import Reclaimer, duty_pacer, limits_from_registry
+
+        cfg = self.config.reclaim
+        self.reclaimer = None
+        if not cfg.enabled:  # not even a listener: nobody would drain its event queue
+            return
+        self.reclaimer = Reclaimer(self.cache, limits_from_registry(self.registry), cfg,
+                                   registry=self.metrics.registry, pace=duty_pacer(cfg.duty_cycle),
+                                   free_grace_s=self.config.cache.delete_poll_ms / 1000.0 + 0.05)
+        self.threads.append(LoopThread("reclaimer", self.reclaimer.tick, cfg.interval_s))
 
     def info(self) -> dict[str, Any]:
         """Facts about this node for check_health / get_manager_cluster_info."""

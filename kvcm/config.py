@@ -66,6 +66,7 @@ class CacheConfig:
     session_check_ms: int = 200  # how often expired write sessions are swept
     delete_poll_ms: int = 100  # deleter thread wake-up interval
     storage_health_interval_s: float = 5.0
+    runs: bool = True  # keep run records: prefix lookups read one record per written sequence
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class ReclaimConfig:
     hysteresis: float = 0.05  # reclaim until usage < watermark - hysteresis
     sample_size: int = 0  # 0 = exact victim choice; >0 = sampled choice of this many candidates
     max_victims_per_round: int = 10000
+    duty_cycle: float = 0.5  # largest share of a core the reclaimer uses while evicting (sleeps between chunks)
 
 
 @dataclass(frozen=True)
@@ -269,6 +271,9 @@ def validate(config: Config) -> None:
         (config.cache.write_timeout_seconds > 0, "cache.write_timeout_seconds must be positive"),
         (0 <= config.reclaim.hysteresis < 1, "reclaim.hysteresis must be in [0, 1)"),
         (config.reclaim.interval_s > 0, "reclaim.interval_s must be positive"),
+        (0 < config.reclaim.duty_cycle <= 1, "reclaim.duty_cycle must be in (0, 1]"),
+        (config.reclaim.max_victims_per_round > 0, "reclaim.max_victims_per_round must be positive"),
+        (config.reclaim.sample_size >= 0, "reclaim.sample_size must not be negative"),
         (config.events.backoff_initial_s > 0, "events.backoff_initial_s must be positive"),
         (config.log.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log.level must be DEBUG, INFO, WARNING or ERROR"),
     ]

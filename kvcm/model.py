@@ -8,6 +8,11 @@ values in the store (:func:`encode` / :func:`decoder`, msgpack), wire replies
 Validation lives next to the records: each ``check_*`` function raises
 :class:`~kvcm.errors.InvalidArgument` naming the offending field, and returns the normalized
 record (defaults filled in, spec groups sorted) that the registry stores.
+
+Passwords are kept only as salted scrypt hashes, ``scrypt$N$r$p$<salt>$<digest>`` (base64
+parts), so the cost travels with the hash and can be raised later; they are verified in
+constant time. A :class:`Snapshot` is the whole registry; :func:`parse_snapshot` and
+:func:`check_snapshot` validate one completely before ``load_config_snapshot`` touches the store.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 import os
 import re
 import secrets
 import time
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import msgspec
@@ -29,7 +36,12 @@ T = TypeVar("T")
 
 #: Storage types, and the Tair spellings accepted on input for them.
 STORAGE_TYPES: tuple[str, ...] = ("file", "shm", "3fs", "mooncake", "tairmempool")
-STORAGE_TYPE_ALIASES: dict[str, str] = {"nfs": "file", "hf3fs": "3fs", "pace": "tairmempool", "tair_mem_pool": "tairmempool"}
+STORAGE_TYPE_ALIASES: dict[str, str] = {
+    "nfs": "file",
+    "hf3fs": "3fs",
+    "pace": "tairmempool",
+    "tair_mem_pool": "tairmempool",
+}
 RECLAIM_POLICIES: tuple[str, ...] = ("lru", "lfu", "ttl", "leaf_lru")
 ROLES: tuple[str, ...] = ("user", "admin")
 
@@ -120,8 +132,10 @@ def check_storage(storage: Storage) -> Storage:
     check_name(storage.global_unique_name, "storage.global_unique_name")
     kind = STORAGE_TYPE_ALIASES.get(storage.storage_type, storage.storage_type)
     if kind not in SPEC_TYPES:
-        raise InvalidArgument(f"storage.storage_type: {storage.storage_type!r} is not one of {', '.join(STORAGE_TYPES)}")
-    spec = convert(storage.storage_spec, SPEC_TYPES[kind], "storage.storage_spec")
+        raise InvalidArgument(
+            f"storage.storage_type: {storage.storage_type!r} is not one of {', '.join(STORAGE_TYPES)}"
+        )
+    spec: Any = convert(storage.storage_spec, SPEC_TYPES[kind], "storage.storage_spec")
     _SPEC_CHECKS[kind](spec)
     return msgspec.structs.replace(storage, storage_type=kind, storage_spec=msgspec.to_builtins(spec))
 
@@ -238,7 +252,9 @@ def _check_quota(quota: Quota) -> None:
         where = f"instance_group.quota.quota_config[{i}]"
         item.storage_type = STORAGE_TYPE_ALIASES.get(item.storage_type, item.storage_type)
         if item.storage_type not in STORAGE_TYPES:
-            raise InvalidArgument(f"{where}.storage_type: {item.storage_type!r} is not one of {', '.join(STORAGE_TYPES)}")
+            raise InvalidArgument(
+                f"{where}.storage_type: {item.storage_type!r} is not one of {', '.join(STORAGE_TYPES)}"
+            )
         if item.storage_type in seen:
             raise InvalidArgument(f"{where}.storage_type: {item.storage_type!r} appears twice")
         if item.capacity < 0:
@@ -249,7 +265,9 @@ def _check_quota(quota: Quota) -> None:
 def _check_reclaim(strategy: ReclaimStrategy) -> None:
     where = "instance_group.reclaim_strategy"
     if strategy.reclaim_policy not in RECLAIM_POLICIES:
-        raise InvalidArgument(f"{where}.reclaim_policy: {strategy.reclaim_policy!r} is not one of {', '.join(RECLAIM_POLICIES)}")
+        raise InvalidArgument(
+            f"{where}.reclaim_policy: {strategy.reclaim_policy!r} is not one of {', '.join(RECLAIM_POLICIES)}"
+        )
     if not 0 < strategy.used_percentage <= 1:
         raise InvalidArgument(f"{where}.used_percentage: must be in (0, 1], got {strategy.used_percentage}")
     if strategy.delay_before_delete_ms < 0:
@@ -351,7 +369,7 @@ def instance_identity(instance: Instance) -> tuple[Any, ...]:
 
 
 class Account(msgspec.Struct, kw_only=True):
-    """A user. Only a salted scrypt hash of the password is ever stored."""
+    """A user. Only a salted scrypt hash of the password is ever stored (:func:`hash_password`)."""
 
     user_name: str
     role: str = "user"
@@ -360,14 +378,14 @@ class Account(msgspec.Struct, kw_only=True):
     update_time: int = 0
 
 
-_SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 1 << 14, 8, 1
-_MAX_PASSWORD = 1024
-
-
 def check_account(user_name: str, role: str) -> None:
     check_name(user_name, "user_name", _ID)
     if role not in ROLES:
         raise InvalidArgument(f"role: {role!r} is not one of {', '.join(ROLES)}")
+
+
+_SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 1 << 14, 8, 1
+_MAX_PASSWORD = 1024
 
 
 def hash_password(password: str) -> str:
@@ -416,14 +434,94 @@ def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
+# -- snapshots -------------------------------------------------------------------------------------
+
+
+SNAPSHOT_FORMAT, SNAPSHOT_VERSION = "kvcm-registry", 1
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    """The whole registry, as ``gen_config_snapshot`` exports it."""
+
+    format: str = SNAPSHOT_FORMAT
+    version: int = SNAPSHOT_VERSION
+    created_time: int = 0
+    storages: list[Storage] = []
+    instance_groups: list[InstanceGroup] = []
+    instances: list[Instance] = []
+    accounts: list[Account] = []
+
+
+def parse_snapshot(data: dict[str, Any] | str) -> Snapshot:
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"config_snapshot: not valid JSON: {exc}") from None
+    snapshot = convert(data, Snapshot, "config_snapshot")
+    if snapshot.format != SNAPSHOT_FORMAT or snapshot.version > SNAPSHOT_VERSION:
+        raise InvalidArgument(
+            f"config_snapshot: format {snapshot.format!r} v{snapshot.version} is not "
+            f"{SNAPSHOT_FORMAT!r} v{SNAPSHOT_VERSION}"
+        )
+    return snapshot
+
+
+def check_snapshot(snapshot: Snapshot) -> Snapshot:
+    """Every record valid, names unique, every reference resolved: else nothing is loaded."""
+    storages = [_at(check_storage, s, "storages", i) for i, s in enumerate(snapshot.storages)]
+    groups = [_at(check_group, g, "instance_groups", i) for i, g in enumerate(snapshot.instance_groups)]
+    instances = [_at(check_instance, x, "instances", i) for i, x in enumerate(snapshot.instances)]
+    for i, account in enumerate(snapshot.accounts):
+        _at(_check_snapshot_account, account, "accounts", i)
+    storage_names = _unique([s.global_unique_name for s in storages], "storages")
+    group_names = _unique([g.name for g in groups], "instance_groups")
+    _unique([x.instance_id for x in instances], "instances")
+    _unique([a.user_name for a in snapshot.accounts], "accounts")
+    for group in groups:
+        for name in group.storage_candidates:
+            if name not in storage_names:
+                raise InvalidArgument(f"config_snapshot.instance_groups: {group.name!r} names unknown storage {name!r}")
+    for instance in instances:
+        if instance.instance_group not in group_names:
+            raise InvalidArgument(
+                f"config_snapshot.instances: {instance.instance_id!r} names unknown group {instance.instance_group!r}"
+            )
+    return msgspec.structs.replace(snapshot, storages=storages, instance_groups=groups, instances=instances)
+
+
+def _check_snapshot_account(account: Account) -> Account:
+    check_account(account.user_name, account.role)
+    check_password_hash(account.password_hash)
+    return account
+
+
+def _at(check: Callable[[Any], Any], record: Any, field: str, index: int) -> Any:
+    try:
+        return check(record)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"config_snapshot.{field}[{index}]: {exc.message}") from None
+
+
+def _unique(names: Iterable[str], field: str) -> set[str]:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise InvalidArgument(f"config_snapshot.{field}: {name!r} appears twice")
+        seen.add(name)
+    return seen
+
+
 # -- shared helpers ------------------------------------------------------------------------------
 
 
 def check_name(value: str, field: str, pattern: re.Pattern[str] = _NAME) -> None:
     """Names are identifiers: they end up in URIs, file paths and log lines."""
     if not pattern.fullmatch(value):
-        raise InvalidArgument(f"{field}: {value[:200]!r} is not a valid name (letters, digits and {_allowed(pattern)}; "
-                              "starting with a letter or digit)")
+        raise InvalidArgument(
+            f"{field}: {value[:200]!r} is not a valid name (letters, digits and {_allowed(pattern)}; "
+            "starting with a letter or digit)"
+        )
 
 
 def _allowed(pattern: re.Pattern[str]) -> str:

@@ -106,8 +106,7 @@ class BasePolicy:
 
     def _tick(self, now: float) -> float:
         """Monotone clock: a time earlier than one already seen counts as that time."""
-        if now > self._clock:
-            self._clock = now
+        self._clock = max(self._clock, now)
         return self._clock
 
     def on_write(
@@ -210,7 +209,9 @@ class _HeapIndex:
 
     def best(self, n: int) -> list[Hashable]:
         """The ``n`` lowest-ranked candidates, best first (heap left as it was, minus stale)."""
-        heap, rank, out, popped = self._heap, self.rank, [], []
+        heap, rank = self._heap, self.rank
+        out: list[Hashable] = []
+        popped: list[tuple[tuple[Any, ...], Hashable]] = []
         while heap and len(out) < n:
             item = heapq.heappop(heap)
             if rank.get(item[1]) == item[0]:
@@ -232,7 +233,7 @@ class _HeapIndex:
 class _SampleIndex:
     """Candidates in a dense array for O(1) uniform sampling (swap-pop removal)."""
 
-    __slots__ = ("_items", "_pos", "rank", "k", "_rng")
+    __slots__ = ("_items", "_pos", "_rng", "k", "rank")
 
     def __init__(self, k: int, seed: int) -> None:
         self._items: list[Hashable] = []
@@ -345,7 +346,7 @@ class LRU(BasePolicy):
         if od is None:
             return super().touch_chain(keys, now, parent, size)
         move = od.move_to_end
-        written = []
+        written: list[Hashable] = []
         for key in keys:
             if key in od:
                 move(key)
@@ -364,16 +365,9 @@ class LRU(BasePolicy):
         od = self._od
         if od is None:
             return super().evict(n, now)
-        n = min(n, len(od))
-        pop = od.popitem
-        out = []
-        freed = 0
-        for _ in range(n):
-            key, size = pop(last=False)
-            out.append(key)
-            freed += size
-        self.size_total -= freed
-        return out
+        keys = list(islice(od, max(n, 0)))
+        self.size_total -= sum(map(od.pop, keys))
+        return keys
 
     def check(self) -> None:
         super().check()
@@ -624,13 +618,18 @@ class RandomLRU(BasePolicy):
         self._pos: dict[Hashable, int] = {}
         self._state = self.SEED
 
-    def _next(self) -> int:
+    def _draw(self, count: int, size: int) -> list[int]:
+        """``count`` xorshift64 indices below ``size`` (inlined: this is the hot loop)."""
         x = self._state
-        x ^= (x << 13) & _M64
-        x ^= x >> 7
-        x ^= (x << 17) & _M64
+        out: list[int] = []
+        append = out.append
+        for _ in range(count):
+            x ^= (x << 13) & _M64
+            x ^= x >> 7
+            x ^= (x << 17) & _M64
+            append(x % size)
         self._state = x
-        return x
+        return out
 
     def on_write(
         self, key: Hashable, now: float, size: int = 1, parent: Hashable | None = None
@@ -661,9 +660,10 @@ class RandomLRU(BasePolicy):
         k = min(n, size, self.sampling_size)
         if k <= 0:
             return []
-        draws = [self._next() % size for _ in range(self.sampling_size)]
-        draws.sort(key=self._times.__getitem__)
-        return [self._keys[i] for i in dict.fromkeys(draws[:k])]
+        draws = self._draw(self.sampling_size, size)
+        # Tair partial-sorts by time; nsmallest is a stable partial sort.
+        oldest = heapq.nsmallest(k, draws, key=self._times.__getitem__)
+        return [self._keys[i] for i in dict.fromkeys(oldest)]
 
     def check(self) -> None:
         super().check()

@@ -7,17 +7,18 @@ write leaves the cache untouched. Write paths never trust the cache: inside a gr
 earlier request of the same batch may have changed a record that is not committed yet, so
 writes read through their transaction.
 
-Owned by the RPC thread for writes; reads (``get_*``, ``list_*``) are safe from any thread,
-and :meth:`Registry.set_storage_available` is meant for the storage-health thread.
+Owned by the RPC thread for writes; reads (``get_*``, ``list_*``) are safe from any thread
+(the ``list_*`` copy the cache with one C-level ``list()`` call, so a concurrent commit cannot
+change a dict under their iteration), and :meth:`Registry.set_storage_available` is meant for
+the storage-health thread.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from collections.abc import Callable, Iterable
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 
@@ -28,11 +29,12 @@ from kvcm.model import (
     Instance,
     InstanceGroup,
     ReclaimStrategy,
+    Snapshot,
     Storage,
     check_account,
     check_group,
     check_instance,
-    check_password_hash,
+    check_snapshot,
     check_storage,
     convert,
     decoder,
@@ -40,6 +42,7 @@ from kvcm.model import (
     hash_password,
     instance_identity,
     now_ms,
+    parse_snapshot,
     to_wire,
 )
 
@@ -50,7 +53,6 @@ R = TypeVar("R", bound=msgspec.Struct)
 #: Kinds passed to ``on_change`` observers, one per table.
 STORAGE, GROUP, INSTANCE, ACCOUNT = "storage", "instance_group", "instance", "account"
 DEFAULT_STORAGE, DEFAULT_GROUP = "default-file", "default"
-SNAPSHOT_FORMAT, SNAPSHOT_VERSION = "kvcm-registry", 1
 _SCHEMA_KEY, _SCHEMA = b"registry.schema", b"1"
 _DEFAULTS_KEY = b"registry.defaults_created"
 
@@ -59,16 +61,13 @@ Observer = Callable[[str, str], None]
 RemovalGuard = Callable[[ReadTxn, str, str], "str | None"]
 
 
-class Snapshot(msgspec.Struct, kw_only=True):
-    """The whole registry, as ``gen_config_snapshot`` exports it."""
+class Registration(NamedTuple):
+    """What ``register_instance`` did: the stored instance, whether it is new, and the group's
+    candidate storages in order (Tair's ``storage_configs``)."""
 
-    format: str = SNAPSHOT_FORMAT
-    version: int = SNAPSHOT_VERSION
-    created_time: int = 0
-    storages: list[Storage] = []
-    instance_groups: list[InstanceGroup] = []
-    instances: list[Instance] = []
-    accounts: list[Account] = []
+    instance: Instance
+    created: bool
+    storages: list[Storage]
 
 
 class _Table(Generic[R]):
@@ -124,7 +123,9 @@ class Registry:
             if schema is None:
                 txn.put("meta", _SCHEMA_KEY, _SCHEMA)
             elif schema != _SCHEMA:
-                raise error(Code.UNSUPPORTED, f"registry schema {schema!r} is newer than this kvcm supports ({_SCHEMA!r})")
+                raise error(
+                    Code.UNSUPPORTED, f"registry schema {schema!r} is newer than this kvcm supports ({_SCHEMA!r})"
+                )
         with self._store.read() as view:
             for table in self._all_tables():
                 table.load(view)
@@ -137,10 +138,15 @@ class Registry:
             root = os.path.join(os.path.abspath(data_dir), "blocks")
             if self._storages.read(txn, DEFAULT_STORAGE) is None:
                 spec = {"root_path": root, "key_count_per_file": 1}
-                self._put_new_storage(txn, Storage(global_unique_name=DEFAULT_STORAGE, storage_type="file", storage_spec=spec))
+                self._put_new_storage(
+                    txn, Storage(global_unique_name=DEFAULT_STORAGE, storage_type="file", storage_spec=spec)
+                )
             if self._groups.read(txn, DEFAULT_GROUP) is None:
-                group = InstanceGroup(name=DEFAULT_GROUP, storage_candidates=[DEFAULT_STORAGE],
-                                      reclaim_strategy=ReclaimStrategy(reclaim_policy="lru", used_percentage=0.9))
+                group = InstanceGroup(
+                    name=DEFAULT_GROUP,
+                    storage_candidates=[DEFAULT_STORAGE],
+                    reclaim_strategy=ReclaimStrategy(reclaim_policy="lru", used_percentage=0.9),
+                )
                 self._put_new_group(txn, group)
             txn.put("meta", _DEFAULTS_KEY, b"1")
 
@@ -192,18 +198,18 @@ class Registry:
         return self._accounts.cache.get(user_name)
 
     def list_storages(self) -> list[Storage]:
-        return sorted(self._storages.cache.values(), key=lambda s: s.global_unique_name)
+        return sorted(list(self._storages.cache.values()), key=lambda s: s.global_unique_name)
 
     def list_groups(self) -> list[InstanceGroup]:
-        return sorted(self._groups.cache.values(), key=lambda g: g.name)
+        return sorted(list(self._groups.cache.values()), key=lambda g: g.name)
 
     def list_instances(self, group: str = "") -> list[Instance]:
         """Every instance, or those of ``group`` ("" = all)."""
-        found = [i for i in self._instances.cache.values() if not group or i.instance_group == group]
+        found = [i for i in list(self._instances.cache.values()) if not group or i.instance_group == group]
         return sorted(found, key=lambda i: i.instance_id)
 
     def list_accounts(self) -> list[Account]:
-        return sorted(self._accounts.cache.values(), key=lambda a: a.user_name)
+        return sorted(list(self._accounts.cache.values()), key=lambda a: a.user_name)
 
     def group_storages(self, group: str) -> list[Storage]:
         """The group's candidate storages, in candidate order."""
@@ -232,14 +238,18 @@ class Registry:
         return storage
 
     def update_storage(self, storage: Storage) -> Storage:
-        """Replace a storage's spec (and ``enabled``); its type cannot change."""
+        """Replace a storage's spec; its type cannot change, ``enabled``/``available`` are kept."""
         storage = check_storage(storage)
         with self._store.write() as txn:
             old = self._must(txn, self._storages, storage.global_unique_name)
             if old.storage_type != storage.storage_type:
-                raise InvalidArgument(f"storage.storage_type: cannot change {old.storage_type!r} to {storage.storage_type!r}; "
-                                      "add a new storage instead")
-            new = msgspec.structs.replace(storage, available=old.available, create_time=old.create_time, update_time=now_ms())
+                raise InvalidArgument(
+                    f"storage.storage_type: cannot change {old.storage_type!r} to {storage.storage_type!r}; "
+                    "add a new storage instead"
+                )
+            new = msgspec.structs.replace(
+                storage, enabled=old.enabled, available=old.available, create_time=old.create_time, update_time=now_ms()
+            )
             self._storages.put(txn, new, self._changed)
             return new
 
@@ -267,8 +277,11 @@ class Registry:
             self._must(txn, self._storages, name)
             users = [g.name for g in self._groups.all(txn) if name in g.storage_candidates]
             if users:
-                raise Conflict(f"storage {name!r} is still a storage candidate of instance group(s) {_names(users)}; "
-                               "remove it from their storage_candidates first", Code.STILL_REFERENCED)
+                raise Conflict(
+                    f"storage {name!r} is still a storage candidate of instance group(s) {_names(users)}; "
+                    "remove it from their storage_candidates first",
+                    Code.STILL_REFERENCED,
+                )
             self._run_guards(txn, STORAGE, name)
             self._storages.delete(txn, name, self._changed)
 
@@ -301,12 +314,16 @@ class Registry:
         with self._store.write() as txn:
             old = self._must(txn, self._groups, name)
             if old.version != current_version:
-                raise Conflict(f"instance group {name!r} is at version {old.version}, not {current_version}; "
-                               "re-read it and retry", Code.VERSION_CONFLICT)
+                raise Conflict(
+                    f"instance group {name!r} is at version {old.version}, not {current_version}; re-read it and retry",
+                    Code.VERSION_CONFLICT,
+                )
             merged = _merge(to_wire(old), {k: v for k, v in changes.items() if k not in _GROUP_SERVER_FIELDS})
             new = check_group(convert(merged, InstanceGroup, "instance_group"))
             self._check_candidates(txn, new)
-            new = msgspec.structs.replace(new, version=old.version + 1, create_time=old.create_time, update_time=now_ms())
+            new = msgspec.structs.replace(
+                new, version=old.version + 1, create_time=old.create_time, update_time=now_ms()
+            )
             self._groups.put(txn, new, self._changed)
             return new
 
@@ -321,15 +338,18 @@ class Registry:
             self._must(txn, self._groups, name)
             members = [i.instance_id for i in self._instances.all(txn) if i.instance_group == name]
             if members:
-                raise Conflict(f"instance group {name!r} still has {len(members)} instance(s) ({_names(members)}); "
-                               "remove them first", Code.STILL_REFERENCED)
+                raise Conflict(
+                    f"instance group {name!r} still has {len(members)} instance(s) ({_names(members)}); "
+                    "remove them first",
+                    Code.STILL_REFERENCED,
+                )
             self._run_guards(txn, GROUP, name)
             self._groups.delete(txn, name, self._changed)
 
     # -- instances ----------------------------------------------------------------------------
 
-    def register_instance(self, instance: Instance) -> tuple[Instance, bool]:
-        """Register, or confirm an identical registration. Returns ``(instance, created)``.
+    def register_instance(self, instance: Instance) -> Registration:
+        """Register, or confirm an identical registration (Tair's idempotency).
 
         :raises Conflict: DUPLICATE_ENTITY if the id exists with another group, block size, specs,
             spec groups or deployment (order of specs and groups does not matter).
@@ -340,22 +360,35 @@ class Registry:
             old = self._instances.read(txn, instance.instance_id)
             if old is not None:
                 if instance_identity(old) != instance_identity(instance):
-                    raise Conflict(f"instance {instance.instance_id!r} is already registered with a different "
-                                   f"{_difference(old, instance)}", Code.DUPLICATE_ENTITY)
-                return old, False
+                    raise Conflict(
+                        f"instance {instance.instance_id!r} is already registered with a different "
+                        f"{_difference(old, instance)}",
+                        Code.DUPLICATE_ENTITY,
+                    )
+                return Registration(
+                    old, False, self._candidates(txn, self._must(txn, self._groups, old.instance_group))
+                )
             group = self._must(txn, self._groups, instance.instance_group)
             self._check_capacity(txn, group)
-            new = msgspec.structs.replace(instance, quota_group_name=group.global_quota_group_name, create_time=now_ms())
+            new = msgspec.structs.replace(
+                instance, quota_group_name=group.global_quota_group_name, create_time=now_ms()
+            )
             self._instances.put(txn, new, self._changed)
-            return new, True
+            return Registration(new, True, self._candidates(txn, group))
+
+    def _candidates(self, view: ReadTxn, group: InstanceGroup) -> list[Storage]:
+        found = (self._storages.read(view, name) for name in group.storage_candidates)
+        return [s for s in found if s is not None]
 
     def _check_capacity(self, txn: ReadTxn, group: InstanceGroup) -> None:
         if group.max_instance_count <= 0:
             return
         count = sum(1 for i in self._instances.all(txn) if i.instance_group == group.name)
         if count >= group.max_instance_count:
-            raise error(Code.REACH_MAX_ENTITY_CAPACITY,
-                        f"instance group {group.name!r} already has max_instance_count={group.max_instance_count} instances")
+            raise error(
+                Code.REACH_MAX_ENTITY_CAPACITY,
+                f"instance group {group.name!r} already has max_instance_count={group.max_instance_count} instances",
+            )
 
     def remove_instance(self, instance_id: str) -> Instance:
         """Unregister; observers learn of it (the data plane then drops the instance's blocks)."""
@@ -376,7 +409,9 @@ class Registry:
             if self._accounts.read(txn, user_name) is not None:
                 raise Conflict(f"account {user_name!r} already exists", Code.DUPLICATE_ENTITY)
             now = now_ms()
-            account = Account(user_name=user_name, role=role, password_hash=password_hash, create_time=now, update_time=now)
+            account = Account(
+                user_name=user_name, role=role, password_hash=password_hash, create_time=now, update_time=now
+            )
             self._accounts.put(txn, account, self._changed)
             return account
 
@@ -388,8 +423,9 @@ class Registry:
             old = self._must(txn, self._accounts, user_name)
             if role == "user" and old.role == "admin":
                 self._keep_an_admin(txn, user_name)
-            new = msgspec.structs.replace(old, role=role or old.role, password_hash=password_hash or old.password_hash,
-                                          update_time=now_ms())
+            new = msgspec.structs.replace(
+                old, role=role or old.role, password_hash=password_hash or old.password_hash, update_time=now_ms()
+            )
             self._accounts.put(txn, new, self._changed)
             return new
 
@@ -420,16 +456,24 @@ class Registry:
     def gen_config_snapshot(self) -> dict[str, Any]:
         """Everything in the registry (accounts with their hashes), as one map."""
         with self._store.read() as view:
-            snapshot = Snapshot(created_time=now_ms(), storages=self._storages.all(view),
-                                instance_groups=self._groups.all(view), instances=self._instances.all(view),
-                                accounts=self._accounts.all(view))
+            snapshot = Snapshot(
+                created_time=now_ms(),
+                storages=self._storages.all(view),
+                instance_groups=self._groups.all(view),
+                instances=self._instances.all(view),
+                accounts=self._accounts.all(view),
+            )
         return to_wire(snapshot)
 
     def load_config_snapshot(self, data: dict[str, Any] | str) -> dict[str, int]:
         """Validate a whole snapshot, then replace the registry with it in one transaction."""
-        snapshot = _check_snapshot(_parse_snapshot(data))
-        tables = {STORAGE: snapshot.storages, GROUP: snapshot.instance_groups,
-                  INSTANCE: snapshot.instances, ACCOUNT: snapshot.accounts}
+        snapshot = check_snapshot(parse_snapshot(data))
+        tables: dict[str, list[Any]] = {
+            STORAGE: snapshot.storages,
+            GROUP: snapshot.instance_groups,
+            INSTANCE: snapshot.instances,
+            ACCOUNT: snapshot.accounts,
+        }
         with self._store.write() as txn:
             for kind, records in tables.items():
                 table = self._tables[kind]
@@ -482,58 +526,7 @@ def _names(names: list[str], limit: int = 5) -> str:
 
 def _difference(old: Instance, new: Instance) -> str:
     labels = ("instance_group", "block_size", "location_spec_infos", "location_spec_groups", "model_deployment")
-    for label, a, b in zip(labels, instance_identity(old), instance_identity(new)):
+    for label, a, b in zip(labels, instance_identity(old), instance_identity(new), strict=True):
         if a != b:
             return label
     return "definition"  # pragma: no cover - only called when the identities differ
-
-
-def _parse_snapshot(data: dict[str, Any] | str) -> Snapshot:
-    if isinstance(data, str):
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise InvalidArgument(f"config_snapshot: not valid JSON: {exc}") from None
-    snapshot = convert(data, Snapshot, "config_snapshot")
-    if snapshot.format != SNAPSHOT_FORMAT or snapshot.version > SNAPSHOT_VERSION:
-        raise InvalidArgument(f"config_snapshot: format {snapshot.format!r} v{snapshot.version} is not "
-                              f"{SNAPSHOT_FORMAT!r} v{SNAPSHOT_VERSION}")
-    return snapshot
-
-
-def _check_snapshot(snapshot: Snapshot) -> Snapshot:
-    """Every record valid, names unique, every reference resolved: else nothing is loaded."""
-    storages = [_at(check_storage, s, "storages", i) for i, s in enumerate(snapshot.storages)]
-    groups = [_at(check_group, g, "instance_groups", i) for i, g in enumerate(snapshot.instance_groups)]
-    instances = [_at(check_instance, x, "instances", i) for i, x in enumerate(snapshot.instances)]
-    for i, account in enumerate(snapshot.accounts):
-        _at(lambda a: (check_account(a.user_name, a.role), check_password_hash(a.password_hash)), account, "accounts", i)
-    storage_names = _unique([s.global_unique_name for s in storages], "storages")
-    group_names = _unique([g.name for g in groups], "instance_groups")
-    _unique([x.instance_id for x in instances], "instances")
-    _unique([a.user_name for a in snapshot.accounts], "accounts")
-    for group in groups:
-        for name in group.storage_candidates:
-            if name not in storage_names:
-                raise InvalidArgument(f"config_snapshot.instance_groups: {group.name!r} names unknown storage {name!r}")
-    for instance in instances:
-        if instance.instance_group not in group_names:
-            raise InvalidArgument(f"config_snapshot.instances: {instance.instance_id!r} names unknown group "
-                                  f"{instance.instance_group!r}")
-    return msgspec.structs.replace(snapshot, storages=storages, instance_groups=groups, instances=instances)
-
-
-def _at(check: Callable[[Any], Any], record: Any, field: str, index: int) -> Any:
-    try:
-        return check(record)
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"config_snapshot.{field}[{index}]: {exc.message}") from None
-
-
-def _unique(names: Iterable[str], field: str) -> set[str]:
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            raise InvalidArgument(f"config_snapshot.{field}: {name!r} appears twice")
-        seen.add(name)
-    return seen

@@ -68,30 +68,55 @@ def chain_states_many(
 
 
 def _chain_numpy(np, seeds, token_lists, step):  # type: ignore[no-untyped-def]
-    order = sorted(range(len(seeds)), key=lambda i: -len(token_lists[i]))
-    lengths = [len(token_lists[i]) for i in order]
-    width = lengths[0]
-    n = len(order)
-    toks = np.zeros((width, n), dtype=np.uint64)  # column j = chain order[j], time-major
-    for j, i in enumerate(order):
-        if lengths[j]:
-            toks[: lengths[j], j] = np.asarray(token_lists[i], dtype=np.int64).astype(np.uint64)
-    state = np.array([seeds[i] & _M64 for i in order], dtype=np.uint64)
-    golden = np.uint64(_GOLDEN)
-    twelve, thirty_two = np.uint64(12), np.int64(32)
-    snaps = []
-    alive = n
-    for t in range(width):
-        while alive and lengths[alive - 1] <= t:
-            alive -= 1
-        u = state[:alive]
-        # (h >> 32) on the signed value is an arithmetic shift: do it on an int64 view.
-        hi = (u.view(np.int64) >> thirty_two).view(np.uint64)
-        u ^= toks[t, :alive] + golden + (u << twelve) + hi
-        if (t + 1) % step == 0:
-            snaps.append(state.copy())
-    out: list[list[int]] = [[] for _ in seeds]
-    for j, i in enumerate(order):
-        count = lengths[j] // step
-        out[i] = [int(snaps[k][j]) for k in range(count)]
+    """All chains advance together, one token per step, on preallocated uint64 buffers (five
+    ufunc calls per token: the numpy overhead is paid once per step for every chain)."""
+    n = len(seeds)
+    lengths = [len(t) for t in token_lists]
+    width = _vector_width(lengths)
+    if width == 0:
+        return [chain_states(u, t, step) for u, t in zip(seeds, token_lists)]
+    tokens = np.zeros((n, width), dtype=np.int64)
+    for i, toks in enumerate(token_lists):
+        if toks:
+            toks = toks[:width]
+            try:
+                tokens[i, : len(toks)] = toks
+            except OverflowError:  # ids >= 2**63: their low 64 bits enter the mix
+                tokens[i, : len(toks)] = [(t & _M64) - _TWO64 if t & _M64 >= _TOP else t & _M64 for t in toks]
+    # time-major, +GOLDEN folded in once; int64 -> uint64 keeps two's complement (= v & M)
+    tg = np.ascontiguousarray(tokens.T).view(np.uint64) + np.uint64(_GOLDEN)
+    state = np.array([s & _M64 for s in seeds], dtype=np.uint64)
+    signed = state.view(np.int64)
+    hi = np.empty(n, dtype=np.int64)
+    hi_u = hi.view(np.uint64)
+    tmp = np.empty(n, dtype=np.uint64)
+    snaps = np.empty((width // step, n), dtype=np.uint64)
+    shift_hi, shift_lo = np.int64(32), np.uint64(12)
+    for k in range(width // step):
+        for t in range(k * step, (k + 1) * step):
+            np.right_shift(signed, shift_hi, out=hi)  # arithmetic: (h >> 32) of the signed value
+            np.left_shift(state, shift_lo, out=tmp)
+            np.add(tmp, tg[t], out=tmp)
+            np.add(tmp, hi_u, out=tmp)
+            np.bitwise_xor(state, tmp, out=state)
+        snaps[k] = state
+    columns = snaps.T.tolist()
+    out = [columns[i][: lengths[i] // step] for i in range(n)]
+    for i, length in enumerate(lengths):
+        if length > width:  # the long tail of a few chains: cheaper scalar than padded vectors
+            out[i] += chain_states(out[i][-1], token_lists[i][width:], step)
     return out
+
+
+_VECTOR_STEP_COST = 12  # one vectorised step costs about this many scalar token mixes
+
+
+def _vector_width(lengths: list[int]) -> int:
+    """How many tokens to hash vectorised: beyond it, the few longer chains go scalar."""
+    best, best_cost = 0, None
+    for width in sorted(set(lengths)):
+        tail = sum(length - width for length in lengths if length > width)
+        cost = width * _VECTOR_STEP_COST + tail
+        if best_cost is None or cost < best_cost:
+            best, best_cost = width, cost
+    return best

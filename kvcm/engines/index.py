@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from operator import itemgetter
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -57,6 +58,9 @@ SOURCES_DB = "engine_sources"
 BLOCKS_DB = "engine_blocks"
 _BLOCK_KEY = struct.Struct(">IIQ")  # source number, group, engine hash
 _SID = struct.Struct(">I")
+_TWO64 = 1 << 64
+_TOP = 1 << 63
+_M64 = _TWO64 - 1
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder()
 
@@ -264,7 +268,7 @@ class EngineIndex:
     def _stored(self, state: SourceState, ev: BlockStored, pre: dict[int, list[int]], errors: Counter[str]) -> int:
         group = ev.group_idx or 0
         medium = normalize_medium(ev.medium)
-        hashes = [hash_to_u64(h) for h in ev.block_hashes]
+        hashes = [h & _M64 if type(h) is int else hash_to_u64(h) for h in ev.block_hashes]
         if ev.kv_cache_spec_kind is not None or group not in state.groups:
             state.groups[group] = ev.kv_cache_spec_kind
         if not ev.token_ids or ev.block_size <= 0:
@@ -276,21 +280,37 @@ class EngineIndex:
         states = pre.get(id(ev))
         if states is None:
             states = chain_states(seed, ev.token_ids, step)
-        per_block = ev.block_size // step
         lora = ev.lora_name or ""
+        gained: list[int] = []  # keys this medium starts holding: one table update for all
+        touched: list[tuple[int, int]] = []
+        blocks = state.blocks
+        size = ev.block_size
+        same = step == block_size == size  # the common case: no re-chunking, one key per block
         for i, h in enumerate(hashes):
-            blk = state.blocks.get((group, h))
+            key = (group, h)
+            touched.append(key)
+            blk = blocks.get(key)
             if blk is None:
-                first = i * per_block
-                keys = tuple(
-                    to_signed(states[j]) for j in range(first, first + per_block)
-                    if (pos + (j + 1) * step) % block_size == 0
-                )  # fmt: skip
-                end_pos = pos + (i + 1) * ev.block_size
-                blk = EngineBlock(lora, states[first + per_block - 1], end_pos, keys)
-                state.blocks[(group, h)] = blk
-            self._hold(state, blk, medium, group)
-            state.dirty.add((group, h))
+                if same:
+                    u = states[i]
+                    blk = EngineBlock(lora, u, pos + (i + 1) * size, (u - _TWO64 if u >= _TOP else u,))
+                else:
+                    blk = _new_block(lora, states, i, size, pos, step, block_size)
+                blocks[key] = blk
+            refs = blk.refs
+            count = refs.get(medium, 0)
+            refs[medium] = count + 1
+            if not count and blk.keys:
+                if blk.lora == lora:
+                    gained.extend(blk.keys)
+                else:  # the same engine hash seen under another adapter: keep its namespace
+                    blk.refs[medium] = count
+                    self._hold(state, blk, medium, group)
+        if gained:
+            table = self._table(state.spec.instance_id, lora)
+            main = state.groups.get(group) in MAIN_KINDS
+            table.hold(table.slot(state.spec.source_id, medium, group, main, state.spec.dp_rank), gained)
+        state.dirty.update(touched)
         return len(hashes)
 
     def _plan(
@@ -369,7 +389,7 @@ class EngineIndex:
         if count == 0 and blk.keys:
             table = self._table(state.spec.instance_id, blk.lora)
             kind = state.groups.get(group)
-            table.hold(table.slot(state.spec.source_id, medium, group, kind in MAIN_KINDS), blk.keys)
+            table.hold(table.slot(state.spec.source_id, medium, group, kind in MAIN_KINDS, state.spec.dp_rank), blk.keys)
 
     def _release(self, state: SourceState, blk: EngineBlock, medium: str, group: int) -> None:
         count = blk.refs[medium]
@@ -397,8 +417,13 @@ class EngineIndex:
     # --- vectorised re-hashing across the stores of one drain -----------------------------------
 
     def _precompute(self, items: Sequence[Item]) -> dict[int, list[int]]:
-        """Chain states of the stores in ``items`` whose parent can be known, hashed in waves of
-        independent chains (numpy across chains). Each store is still checked when applied."""
+        """Chain states of the stores in ``items``, hashed together (numpy across chains).
+
+        A store whose parent is the last block of an earlier store of the same drain continues
+        that store's chain (its tokens are appended), so one vLLM request's successive events
+        cost no extra pass. Stores that fit neither case (a parent in the middle of an earlier
+        store) are left to the scalar path; every store is re-checked when applied in order.
+        """
         jobs = []
         for source_id, generation, _, batch in items:
             state = self._sources.get(source_id)
@@ -409,61 +434,45 @@ class EngineIndex:
                     jobs.append((state, ev))
         if len(jobs) < 12:
             return {}  # below that the scalar path in _stored is as fast
-        return self._waves(jobs)
+        return _hash_chains(self._chains(jobs))
 
-    def _waves(self, jobs: list[tuple[SourceState, BlockStored]]) -> dict[int, list[int]]:
-        produced: dict[tuple[str, int, int], tuple[int, int]] = {}
-        producers = {
-            (s.spec.source_id, ev.group_idx or 0, hash_to_u64(h)) for s, ev in jobs for h in ev.block_hashes
-        }
-        out: dict[int, list[int]] = {}
-        todo = jobs
-        while todo:
-            waves: dict[int, list[tuple[SourceState, BlockStored, int, int]]] = {}
-            later = []
-            for state, ev in todo:
-                seed = self._job_seed(state, ev, produced, producers)
-                if seed is None:
-                    later.append((state, ev))
-                elif seed:
-                    waves.setdefault(seed[2], []).append((state, ev, seed[0], seed[1]))
-            if not waves:
-                break
-            for step, wave in waves.items():
-                results = chain_states_many([w[2] for w in wave], [w[1].token_ids for w in wave], step)
-                for (state, ev, _, pos), states in zip(wave, results):
-                    out[id(ev)] = states
-                    _note_produced(state, ev, states, pos, step, produced)
-            todo = later
-        return out
-
-    def _job_seed(
-        self,
-        state: SourceState,
-        ev: BlockStored,
-        produced: dict[tuple[str, int, int], tuple[int, int]],
-        producers: set[tuple[str, int, int]],
-    ) -> tuple[int, int, int] | tuple[()] | None:
-        """``(seed, pos, step)``; ``None``: its parent comes from a later wave; ``()``: skip."""
-        if len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
-            return ()
-        block_size = self._instance_block_size(state, Counter())
-        if not block_size or (ev.block_size % block_size and block_size % ev.block_size):
-            return ()
-        step = min(ev.block_size, block_size)
-        seed, pos = 0, 0
-        if ev.parent_block_hash is not None:
+    def _chains(self, jobs: list[tuple[SourceState, BlockStored]]) -> list[_Chain]:
+        chains: list[_Chain] = []
+        tails: dict[tuple[str, int, int], _Chain] = {}  # (source, group, last hash) -> open chain
+        for state, ev in jobs:
+            head = self._head(state, ev)
+            if head is None:
+                continue
+            seed, step = head
             group = ev.group_idx or 0
-            h = hash_to_u64(ev.parent_block_hash)
-            parent = state.blocks.get((group, h))
-            key = (state.spec.source_id, group, h)
-            if parent is not None:
-                seed, pos = parent.end, parent.pos
-            elif key in produced:
-                seed, pos = produced[key]
+            source_id = state.spec.source_id
+            if seed is None:  # parent unknown before this drain: maybe an earlier store's tail
+                assert ev.parent_block_hash is not None
+                chain = tails.pop((source_id, group, hash_to_u64(ev.parent_block_hash)), None)
+                if chain is None or chain.step != step:
+                    continue
             else:
-                return None if key in producers else ()
-        return () if pos % step else (seed, pos, step)
+                chain = _Chain(seed, step)
+                chains.append(chain)
+            chain.events.append(ev)
+            chain.tokens.extend(ev.token_ids)
+            tails[(source_id, group, hash_to_u64(ev.block_hashes[-1]))] = chain
+        return chains
+
+    def _head(self, state: SourceState, ev: BlockStored) -> tuple[int | None, int] | None:
+        """``(seed, step)`` for a store; seed None if its parent is not indexed yet; None to skip."""
+        if not ev.block_hashes or len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+            return None
+        block_size = self._instance_block_size(state, _IGNORED)
+        if not block_size or (ev.block_size % block_size and block_size % ev.block_size):
+            return None
+        step = min(ev.block_size, block_size)
+        if ev.parent_block_hash is None:
+            return 0, step
+        parent = state.blocks.get((ev.group_idx or 0, hash_to_u64(ev.parent_block_hash)))
+        if parent is None:
+            return None, step
+        return None if parent.pos % step else (parent.end, step)
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -487,26 +496,25 @@ class EngineIndex:
             if table is None:
                 return []
             lengths = table.longest_prefixes(keys, table.allowed(wanted, group_idx))
-            per_source: dict[str, dict[str, int]] = {}
+            slots = table.slots
+            per_source: dict[str, dict[str, Any]] = {}
             for sid, n in lengths.items():
-                slot = table.slots[sid]
-                if slot is None:
+                slot = slots[sid]
+                if slot is None or not n:
                     continue
-                by_medium = per_source.setdefault(slot.source_id, {})
+                entry = per_source.get(slot.source_id)
+                if entry is None:
+                    per_source[slot.source_id] = {"source_id": slot.source_id, "dp_rank": slot.dp_rank,
+                                                  "matched_blocks": n, "media": {slot.medium: n}}  # fmt: skip
+                    continue
+                by_medium = entry["media"]
                 if n > by_medium.get(slot.medium, 0):
                     by_medium[slot.medium] = n
-            out = [self._match_entry(source_id, by_medium) for source_id, by_medium in per_source.items()]
-        out.sort(key=lambda r: (-r["matched_blocks"], -r["media"].get("GPU", 0), r["source_id"]))
+                    if n > entry["matched_blocks"]:
+                        entry["matched_blocks"] = n
+        out = sorted(per_source.values(), key=_BY_SOURCE)
+        out.sort(key=_BY_MATCH, reverse=True)  # stable: ties stay in source id order
         return out
-
-    def _match_entry(self, source_id: str, by_medium: dict[str, int]) -> dict[str, Any]:
-        state = self._sources.get(source_id)
-        return {
-            "source_id": source_id,
-            "dp_rank": state.spec.dp_rank if state is not None else 0,
-            "matched_blocks": max(by_medium.values()),
-            "media": by_medium,
-        }
 
     def locations(
         self, instance_id: str, keys: Sequence[int], *, lora_name: str | None = None
@@ -598,19 +606,53 @@ class _NullTxn:
         return None
 
 
-def _note_produced(
-    state: SourceState,
-    ev: BlockStored,
-    states: list[int],
-    pos: int,
-    step: int,
-    produced: dict[tuple[str, int, int], tuple[int, int]],
-) -> None:
-    per_block = ev.block_size // step
-    group = ev.group_idx or 0
-    for i, raw in enumerate(ev.block_hashes):
-        end = (states[(i + 1) * per_block - 1], pos + (i + 1) * ev.block_size)
-        produced[(state.spec.source_id, group, hash_to_u64(raw))] = end
+def _new_block(lora: str, states: list[int], i: int, size: int, pos: int, step: int, block_size: int) -> EngineBlock:
+    """Engine block ``i`` of a store event: its end state, end position and the kvcm keys whose
+    blocks end inside it (one when sizes are equal, ``size/step`` or 0-1 when re-chunked)."""
+    per_block = size // step
+    first = i * per_block
+    last = states[first + per_block - 1]
+    if per_block == 1 and step == block_size:
+        keys: tuple[int, ...] = (last - _TWO64 if last >= _TOP else last,)
+    else:
+        keys = tuple(
+            to_signed(states[j]) for j in range(first, first + per_block) if (pos + (j + 1) * step) % block_size == 0
+        )
+    return EngineBlock(lora, last, pos + (i + 1) * size, keys)
+
+
+class _Chain:
+    """Consecutive stores hashed as one chain by :func:`_hash_chains`."""
+
+    __slots__ = ("seed", "step", "events", "tokens")
+
+    def __init__(self, seed: int, step: int) -> None:
+        self.seed = seed
+        self.step = step
+        self.events: list[BlockStored] = []
+        self.tokens: list[int] = []
+
+
+def _hash_chains(chains: list[_Chain]) -> dict[int, list[int]]:
+    """Hash every chain (grouped by step, numpy across chains); states per store event."""
+    out: dict[int, list[int]] = {}
+    by_step: dict[int, list[_Chain]] = {}
+    for chain in chains:
+        by_step.setdefault(chain.step, []).append(chain)
+    for step, group in by_step.items():
+        results = chain_states_many([c.seed for c in group], [c.tokens for c in group], step)
+        for chain, states in zip(group, results):
+            offset = 0
+            for ev in chain.events:
+                n = len(ev.token_ids) // step
+                out[id(ev)] = states[offset : offset + n]
+                offset += n
+    return out
+
+
+_BY_SOURCE = itemgetter("source_id")
+_BY_MATCH = itemgetter("matched_blocks")
+_IGNORED: Counter[str] = Counter()  # errors of the precompute pass are counted when applied
 
 
 def _flush_source(txn: Any, state: SourceState) -> int:
@@ -618,13 +660,15 @@ def _flush_source(txn: Any, state: SourceState) -> int:
         _delete_blocks(txn, state.number)
         state.cleared = False
     puts, dels = [], []
+    pack_key, encode, number, blocks = _BLOCK_KEY.pack, _ENC.encode, state.number, state.blocks
     for group, h in state.dirty:
-        key = _BLOCK_KEY.pack(state.number, group, h)
-        blk = state.blocks.get((group, h))
+        key = pack_key(number, group, h)
+        blk = blocks.get((group, h))
         if blk is None:
             dels.append(key)
         else:
-            puts.append((key, blk.pack()))
+            puts.append((key, encode((blk.lora, blk.end, blk.pos, blk.keys, blk.refs))))
+    puts.sort()  # B-tree inserts in key order touch each page once
     txn.put_many(BLOCKS_DB, puts)
     if dels:
         txn.delete_many(BLOCKS_DB, dels)

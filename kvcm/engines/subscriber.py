@@ -69,6 +69,7 @@ class _Conn:
         self.replay_start: int | None = None  # seq requested by the replay in flight
         self.replay_deadline = 0.0
         self.replay_first: int | None = None
+        self.replay_check: tuple[int, float] | None = None
         self.replay_not_before = 0.0
         self.held: list[tuple[int, DecodedBatch | None]] = []
         self.open_at = 0.0
@@ -212,6 +213,7 @@ class EventSubscriber:
         if conn is not None:
             self._close_sockets(conn)
             self._ops = [op for op in self._ops if op[1][0] != source_id]
+            self.metrics.remove_source(source_id)  # again: closing set the status gauge
 
     def _open(self, conn: _Conn) -> None:
         """Create and connect the source's sockets; on failure, retry after a backoff."""
@@ -324,20 +326,22 @@ class EventSubscriber:
     def _can_replay(self, conn: _Conn, allow: bool) -> bool:
         return allow and conn.dealer is not None and self._clock() >= conn.replay_not_before
 
-    def _restart(self, conn: _Conn, seq: int, batch: DecodedBatch | None) -> None:
-        """The publisher restarted (its seq went back): clear the source and rebuild."""
-        log.info("source %s: publisher restart detected (seq %d after %d)", conn.spec.source_id, seq, conn.last_seq)
+    def _restart(self, conn: _Conn, seq: int | None, batch: DecodedBatch | None) -> None:
+        """The publisher restarted (its seq went back): clear the source and rebuild by replay."""
+        log.info("source %s: publisher restart detected (seq %s after %d)", conn.spec.source_id, seq, conn.last_seq)
         conn.stats["restarts"] += 1
         self._error(conn, "publisher_restart")
         self._ops.append(("clear", (conn.spec.source_id, conn.generation)))
         conn.last_seq, conn.last_ts = -1, 0.0
+        if conn.replay_start is not None and conn.dealer is not None:
+            self._renew_dealer(conn)  # replies of the abandoned replay must not be applied
         conn.replay_start = None
-        conn.held = []
-        if conn.dealer is not None:
+        if seq is not None:
             self._hold(conn, seq, batch)
+        if conn.dealer is not None:
             self._start_replay(conn, 0)
         else:
-            self._sequence(conn, seq, batch, allow_replay=False)
+            self._release_held(conn)
 
     def _hold(self, conn: _Conn, seq: int, batch: DecodedBatch | None) -> None:
         if len(conn.held) >= self.settings.max_held:
@@ -370,9 +374,12 @@ class EventSubscriber:
 
     # --- replay -----------------------------------------------------------------------------------
 
-    def _start_replay(self, conn: _Conn, start: int) -> None:
+    def _start_replay(self, conn: _Conn, start: int, check: tuple[int, float] | None = None) -> None:
+        """Ask for every buffered batch from ``start``. With ``check = (seq, ts)`` the first reply
+        must be that very batch, proving the publisher is the incarnation we last heard from."""
         if conn.dealer is None:
             return
+        conn.replay_check = check
         try:
             conn.dealer.send_multipart([b"", _SEQ.pack(start)], zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -395,12 +402,21 @@ class EventSubscriber:
         if conn.replay_start is None:
             return  # a late reply to a replay we gave up on
         if frames[0] == END_SEQ or not frames[1]:
+            if conn.replay_check is not None:
+                # our last batch is not buffered any more: a restarted publisher (or one whose
+                # buffer rolled over); either way our blocks may be stale
+                self._restart(conn, None, None)
+                return
             self._replay_done(conn)
             return
         seq = _SEQ.unpack(frames[0])[0]
         batch = self._decode(conn, frames[1])
         if conn.replay_first is None:
             conn.replay_first = seq
+            check, conn.replay_check = conn.replay_check, None
+            if check is not None and seq == check[0] and batch is not None and batch.ts != check[1]:
+                self._restart(conn, None, None)  # same seq, another batch: a new publisher
+                return
             if seq > conn.replay_start:
                 self._unrecoverable(conn, seq)
         conn.replay_deadline = self._clock() + conn.replay_timeout  # progress extends the deadline
@@ -428,10 +444,16 @@ class EventSubscriber:
         self._error(conn, kind)
         conn.replay_not_before = self._clock() + conn.next_backoff("replay_backoff", self.settings.backoff_factor)
         if conn.dealer is not None:  # stale replies must not leak into the next replay
-            self._disown(conn.dealer)
-            conn.dealer = None
-            self._open_dealer(conn)
+            self._renew_dealer(conn)
         self._release_held(conn)
+
+    def _renew_dealer(self, conn: _Conn) -> None:
+        self._disown(conn.dealer)
+        conn.dealer = None
+        try:
+            self._open_dealer(conn)
+        except zmq.ZMQError:
+            self._error(conn, "connect")
 
     def _release_held(self, conn: _Conn) -> None:
         held, conn.held = sorted(conn.held, key=lambda x: x[0]), []
@@ -455,7 +477,12 @@ class EventSubscriber:
             conn.backoff = conn.backoff_initial
             reconnect, conn.ever_connected = conn.ever_connected, True
             if conn.dealer is not None and conn.replay_start is None:
-                self._start_replay(conn, conn.last_seq + 1)
+                # Ask from last_seq itself (applying resumes at last_seq + 1): its batch must come
+                # back unchanged, else the publisher restarted while we were away.
+                if conn.last_seq >= 0:
+                    self._start_replay(conn, conn.last_seq, (conn.last_seq, conn.last_ts))
+                else:
+                    self._start_replay(conn, 0)
             elif reconnect:
                 log.info("source %s reconnected without replay; gaps will be counted", source_id)
         elif event == zmq.EVENT_DISCONNECTED:

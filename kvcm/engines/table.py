@@ -30,6 +30,7 @@ class Slot:
     medium: str
     group: int
     main: bool
+    dp_rank: int = 0
 
 
 class HolderTable:
@@ -45,7 +46,7 @@ class HolderTable:
 
     # --- slots ------------------------------------------------------------------------------
 
-    def slot(self, source_id: str, medium: str, group: int, main: bool) -> int:
+    def slot(self, source_id: str, medium: str, group: int, main: bool, dp_rank: int = 0) -> int:
         """The id of the slot, allocated on first use (ids of freed slots are reused)."""
         key = (source_id, medium, group)
         sid = self.slot_ids.get(key)
@@ -56,7 +57,7 @@ class HolderTable:
             self.slots.append(None)
             self.refs.append({})
         self._allowed.clear()
-        self.slots[sid] = Slot(source_id, medium, group, main)
+        self.slots[sid] = Slot(source_id, medium, group, main, dp_rank)
         self.refs[sid] = {}
         self.slot_ids[key] = sid
         return sid
@@ -135,20 +136,27 @@ class HolderTable:
         """Slot id -> number of leading ``keys`` the slot holds (slots with 0 omitted)."""
         if not keys or not allowed:
             return {}
-        holders = self.holders
-        active = holders.get(keys[0], 0) & allowed
+        get = self.holders.get
+        active = get(keys[0], 0) & allowed
         lengths: dict[int, int] = {}
-        i = 1
-        n = len(keys)
-        while active and i < n:
-            mask = holders.get(keys[i], 0)
+        i = 0
+        for i, key in enumerate(keys):  # noqa: B007 - i is the match length after the loop
+            if not active:
+                break
+            mask = get(key, 0)
             dropped = active & ~mask
             if dropped:
-                _record(lengths, dropped, i)
                 active &= mask
-            i += 1
-        if active:
-            _record(lengths, active, n)
+                while dropped:  # each slot drops out once: O(slots) over the whole walk
+                    low = dropped & -dropped
+                    lengths[low.bit_length() - 1] = i
+                    dropped ^= low
+        else:
+            i = len(keys)
+        while active:
+            low = active & -active
+            lengths[low.bit_length() - 1] = i
+            active ^= low
         return lengths
 
     def holders_of(self, key: int, allowed: int) -> list[Slot]:
@@ -161,10 +169,3 @@ class HolderTable:
                 out.append(slot)
             mask ^= low
         return out
-
-
-def _record(lengths: dict[int, int], bits: int, length: int) -> None:
-    while bits:
-        low = bits & -bits
-        lengths[low.bit_length() - 1] = length
-        bits ^= low

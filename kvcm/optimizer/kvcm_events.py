@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvcm.optimizer.records import LineContext, Mask, Record, json_lines
 
@@ -136,17 +136,16 @@ class _Reader:
         session = _Session(ts, instance, keys, _as_bools(mask, len(keys)))
         self._pair(session)
         self.sessions[session_id] = session
-        return None
 
     def _pair(self, session: _Session) -> None:
         """Tair's rule: the latest read whose keys minus the last prefix the write's keys."""
-        reads = self.reads.get(session.instance)
+        reads = self.reads.get(session.instance, deque())
         keys = session.keys
-        for i in range(len(reads or ()) - 1, -1, -1):
-            read = reads[i]  # type: ignore[index]
+        for i in range(len(reads) - 1, -1, -1):
+            read = reads[i]
             head = read[:-1]
             if keys[: len(head)] == head:
-                del reads[i]  # type: ignore[arg-type]
+                del reads[i]
                 bs = self.trace.block_size_of(session.instance)
                 session.tokens = len(read) * bs
                 session.output_tokens = (len(keys) - len(read) + 1) * bs
@@ -176,7 +175,7 @@ class _Reader:
         self.trace.counts["unfinished_writes"] += len(self.sessions)
         self.trace.counts["unpaired_reads"] += sum(len(q) for q in self.reads.values())
 
-    _HANDLERS: dict[str, Callable[[_Reader, LineContext, float, str], Record | None]] = {
+    _HANDLERS: ClassVar[dict[str, Callable[[_Reader, LineContext, float, str], Record | None]]] = {
         "GetCacheLocation": _lookup,
         "StartWriteCache": _start,
         "FinishWriteCache": _finish,

@@ -28,11 +28,11 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal, Union
+from typing import IO, Any, Literal
 
 Op = Literal["turn", "read", "write", "remove", "clear"]
 OPS: tuple[str, ...] = ("turn", "read", "write", "remove", "clear")
-Mask = Union[int, list[bool]]
+Mask = int | list[bool]
 
 
 class TraceError(ValueError):
@@ -109,7 +109,7 @@ def json_lines(
 class LineContext:
     """Field access that turns a bad value into a :class:`TraceError` naming the line."""
 
-    __slots__ = ("where", "obj")
+    __slots__ = ("obj", "where")
 
     def __init__(self, path: str | os.PathLike[str], lineno: int, obj: dict[str, Any]) -> None:
         self.where = f"{path}:{lineno}"

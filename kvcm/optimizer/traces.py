@@ -173,8 +173,7 @@ def dump_schema(trace: Trace, out: IO[str] | str | os.PathLike[str]) -> int:
         n = _write_schema(trace, trace.records, body, header_first=False)
     with open(out, "w", encoding="utf-8") as f, open(tmp, encoding="utf-8") as body:
         f.write(json.dumps(_header(trace)) + "\n")
-        for line in body:
-            f.write(line)
+        f.writelines(body)
     os.remove(tmp)
     return n
 

@@ -49,9 +49,9 @@ if TYPE_CHECKING:
 
 def capture_line(ts: float, source: str, seq: int, topic: str, payload: bytes) -> str:
     """One line of a capture file (no trailing newline)."""
+    payload_b64 = base64.b64encode(payload).decode("ascii")
     return json.dumps(
-        {"ts": ts, "source": source, "seq": seq, "topic": topic,
-         "payload_b64": base64.b64encode(payload).decode("ascii")}  # fmt: skip
+        {"ts": ts, "source": source, "seq": seq, "topic": topic, "payload_b64": payload_b64}
     )
 
 

@@ -203,10 +203,13 @@ def _classify_failure(data: Any) -> str:
         obj = _ANY.decode(data)
     except Exception:  # noqa: BLE001 - any failure here just means "broken"
         return BAD_EVENT
-    tag = obj.get("type") if isinstance(obj, dict) else (obj[0] if obj else None)
-    if isinstance(obj, (dict, list)) and isinstance(tag, str) and tag not in _KNOWN_TAGS:
-        return UNKNOWN_EVENT
-    return BAD_EVENT
+    if isinstance(obj, dict):
+        tag = obj.get("type")
+    elif isinstance(obj, list) and obj:
+        tag = obj[0]
+    else:
+        return BAD_EVENT
+    return UNKNOWN_EVENT if isinstance(tag, str) and tag not in _KNOWN_TAGS else BAD_EVENT
 
 
 def hash_to_u64(h: ExternalBlockHash) -> int:
@@ -231,16 +234,22 @@ def encode_batch(
     ts: float,
     data_parallel_rank: int | None = None,
     encoding: str = "map",
+    extras: Sequence[dict[str, Any] | None] | None = None,
 ) -> bytes:
     """Encode a batch in one of :data:`ENCODINGS`, byte-compatible with vLLM's own encoder.
 
     ``map``: map batch (``data_parallel_rank`` omitted when ``None``) + map events;
     ``array``: array batch + positional events; ``mixed``: array batch + map events.
+    ``extras``: per event, additional map fields (map shapes only; consumers ignore unknown keys).
     """
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding!r}, expected one of {ENCODINGS}")
     as_map = encoding != "array"
-    body = [_event_map(e) if as_map else _event_array(e) for e in events]
+    body: list[Any] = [_event_map(e) if as_map else _event_array(e) for e in events]
+    if extras is not None and as_map:
+        for item, extra in zip(body, extras):
+            if extra:
+                item.update(extra)
     if encoding == "map":
         batch: Any = {"ts": float(ts), "events": body}
         if data_parallel_rank is not None:

@@ -1,0 +1,97 @@
+"""Engine-tier RPCs: ``add_event_source``, ``remove_event_source``, ``list_event_sources``,
+``match_engines``.
+
+``match_engines`` is what a KV-aware router asks: for this prompt (``token_ids``, hashed with the
+instance's block size, or ready ``block_keys``), how many leading blocks does each engine source
+hold, per medium, best first.
+
+Request schemas ignore unknown fields and accept ``trace_id``; replies are plain maps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvcm.dispatch import Method
+from kvcm.engines.service import EngineService
+from kvcm.errors import InvalidArgument
+
+
+class _Request(msgspec.Struct, kw_only=True):
+    trace_id: str = ""
+
+
+class AddEventSourceRequest(_Request):
+    source_id: str
+    instance_id: str
+    endpoint: str | None = None  # PUB endpoint as given (tcp://, ipc://, inproc://)
+    replay_endpoint: str | None = None  # replay ROUTER; absent = no replay (endpoint form)
+    host: str | None = None  # instead of endpoint: tcp://host:port+dp_rank (IPv4, IPv6, DNS)
+    port: int | None = None  # default events.pub_port (5557)
+    replay_port: int | None = None  # default events.replay_port (5558)
+    replay: bool = True  # host form only: false = no replay ROUTER
+    topic: str = ""
+    dp_rank: int = 0
+    replay_timeout_s: float | None = None
+    backoff_initial_s: float | None = None
+    backoff_max_s: float | None = None
+    poll_ms: int | None = None
+
+
+class RemoveEventSourceRequest(_Request):
+    source_id: str
+
+
+class ListEventSourcesRequest(_Request):
+    instance_id: str | None = None
+
+
+class MatchEnginesRequest(_Request):
+    instance_id: str
+    token_ids: list[int] = []
+    block_keys: list[int] = []
+    lora_name: str | None = None
+    media: list[str] | None = None  # e.g. ["GPU"]; absent = every medium
+    medium: str | None = None  # shorthand for media=[medium]
+    group_idx: int | None = None  # absent = full-attention-like groups
+    limit: int = 0  # 0 = every source with a match
+
+
+class _Handlers:
+    def __init__(self, service: EngineService) -> None:
+        self.service = service
+
+    def add_event_source(self, req: AddEventSourceRequest) -> dict[str, Any]:
+        params = {f: getattr(req, f) for f in req.__struct_fields__ if f != "trace_id"}
+        return self.service.add_source(params)
+
+    def remove_event_source(self, req: RemoveEventSourceRequest) -> dict[str, Any]:
+        return self.service.remove_source(req.source_id)
+
+    def list_event_sources(self, req: ListEventSourcesRequest) -> dict[str, Any]:
+        return self.service.list_sources(req.instance_id)
+
+    def match_engines(self, req: MatchEnginesRequest) -> dict[str, Any]:
+        if req.limit < 0:
+            raise InvalidArgument("limit must be >= 0")
+        media = req.media if req.media is not None else ([req.medium] if req.medium else None)
+        out = self.service.match(
+            req.instance_id, req.token_ids, req.block_keys,
+            lora_name=req.lora_name, media=media, group_idx=req.group_idx,
+        )  # fmt: skip
+        if req.limit:
+            out["sources"] = out["sources"][: req.limit]
+        return out
+
+
+def methods(service: EngineService) -> list[Method]:
+    """The engine-tier method table for the dispatcher."""
+    h = _Handlers(service)
+    return [
+        Method("add_event_source", h.add_event_source, AddEventSourceRequest, writes=True, admin=True),
+        Method("remove_event_source", h.remove_event_source, RemoveEventSourceRequest, writes=True, idempotent=False, admin=True),
+        Method("list_event_sources", h.list_event_sources, ListEventSourcesRequest),
+        Method("match_engines", h.match_engines, MatchEnginesRequest),
+    ]

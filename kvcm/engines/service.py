@@ -1,0 +1,171 @@
+"""The engine tier as one object: sources, index, subscriber and metrics wired together.
+
+:class:`EngineService` is what ``kvcm/api/engines.py`` calls and what ``app.py`` starts and stops.
+It validates requests, keeps the index and the subscriber in step (the index owns the persisted
+source list; the subscriber owns the sockets), and shapes replies.
+
+Thread ownership: public methods are called from the RPC thread; the subscriber runs on its own
+thread (:meth:`start`), or is driven by tests through ``service.subscriber.poll_once``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from kvcm.backends.base import MetaStore
+from kvcm.blockkeys import token_ids_to_block_keys
+from kvcm.engines.index import EngineIndex, SourceState
+from kvcm.engines.metrics import EventMetrics
+from kvcm.engines.sources import SourceSpec, SubscriberSettings, build_spec, static_specs
+from kvcm.engines.subscriber import EventSubscriber
+from kvcm.errors import InvalidArgument
+
+log = logging.getLogger("kvcm.engines")
+
+
+class EngineService:
+    """Sources + engine index + subscriber (see the module docstring).
+
+    :param store: where the engine index and source positions persist (None = memory only).
+        It may be a separate non-syncing LMDB environment: the engine index can be rebuilt
+        from the engines, so it needs to survive a kvcm crash, not a power loss.
+    :param instance_lookup: ``instance_id -> block_size``; raises ``NotFound`` for unknown ids.
+    """
+
+    def __init__(
+        self,
+        store: MetaStore | None,
+        instance_lookup: Callable[[str], int],
+        settings: SubscriberSettings | None = None,
+        registry: CollectorRegistry | None = None,
+        static_sources: Sequence[Any] = (),
+    ) -> None:
+        self.settings = settings or SubscriberSettings()
+        self.instance_lookup = instance_lookup
+        self.metrics = EventMetrics(registry)
+        self.index = EngineIndex(store, instance_lookup)
+        self.subscriber = EventSubscriber(self.index, self.settings, self.metrics)
+        for state in self.index.load():
+            self.subscriber.add(state.spec, state.generation, state.last_seq, state.last_ts)
+        for spec in static_specs(tuple(static_sources), self.settings):
+            self._add_static(spec)
+
+    def _add_static(self, spec: SourceSpec) -> None:
+        old = self.index.get(spec.source_id)
+        if old is not None and old.spec != spec:
+            # the config changed under a persisted source: its blocks may be another pod's
+            self.subscriber.remove(spec.source_id)
+            self.index.remove_source(spec.source_id)
+        elif old is not None:
+            return
+        state = self.index.add_source(spec)
+        self.subscriber.add(spec, state.generation)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.subscriber.start()
+
+    def stop(self) -> None:
+        self.subscriber.stop()
+        self.index.flush()
+
+    # --- sources --------------------------------------------------------------------------------
+
+    def add_source(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Validate, persist and start following a source. Re-adding an identical spec is a no-op."""
+        spec = build_spec({k: v for k, v in params.items() if v is not None}, self.settings)
+        self.instance_lookup(spec.instance_id)  # raises NotFound for an unknown instance
+        existed = self.index.get(spec.source_id) is not None
+        state = self.index.add_source(spec)
+        if not existed:
+            self.subscriber.add(spec, state.generation, state.last_seq, state.last_ts)
+        return {"source": self._describe(state, {})}
+
+    def remove_source(self, source_id: str) -> dict[str, Any]:
+        """Stop following a source and drop exactly its blocks and metrics."""
+        state = self.index.remove_source(source_id)
+        self.subscriber.remove(source_id)
+        self.metrics.remove_source(source_id)
+        return {"source_id": source_id, "instance_id": state.spec.instance_id}
+
+    def list_sources(self, instance_id: str | None = None) -> dict[str, Any]:
+        snap = self.subscriber.snapshot()
+        out = [
+            self._describe(state, snap.get(state.spec.source_id, {}))
+            for state in sorted(self.index.sources(), key=lambda s: s.spec.source_id)
+            if instance_id is None or state.spec.instance_id == instance_id
+        ]
+        return {"sources": out}
+
+    def _describe(self, state: SourceState, conn: dict[str, Any]) -> dict[str, Any]:
+        spec = state.spec
+        held = self.index.blocks_held(spec.source_id)
+        for medium, n in held.items():
+            self.metrics.note("blocks", spec.source_id, medium)
+            self.metrics.blocks.labels(spec.source_id, medium).set(n)
+        return {
+            "source_id": spec.source_id,
+            "instance_id": spec.instance_id,
+            "endpoint": spec.endpoint,
+            "replay_endpoint": spec.replay_endpoint,
+            "topic": spec.topic,
+            "dp_rank": spec.dp_rank,
+            "static": spec.static,
+            "connected": bool(conn.get("connected", False)),
+            "replaying": bool(conn.get("replaying", False)),
+            "last_seq": state.last_seq,
+            "missed": conn.get("missed", 0),
+            "replays": conn.get("replays", 0),
+            "replay_failures": conn.get("replay_failures", 0),
+            "restarts": conn.get("restarts", 0),
+            "duplicates": conn.get("duplicates", 0),
+            "errors": conn.get("errors", 0),
+            "errors_by_kind": conn.get("errors_by_kind", {}),
+            "connections": conn.get("connections", 0),
+            "disconnections": conn.get("disconnections", 0),
+            "blocks_held": sum(held.values()),
+            "blocks_by_medium": held,
+            "last_event_time": state.last_event_time or None,
+        }
+
+    # --- queries ----------------------------------------------------------------------------------
+
+    def keys_for(self, instance_id: str, token_ids: Sequence[int] | None, block_keys: Sequence[int] | None) -> list[int]:
+        """The query's kvcm keys: ``block_keys`` verbatim, else hashed from ``token_ids``."""
+        block_size = self.instance_lookup(instance_id)
+        if block_keys:
+            return list(block_keys)
+        if token_ids:
+            return token_ids_to_block_keys(token_ids, block_size)
+        raise InvalidArgument("token_ids or block_keys is required")
+
+    def match(
+        self,
+        instance_id: str,
+        token_ids: Sequence[int] | None = None,
+        block_keys: Sequence[int] | None = None,
+        *,
+        lora_name: str | None = None,
+        media: Sequence[str] | None = None,
+        group_idx: int | None = None,
+    ) -> dict[str, Any]:
+        """``match_engines``: per source, the longest held prefix split by medium, best first."""
+        started = time.perf_counter()
+        keys = self.keys_for(instance_id, token_ids, block_keys)
+        sources = self.index.match(instance_id, keys, lora_name=lora_name, media=media, group_idx=group_idx)
+        return {
+            "instance_id": instance_id,
+            "num_blocks": len(keys),
+            "sources": sources,
+            "elapsed_us": int((time.perf_counter() - started) * 1e6),
+        }
+
+    def engine_locations(self, instance_id: str, keys: Sequence[int], lora_name: str | None = None) -> list[list[dict[str, Any]]]:
+        """Per key, the engines holding it: for ``get_cache_location(include_engines=true)``."""
+        return self.index.locations(instance_id, keys, lora_name=lora_name)

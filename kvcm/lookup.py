@@ -1,0 +1,247 @@
+"""Read side of the data plane: ``get_cache_location`` and ``get_cache_meta`` (Tair §4.3, §4.4).
+
+Reads are lock-free: one read transaction per request, values through the index's search cache.
+Only ``serving`` copies on usable storages are visible; among several, the group's candidate
+order decides (deterministic, unlike Tair's weighted random pick). Replies are assembled from
+the pre-packed wire bytes stored in each record (:mod:`kvcm.records`), never decoded and
+repacked on the fast path; a ``prefix_match`` first tries *runs* (the pre-concatenated reply
+of blocks one session wrote together), which cost one read per run instead of one per block.
+
+Mask rules (every query type honours the mask, unlike Tair §18.13):
+
+* ``prefix_match`` drops masked keys and walks the rest in order (Tair's compaction);
+* ``batch_get`` answers one entry per request key; masked keys are not looked up (empty entry);
+* ``reverse_roll_sw_match`` answers one entry per request key; a masked key cannot be part of
+  the matched window.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from kvcm.errors import InvalidArgument
+from kvcm.masks import BlockMask, check_mask, derive_keys, masked_flags, unmasked_indices
+from kvcm.proto.wire import Raw, pack_array_raw, pack_map_raw
+from kvcm.records import (FAST, RUNS_DB, STATUS_NAMES, Location, Status, decode, filter_wire, pack_keys, run_match,
+                           unpack_wire)
+
+if TYPE_CHECKING:
+    from kvcm.manager import CacheManager
+    from kvcm.selection import InstanceView
+
+_packer = msgpack.Packer(use_bin_type=True)
+_U64 = struct.Struct(">Q")
+_SIGN = 1 << 63
+QUERY_TYPES = ("prefix_match", "batch_get", "reverse_roll_sw_match")
+DETAIL_LEVELS = (0, 1, 2)
+
+
+def visible(value: bytes, unusable: frozenset[str], rank: Callable[[str], int]) -> bytes | None:
+    """Wire bytes of the copy a reader should use, or None."""
+    if value[0] == FAST and not unusable:
+        return value[3 : 3 + (value[1] << 8 | value[2])]
+    best: Location | None = None
+    for loc in decode(value).locs:
+        if loc.status == Status.SERVING and loc.storage not in unusable:
+            if best is None or rank(loc.storage) < rank(best.storage):
+                best = loc
+    return None if best is None else best.wire
+
+
+def get_cache_location(
+    m: CacheManager,
+    instance_id: str,
+    query_type: str,
+    block_keys: Sequence[int] | None,
+    token_ids: Sequence[int] | None,
+    mask: BlockMask | None,
+    sw_size: int,
+    spec_names: Sequence[str] | None,
+) -> Raw:
+    inst = m.instance(instance_id)
+    if query_type not in QUERY_TYPES:
+        raise InvalidArgument(f"query_type: {query_type!r} is not one of {', '.join(QUERY_TYPES)}")
+    keys = derive_keys(block_keys, token_ids, inst.block_size)
+    mask = check_mask(mask, len(keys))
+    if query_type == "prefix_match":
+        hits, locations = _prefix(m, inst, keys, mask, spec_names)
+    else:
+        if query_type == "batch_get":
+            hits, wires = _batch(m, inst, keys, mask)
+        else:
+            if not 0 < sw_size <= len(keys):
+                # sw_size == 0 made Tair loop forever (§18.13).
+                raise InvalidArgument(f"sw_size: must be in 1..{len(keys)} (the number of blocks), got {sw_size}")
+            hits, wires = _window(m, inst, keys, mask, sw_size)
+        if spec_names:
+            names = frozenset(spec_names)
+            wires = [filter_wire(w, names) for w in wires]
+        locations = pack_array_raw(wires)
+    reply = pack_map_raw({"locations": locations})
+    if hits:
+        m.notify_read(instance_id, hits)
+    return reply
+
+
+def _prefix(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMask | None,
+            spec_names: Sequence[str] | None) -> tuple[list[int], Raw]:
+    """Matched keys and the packed ``locations`` array: runs first, then block by block."""
+    wanted = keys if mask is None else [keys[i] for i in unmasked_indices(mask, len(keys))]
+    unusable, rank = m.pool.unusable, m.group_view(inst.group).rank
+    parts: list[bytes] = []
+    with m.index.read() as snap:
+        done = _runs(snap.view, inst.ns, wanted, unusable, parts) if m.runs and not spec_names else 0
+        wires = _blocks(m, snap, inst, wanted[done:], unusable, rank)
+    if spec_names:
+        names = frozenset(spec_names)
+        wires = [filter_wire(w, names) for w in wires]
+    count = done + len(wires)
+    return wanted[:count], Raw(_packer.pack_array_header(count) + b"".join(parts) + b"".join(wires))
+
+
+def _runs(view: Any, ns: bytes, wanted: list[int], unusable: frozenset[str], parts: list[bytes]) -> int:
+    """Match the leading keys against run records; returns how many keys they covered."""
+    packed = pack_keys(wanted)
+    done = 0
+    while done < len(wanted):
+        value = view.get(RUNS_DB, ns + _U64.pack(wanted[done] + _SIGN))
+        if value is None:
+            break
+        storage, matched, body = run_match(value, packed[8 * done :])
+        if storage in unusable:
+            break
+        parts.append(body)
+        done += matched
+        if matched < 2:
+            break  # the request left the run after its first key: go block by block
+    return done
+
+
+def _blocks(m: CacheManager, snap: Any, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
+            rank: Callable[[str], int]) -> list[bytes]:
+    if not wanted:
+        return []
+    values = m.index.get_values(snap, inst.ns, wanted, stop_at_missing=True)
+    if not unusable:
+        # The common case, inlined: every block has exactly one serving copy (records.FAST).
+        fast = [v[3 : 3 + (v[1] << 8 | v[2])] if v[0] == FAST else None for v in values]  # type: ignore[index]
+        if None not in fast:
+            return fast  # type: ignore[return-value]
+    wires: list[bytes] = []
+    for value in values:
+        wire = visible(value, unusable, rank)  # type: ignore[arg-type]
+        if wire is None:
+            break
+        wires.append(wire)
+    return wires
+
+
+def _usable(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMask | None) -> list[bytes | None]:
+    """Visible wire per request key (None: missing, invisible or masked)."""
+    flags = masked_flags(mask, len(keys))
+    look = keys if flags is None else [k for k, masked in zip(keys, flags) if not masked]
+    unusable, rank = m.pool.unusable, m.group_view(inst.group).rank
+    with m.index.read() as snap:
+        values = iter(m.index.get_values(snap, inst.ns, look))
+    out: list[bytes | None] = []
+    for i in range(len(keys)):
+        if flags is not None and flags[i]:
+            out.append(None)
+            continue
+        value = next(values)
+        out.append(None if value is None else visible(value, unusable, rank))
+    return out
+
+
+def _batch(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMask | None) -> tuple[list[int], list[bytes]]:
+    found = _usable(m, inst, keys, mask)
+    hits = [k for k, w in zip(keys, found) if w is not None]
+    return hits, [inst.empty_wire if w is None else w for w in found]
+
+
+def _window(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMask | None,
+            sw: int) -> tuple[list[int], list[bytes]]:
+    """The right-most window of ``sw`` consecutive keys that all have a visible copy (Tair's
+    reverse roll: on a miss at window offset j, the next window ends right before it)."""
+    found = _usable(m, inst, keys, mask)
+    out = [inst.empty_wire] * len(keys)
+    base = len(keys) - sw
+    while base >= 0:
+        miss = next((j for j in range(sw) if found[base + j] is None), None)
+        if miss is None:
+            window = range(base, base + sw)
+            for i in window:
+                out[i] = found[i]  # type: ignore[assignment]  # checked not None above
+            return [keys[i] for i in window], out
+        base = base + miss - sw
+    return [], out
+
+
+# -- get_cache_meta -------------------------------------------------------------------------------
+
+
+def get_cache_meta(
+    m: CacheManager,
+    instance_id: str,
+    block_keys: Sequence[int] | None,
+    token_ids: Sequence[int] | None,
+    mask: BlockMask | None,
+    detail_level: int,
+) -> dict[str, Any]:
+    """One entry per request key (Tair compacted by the mask, §18.11): ``locations[i]`` is the
+    copy a reader would get (else the first copy, else an empty location) and ``metas[i]`` says
+    what kvcm knows, in more detail as ``detail_level`` grows:
+
+    * 0 — ``key``, ``status`` (``serving``/``writing``/``deleting``/``not_found``/``masked``), ``id``;
+    * 1 — plus ``storage``, ``type``, ``nbytes``, ``created``, ``written``, ``updated``,
+      ``parent``, ``location_count``;
+    * 2 — plus ``all``: every location with its own status, storage, size, times and URIs.
+    """
+    inst = m.instance(instance_id)
+    if detail_level not in DETAIL_LEVELS:
+        raise InvalidArgument(f"detail_level: must be one of {DETAIL_LEVELS}, got {detail_level}")
+    keys = derive_keys(block_keys, token_ids, inst.block_size)
+    flags = masked_flags(check_mask(mask, len(keys)), len(keys))
+    unusable, rank = m.pool.unusable, m.group_view(inst.group).rank
+    with m.index.read() as snap:
+        values = m.index.get_values(snap, inst.ns, keys)
+    locations, metas = [], []
+    for i, (key, value) in enumerate(zip(keys, values)):
+        if flags is not None and flags[i]:
+            locations.append(_EMPTY)
+            metas.append({"key": key, "status": "masked"})
+            continue
+        location, meta = _describe(key, value, detail_level, unusable, rank)
+        locations.append(location)
+        metas.append(meta)
+    return {"locations": locations, "metas": metas}
+
+
+_EMPTY: dict[str, Any] = {"type": "unspecified", "spec_size": 0, "location_specs": []}
+
+
+def _describe(key: int, value: bytes | None, level: int, unusable: frozenset[str],
+              rank: Callable[[str], int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    if value is None:
+        return _EMPTY, {"key": key, "status": "not_found"}  # no "id" here (Tair leaked one, §18.11)
+    record = decode(value)
+    wire = visible(value, unusable, rank)
+    loc = next((x for x in record.locs if x.wire == wire), record.locs[0])
+    meta: dict[str, Any] = {"key": key, "status": STATUS_NAMES[Status(loc.status)], "id": loc.id}
+    if level >= 1:
+        meta.update(storage=loc.storage, type=loc.type, nbytes=loc.nbytes, created=loc.created,
+                    written=loc.written, updated=record.updated, parent=record.parent,
+                    location_count=len(record.locs))
+    if level >= 2:
+        meta["all"] = [_loc_meta(x) for x in record.locs]
+    return unpack_wire(loc.wire), meta
+
+
+def _loc_meta(loc: Location) -> dict[str, Any]:
+    return {"id": loc.id, "status": STATUS_NAMES[Status(loc.status)], "storage": loc.storage, "type": loc.type,
+            "nbytes": loc.nbytes, "created": loc.created, "written": loc.written,
+            "location": unpack_wire(loc.wire)}

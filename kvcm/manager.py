@@ -1,0 +1,430 @@
+"""CacheManager: the data plane (DESIGN.md §3–§5, Tair §4.3–§4.8, §10).
+
+The RPC operations live in :mod:`kvcm.lookup` (reads) and :mod:`kvcm.writes` (two-phase
+writes); this module holds the shared state and everything that marks blocks ``deleting``
+(``remove_cache``, ``trim_cache``, :meth:`CacheManager.evict`, instance purges), recovery at
+start-up, and the hooks other parts of kvcm use (listeners, usage, serving keys).
+
+Thread ownership: RPC operations and the session-expiry timer run on the RPC thread;
+:meth:`CacheManager.background_once` (deletes, purges) on the deleter thread;
+:meth:`evict` / :meth:`serving_keys` / :meth:`usage` on the reclaimer thread. Every thread
+brings its own store transactions; in-memory state changes only in ``txn.on_commit`` callbacks
+or under the GIL-atomic operations noted where they happen.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from kvcm import lookup, writes
+from kvcm.backends.base import MetaStore, ReadTxn, WriteTxn, from_i64, i64
+from kvcm.deleter import Deleter, schedule
+from kvcm.errors import InvalidArgument, NotFound
+from kvcm.index import DB as BLOCKS
+from kvcm.index import KEEP, MetaIndex, namespace
+from kvcm.masks import BlockMask, check_mask, derive_keys, unmasked_indices
+from kvcm.proto.wire import Raw
+from kvcm.records import RUNS_DB, Record, Status, check_value, decode, encode, run_members, wire_uris
+from kvcm.registry import GROUP, INSTANCE, Registry
+from kvcm.selection import GroupView, InstanceView
+from kvcm.sessions import Sessions
+from kvcm.storage_pool import StoragePool
+from kvcm.usage import Key, Usage, tally
+
+log = logging.getLogger("kvcm.manager")
+
+TRIM_STRATEGIES = ("remove_all_cache", "remove_all_meta", "timestamp")
+
+
+class CacheManager:
+    """Block metadata of every instance; see the module docstring for thread ownership."""
+
+    def __init__(
+        self,
+        store: MetaStore,
+        registry: Registry,
+        pool: StoragePool,
+        *,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        default_write_timeout: float = 30.0,
+        lock_shards: int = 64,
+        cache_size: int = 65536,
+        batch_size: int = 16,
+        runs: bool = True,
+    ) -> None:
+        self.store = store
+        self.registry = registry
+        self.pool = pool
+        self.clock = clock
+        self.default_write_timeout = default_write_timeout
+        self.runs = runs
+        self.index = MetaIndex(store, lock_shards, batch_size, cache_size, encode, decode, check_value,
+                               tag=_run_of, drop_tag=_drop_run)
+        self.usage_book = Usage()
+        self.sessions = Sessions(clock, monotonic)
+        self.deleter = Deleter(store, self.index, self.usage_book.add, pool.get, clock)
+        self._views: dict[str, InstanceView] = {}
+        self._groups: dict[str, GroupView] = {}
+        self._known: dict[str, str] = {}  # instance id -> group, kept after removal (purges)
+        self._purges: list[str] = []
+        self._listeners: list[Any] = []
+        registry.on_change(self._on_registry_change)
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Recover: open storages, load counters and sessions, reserve every URI the metadata
+        holds (the storages rebuild their free space from it), queue purges of instances that
+        were removed while blocks remained."""
+        self.pool.open_all()
+        with self.store.read() as view:
+            self.usage_book.load(view)
+            self.sessions.load(view)
+        self._reserve_all()
+        for instance in self.registry.list_instances():
+            self._known[instance.instance_id] = instance.instance_group
+        for group, instance, _ in self.usage_book.snapshot():
+            self._known.setdefault(instance, group)
+            if not self._registered(instance) and instance not in self._purges:
+                self._purges.append(instance)
+
+    def _reserve_all(self) -> None:
+        by_storage: dict[str, list[str]] = defaultdict(list)
+        for chunk in self._all_chunks():
+            for _, value in chunk:
+                for loc in decode(value).locs:
+                    by_storage[loc.storage].extend(wire_uris(loc.wire))
+        for name in self.pool.names():
+            backend = self.pool.get(name)
+            try:
+                backend.reserve(by_storage.get(name, []))
+                removed = backend.sweep()
+                if removed:
+                    log.info("storage %r: removed %d container(s) no block refers to", name, removed)
+            except Exception:  # noqa: BLE001 - keep serving the other storages
+                log.exception("recovering storage %r failed", name)
+
+    def _all_chunks(self, size: int = 4096) -> Iterator[list[tuple[bytes, bytes]]]:
+        start = b""
+        while True:
+            with self.store.read() as view:
+                chunk = list(view.scan(BLOCKS, start=start, limit=size + 1))
+            yield chunk[:size]
+            if len(chunk) <= size:
+                return
+            start = chunk[size][0]
+
+    # -- registry facts -------------------------------------------------------------------------
+
+    def instance(self, instance_id: str) -> InstanceView:
+        """:raises NotFound: INSTANCE_NOT_EXIST."""
+        view = self._views.get(instance_id)
+        if view is None:
+            if not instance_id:
+                raise InvalidArgument("instance_id: required")
+            view = InstanceView.of(self.registry.get_instance(instance_id))
+            self._views[instance_id] = view
+            self._known[instance_id] = view.group
+        return view
+
+    def group_view(self, name: str) -> GroupView:
+        view = self._groups.get(name)
+        if view is None:
+            view = self._groups[name] = GroupView.of(self.registry.get_group(name))
+        return view
+
+    def _registered(self, instance_id: str) -> bool:
+        try:
+            self.registry.get_instance(instance_id)
+        except NotFound:
+            return False
+        return True
+
+    @staticmethod
+    def namespace_of(instance_id: str) -> bytes:
+        return namespace(instance_id)
+
+    def _on_registry_change(self, kind: str, name: str) -> None:
+        if kind == INSTANCE:
+            self._views.pop(name, None)
+            if not self._registered(name) and name in self._known:
+                self._purges.append(name)  # its blocks go: the deleter thread purges them
+        elif kind == GROUP:
+            self._groups.pop(name, None)
+
+    def records_in(self, view: ReadTxn, ns: bytes, keys: Sequence[int]) -> list[Record | None]:
+        """Records as ``view`` sees them, bypassing the search cache (write paths)."""
+        get = view.get
+        return [None if (raw := get(BLOCKS, ns + i64(k))) is None else decode(raw) for k in keys]
+
+    # -- RPC operations -------------------------------------------------------------------------
+
+    def get_cache_location(self, instance_id: str, query_type: str, block_keys: Sequence[int] | None,
+                           token_ids: Sequence[int] | None, mask: BlockMask | None, sw_size: int = 0,
+                           spec_names: Sequence[str] | None = None) -> Raw:
+        return lookup.get_cache_location(self, instance_id, query_type, block_keys, token_ids, mask, sw_size, spec_names)
+
+    def get_cache_meta(self, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
+                       mask: BlockMask | None, detail_level: int = 0) -> dict[str, Any]:
+        return lookup.get_cache_meta(self, instance_id, block_keys, token_ids, mask, detail_level)
+
+    def start_write_cache(self, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
+                          spec_group_names: Sequence[str] | None = None, timeout: float | None = None) -> Raw:
+        return writes.start_write_cache(self, instance_id, block_keys, token_ids, spec_group_names, timeout)
+
+    def finish_write_cache(self, instance_id: str, session_id: str, success: BlockMask | None) -> dict[str, Any]:
+        return writes.finish_write_cache(self, instance_id, session_id, success)
+
+    def remove_cache(self, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
+                     mask: BlockMask | None) -> dict[str, Any]:
+        """Mark every copy of the unmasked keys ``deleting`` now; the deleter frees them after
+        the group's ``delay_before_delete_ms`` (readers that already hold URIs get that grace)."""
+        inst = self.instance(instance_id)
+        keys = derive_keys(block_keys, token_ids, inst.block_size)
+        mask = check_mask(mask, len(keys))
+        keys = [keys[i] for i in unmasked_indices(mask, len(keys))]
+        with self.store.write() as txn:
+            marked, _ = self._mark_deleting(txn, inst.instance_id, inst.group, keys, self._delay(inst.group))
+        return {"removed": marked}
+
+    def trim_cache(self, instance_id: str, strategy: str, begin_us: int = 0, end_us: int = 0) -> dict[str, Any]:
+        """``remove_all_cache``: every block, freed after the delay; ``remove_all_meta``: forget
+        the metadata now (space is released, data left as is); ``timestamp``: blocks last
+        modified in ``[begin_timestamp, end_timestamp)`` (wall-clock µs, end 0 = no bound)."""
+        inst = self.instance(instance_id)
+        if strategy not in TRIM_STRATEGIES:
+            raise InvalidArgument(f"strategy: {strategy!r} is not one of {', '.join(TRIM_STRATEGIES)}")
+        if strategy == "timestamp" and (begin_us < 0 or (end_us and end_us <= begin_us)):
+            raise InvalidArgument("begin_timestamp/end_timestamp: need 0 <= begin < end (end 0 = open)")
+        with self.store.write() as txn:
+            items = list(self.index.scan(txn, inst.ns))
+            if strategy == "remove_all_meta":
+                return {"removed": self._forget_all(txn, inst, items)}
+            keys = [k for k, v in items if strategy == "remove_all_cache" or _in_range(v, begin_us, end_us)]
+            marked, _ = self._mark_deleting(txn, inst.instance_id, inst.group, keys, self._delay(inst.group))
+            if strategy == "remove_all_cache":
+                txn.on_commit(lambda: self._emit("on_cleared", inst.instance_id))
+        return {"removed": marked}
+
+    def expire_sessions(self) -> int:
+        """Timer body (RPC thread): every due session counts as all-failed."""
+        due = self.sessions.due()
+        if not due:
+            return 0
+        expired = 0
+        try:
+            with self.store.write() as txn:
+                for sid in due:
+                    session = self.sessions.get(txn, sid)
+                    if session is None:
+                        continue
+                    self.sessions.consume(txn, sid, expired=True)
+                    writes.settle(self, txn, session, [False] * len(session.keys))
+                    expired += 1
+        except Exception:
+            self.sessions.requeue(due)
+            raise
+        return expired
+
+    # -- marking deleting -----------------------------------------------------------------------
+
+    def _delay(self, group: str) -> float:
+        try:
+            return self.group_view(group).delay_ms / 1000.0
+        except NotFound:
+            return 0.0
+
+    def _mark_deleting(self, txn: WriteTxn, instance_id: str, group: str, keys: Sequence[int], delay: float,
+                       serving_only: bool = False, storage_type: str | None = None) -> tuple[int, int]:
+        """CAS copies to ``deleting`` and schedule their free; ``(copies marked, serving bytes)``.
+
+        ``serving_only`` (eviction) never touches ``writing`` copies."""
+        now = self.clock()
+        marked: list[tuple[int, str]] = []
+        gone: list[int] = []
+        freed = [0]
+
+        def modify(_: int, key: int, record: Record | None) -> Any:
+            if record is None:
+                return KEEP
+            had = any(x.status == Status.SERVING for x in record.locs)
+            for loc in record.locs:
+                if loc.status == Status.DELETING or (serving_only and loc.status != Status.SERVING):
+                    continue
+                if storage_type is not None and loc.type != storage_type:
+                    continue
+                if loc.status == Status.SERVING:
+                    freed[0] += loc.nbytes
+                loc.status = Status.DELETING
+                marked.append((key, loc.id))
+            if had and not any(x.status == Status.SERVING for x in record.locs):
+                gone.append(key)
+            if not marked or marked[-1][0] != key:
+                return KEEP
+            record.updated = now
+            return record
+
+        self.index.read_modify_write(txn, namespace(instance_id), list(dict.fromkeys(keys)), modify)
+        for key, loc_id in marked:
+            schedule(txn, now + delay, group, instance_id, key, loc_id)
+        if gone:
+            txn.on_commit(lambda: self._emit("on_removed", instance_id, gone))
+        return len(marked), freed[0]
+
+    def _forget_all(self, txn: WriteTxn, inst: InstanceView, items: list[tuple[int, bytes]]) -> int:
+        released: dict[str, list[str]] = defaultdict(list)
+        deltas: dict[Key, list[int]] = defaultdict(lambda: [0, 0])
+        for key, value in items:
+            for loc in decode(value).locs:
+                released[loc.storage].extend(wire_uris(loc.wire))
+                deltas[(inst.group, inst.instance_id, loc.type)][0] -= loc.nbytes
+                deltas[(inst.group, inst.instance_id, loc.type)][1] -= 1
+        self.index.read_modify_write(txn, inst.ns, [k for k, _ in items], lambda i, k, r: None)
+        self.usage_book.add(txn, dict(deltas))
+
+        def release() -> None:
+            for name, uris in released.items():
+                backend = self.pool.get(name)
+                if backend is not None:
+                    backend.release(uris)
+            self._emit("on_cleared", inst.instance_id)
+
+        txn.on_commit(release)
+        return sum(-d[1] for d in deltas.values())
+
+    # -- background (deleter thread) ------------------------------------------------------------
+
+    def background_once(self) -> int:
+        """Deleter thread body: purge removed instances, then free due deletes."""
+        while self._purges:
+            instance_id = self._purges[0]
+            self.purge_instance(instance_id)
+            self._purges.pop(0)
+        return self.deleter.run_once()
+
+    def purge_instance(self, instance_id: str) -> int:
+        """Schedule the free of every copy of a removed instance (no delay: nobody can read them)."""
+        group = self._known.get(instance_id, "")
+        ns = namespace(instance_id)
+        marked = 0
+        for chunk in self.index.chunks(ns):
+            with self.store.write() as txn:
+                marked += self._mark_deleting(txn, instance_id, group, [k for k, _ in chunk], 0.0)[0]
+        self._emit("on_cleared", instance_id)
+        return marked
+
+    # -- hooks for the reclaimer and the event publisher ----------------------------------------
+
+    def add_listener(self, obj: Any) -> None:
+        """``obj`` may implement ``on_serving``, ``on_read``, ``on_removed``, ``on_stored``,
+        ``on_cleared`` (see docs/cache.md); each is called after the change committed."""
+        self._listeners.append(obj)
+
+    def _emit(self, name: str, *args: Any) -> None:
+        for obj in self._listeners:
+            fn = getattr(obj, name, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - a listener must never fail the request
+                log.exception("listener %s.%s failed", type(obj).__name__, name)
+
+    def notify_read(self, instance_id: str, keys: list[int]) -> None:
+        if self._listeners:
+            self._emit("on_read", instance_id, keys, self.clock())
+
+    def notify_served(self, instance_id: str, served: list[tuple[int, Any, int | None]], now: float) -> None:
+        if not self._listeners:
+            return
+        for key, loc, parent in served:
+            self._emit("on_serving", instance_id, key, loc.nbytes, loc.type, parent, now)
+        self._emit("on_stored", instance_id, [k for k, _, _ in served], served[0][2], None)
+
+    def usage(self, group: str) -> dict[str, Any]:
+        """Committed usage of ``group`` (bytes and location counts, by type and instance)."""
+        return self.usage_book.usage(group)
+
+    def evict(self, instance_id: str, keys: list[int], storage_type: str | None = None) -> int:
+        """Reclaimer: ``serving -> deleting`` by CAS (never ``writing``), freed after the group's
+        delay. Returns the bytes reclaimed."""
+        group = self._known.get(instance_id) or self.instance(instance_id).group
+        with self.store.write() as txn:
+            _, freed = self._mark_deleting(txn, instance_id, group, keys, self._delay(group),
+                                           serving_only=True, storage_type=storage_type)
+        return freed
+
+    def instances_of_group(self, group: str) -> list[str]:
+        return [i.instance_id for i in self.registry.list_instances(group)]
+
+    def serving_keys(self, instance_id: str) -> Iterator[tuple[int, int, str, float]]:
+        """``(key, nbytes, storage type, written_at)`` of every serving copy, read in chunks of
+        short transactions."""
+        for chunk in self.index.chunks(namespace(instance_id)):
+            for key, value in chunk:
+                for loc in decode(value).locs:
+                    if loc.status == Status.SERVING:
+                        yield key, loc.nbytes, loc.type, loc.written
+
+    # -- consistency ----------------------------------------------------------------------------
+
+    def recount(self) -> dict[Key, list[int]]:
+        """Usage recomputed from the block records (tests, ``kvcm inspect --check``)."""
+        owners = {namespace(i): (g, i) for i, g in self._known.items()}
+        for inst in self.registry.list_instances():
+            owners[namespace(inst.instance_id)] = (inst.instance_group, inst.instance_id)
+        rows: list[tuple[Key, int]] = []
+        for chunk in self._all_chunks():
+            for dbkey, value in chunk:
+                group, instance = owners.get(dbkey[:8], ("?", dbkey[:8].hex()))
+                rows.extend(((group, instance, loc.type), loc.nbytes) for loc in decode(value).locs)
+        return tally(rows)
+
+    def check(self) -> None:
+        """Assert the data plane's invariants on a quiet server."""
+        self.index.check()
+        counted = self.recount()
+        with self.store.read() as view:
+            persisted = Usage.persisted(view)
+            live = {k.decode() for k, _ in view.scan("sessions")}
+        assert counted == persisted, f"usage {persisted} != recount {counted}"
+        assert persisted == self.usage_book.snapshot(), "in-memory usage differs from the store"
+        for chunk in self._all_chunks():
+            for dbkey, value in chunk:
+                for loc in decode(value).locs:
+                    if loc.status == Status.WRITING:
+                        assert loc.session in live, f"writing copy of {from_i64(dbkey[8:])} outlived its session"
+        self._check_runs()
+
+    def _check_runs(self) -> None:
+        """Every run is exact: each member names it and has exactly that one serving copy."""
+        with self.store.read() as view:
+            for run_key, value in view.scan(RUNS_DB):
+                storage, keys, wires = run_members(value)
+                assert i64(keys[0]) == run_key[8:], "run stored under another key than its first block"
+                for key, wire in zip(keys, wires):
+                    raw = view.get(BLOCKS, run_key[:8] + i64(key))
+                    assert raw is not None, f"run {run_key.hex()} names a missing block"
+                    record = decode(raw)
+                    serving = [x for x in record.locs if x.status == Status.SERVING]
+                    assert record.run == from_i64(run_key[8:]), f"block of run {run_key.hex()} does not name it"
+                    assert len(serving) == 1 and serving[0].wire == wire and serving[0].storage == storage, \
+                        f"run {run_key.hex()} is stale"
+
+
+def _run_of(record: Record) -> int | None:
+    return record.run
+
+
+def _drop_run(txn: WriteTxn, ns: bytes, first: int) -> None:
+    txn.delete(RUNS_DB, ns + i64(first))
+
+
+def _in_range(value: bytes, begin_us: int, end_us: int) -> bool:
+    updated_us = int(decode(value).updated * 1e6)
+    return updated_us >= begin_us and (not end_us or updated_us < end_us)

@@ -1,0 +1,206 @@
+"""Reclaimer state: per-group limits, per-group policies, and the reclaimer's metrics.
+
+:class:`Limits` is what :class:`~kvcm.reclaimer.Reclaimer` reads of an instance group every tick
+(:func:`limits_from_registry` builds it from the registry's ``InstanceGroup`` records).
+:class:`GroupState` holds one group's eviction policies — one per storage type, keyed
+``(instance_id, block_key)`` — and the bytes it has evicted that the deleter has not freed yet.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvcm.policies import POLICIES, TTL, BasePolicy, make_policy
+
+IKey = tuple[str, int]  # (instance_id, block_key): block keys are per-instance namespaces
+ALL_TYPES = "all"  # storage_type label of group-wide numbers
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the reclaimer needs of one instance group; read fresh every tick.
+
+    ``quota``/``type_quotas`` are bytes, ``<= 0`` meaning unlimited. ``used_percentage`` is the
+    watermark as a fraction of quota. ``ttl_seconds > 0`` enables the TTL sweep whatever the
+    policy (with policy ``ttl`` it is that policy's TTL). ``sample_size=None`` uses the config's.
+    """
+
+    policy: str = "lru"
+    used_percentage: float = 0.9
+    delay_before_delete_ms: int = 0
+    ttl_seconds: float = 0.0
+    quota: int = 0
+    type_quotas: Mapping[str, int] = field(default_factory=dict)
+    sample_size: int | None = None
+
+
+def limits_of(group: Any) -> Limits:
+    """:class:`Limits` of a registry ``InstanceGroup`` (``kvcm.model``)."""
+    strategy, quota = group.reclaim_strategy, group.quota
+    return Limits(
+        policy=strategy.reclaim_policy,
+        used_percentage=strategy.used_percentage,
+        delay_before_delete_ms=strategy.delay_before_delete_ms,
+        ttl_seconds=float(strategy.ttl_seconds),
+        quota=quota.capacity,
+        type_quotas={item.storage_type: item.capacity for item in quota.quota_config},
+    )
+
+
+def limits_from_registry(registry: Any) -> Callable[[], dict[str, Limits]]:
+    """The ``limits`` callable for a :class:`~kvcm.registry.Registry`: every group, read afresh
+    (the registry's reads are in-memory and thread-safe), so updates apply on the next tick."""
+
+    def read() -> dict[str, Limits]:
+        return {group.name: limits_of(group) for group in registry.list_groups()}
+
+    return read
+
+
+def build_policy(name: str, sample_size: int = 0, ttl_seconds: float = 0.0) -> BasePolicy:
+    """``make_policy`` with only the options ``name`` accepts (TTL has no sampled mode, ...)."""
+    accepted = inspect.signature(POLICIES[name].__init__).parameters
+    opts: dict[str, Any] = {}
+    if sample_size and "sample_size" in accepted:
+        opts["sample_size"] = sample_size
+    if ttl_seconds > 0 and "ttl_seconds" in accepted:
+        opts["ttl_seconds"] = ttl_seconds
+    return make_policy(name, **opts)
+
+
+class GroupState:
+    """One group's policies (one per storage type) plus its in-flight evictions.
+
+    Owned by the reclaimer thread.
+    """
+
+    def __init__(self, name: str, limits: Limits, sample_size: int) -> None:
+        self.name = name
+        self.limits = limits
+        self.sample_size = sample_size
+        self.policies: dict[str, BasePolicy] = {}
+        self.ttls: dict[str, TTL] = {}  # side TTL trackers, when the main policy is not ``ttl``
+        self.inflight: dict[str, list[tuple[float, int]]] = {}  # type -> [(deadline, bytes)], one per evict()
+        self.stale = True  # rebuild from serving_keys before use
+
+    @property
+    def policy_name(self) -> str:
+        return self.limits.policy if self.limits.policy in POLICIES else "lru"
+
+    def shape(self) -> tuple[str, int, bool]:
+        """What a rebuild is needed for when it changes."""
+        return self.policy_name, self.sample_size, self.limits.ttl_seconds > 0
+
+    def update(self, limits: Limits, sample_size: int) -> None:
+        before = self.shape()
+        self.limits, self.sample_size = limits, sample_size
+        if self.shape() != before:
+            self.stale = True
+            return
+        if limits.ttl_seconds > 0:  # the order is write order either way: no rebuild needed
+            for tracker in self._ttl_trackers():
+                tracker.ttl_seconds = limits.ttl_seconds
+
+    def reset(self) -> None:
+        self.policies.clear()
+        self.ttls.clear()
+        self.stale = False
+
+    def _ttl_trackers(self) -> Iterable[TTL]:
+        main = [p for p in self.policies.values() if isinstance(p, TTL)]
+        return [*main, *self.ttls.values()]
+
+    def _policy(self, storage_type: str) -> BasePolicy:
+        policy = self.policies.get(storage_type)
+        if policy is None:
+            policy = build_policy(self.policy_name, self.sample_size, self.limits.ttl_seconds)
+            self.policies[storage_type] = policy
+            if self.limits.ttl_seconds > 0 and not isinstance(policy, TTL):
+                self.ttls[storage_type] = TTL(self.limits.ttl_seconds)
+        return policy
+
+    def serve(self, iid: str, key: int, nbytes: int, stype: str, parent: int | None, now: float) -> None:
+        ikey = (iid, key)
+        self._policy(stype).on_write(ikey, now, nbytes, None if parent is None else (iid, parent))
+        ttl = self.ttls.get(stype)
+        if ttl is not None:
+            ttl.on_write(ikey, now, nbytes)
+
+    def read(self, iid: str, keys: Iterable[int], now: float) -> None:
+        ikeys = [(iid, k) for k in keys]
+        for policy in self.policies.values():
+            policy.access_many(ikeys, now)
+
+    def remove(self, iid: str, keys: Iterable[int]) -> None:
+        for key in keys:
+            ikey = (iid, key)
+            for stype in self.policies:
+                self.forget(stype, ikey)
+
+    def forget(self, stype: str, ikey: Hashable) -> None:
+        self.policies[stype].on_remove(ikey)
+        ttl = self.ttls.get(stype)
+        if ttl is not None:
+            ttl.on_remove(ikey)
+
+    def purge_instance(self, iid: str) -> None:
+        for stype, policy in self.policies.items():
+            for ikey in [k for k in policy.sizes if k[0] == iid]:  # type: ignore[index]  # keys are IKeys
+                self.forget(stype, ikey)
+
+    def expired(self, now: float) -> dict[str, list[Hashable]]:
+        out: dict[str, list[Hashable]] = {}
+        for stype, policy in self.policies.items():
+            tracker = self.ttls.get(stype, policy)
+            keys = tracker.expired(now)
+            if keys:
+                out[stype] = keys
+        return out
+
+    def add_inflight(self, stype: str, nbytes: int, deadline: float) -> None:
+        """``nbytes`` were marked ``deleting`` and still count in usage until ``deadline``."""
+        if nbytes > 0:
+            self.inflight.setdefault(stype, []).append((deadline, nbytes))
+
+    def inflight_bytes(self, stype: str) -> int:
+        return sum(nbytes for _, nbytes in self.inflight.get(stype, ()))
+
+    def expire_inflight(self, now: float) -> None:
+        for stype, pending in self.inflight.items():
+            self.inflight[stype] = [p for p in pending if p[0] > now]
+
+
+class ReclaimMetrics:
+    """The reclaimer's Prometheus families (``kvcm_usage_*``, ``kvcm_quota_*``, ``kvcm_reclaim_*``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r, gt = registry, ["group", "storage_type"]
+        self.usage_bytes = Gauge("kvcm_usage_bytes", "Bytes used, per group and storage type (all = group)", gt, registry=r)
+        self.usage_keys = Gauge("kvcm_usage_keys", "Block locations, per group and storage type", gt, registry=r)
+        self.quota_bytes = Gauge("kvcm_quota_bytes", "Quota in bytes (0 = unlimited)", gt, registry=r)
+        self.tracked = Gauge("kvcm_reclaim_tracked_blocks", "Serving blocks known to the policy", gt, registry=r)
+        self.inflight = Gauge("kvcm_reclaim_inflight_bytes", "Evicted bytes not yet freed", gt, registry=r)
+        self.rounds = Counter("kvcm_reclaim_rounds", "Reclaimer rounds run", registry=r)
+        self.triggered = Counter("kvcm_reclaim_triggered", "Rounds in which a group was over", ["group"], registry=r)
+        labels = ["group", "storage_type", "policy", "reason"]
+        self.blocks = Counter("kvcm_reclaim_blocks", "Blocks reclaimed", labels, registry=r)
+        self.bytes = Counter("kvcm_reclaim_bytes", "Bytes reclaimed", labels, registry=r)
+        self.rebuilds = Counter("kvcm_reclaim_rebuilds", "Policy state rebuilt from the store", ["group"], registry=r)
+        self.dropped_reads = Counter("kvcm_reclaim_dropped_reads", "Read hits not folded (buffer full)", registry=r)
+        self.round_seconds = Histogram(
+            "kvcm_reclaim_round_seconds", "Time per reclaimer round",
+            buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0), registry=r,
+        )
+
+    def forget_group(self, group: str) -> None:
+        for gauge in (self.usage_bytes, self.usage_keys, self.quota_bytes, self.tracked, self.inflight):
+            for labels in [s.labels for m in gauge.collect() for s in m.samples if s.labels.get("group") == group]:
+                try:
+                    gauge.remove(labels["group"], labels["storage_type"])
+                except KeyError:
+                    pass

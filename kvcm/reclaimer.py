@@ -1,0 +1,424 @@
+"""Capacity management: the reclaimer keeps every instance group under its watermark.
+
+Every ``reclaim.interval_s`` :meth:`Reclaimer.run_once` does, in order:
+
+1. **sync** — read each group's :class:`Limits` (quota, per-type quotas, watermark, policy, TTL)
+   afresh, so ``update_instance_group`` takes effect on the next tick without a restart. A changed
+   policy (or sample size, or TTL switched on/off) rebuilds that group's policy state from
+   ``manager.serving_keys``; a changed TTL value applies in place.
+2. **drain** — fold the events the manager's listener hooks buffered since the last tick
+   (blocks turned ``serving``, read hits, removals) into the policies, in arrival order. Reads are
+   batched here, so a read hit costs the request path one ``deque.append``, not a write.
+3. **TTL sweep** — blocks written ``ttl_seconds`` ago or more are reclaimed whatever the usage.
+4. **watermark** — per group and storage type, when ``usage >= quota * used_percentage``, pick
+   victims with the group's policy until ``usage <= quota * (used_percentage - hysteresis)``.
+   A per-type quota frees bytes of that type; the group quota's excess is shared across types in
+   proportion to their usage. Victims go to ``manager.evict``, which marks only ``serving``
+   locations ``deleting`` (never ``writing`` ones) and hands them to the deleter after the group's
+   ``delay_before_delete_ms``.
+
+Policies are per group *and* per storage type (a block can live on several tiers), keyed
+``(instance_id, block_key)``, built by :func:`kvcm.policies.make_policy` — the same classes the
+offline optimizer replays, so an offline measurement holds online.
+
+Fairness: all eviction jobs of a round (every group, every storage type) take turns, one chunk of
+at most :data:`CHUNK` victims each, until satisfied or the round's ``max_victims_per_round``
+budget is spent — one busy type or group cannot starve the others.
+
+Overshoot guard: bytes handed to the deleter still count in ``manager.usage`` until they are
+freed, ``delay_before_delete_ms`` later. The reclaimer remembers what each ``evict`` call marked
+("in flight") and subtracts it until the delay plus the deleter's poll interval has passed, so it
+does not evict again for bytes already on their way out. (``on_removed`` cannot tell: the manager reports a key
+removed when it stops serving, before its space is freed.)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry
+
+from kvcm.config import ReclaimConfig
+from kvcm.policies import BasePolicy
+from kvcm.reclaim_state import ALL_TYPES, GroupState, IKey, Limits, ReclaimMetrics, limits_from_registry
+
+log = logging.getLogger("kvcm.reclaimer")
+
+CHUNK = 256  # victims per evict() call: keeps each write transaction short
+_MAX_EVENTS = 1_000_000  # past this many buffered events, read hits are dropped (and counted)
+_SERVE, _READ, _REMOVE = 0, 1, 2
+
+
+class CacheHooks(Protocol):
+    """The part of ``kvcm.manager.CacheManager`` the reclaimer uses."""
+
+    clock: Callable[[], float]
+
+    def add_listener(self, listener: object) -> None: ...
+    def usage(self, group: str) -> Mapping[str, Any]: ...
+    def evict(self, instance_id: str, keys: list[int], storage_type: str | None = None) -> int: ...
+    def instances_of_group(self, group: str) -> list[str]: ...
+    def serving_keys(self, instance_id: str) -> Iterable[tuple[Any, ...]]: ...
+
+
+@dataclass
+class Round:
+    """What one :meth:`Reclaimer.run_once` did (tests, the bench and logs read it)."""
+
+    now: float
+    victims: list[tuple[str, str, IKey, str]] = field(default_factory=list)  # group, type, key, reason
+    freed: int = 0
+    triggered: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Job:
+    """Free ``need`` bytes of one (group, storage type), or reclaim an explicit key list (TTL)."""
+
+    state: GroupState
+    stype: str
+    reason: str
+    need: int = 0
+    keys: deque[Hashable] | None = None
+    done: bool = False
+
+    @property
+    def policy(self) -> BasePolicy:
+        return self.state.policies[self.stype]
+
+
+class Reclaimer:
+    """Keeps usage of every instance group under its watermark (see the module docstring).
+
+    Threads: the listener hooks (:meth:`on_serving`, :meth:`on_read`, :meth:`on_removed`) run on
+    the RPC thread (and the deleter); they only append to a ``deque`` (atomic in CPython). All
+    other state, and :meth:`run_once`, belong to the reclaimer thread — or to the test calling
+    ``run_once(now)`` directly. ``limits()`` is called on that thread too.
+
+    :param manager: the cache manager (see :class:`CacheHooks`); the reclaimer subscribes itself.
+    :param limits: returns ``{group name: Limits}``; see :func:`limits_from_registry`.
+    :param pace: called with the seconds of work after each evicted chunk; the thread uses it to
+        sleep and bound its CPU share (``reclaim.duty_cycle``), tests leave it out.
+    :param free_grace_s: how long after its delete delay an evicted location is assumed freed: the
+        deleter's poll interval plus a margin. Too short evicts a little more than needed while the
+        deleter lags; too long evicts too little meanwhile (writes then meet the hard quota).
+    """
+
+    def __init__(
+        self,
+        manager: CacheHooks,
+        limits: Callable[[], Mapping[str, Limits]],
+        config: ReclaimConfig | None = None,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] | None = None,
+        pace: Callable[[float], None] | None = None,
+        free_grace_s: float = 0.25,
+    ) -> None:
+        self._manager = manager
+        self._limits = limits
+        self._config = config or ReclaimConfig()
+        self._clock: Callable[[], float] = clock or getattr(manager, "clock", None) or time.time
+        self._pace = pace
+        self._grace = free_grace_s
+        self.metrics = ReclaimMetrics(registry if registry is not None else CollectorRegistry())
+        self._events: deque[tuple[Any, ...]] = deque()
+        self._groups: dict[str, GroupState] = {}
+        self._group_of: dict[str, str] = {}  # instance_id -> group
+        manager.add_listener(self)
+
+    # -- listener hooks (RPC thread: append only) ------------------------------------------------
+
+    def on_serving(self, instance_id: str, key: int, nbytes: int, storage_type: str, parent: int | None, now: float) -> None:
+        self._events.append((_SERVE, instance_id, key, nbytes, storage_type, parent, now))
+
+    def on_read(self, instance_id: str, keys: list[int], now: float) -> None:
+        if len(self._events) >= _MAX_EVENTS:  # recency is best effort; never grow without bound
+            self.metrics.dropped_reads.inc()
+            return
+        self._events.append((_READ, instance_id, keys, now))
+
+    def on_removed(self, instance_id: str, keys: list[int]) -> None:
+        self._events.append((_REMOVE, instance_id, keys))
+
+    # -- the round ------------------------------------------------------------------------------
+
+    def tick(self) -> Round:
+        """One round at the injected clock's time (the LoopThread body)."""
+        return self.run_once(self._clock())
+
+    def run_once(self, now: float) -> Round:
+        """Sync limits, fold events, sweep TTLs, then bring every group under its watermark."""
+        started = time.perf_counter()
+        report = Round(now)
+        self._sync(now)
+        self._drain()
+        for state in self._groups.values():
+            if state.stale:
+                self._rebuild(state)
+        budget = self._config.max_victims_per_round
+        budget -= self._run_jobs(self._ttl_jobs(now), budget, now, report)
+        self._run_jobs(self._watermark_jobs(report), budget, now, report)
+        report.seconds = time.perf_counter() - started
+        self.metrics.rounds.inc()
+        self.metrics.round_seconds.observe(report.seconds)
+        return report
+
+    def tracked(self, group: str, storage_type: str) -> BasePolicy | None:
+        """The live policy of one (group, storage type), for tests and inspection."""
+        state = self._groups.get(group)
+        return None if state is None else state.policies.get(storage_type)
+
+    # -- sync, drain, rebuild -------------------------------------------------------------------
+
+    def _sync(self, now: float) -> None:
+        limits = dict(self._limits())
+        for name in [g for g in self._groups if g not in limits]:
+            del self._groups[name]
+            self.metrics.forget_group(name)
+        sample = self._config.sample_size
+        for name, lim in limits.items():
+            size = sample if lim.sample_size is None else lim.sample_size
+            state = self._groups.get(name)
+            if state is None:
+                self._groups[name] = GroupState(name, lim, size)
+            else:
+                state.update(lim, size)
+                state.expire_inflight(now)
+        self._refresh_instances()
+
+    def _refresh_instances(self) -> None:
+        group_of: dict[str, str] = {}
+        for name, state in self._groups.items():
+            members = self._manager.instances_of_group(name)
+            for iid in members:
+                group_of[iid] = name
+            if not state.stale:
+                for gone in {i for i, g in self._group_of.items() if g == name} - set(members):
+                    state.purge_instance(gone)
+        self._group_of = group_of
+
+    def _drain(self) -> None:
+        """Apply the events buffered before this call, in order (later ones wait a tick)."""
+        pop, refreshed = self._events.popleft, False
+        for _ in range(len(self._events)):
+            event = pop()
+            group = self._group_of.get(event[1])
+            if group is None and not refreshed:  # registered since the sync
+                self._refresh_instances()
+                refreshed, group = True, self._group_of.get(event[1])
+            state = self._groups.get(group) if group is not None else None
+            if state is None:
+                continue
+            if state.stale:  # its policies are rebuilt from the store
+                continue
+            if event[0] == _SERVE:
+                state.serve(*event[1:])
+            elif event[0] == _READ:
+                state.read(event[1], event[2], event[3])
+            else:
+                state.remove(event[1], event[2])
+
+    def _rebuild(self, state: GroupState) -> None:
+        """Reload one group's policies from the store, oldest write first (start-up, policy change)."""
+        state.reset()
+        rows: list[tuple[Any, ...]] = []
+        for iid in self._manager.instances_of_group(state.name):
+            for row in self._manager.serving_keys(iid):
+                parent = row[4] if len(row) > 4 else None
+                rows.append((row[3], iid, row[0], row[1], row[2], parent))
+        rows.sort(key=itemgetter(0))
+        for written_at, iid, key, nbytes, stype, parent in rows:
+            state.serve(iid, key, nbytes, stype, parent, written_at)
+        self.metrics.rebuilds.labels(state.name).inc()
+        log.info("reclaimer: rebuilt group %s (%s, %d blocks)", state.name, state.policy_name, len(rows))
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def _ttl_jobs(self, now: float) -> list[_Job]:
+        return [
+            _Job(state, stype, "ttl", keys=deque(keys))
+            for state in self._groups.values()
+            for stype, keys in state.expired(now).items()
+        ]
+
+    def _watermark_jobs(self, report: Round) -> list[_Job]:
+        jobs: list[_Job] = []
+        for state in self._groups.values():
+            needs = self._group_needs(state)
+            if needs:
+                report.triggered.append(state.name)
+                self.metrics.triggered.labels(state.name).inc()
+            jobs += [_Job(state, t, "watermark", need=n) for t, n in needs.items() if t in state.policies]
+        return jobs
+
+    def _group_needs(self, state: GroupState) -> dict[str, int]:
+        """Bytes to free per storage type so the group and each type end under their floors."""
+        lim = state.limits
+        usage = self._manager.usage(state.name)
+        by_type = {t: int(u.get("bytes", 0)) - state.inflight_bytes(t) for t, u in usage.get("by_type", {}).items()}
+        total = int(usage.get("bytes", 0)) - sum(state.inflight_bytes(t) for t in state.inflight)
+        self._record_usage(state, usage, by_type)
+        high, low = lim.used_percentage, max(0.0, lim.used_percentage - self._config.hysteresis)
+        needs = {t: _excess(by_type.get(t, 0), q, high, low) for t, q in lim.type_quotas.items()}
+        extra = _excess(total, lim.quota, high, low) - sum(needs.values())
+        if extra > 0:
+            # only types with serving blocks can give anything back
+            rest = {t: max(0, u - needs.get(t, 0)) for t, u in by_type.items() if t in state.policies}
+            for t, share in _shares(extra, rest).items():
+                needs[t] = needs.get(t, 0) + share
+        return {t: n for t, n in needs.items() if n > 0}
+
+    def _record_usage(self, state: GroupState, usage: Mapping[str, Any], by_type: Mapping[str, int]) -> None:
+        m, name, lim = self.metrics, state.name, state.limits
+        m.usage_bytes.labels(name, ALL_TYPES).set(usage.get("bytes", 0))
+        m.usage_keys.labels(name, ALL_TYPES).set(usage.get("keys", 0))
+        m.quota_bytes.labels(name, ALL_TYPES).set(max(lim.quota, 0))
+        for stype, u in usage.get("by_type", {}).items():
+            m.usage_bytes.labels(name, stype).set(u.get("bytes", 0))
+            m.usage_keys.labels(name, stype).set(u.get("keys", 0))
+            m.inflight.labels(name, stype).set(u.get("bytes", 0) - by_type.get(stype, 0))
+        for stype, quota in lim.type_quotas.items():
+            m.quota_bytes.labels(name, stype).set(max(quota, 0))
+        for stype, policy in state.policies.items():
+            m.tracked.labels(name, stype).set(len(policy))
+
+    # -- execution ------------------------------------------------------------------------------
+
+    def _run_jobs(self, jobs: list[_Job], budget: int, now: float, report: Round) -> int:
+        """Round-robin one chunk per job until all are done or ``budget`` victims are spent."""
+        spent = 0
+        active = [j for j in jobs if not j.done]
+        while active and spent < budget:
+            share = max(1, min(CHUNK, (budget - spent) // len(active)))  # a fair turn each
+            for job in active:
+                started = time.perf_counter()
+                spent += self._step(job, min(share, budget - spent), now, report)
+                if self._pace is not None:
+                    self._pace(time.perf_counter() - started)
+                if spent >= budget:
+                    break
+            for job in [j for j in active if j.done]:
+                active.remove(job)
+                _pass_on(job, active)
+        return spent
+
+    def _step(self, job: _Job, limit: int, now: float, report: Round) -> int:
+        chosen = self._select(job, limit, now)
+        if not chosen:
+            job.done = True
+            return 0
+        freed = self._evict(job, chosen, now, report)
+        if job.keys is None:
+            job.need -= freed
+            job.done = job.need <= 0
+        else:
+            job.done = not job.keys
+        return len(chosen)
+
+    def _select(self, job: _Job, limit: int, now: float) -> list[tuple[IKey, int]]:
+        """Up to ``limit`` victims with their sizes, already removed from the group's trackers."""
+        if job.keys is None and job.policy.name == "leaf_lru":
+            return self._peel(job, limit, now)
+        if job.keys is not None:
+            keys = [job.keys.popleft() for _ in range(min(limit, len(job.keys)))]
+        else:
+            keys = self._take(job, limit, now)
+        sizes = job.policy.sizes
+        picked = [(k, sizes[k]) for k in keys if k in sizes]
+        for key, _ in picked:
+            job.state.forget(job.stype, key)
+        return picked  # type: ignore[return-value]  # the trackers hold IKeys only
+
+    @staticmethod
+    def _take(job: _Job, limit: int, now: float) -> list[Hashable]:
+        """The policy's best victims, as many as cover ``job.need`` (estimated by mean size)."""
+        policy, sizes = job.policy, job.policy.sizes
+        mean = policy.size_total / len(policy) if len(policy) else 1.0
+        want = min(limit, max(1, math.ceil(job.need / max(mean, 1.0))))
+        keys, total = [], 0
+        for key in policy.victims(want, now):
+            keys.append(key)
+            total += sizes[key]
+            if total >= job.need:
+                break
+        return keys
+
+    @staticmethod
+    def _peel(job: _Job, limit: int, now: float) -> list[tuple[IKey, int]]:
+        """One victim at a time: removing a leaf can make its parent the next best (leaf_lru)."""
+        policy, total = job.policy, 0
+        picked: list[tuple[Hashable, int]] = []
+        while len(picked) < limit and total < job.need:
+            best = policy.victims(1, now)
+            if not best:
+                break
+            size = policy.sizes[best[0]]
+            picked.append((best[0], size))
+            total += size
+            job.state.forget(job.stype, best[0])
+        return picked  # type: ignore[return-value]
+
+    def _evict(self, job: _Job, chosen: list[tuple[IKey, int]], now: float, report: Round) -> int:
+        state, stype = job.state, job.stype
+        by_instance: dict[str, list[int]] = {}
+        for (iid, key), _ in chosen:
+            by_instance.setdefault(iid, []).append(key)
+        freed = sum(self._manager.evict(iid, keys, stype) for iid, keys in by_instance.items())
+        state.add_inflight(stype, freed, now + state.limits.delay_before_delete_ms / 1000.0 + self._grace)
+        report.victims += [(state.name, stype, ikey, job.reason) for ikey, _ in chosen]
+        report.freed += freed
+        labels = (state.name, stype, state.policy_name, job.reason)
+        self.metrics.blocks.labels(*labels).inc(len(chosen))
+        self.metrics.bytes.labels(*labels).inc(freed)
+        return freed
+
+
+def _excess(used: int, quota: int, high: float, low: float) -> int:
+    """Bytes to free when ``used`` reached the high mark (``>=``, as Tair, so a watermark of 1.0
+    means "when full"); the target is the low mark, and always strictly below the high one."""
+    high_mark, low_mark = round(quota * high, 6), round(quota * low, 6)  # 1000 * 0.8 is 800, not 799.99
+    if quota <= 0 or used <= 0 or used < high_mark:
+        return 0
+    target = min(math.floor(low_mark), math.ceil(high_mark) - 1)
+    return max(0, used - max(target, 0))
+
+
+def _shares(total: int, weights: Mapping[str, int]) -> dict[str, int]:
+    """Split ``total`` in proportion to ``weights`` (rounded up, so the sum covers ``total``)."""
+    whole = sum(weights.values())
+    if whole <= 0:
+        return {}
+    return {k: math.ceil(total * w / whole) for k, w in weights.items() if w > 0}
+
+
+def _pass_on(job: _Job, active: list[_Job]) -> None:
+    """A watermark job that ran out of victims hands what it still owes to its group's others."""
+    if job.keys is not None or job.need <= 0:
+        return
+    siblings = [j for j in active if j.state is job.state and j.keys is None]
+    for sibling in siblings:
+        sibling.need += math.ceil(job.need / len(siblings))
+    job.need = 0
+
+
+def duty_pacer(duty_cycle: float) -> Callable[[float], None] | None:
+    """A ``pace`` callback that sleeps so the reclaimer uses at most ``duty_cycle`` of a core."""
+    if duty_cycle >= 1.0:
+        return None
+    factor = (1.0 - duty_cycle) / duty_cycle
+
+    def pace(worked: float) -> None:
+        time.sleep(worked * factor)
+
+    return pace
+
+
+__all__ = ["CHUNK", "CacheHooks", "Limits", "Reclaimer", "Round", "duty_pacer", "limits_from_registry"]

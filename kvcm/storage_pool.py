@@ -1,0 +1,129 @@
+"""Opened storage backends by name, kept in step with the registry.
+
+A storage is *usable* (takes writes, and its copies are readable) when the registry says it is
+enabled and available (``enable_storage``/``disable_storage`` and the health thread set those)
+and its backend opened. The pool keeps the set of unusable names as one frozenset, rebuilt on
+every registry change, so the read path pays one membership test per copy — and nothing at all
+while every storage is usable (the common case).
+
+Thread ownership: rebuilt on the thread that commits a registry change (RPC thread, or the
+health thread via ``set_storage_available``); read from any thread (attributes are replaced
+whole, never mutated).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvcm.registry import STORAGE, Registry
+
+log = logging.getLogger("kvcm.storage_pool")
+
+Opener = Callable[[Any, "str | None"], Any]
+
+
+def default_opener(storage: Any, data_dir: str | None) -> Any:
+    """Open a backend through the storage registry (``kvcm.backends.storages``)."""
+    from kvcm.backends.storages import open_backend
+
+    return open_backend(storage.storage_type, storage.global_unique_name, storage.storage_spec, data_dir)
+
+
+class StoragePool:
+    """Backends of every registered storage; see the module docstring."""
+
+    def __init__(self, registry: Registry, data_dir: str | None, opener: Opener | None = None) -> None:
+        self.registry = registry
+        self.data_dir = data_dir
+        self._opener = opener or default_opener
+        self._backends: dict[str, Any] = {}
+        self._types: dict[str, str] = {}
+        self._specs: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.unusable: frozenset[str] = frozenset()
+        self.removed: frozenset[str] = frozenset()  # removed since start: their copies are unreadable
+
+    def open_all(self) -> None:
+        for storage in self.registry.list_storages():
+            self._open(storage)
+        self._rebuild()
+        self.registry.on_change(self._on_change)
+
+    def _open(self, storage: Any) -> None:
+        name = storage.global_unique_name
+        self._types[name] = storage.storage_type
+        self._specs[name] = storage.storage_spec
+        try:
+            backend = self._opener(storage, self.data_dir)
+        except Exception as exc:  # noqa: BLE001 - one broken storage must not stop the others
+            log.error("storage %r (%s) cannot be opened: %s", name, storage.storage_type, exc)
+            return
+        with self._lock:
+            old = self._backends.get(name)
+            self._backends[name] = backend
+        if old is not None and old is not backend:
+            _close(old)
+
+    def _on_change(self, kind: str, name: str) -> None:
+        if kind != STORAGE:
+            return
+        try:
+            storage = self.registry.get_storage(name)
+        except Exception:  # noqa: BLE001 - NotFound: the storage was removed
+            storage = None
+        if storage is None:
+            with self._lock:
+                backend = self._backends.pop(name, None)
+            if backend is not None:
+                _close(backend)
+            self.removed = self.removed | {name}
+        elif name not in self._backends:
+            self._open(storage)
+            self.removed = self.removed - {name}
+        elif self._spec_changed(storage):
+            # Re-opening would forget which slots the metadata holds (they are reserved at
+            # start-up only): the new spec applies from the next start.
+            log.warning("storage %r: spec changed; it takes effect when kvcm restarts", name)
+        self._rebuild()
+
+    def _spec_changed(self, storage: Any) -> bool:
+        return self._specs.get(storage.global_unique_name) != storage.storage_spec
+
+    def _rebuild(self) -> None:
+        bad = {s.global_unique_name for s in self.registry.list_storages()
+               if not (s.enabled and s.available) or s.global_unique_name not in self._backends}
+        self.unusable = frozenset(bad | set(self.removed))
+
+    # -- lookups ----------------------------------------------------------------------------------
+
+    def get(self, name: str) -> Any | None:
+        return self._backends.get(name)
+
+    def usable(self, name: str) -> bool:
+        return name in self._backends and name not in self.unusable
+
+    def storage_type(self, name: str) -> str | None:
+        return self._types.get(name)
+
+    def names(self) -> list[str]:
+        return list(self._backends)
+
+    def backends(self) -> list[Any]:
+        """Every opened backend (the storage-health prober's view)."""
+        return list(self._backends.values())
+
+    def close(self) -> None:
+        with self._lock:
+            backends, self._backends = list(self._backends.values()), {}
+        for backend in backends:
+            _close(backend)
+
+
+def _close(backend: Any) -> None:
+    try:
+        backend.close()
+    except Exception:  # noqa: BLE001
+        log.exception("closing storage backend failed")

@@ -1,0 +1,267 @@
+"""Two-phase writes: ``start_write_cache`` / ``finish_write_cache`` and session expiry (Tair §4.5,
+§4.6, §10), without the leaks of §18.1–§18.3.
+
+Everything one request changes (block records, usage, the session, scheduled deletes) happens in
+the caller's write transaction; under group commit that is a child of the batch's transaction,
+committed before any reply. Storage space allocated for a request that then fails is released
+before the error propagates.
+
+* A key counts as existing (masked in the reply) if it has a ``writing``, ``serving`` or
+  ``deleting`` copy on a usable storage — or if it appeared earlier in the same request, so a
+  duplicate key is allocated once (Tair allocated it twice and orphaned one copy).
+* Concurrent writers of one key: the second sees the first's ``writing`` copy (committed, or
+  uncommitted in the same group) and gets it masked, so at most one ``writing`` copy exists.
+* ``finish_write_cache`` validates instance, session and mask before consuming the session;
+  ``writing -> serving`` is a compare-and-set that never resurrects a ``deleting`` copy;
+  failed copies become ``deleting`` and are freed by the deleter at once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvcm.backends.base import WriteTxn, i64
+from kvcm.deleter import schedule
+from kvcm.errors import CapacityError, Code, InvalidArgument, NotFound
+from kvcm.index import KEEP
+from kvcm.masks import BlockMask, derive_keys, success_flags, write_mask
+from kvcm.proto.wire import Raw, pack_array_raw, pack_map_raw
+from kvcm.records import RUNS_DB, Location, Record, Status, encode_run, pack_wire
+from kvcm.selection import InstanceView, Target, write_targets
+from kvcm.sessions import Session, new_session_id, random_id
+from kvcm.usage import Usage
+
+if TYPE_CHECKING:
+    from kvcm.manager import CacheManager
+
+NOTHING_TO_WRITE_TIMEOUT = 10.0  # Tair: a session with no new blocks lives 10 s
+MAX_WRITE_TIMEOUT = 7 * 86400.0
+
+
+def _location_id(taken: set[str]) -> str:
+    """8 random ``[a-z0-9]`` characters, unique within the block (Tair's format)."""
+    while True:
+        lid = random_id(8)
+        if lid not in taken:
+            return lid
+
+
+def start_write_cache(
+    m: CacheManager,
+    instance_id: str,
+    block_keys: Sequence[int] | None,
+    token_ids: Sequence[int] | None,
+    spec_group_names: Sequence[str] | None,
+    timeout: float | None,
+) -> Raw:
+    inst = m.instance(instance_id)
+    keys = derive_keys(block_keys, token_ids, inst.block_size)
+    specs = inst.specs_for(spec_group_names, len(keys))
+    timeout = _timeout(m, timeout)
+    with m.store.write() as txn:
+        exists = _existing(m, txn, inst, keys)
+        new = [i for i, there in enumerate(exists) if not there]
+        mask = write_mask(exists)
+        if not new:
+            session = m.sessions.create(txn, instance_id, inst.group, [], [], NOTHING_TO_WRITE_TIMEOUT)
+            return _reply(session.id, mask, [])
+        needed = sum(size for i in new for _, size in specs[i])
+        target, uris = _allocate(m, txn, inst, [specs[i] for i in new], needed)
+        try:
+            session, wires = _record_new(m, txn, inst, keys, new, specs, target, uris, timeout)
+        except BaseException:
+            _release(m, target.storage, uris)
+            raise
+    return _reply(session.id, mask, wires)
+
+
+def _timeout(m: CacheManager, timeout: float | None) -> float:
+    if timeout is None or timeout == 0:
+        return m.default_write_timeout
+    if not 0 < timeout <= MAX_WRITE_TIMEOUT:
+        raise InvalidArgument(f"write_timeout_seconds: must be in (0, {MAX_WRITE_TIMEOUT:g}], got {timeout}")
+    return float(timeout)
+
+
+def _existing(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[int]) -> list[bool]:
+    """Per request key: already present (any live copy on a usable storage) or a repeat."""
+    unusable = m.pool.unusable
+    seen: set[int] = set()
+    out: list[bool] = []
+    for record, key in zip(m.records_in(txn, inst.ns, keys), keys):
+        there = key in seen or (record is not None and any(loc.storage not in unusable for loc in record.locs))
+        seen.add(key)
+        out.append(there)
+    return out
+
+
+def _allocate(m: CacheManager, txn: WriteTxn, inst: InstanceView, specs: list[tuple[tuple[str, int], ...]],
+              needed: int) -> tuple[Target, list[list[str]]]:
+    """URIs per new block (one per spec of that block), on the first target that can take them."""
+    group = m.group_view(inst.group)
+    used_total, used_by_type = Usage.group_used(txn, group.name)
+    targets = write_targets(group, needed, used_total, used_by_type, m.pool.storage_type, m.pool.usable)
+    last: CapacityError | None = None
+    for target in targets:
+        try:
+            return target, _allocate_on(m, target, specs)
+        except CapacityError as exc:  # full or closed: fall over to the next candidate
+            last = exc
+    assert last is not None
+    raise last
+
+
+def _allocate_on(m: CacheManager, target: Target, specs: list[tuple[tuple[str, int], ...]]) -> list[list[str]]:
+    """One backend call per distinct spec size (Tair's "merge" mode when all sizes are equal),
+    spec-major order; all or nothing."""
+    backend = m.pool.get(target.storage)
+    if backend is None:
+        raise CapacityError(f"storage {target.storage!r} is not open", Code.NO_STORAGE_AVAILABLE)
+    slots: dict[int, list[tuple[int, int]]] = defaultdict(list)  # size -> [(block, spec position)]
+    width = max(len(s) for s in specs)
+    for pos in range(width):
+        for block, block_specs in enumerate(specs):
+            if pos < len(block_specs):
+                slots[block_specs[pos][1]].append((block, pos))
+    out: list[list[str]] = [[""] * len(s) for s in specs]
+    done: list[str] = []
+    try:
+        for size, places in slots.items():
+            uris = backend.allocate(len(places), size)
+            done.extend(uris)
+            for (block, pos), uri in zip(places, uris):
+                out[block][pos] = uri
+    except BaseException:
+        _release(m, target.storage, done)
+        raise
+    return out
+
+
+def _release(m: CacheManager, storage: str, uris: Sequence[Any]) -> None:
+    flat = [u for item in uris for u in (item if isinstance(item, list) else [item])]
+    backend = m.pool.get(storage)
+    if backend is not None and flat:
+        backend.release(flat)
+
+
+def _record_new(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[int], new: list[int],
+                specs: list[tuple[tuple[str, int], ...]], target: Target, uris: list[list[str]],
+                timeout: float) -> tuple[Session, list[bytes]]:
+    now = m.clock()
+    # Records name their session and the session names their location ids: take the id first.
+    sid = new_session_id()
+    new_keys = [keys[i] for i in new]
+    wires, locs = [], []
+    for j, i in enumerate(new):
+        block_specs = specs[i]
+        wire = pack_wire(target.type, [(name, uri) for (name, _), uri in zip(block_specs, uris[j])])
+        wires.append(wire)
+        locs.append(Location("", Status.WRITING, target.storage, target.type, sum(s for _, s in block_specs),
+                             now, 0.0, "", wire))
+
+    def add(j: int, key: int, record: Record | None) -> Record:
+        loc = locs[j]
+        loc.session = sid
+        if record is None:
+            i = new[j]
+            loc.id = _location_id(set())
+            return Record(keys[i - 1] if i > 0 else None, now, now, [loc])
+        loc.id = _location_id({x.id for x in record.locs})
+        record.locs.append(loc)
+        record.updated = now
+        return record
+
+    m.index.read_modify_write(txn, inst.ns, new_keys, add)
+    m.usage_book.add(txn, {(inst.group, inst.instance_id, target.type): [sum(x.nbytes for x in locs), len(locs)]})
+    session = m.sessions.create(txn, inst.instance_id, inst.group, new_keys, [x.id for x in locs], timeout, sid=sid)
+    return session, wires
+
+
+def _reply(session_id: str, mask: dict[str, Any], wires: list[bytes]) -> Raw:
+    return pack_map_raw({"write_session_id": session_id, "block_mask": mask, "locations": pack_array_raw(wires)})
+
+
+# -- finish ---------------------------------------------------------------------------------------
+
+
+def finish_write_cache(m: CacheManager, instance_id: str, session_id: str, success: BlockMask | None) -> dict[str, Any]:
+    m.instance(instance_id)
+    with m.store.write() as txn:
+        session = m.sessions.get(txn, session_id)
+        if session is None or m.sessions.is_due(session_id):
+            if session is not None or m.sessions.was_expired(session_id):
+                raise NotFound(f"write session {session_id[:64]!r} has expired", Code.WRITE_SESSION_EXPIRED)
+            raise NotFound(f"write session {session_id[:64]!r} is unknown (never started, or already finished)",
+                           Code.WRITE_SESSION_UNKNOWN)
+        if session.instance != instance_id:
+            raise InvalidArgument(f"write session {session_id[:64]!r} belongs to another instance")
+        ok = success_flags(success, len(session.keys))  # validated before the session is consumed
+        m.sessions.consume(txn, session_id)
+        served = settle(m, txn, session, ok)
+    return {"served": served, "failed": len(ok) - served}
+
+
+def settle(m: CacheManager, txn: WriteTxn, session: Session, ok: list[bool]) -> int:
+    """Successes ``writing -> serving`` (CAS), failures ``writing -> deleting`` (freed at once).
+
+    Consecutive successes become a run (:mod:`kvcm.records`) so later prefix lookups of them
+    cost one read."""
+    now = m.clock()
+    first = _segments(session.keys, ok) if m.runs else [None] * len(ok)
+    served: list[tuple[int, Location, int | None]] = []
+    failed: list[tuple[int, str]] = []
+    members: dict[int, Location] = {}  # session position -> its (only) serving copy
+
+    def modify(j: int, key: int, record: Record | None) -> Any:
+        loc = None if record is None else next((x for x in record.locs if x.id == session.loc_ids[j]), None)
+        if record is None or loc is None or loc.status != Status.WRITING:
+            return KEEP  # removed, trimmed or already deleting meanwhile: never resurrect
+        loc.session = ""
+        if ok[j]:
+            loc.status, loc.written = Status.SERVING, now
+            served.append((key, loc, record.parent))
+            if first[j] is not None and sum(x.status == Status.SERVING for x in record.locs) == 1:
+                record.run = first[j]
+                members[j] = loc
+        else:
+            loc.status = Status.DELETING
+            failed.append((key, loc.id))
+        record.updated = now
+        return record
+
+    ns = m.namespace_of(session.instance)
+    m.index.read_modify_write(txn, ns, session.keys, modify)
+    for key, loc_id in failed:
+        schedule(txn, now, session.group, session.instance, key, loc_id)
+    if members:
+        _store_runs(txn, ns, session.keys, first, members)
+    if served:
+        txn.on_commit(lambda: m.notify_served(session.instance, served, now))
+    return len(served)
+
+
+def _segments(keys: list[int], ok: list[bool]) -> list[int | None]:
+    """For each position: the first key of the run of consecutive successes it belongs to."""
+    out: list[int | None] = []
+    for j, good in enumerate(ok):
+        out.append(None if not good else (out[-1] if j and ok[j - 1] else keys[j]))
+    return out
+
+
+def _store_runs(txn: WriteTxn, ns: bytes, keys: list[int], first: list[int | None], members: dict[int, Location]) -> None:
+    """One run per segment, cut at its first block that is not run-eligible (a member with a
+    second serving copy, or one removed meanwhile); runs of one block are not worth a record."""
+    j = 0
+    while j < len(keys):
+        start = j
+        while j < len(keys) and first[j] == first[start] and j in members:
+            j += 1
+        if j - start >= 2:
+            locs = [members[i] for i in range(start, j)]
+            value = encode_run(locs[0].storage, keys[start:j], [x.wire for x in locs])
+            txn.put(RUNS_DB, ns + i64(keys[start]), value)
+        j = max(j, start + 1)
+        while j < len(keys) and first[j] is not None and first[j] == first[start]:
+            j += 1  # the rest of a cut segment stays without a run

@@ -1,0 +1,103 @@
+"""Shared helpers for the data-plane tests (not collected: no ``test_`` prefix)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from kvcm.errors import KvcmError
+
+SPECS = [{"name": "tp0", "size": 1024}, {"name": "tp1", "size": 1024}]
+DEPLOYMENT = {"model_name": "m", "dtype": "fp16"}
+
+
+def register(c, instance_id="inst", group="default", block_size=4, specs=None, spec_groups=None) -> dict[str, Any]:
+    params = {"instance_group": group, "instance_id": instance_id, "block_size": block_size,
+              "location_spec_infos": specs or SPECS, "model_deployment": DEPLOYMENT}
+    if spec_groups:
+        params["location_spec_groups"] = spec_groups
+    return c.call("register_instance", params)
+
+
+def start(c, keys=None, instance="inst", tokens=None, **extra) -> dict[str, Any]:
+    params: dict[str, Any] = {"instance_id": instance, **extra}
+    if keys is not None:
+        params["block_keys"] = keys
+    if tokens is not None:
+        params["token_ids"] = tokens
+    return c.call("start_write_cache", params)
+
+
+def finish(c, session, success=None, instance="inst") -> dict[str, Any]:
+    n = len(session["locations"])
+    mask = success if success is not None else {"offset": n}
+    return c.call("finish_write_cache", {"instance_id": instance, "write_session_id": session["write_session_id"],
+                                         "success_blocks": mask})
+
+
+def write(c, keys, instance="inst", **extra) -> dict[str, Any]:
+    session = start(c, keys, instance, **extra)
+    finish(c, session, instance=instance)
+    return session
+
+
+def locate(c, keys=None, query="prefix_match", instance="inst", tokens=None, **extra) -> list[dict[str, Any]]:
+    params: dict[str, Any] = {"instance_id": instance, "query_type": query, **extra}
+    if keys is not None:
+        params["block_keys"] = keys
+    if tokens is not None:
+        params["token_ids"] = tokens
+    return c.call("get_cache_location", params)["locations"]
+
+
+def error_code(fn, *args, **kwargs) -> str:
+    with pytest.raises(KvcmError) as info:
+        fn(*args, **kwargs)
+    return info.value.code.name
+
+
+def add_group(c, name, candidates, capacity=0, per_type=None, delay_ms=0) -> None:
+    quota: dict[str, Any] = {"capacity": capacity}
+    if per_type:
+        quota["quota_config"] = [{"storage_type": t, "capacity": cap} for t, cap in per_type.items()]
+    c.call("create_instance_group", {"instance_group": {
+        "name": name, "storage_candidates": candidates, "quota": quota,
+        "reclaim_strategy": {"delay_before_delete_ms": delay_ms, "used_percentage": 1.0}}})
+
+
+def add_file_storage(c, name, root) -> None:
+    c.call("add_storage", {"storage": {"global_unique_name": name, "storage_type": "file",
+                                       "storage_spec": {"root_path": str(root)}}})
+
+
+def shm_prefix() -> str:
+    return f"kvcmtest{uuid.uuid4().hex[:8]}."
+
+
+def add_shm_storage(c, name, prefix, segment_size=1 << 20) -> None:
+    c.call("add_storage", {"storage": {"global_unique_name": name, "storage_type": "shm",
+                                       "storage_spec": {"prefix": prefix, "segment_size": segment_size}}})
+
+
+def remove_shm(prefix: str) -> None:
+    for path in glob.glob(f"/dev/shm/{prefix}*"):
+        os.unlink(path)
+
+
+def wait_for(cond, timeout=10.0, interval=0.05) -> Any:
+    """Poll ``cond`` until truthy (no timed assertion: the timeout only bounds a hang)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def uris(location: dict[str, Any]) -> list[str]:
+    return [s["uri"] for s in location["location_specs"]]

@@ -1,0 +1,171 @@
+"""Write-target selection, quotas, unavailable storages, multi-copy reads, usage and restarts
+(reference §7.2, §7.3, §9.5, §10, and §18.6/§18.16), over ZMQ against a real server."""
+
+from __future__ import annotations
+
+import pytest
+from cache_helpers import (
+    add_file_storage,
+    add_group,
+    add_shm_storage,
+    error_code,
+    finish,
+    locate,
+    register,
+    remove_shm,
+    shm_prefix,
+    start,
+    uris,
+    wait_for,
+    write,
+)
+
+from kvcm.testing import serve_in_thread
+
+FAST = {"cache": {"session_check_ms": 50, "delete_poll_ms": 20}}
+
+
+@pytest.fixture
+def shm():
+    prefix = shm_prefix()
+    yield prefix
+    remove_shm(prefix)
+
+
+@pytest.fixture
+def two_tiers(tmp_path, shm):
+    """A server with a file storage and a shm storage, group ``tiers`` = [shm, file]."""
+    with serve_in_thread(overrides=FAST) as srv, srv.client() as c:
+        add_file_storage(c, "disk", tmp_path / "disk")
+        add_shm_storage(c, "mem", shm)
+        yield srv, c
+
+
+def _types(locations):
+    return [x["type"] for x in locations]
+
+
+def test_first_usable_candidate_takes_writes(two_tiers):
+    srv, c = two_tiers
+    add_group(c, "tiers", ["mem", "disk"])
+    register(c, "a", group="tiers")
+    assert _types(write(c, [1], "a")["locations"]) == ["shm"]
+    c.call("disable_storage", {"storage_unique_name": "mem"})
+    assert _types(write(c, [2], "a")["locations"]) == ["file"]
+    # reads skip copies on the disabled storage: key 1 lives on shm only
+    assert locate(c, [1], instance="a") == []
+    assert len(locate(c, [2], instance="a")) == 1
+    # and a write re-creates key 1 on the next storage, as a second copy
+    assert _types(write(c, [1], "a")["locations"]) == ["file"]
+    c.call("enable_storage", {"storage_unique_name": "mem"})
+    meta = c.call("get_cache_meta", {"instance_id": "a", "block_keys": [1], "detail_level": 1})["metas"][0]
+    assert meta["location_count"] == 2
+    # with both usable, the candidate order decides which copy a reader gets: shm first
+    assert _types(locate(c, [1, 2], instance="a")) == ["shm", "file"]
+    srv.app.cache.check()
+
+
+def test_no_usable_storage(two_tiers):
+    _, c = two_tiers
+    add_group(c, "tiers", ["mem", "disk"])
+    register(c, "a", group="tiers")
+    for name in ("mem", "disk"):
+        c.call("disable_storage", {"storage_unique_name": name})
+    assert error_code(start, c, [1], "a") == "NO_STORAGE_AVAILABLE"
+
+
+def test_unavailable_by_health_probe_is_skipped(two_tiers):
+    srv, c = two_tiers
+    add_group(c, "tiers", ["mem", "disk"])
+    register(c, "a", group="tiers")
+    srv.app.registry.set_storage_available("mem", False)  # what the health thread does
+    assert _types(write(c, [1], "a")["locations"]) == ["file"]
+    srv.app.registry.set_storage_available("mem", True)
+    assert _types(write(c, [2], "a")["locations"]) == ["shm"]
+
+
+def test_group_quota_is_a_hard_limit(two_tiers):
+    srv, c = two_tiers
+    add_group(c, "small", ["disk"], capacity=3 * 2048)
+    register(c, "a", group="small")
+    write(c, [1, 2], "a")
+    assert error_code(start, c, [3, 4], "a") == "QUOTA_EXCEEDED"  # 4 blocks > 3 blocks of quota
+    session = start(c, [3], "a")  # exactly full is allowed
+    assert error_code(start, c, [4], "a") == "QUOTA_EXCEEDED"  # writing blocks count too
+    finish(c, session, {"offset": 0}, instance="a")  # failed: freed by the deleter
+    wait_for(lambda: srv.app.cache.usage("small")["keys"] == 2)
+    write(c, [4], "a")
+    assert srv.app.cache.usage("small")["bytes"] == 3 * 2048
+
+
+def test_type_quota_falls_over_to_next_candidate_type(two_tiers):
+    srv, c = two_tiers
+    add_group(c, "typed", ["mem", "disk"], per_type={"shm": 2 * 2048})
+    register(c, "a", group="typed")
+    assert _types(write(c, [1, 2], "a")["locations"]) == ["shm", "shm"]
+    assert _types(write(c, [3], "a")["locations"]) == ["file"]
+    usage = srv.app.cache.usage("typed")
+    assert usage["by_type"] == {"shm": {"bytes": 4096, "keys": 2}, "file": {"bytes": 2048, "keys": 1}}
+    assert usage["by_instance"]["a"]["bytes"] == 6144
+
+
+def test_type_quota_without_fallback_is_a_clear_error(two_tiers):
+    _, c = two_tiers
+    add_group(c, "shmonly", ["mem"], per_type={"shm": 2048})
+    register(c, "a", group="shmonly")
+    write(c, [1], "a")
+    assert error_code(start, c, [2], "a") == "QUOTA_EXCEEDED"
+
+
+def test_usage_sessions_and_deletes_survive_restart(tmp_path):
+    data = str(tmp_path / "data")
+    with serve_in_thread(data_dir=data, overrides=FAST) as srv, srv.client() as c:
+        add_group(c, "slow", ["default-file"], delay_ms=1500)
+        register(c, "a", group="slow")
+        write(c, [1, 2, 3], "a")
+        pending = start(c, [4, 5], "a", write_timeout_seconds=60)
+        c.call("remove_cache", {"instance_id": "a", "block_keys": [3]})
+        before = srv.app.cache.usage("slow")
+    with serve_in_thread(data_dir=data, overrides=FAST) as srv, srv.client() as c:
+        assert srv.app.cache.usage("slow") == before  # persisted, not recomputed
+        assert srv.app.cache.recount() == srv.app.cache.usage_book.snapshot()
+        finish(c, pending, instance="a")  # the session survived the restart (§18.16)
+        assert len(locate(c, [1, 2], instance="a")) == 2 and len(locate(c, [4, 5], instance="a")) == 2
+        # the delete pending at shutdown is finished after the restart
+        wait_for(lambda: srv.app.cache.usage("slow")["keys"] == 4)
+        assert srv.app.cache.usage("slow")["keys"] == 4
+        srv.app.cache.check()
+
+
+def test_expired_session_after_restart_is_cleaned_up(tmp_path):
+    data = str(tmp_path / "data")
+    with serve_in_thread(data_dir=data, overrides=FAST) as srv, srv.client() as c:
+        register(c, "a")
+        session = start(c, [1, 2], "a", write_timeout_seconds=0.5)
+    with serve_in_thread(data_dir=data, overrides=FAST) as srv, srv.client() as c:
+        wait_for(lambda: srv.app.cache.sessions.was_expired(session["write_session_id"]))
+        assert error_code(finish, c, session, instance="a") == "WRITE_SESSION_EXPIRED"
+        wait_for(lambda: srv.app.cache.usage("default")["keys"] == 0)
+        srv.app.cache.check()
+
+
+def test_removed_instance_is_purged(two_tiers):
+    srv, c = two_tiers
+    add_group(c, "g", ["disk"])
+    register(c, "gone", group="g")
+    write(c, [1, 2], "gone")
+    c.call("remove_instance", {"instance_id": "gone"})
+    wait_for(lambda: srv.app.cache.usage("g")["keys"] == 0)
+    assert srv.app.cache.usage("g")["keys"] == 0
+
+
+def test_storage_space_is_freed_after_delete(two_tiers):
+    srv, c = two_tiers
+    add_group(c, "g", ["disk", "mem"])
+    register(c, "a", group="g")
+    write(c, [1, 2], "a")
+    disk = srv.app.storages.get("disk")
+    assert disk.usage()["bytes_used"] == 4096
+    c.call("remove_cache", {"instance_id": "a", "block_keys": [1, 2]})
+    wait_for(lambda: srv.app.cache.usage("g")["keys"] == 0)
+    assert disk.usage()["bytes_used"] == 0

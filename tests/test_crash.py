@@ -1,0 +1,143 @@
+"""Crash tests with a real ``kvcm serve`` subprocess killed with SIGKILL (reliability.md F1, F2).
+
+After every restart: no acknowledged write is missing, no ``writing`` location outlives its
+session, and the persisted usage equals a recount from the block records (checked in-process
+with ``CacheManager.check`` on the same data dir once the subprocess is gone).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import threading
+import time
+
+import pytest
+from cache_helpers import add_group, finish, register, start, wait_for
+
+from kvcm.errors import KvcmError
+from kvcm.testing import serve_in_thread, start_subprocess, stop_subprocess
+
+FAST = ["--set", "cache.session_check_ms=50", "--set", "cache.delete_poll_ms=20"]
+
+
+@pytest.fixture
+def sock_dir():
+    path = tempfile.mkdtemp(prefix="kvcm-crash-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _start(data, sock_dir):
+    return start_subprocess(data, f"ipc://{sock_dir}/rpc", FAST)
+
+
+def _served(c, instance, keys):
+    found = c.call("get_cache_location", {"instance_id": instance, "query_type": "batch_get", "block_keys": keys})
+    return {k for k, loc in zip(keys, found["locations"]) if loc["location_specs"][0]["uri"]}
+
+
+def _check_offline(data, instance=None, acked=()):
+    """Consistency of the data dir, after the writing sessions of the crashed run expired."""
+    with serve_in_thread(data_dir=data, overrides={"cache": {"session_check_ms": 50, "delete_poll_ms": 20}}) as srv:
+        cache = srv.app.cache
+        if acked:
+            keys = sorted(acked)
+            with srv.client() as c:
+                found = set().union(*(_served(c, instance, keys[i:i + 1000]) for i in range(0, len(keys), 1000)))
+            assert found == set(acked), f"{len(set(acked) - found)} acknowledged writes lost"
+        wait_for(lambda: len(cache.sessions) == 0 and cache.deleter.pending() == 0, timeout=30)
+        cache.check()  # usage == recount, no writing copy without its session, index invariants
+
+
+def test_kill_between_start_and_finish(tmp_path, sock_dir):
+    data = str(tmp_path / "data")
+    server = _start(data, sock_dir)
+    try:
+        with server.client() as c:
+            add_group(c, "g", ["default-file"], delay_ms=0)
+            register(c, "inst", group="g")
+            acked = start(c, [1, 2, 3], "inst")
+            finish(c, acked, instance="inst")
+            pending = start(c, [4, 5], "inst", write_timeout_seconds=30)
+            doomed = start(c, [6, 7], "inst", write_timeout_seconds=1)
+    finally:
+        stop_subprocess(server, kill=True)
+    server = _start(data, sock_dir)
+    try:
+        with server.client() as c:
+            assert _served(c, "inst", [1, 2, 3]) == {1, 2, 3}
+            assert _served(c, "inst", [4, 5, 6, 7]) == set()  # writing blocks stay invisible
+            finish(c, pending, instance="inst")  # the session survived the crash
+            assert _served(c, "inst", [4, 5]) == {4, 5}
+            # the short session expires on time after the restart: its blocks are freed
+            wait_for(lambda: c.call("get_cache_meta", {"instance_id": "inst", "block_keys": [6, 7]})["metas"][0]
+                     ["status"] == "not_found")
+            with pytest.raises(KvcmError) as info:
+                finish(c, doomed, instance="inst")
+            assert info.value.code.name in ("WRITE_SESSION_EXPIRED", "WRITE_SESSION_UNKNOWN")
+    finally:
+        stop_subprocess(server, kill=True)
+    _check_offline(data)
+
+
+class Writers:
+    """Threads writing 1–16 fresh keys per start/finish pair; records what was acknowledged."""
+
+    def __init__(self, endpoint: str, instance: str, n: int, seed: int) -> None:
+        self.endpoint, self.instance = endpoint, instance
+        self.acked: set[int] = set()
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(random.Random(seed * 100 + i),), daemon=True)
+                        for i in range(n)]
+
+    def _run(self, rng: random.Random) -> None:
+        from kvcm.client import Client
+
+        with Client(self.endpoint, timeout=2.0, retries=0) as c:
+            while not self.stop.is_set():
+                keys = [rng.getrandbits(62) for _ in range(rng.randint(1, 16))]
+                try:
+                    session = start(c, keys, self.instance, write_timeout_seconds=1)
+                    finish(c, session, instance=self.instance)
+                except KvcmError:
+                    return  # the server died: a reply that never came is not an acknowledgement
+                with self.lock:
+                    self.acked.update(keys)
+
+    def run_for(self, seconds: float) -> None:
+        for t in self.threads:
+            t.start()
+        time.sleep(seconds)
+
+
+def test_kill_during_write_bursts(tmp_path, sock_dir):
+    data = str(tmp_path / "data")
+    acked: set[int] = set()
+    rng = random.Random(11)
+    for cycle in range(3):
+        server = _start(data, sock_dir)
+        try:
+            with server.client() as c:
+                if cycle == 0:
+                    add_group(c, "g", ["default-file"], delay_ms=0)
+                    register(c, "burst", group="g")
+                else:
+                    keys = sorted(acked)
+                    found = set()
+                    for i in range(0, len(keys), 1000):
+                        found |= _served(c, "burst", keys[i:i + 1000])
+                    assert found == acked, f"{len(acked - found)} acknowledged writes lost in cycle {cycle}"
+            writers = Writers(server.endpoint, "burst", 6, seed=cycle)
+            writers.run_for(rng.uniform(0.4, 1.0))
+        finally:
+            stop_subprocess(server, kill=True)
+        writers.stop.set()
+        for t in writers.threads:
+            t.join(10)
+        with writers.lock:
+            acked |= writers.acked
+    assert acked  # the bursts did write something
+    _check_offline(data, "burst", acked)

@@ -1,0 +1,184 @@
+"""``kvcm optimize`` (through ``kvcm.optimizer.cli.main``): runs, outputs and errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcm.optimizer.cli import add_optimize_parser, main
+
+TRACES = Path(os.environ.get("KVCM_TRACES", Path(__file__).resolve().parents[2] / "shared/data/traces"))
+MOONCAKE = str(TRACES / "mooncake_synthetic_trace.jsonl")
+needs_trace = pytest.mark.skipif(not os.path.exists(MOONCAKE), reason="shipped trace not found")
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@needs_trace
+def test_single_replay_prints_a_table(capsys):
+    code, out, _ = run(capsys, MOONCAKE, "--format", "mooncake", "--block-size", "512",
+                       "--policy", "lru", "--capacity", "10000")  # fmt: skip
+    assert code == 0
+    assert "instance" in out and "0.4235" in out and "cap=10000" in out
+
+
+@needs_trace
+def test_json_reports_the_unbounded_mooncake_ratio(capsys, tmp_path):
+    code, out, _ = run(capsys, MOONCAKE, "--json", "--out", tmp_path, "--plot", tmp_path / "t.png",
+                       "--prefill-tps", "10000", "--gpu-price", "2")  # fmt: skip
+    assert code == 0
+    summary = json.loads(out)
+    assert round(summary["total"]["token_hit_rate"], 3) == 0.651
+    assert summary["cost"]["tokens_saved"] == summary["total"]["hit_tokens"]
+    assert {p.name for p in tmp_path.iterdir()} == {"instance_hit_rates.csv", "summary.json", "t.png"}
+
+
+@needs_trace
+def test_sweep_with_policies_writes_csv_json_and_a_png(capsys, tmp_path):
+    png = tmp_path / "sweep.png"
+    code, out, _ = run(capsys, MOONCAKE, "--limit", "600", "--sweep", "--points", "5",
+                       "--policies", "lru,lfu,leaf_lru", "--plot", png, "--out", tmp_path, "-q")  # fmt: skip
+    assert code == 0
+    assert out.startswith("unbounded: working set") and len(out.splitlines()) == 2 + 15
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    points = json.loads((tmp_path / "sweep.json").read_text())["points"]
+    assert [p["policy"] for p in points] == ["lru"] * 5 + ["lfu"] * 5 + ["leaf_lru"] * 5
+    assert (tmp_path / "sweep.csv").read_text().count("\n") == 16
+
+
+@needs_trace
+def test_explicit_capacities_and_a_policy_comparison(capsys):
+    code, out, _ = run(capsys, MOONCAKE, "--limit", "300", "--sweep", "--capacities", "100,1000",
+                       "--json")  # fmt: skip
+    assert code == 0
+    assert [p["capacity"] for p in json.loads(out)["points"]] == [100, 1000]
+    code, out, _ = run(capsys, MOONCAKE, "--limit", "300", "--capacity", "500",
+                       "--policies", "lru,ttl", "--policy-opt", "ttl.ttl_seconds=1", "--json")  # fmt: skip
+    points = json.loads(out)["points"]
+    assert [(p["policy"], p["capacity"]) for p in points] == [("lru", 500), ("ttl", 500)]
+    assert points[1]["hit_blocks"] < points[0]["hit_blocks"]
+
+
+def test_dump_schema_then_replay_it(capsys, tmp_path):
+    src = tmp_path / "t.jsonl"
+    src.write_text("".join(json.dumps({"timestamp": i * 100, "input_length": 40, "output_length": 1,
+                                       "hash_ids": [0, 1, i % 3]}) + "\n" for i in range(20)))  # fmt: skip
+    schema = tmp_path / "s.jsonl"
+    code, _, err = run(capsys, src, "--block-size", "16", "--dump-schema", schema)
+    assert code == 0 and "wrote 20 records" in err
+    _, direct, _ = run(capsys, src, "--block-size", "16", "--json")
+    _, again, _ = run(capsys, schema, "--format", "kvcm_schema", "--json")
+    assert json.loads(direct)["total"] == json.loads(again)["total"]
+
+
+def test_toml_config_with_two_instances_and_tiers(capsys, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    lines = [{"kvcm_schema": 1, "block_size": 16}]
+    for i in range(60):
+        lines.append({"ts": i, "instance": "ab"[i % 2], "op": "turn", "keys": [1, 2, 3 + i % 7]})
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    config = tmp_path / "c.toml"
+    config.write_text(f"""
+[trace]
+path = "{trace}"
+format = "kvcm_schema"
+
+[replay]
+promote = true
+
+[[groups]]
+name = "g"
+instances = ["a", {{ id = "b", block_size = 32 }}]
+[[groups.tiers]]
+name = "hbm"
+capacity = 4
+[[groups.tiers]]
+name = "ssd"
+capacity = 6
+policy = "leaf_lru"
+""")
+    code, out, err = run(capsys, "--config", config, "--json", "--export-tree", tmp_path / "trees")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert set(summary["instances"]) == {"a", "b"}
+    assert [t["name"] for t in summary["groups"][0]["tiers"]] == ["hbm", "ssd"]
+    assert summary["instances"]["b"]["tier_hit_blocks"][1] > 0
+    assert (tmp_path / "trees" / "radix_tree_a.json").exists()
+    assert (tmp_path / "trees" / "radix_tree_b.dot").read_text().startswith("digraph")
+
+
+@pytest.mark.parametrize(
+    "argv, code, message",
+    [
+        (["--policies", "lru,fifo"], 2, "unknown policy 'fifo'; valid: lru, lfu"),
+        (["--capacity", "ten"], 2, "bad capacity 'ten'"),
+        (["--capacity", "1GiB"], 2, "byte capacity needs block_bytes"),
+        (["--trace-opt", "speed=2"], 2, "bad trace option 'speed=2'"),
+        (["--policy-opt", "lru.ttl_seconds=3"], 2, "no option ttl_seconds"),
+        ([], 1, ":2: missing field 'hash_ids'"),
+    ],
+)
+def test_errors_exit_with_a_clear_message(capsys, tmp_path, argv, code, message):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 3, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    got, _, err = run(capsys, trace, *argv)
+    assert got == code and message in err
+
+
+def test_config_errors_name_the_key(capsys, tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text('[replay]\nmode = "fast"\n')
+    assert run(capsys, "t.jsonl", "--config", config)[2].count("replay.mode must be one of") == 1
+    config.write_text("[[groups]]\nname = 'g'\ncolor = 1\n")
+    assert "groups[0]: unknown key 'color'" in run(capsys, "t.jsonl", "--config", config)[2]
+    assert "no trace: give TRACE" in run(capsys)[2]
+
+
+def test_add_optimize_parser_wires_into_a_parent_cli():
+    parser = argparse.ArgumentParser(prog="kvcm")
+    add_optimize_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["optimize", "t.jsonl", "--sweep", "--policies", "lru,lfu"])
+    assert args.command == "optimize" and args.sweep and args.run.__name__ == "run_optimize"
+
+
+def test_python_dash_m_runs():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcm.optimizer", "--help"],
+        capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert proc.returncode == 0 and "--sweep" in proc.stdout
+
+
+def test_kvcm_main_cli_dispatches_optimize(capsys, tmp_path):
+    kvcm_cli = pytest.importorskip("kvcm.cli")
+    src = tmp_path / "t.jsonl"
+    src.write_text('{"timestamp": 0, "input_length": 20, "hash_ids": [1, 2]}\n' * 2)
+    assert kvcm_cli.main(["optimize", str(src), "--block-size", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total"]["hit_blocks"] == 2
+
+
+def test_the_servers_event_log_replays(capsys, tmp_path):
+    eventlog = pytest.importorskip("kvcm.engines.eventlog")
+    path = tmp_path / "events.jsonl"
+    log = eventlog.EventLog(str(path))
+    log.get_cache_location("inst", "prefix_match", [1, 2], block_mask={"offset": 0})
+    log.start_write_cache("inst", "s1", [1, 2, 3], block_mask={"offset": 0})
+    log.finish_write_cache("inst", "s1", success_block={"offset": 3})
+    log.get_cache_location("inst", "prefix_match", [1, 2, 3, 4], block_mask=None)
+    log.cache_reclaim_submit("inst", [3], [["loc"]], 0)
+    log.close()
+    code, out, _ = run(capsys, path, "--format", "kvcm_events", "--json")
+    summary = json.loads(out)
+    assert code == 0 and summary["total"]["external_hit_blocks"] == 3
+    assert summary["trace_counts"]["paired_writes"] == 1

@@ -1,0 +1,75 @@
+"""Registry state survives a clean restart and a kill -9 (real subprocesses), and the data dir
+is exclusive to one kvcm."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from kvcm.client import Client
+from kvcm.errors import NotFound
+from kvcm.testing import start_subprocess, stop_subprocess
+
+
+@pytest.fixture
+def sock_dir():
+    path = tempfile.mkdtemp(prefix="kvcm-t-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _populate(endpoint: str) -> None:
+    with Client(endpoint) as c:
+        c.call("create_instance_group", {"instance_group": {
+            "name": "g1", "storage_candidates": ["default-file"],
+            "quota": {"capacity": 1 << 30},
+        }})
+        c.call("register_instance", {
+            "instance_group": "g1", "instance_id": "inst-a", "block_size": 64,
+            "location_spec_infos": [{"name": "tp0", "size": 4096}, {"name": "tp1", "size": 4096}],
+        })
+
+
+def _check(endpoint: str) -> None:
+    with Client(endpoint) as c:
+        info = c.call("get_instance_info", {"instance_id": "inst-a"})
+        assert info["instance_group"] == "g1"
+        assert info["instance_info"]["block_size"] == 64
+        assert c.call("get_instance_group", {"name": "g1"})["instance_group"]["name"] == "g1"
+        with pytest.raises(NotFound):
+            c.call("get_instance_info", {"instance_id": "never"})
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "kill9"])
+def test_registry_survives_restart(sock_dir, kill):
+    data = os.path.join(sock_dir, "data")
+    endpoint = f"ipc://{sock_dir}/rpc"
+    server = start_subprocess(data, endpoint)
+    _populate(endpoint)
+    code = stop_subprocess(server, kill=kill)
+    assert code == (-9 if kill else 0)
+    server = start_subprocess(data, endpoint)
+    try:
+        _check(endpoint)
+    finally:
+        assert stop_subprocess(server) == 0
+
+
+def test_second_kvcm_on_same_dir_refused(sock_dir):
+    data = os.path.join(sock_dir, "data")
+    server = start_subprocess(data, f"ipc://{sock_dir}/a")
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "kvcm", "serve", "--data-dir", data, "--endpoint", f"ipc://{sock_dir}/b",
+             "--http-port", "0"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert second.returncode != 0
+        assert "in use by another kvcm" in second.stderr
+    finally:
+        stop_subprocess(server)
