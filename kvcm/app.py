@@ -107,7 +107,7 @@ class App:
         from kvcm.api import cache as cache_api
         from kvcm.backends.storages import StorageHealth
         from kvcm.manager import CacheManager
-        from kvcm.storage_pool import StoragePool
+        from kvcm.cache.storage_pool import StoragePool
 
         cfg = self.config.cache
         self.storages = StoragePool(self.registry, data_dir)

@@ -29,7 +29,7 @@ import msgpack
 
 from kvcm.backends.base import MetaStore, WriteTxn, u64
 from kvcm.index import KEEP, MetaIndex, namespace
-from kvcm.records import Record, Status, wire_uris
+from kvcm.records import Location, Record, Status, wire_uris
 
 log = logging.getLogger("kvcm.deleter")
 
@@ -104,7 +104,8 @@ class Deleter:
         def modify(_: int, key: int, record: Record | None) -> Any:
             if record is None:
                 return KEEP
-            keep, gone = [], []
+            keep: list[Location] = []
+            gone: list[Location] = []
             for loc in record.locs:
                 # Compare-and-delete: a location that is no longer "deleting" is not ours to free.
                 (gone if loc.id in wanted[key] and loc.status == Status.DELETING else keep).append(loc)

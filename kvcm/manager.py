@@ -1,6 +1,6 @@
 """CacheManager: the data plane (DESIGN.md §3–§5, Tair §4.3–§4.8, §10).
 
-The RPC operations live in :mod:`kvcm.lookup` (reads) and :mod:`kvcm.writes` (two-phase
+The RPC operations live in :mod:`kvcm.cache.lookup` (reads) and :mod:`kvcm.cache.writes` (two-phase
 writes); this module holds the shared state and everything that marks blocks ``deleting``
 (``remove_cache``, ``trim_cache``, :meth:`CacheManager.evict`, instance purges), recovery at
 start-up, and the hooks other parts of kvcm use (listeners, usage, serving keys).
@@ -20,19 +20,28 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from kvcm import lookup, writes
 from kvcm.backends.base import MetaStore, ReadTxn, WriteTxn, from_i64, i64
+from kvcm.cache import lookup, writes
+from kvcm.cache.storage_pool import StoragePool
 from kvcm.deleter import Deleter, schedule
 from kvcm.errors import InvalidArgument, NotFound
 from kvcm.index import DB as BLOCKS
 from kvcm.index import KEEP, MetaIndex, namespace
 from kvcm.masks import BlockMask, check_mask, derive_keys, unmasked_indices
 from kvcm.proto.wire import Raw
-from kvcm.records import RUNS_DB, Record, Status, check_value, decode, encode, run_members, wire_uris
+from kvcm.records import (
+    RUNS_DB,
+    Record,
+    Status,
+    check_value,
+    decode,
+    encode,
+    run_members,
+    wire_uris,
+)
 from kvcm.registry import GROUP, INSTANCE, Registry
 from kvcm.selection import GroupView, InstanceView
 from kvcm.sessions import Sessions
-from kvcm.storage_pool import StoragePool
 from kvcm.usage import Key, Usage, tally
 
 log = logging.getLogger("kvcm.manager")
@@ -86,12 +95,12 @@ class CacheManager:
             self.usage_book.load(view)
             self.sessions.load(view)
         self._reserve_all()
-        for instance in self.registry.list_instances():
-            self._known[instance.instance_id] = instance.instance_group
-        for group, instance, _ in self.usage_book.snapshot():
-            self._known.setdefault(instance, group)
-            if not self._registered(instance) and instance not in self._purges:
-                self._purges.append(instance)
+        for registered in self.registry.list_instances():
+            self._known[registered.instance_id] = registered.instance_group
+        for group, instance_id, _ in self.usage_book.snapshot():
+            self._known.setdefault(instance_id, group)
+            if not self._registered(instance_id) and instance_id not in self._purges:
+                self._purges.append(instance_id)
 
     def _reserve_all(self) -> None:
         by_storage: dict[str, list[str]] = defaultdict(list)
@@ -101,12 +110,14 @@ class CacheManager:
                     by_storage[loc.storage].extend(wire_uris(loc.wire))
         for name in self.pool.names():
             backend = self.pool.get(name)
+            if backend is None:
+                continue
             try:
                 backend.reserve(by_storage.get(name, []))
                 removed = backend.sweep()
                 if removed:
                     log.info("storage %r: removed %d container(s) no block refers to", name, removed)
-            except Exception:  # noqa: BLE001 - keep serving the other storages
+            except Exception:
                 log.exception("recovering storage %r failed", name)
 
     def _all_chunks(self, size: int = 4096) -> Iterator[list[tuple[bytes, bytes]]]:
@@ -332,7 +343,7 @@ class CacheManager:
                 continue
             try:
                 fn(*args)
-            except Exception:  # noqa: BLE001 - a listener must never fail the request
+            except Exception:
                 log.exception("listener %s.%s failed", type(obj).__name__, name)
 
     def notify_read(self, instance_id: str, keys: list[int]) -> None:

@@ -96,13 +96,13 @@ def fast_wire(value: bytes) -> bytes | None:
 
 def pack_wire(storage_type: str, specs: Sequence[tuple[str, str]]) -> bytes:
     """The client-facing location map, packed once when the location is created."""
-    return _packer.pack(
+    return bytes(_packer.pack(
         {
             "type": storage_type,
             "spec_size": len(specs),
             "location_specs": [{"name": name, "uri": uri} for name, uri in specs],
         }
-    )
+    ))
 
 
 def unpack_wire(wire: bytes) -> dict[str, Any]:
@@ -118,7 +118,7 @@ def filter_wire(wire: bytes, names: frozenset[str]) -> bytes:
     """Keep only the specs named in ``names``; ``spec_size`` follows (Tair forgets it, §18.13)."""
     loc = unpack_wire(wire)
     specs = [s for s in loc["location_specs"] if s["name"] in names]
-    return _packer.pack({"type": loc["type"], "spec_size": len(specs), "location_specs": specs})
+    return bytes(_packer.pack({"type": loc["type"], "spec_size": len(specs), "location_specs": specs}))
 
 
 def empty_wire(spec_names: Sequence[str]) -> bytes:

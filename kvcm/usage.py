@@ -78,7 +78,7 @@ class Usage:
     def group_used(view: ReadTxn, group: str) -> tuple[int, dict[str, int]]:
         """``(total bytes, {type: bytes})`` of a group as ``view`` sees it (a write txn sees the
         uncommitted allocations of earlier requests of the same group commit: quotas stay hard)."""
-        total, by_type = 0, defaultdict(int)
+        total, by_type = 0, defaultdict[str, int](int)
         for raw_key, value in view.scan(DB, prefix=group.encode() + b"\0"):
             nbytes = msgpack.unpackb(value)[0]
             total += nbytes

@@ -11,7 +11,14 @@ import subprocess
 import sys
 
 import pytest
-from cache_helpers import add_file_storage, add_group, add_shm_storage, remove_shm, shm_prefix, wait_for
+from cache_helpers import (
+    add_file_storage,
+    add_group,
+    add_shm_storage,
+    remove_shm,
+    shm_prefix,
+    wait_for,
+)
 
 from kvcm.testing import serve_in_subprocess
 

@@ -7,7 +7,17 @@ import itertools
 import time
 
 import pytest
-from cache_helpers import add_group, error_code, finish, locate, register, start, uris, wait_for, write
+from cache_helpers import (
+    add_group,
+    error_code,
+    finish,
+    locate,
+    register,
+    start,
+    uris,
+    wait_for,
+    write,
+)
 
 from kvcm.blockkeys import token_ids_to_block_keys
 from kvcm.testing import serve_in_thread
@@ -171,7 +181,7 @@ def test_get_cache_meta_levels(c, inst):
     two = c.call("get_cache_meta", {"instance_id": inst, "block_keys": [1], "detail_level": 2})["metas"][0]
     assert two["all"][0]["location"] == session["locations"][0]
     masked = c.call("get_cache_meta", {"instance_id": inst, "block_keys": [1, 2], "block_mask": {"offset": 1}})
-    assert [m["status"] for m in masked["metas"]][0] == "masked" and len(masked["metas"]) == 2
+    assert masked["metas"][0]["status"] == "masked" and len(masked["metas"]) == 2
     assert error_code(c.call, "get_cache_meta", {"instance_id": inst, "block_keys": [1], "detail_level": 9}) \
         == "INVALID_ARGUMENT"
 

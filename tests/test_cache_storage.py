@@ -15,7 +15,6 @@ from cache_helpers import (
     remove_shm,
     shm_prefix,
     start,
-    uris,
     wait_for,
     write,
 )

@@ -8,7 +8,16 @@ import pytest
 
 from kvcm.backends import LmdbStore, MemoryStore
 from kvcm.index import KEEP, MetaIndex, SearchCache, namespace
-from kvcm.records import Location, Record, Status, check_value, decode, encode, fast_wire, pack_wire
+from kvcm.records import (
+    Location,
+    Record,
+    Status,
+    check_value,
+    decode,
+    encode,
+    fast_wire,
+    pack_wire,
+)
 
 NS = namespace("inst")
 
@@ -52,10 +61,9 @@ def test_duplicate_keys_in_one_call_see_each_other(index):
 
 def test_rmw_is_atomic_with_the_transaction(index):
     _put(index, [1])
-    with pytest.raises(RuntimeError):
-        with index.store.write() as txn:
-            index.read_modify_write(txn, NS, [1, 2], lambda i, k, old: b"new")
-            raise RuntimeError("abort")
+    with pytest.raises(RuntimeError), index.store.write() as txn:
+        index.read_modify_write(txn, NS, [1, 2], lambda i, k, old: b"new")
+        raise RuntimeError("abort")
     assert _values(index, [1, 2]) == [b"v", None]
 
 
@@ -65,9 +73,8 @@ def test_modifier_failure_rolls_back_every_batch(index):
             raise ValueError("bad")
         return b"x"
 
-    with pytest.raises(ValueError):
-        with index.store.write() as txn:
-            index.read_modify_write(txn, NS, [0, 1, 2, 3, 4, 5, 6, 7], fail_late)
+    with pytest.raises(ValueError), index.store.write() as txn:
+        index.read_modify_write(txn, NS, [0, 1, 2, 3, 4, 5, 6, 7], fail_late)
     assert _values(index, list(range(8))) == [None] * 8
     assert index.locks.held() == []
 

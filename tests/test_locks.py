@@ -51,9 +51,8 @@ def test_hold_takes_shards_ascending_and_releases():
 
 def test_hold_releases_on_error():
     locks = ShardedLocks(4)
-    with pytest.raises(RuntimeError):
-        with locks.hold([1, 2]):
-            raise RuntimeError
+    with pytest.raises(RuntimeError), locks.hold([1, 2]):
+        raise RuntimeError
     assert locks.held() == []
 
 
@@ -66,7 +65,7 @@ def test_opposite_orders_do_not_deadlock():
             for _ in range(2000):
                 with locks.hold(keys):
                     pass
-        except Exception as exc:  # pragma: no cover
+        except Exception as exc:  # noqa: BLE001 - any failure fails the test  # pragma: no cover
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in ([1, 2, 3, 4], [4, 3, 2, 1], [2, 4], [3, 1])]

@@ -13,8 +13,10 @@ import pytest
 
 from kvcm.optimizer.cli import add_optimize_parser, main
 
-TRACES = Path(os.environ.get("KVCM_TRACES", Path(__file__).resolve().parents[2] / "shared/data/traces"))
-MOONCAKE = str(TRACES / "mooncake_synthetic_trace.jsonl")
+# A gzipped copy of ../shared/data/traces/mooncake_synthetic_trace.jsonl (Apache-2.0, Mooncake FAST'25),
+# so the pinned figures never depend on a directory outside the repo.
+TRACES = Path(__file__).resolve().parent / "data"
+MOONCAKE = str(TRACES / "mooncake_synthetic_trace.jsonl.gz")
 needs_trace = pytest.mark.skipif(not os.path.exists(MOONCAKE), reason="shipped trace not found")
 
 

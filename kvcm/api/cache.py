@@ -85,7 +85,7 @@ class TrimCacheRequest(_Request, kw_only=True):
 def _enum(value: str, prefix: str) -> str:
     """``"QT_PREFIX_MATCH"`` and ``"prefix_match"`` both mean ``"prefix_match"``."""
     lowered = value.lower()
-    return lowered[len(prefix) :] if lowered.startswith(prefix) else lowered
+    return lowered.removeprefix(prefix)
 
 
 class CacheApi:

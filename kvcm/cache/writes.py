@@ -209,7 +209,7 @@ def settle(m: CacheManager, txn: WriteTxn, session: Session, ok: list[bool]) -> 
     Consecutive successes become a run (:mod:`kvcm.records`) so later prefix lookups of them
     cost one read."""
     now = m.clock()
-    first = _segments(session.keys, ok) if m.runs else [None] * len(ok)
+    first: list[int | None] = _segments(session.keys, ok) if m.runs else [None] * len(ok)
     served: list[tuple[int, Location, int | None]] = []
     failed: list[tuple[int, str]] = []
     members: dict[int, Location] = {}  # session position -> its (only) serving copy

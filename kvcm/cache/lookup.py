@@ -24,10 +24,26 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from kvcm.errors import InvalidArgument
-from kvcm.masks import BlockMask, check_mask, derive_keys, masked_flags, unmasked_indices
+from kvcm.masks import (
+    BlockMask,
+    check_mask,
+    derive_keys,
+    masked_flags,
+    unmasked_indices,
+)
 from kvcm.proto.wire import Raw, pack_array_raw, pack_map_raw
-from kvcm.records import (FAST, RUNS_DB, STATUS_NAMES, Location, Status, decode, filter_wire, pack_keys, run_match,
-                           unpack_wire)
+from kvcm.records import (
+    FAST,
+    RUNS_DB,
+    STATUS_NAMES,
+    Location,
+    Status,
+    decode,
+    filter_wire,
+    pack_keys,
+    run_match,
+    unpack_wire,
+)
 
 if TYPE_CHECKING:
     from kvcm.manager import CacheManager
@@ -46,9 +62,9 @@ def visible(value: bytes, unusable: frozenset[str], rank: Callable[[str], int]) 
         return value[3 : 3 + (value[1] << 8 | value[2])]
     best: Location | None = None
     for loc in decode(value).locs:
-        if loc.status == Status.SERVING and loc.storage not in unusable:
-            if best is None or rank(loc.storage) < rank(best.storage):
-                best = loc
+        usable = loc.status == Status.SERVING and loc.storage not in unusable
+        if usable and (best is None or rank(loc.storage) < rank(best.storage)):
+            best = loc
     return None if best is None else best.wire
 
 

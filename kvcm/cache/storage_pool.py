@@ -90,7 +90,7 @@ class StoragePool:
         self._rebuild()
 
     def _spec_changed(self, storage: Any) -> bool:
-        return self._specs.get(storage.global_unique_name) != storage.storage_spec
+        return bool(self._specs.get(storage.global_unique_name) != storage.storage_spec)
 
     def _rebuild(self) -> None:
         bad = {s.global_unique_name for s in self.registry.list_storages()
@@ -103,7 +103,7 @@ class StoragePool:
         return self._backends.get(name)
 
     def usable(self, name: str) -> bool:
-        return name in self._backends and name not in self.unusable
+        return bool(name in self._backends and name not in self.unusable)
 
     def storage_type(self, name: str) -> str | None:
         return self._types.get(name)
@@ -125,5 +125,5 @@ class StoragePool:
 def _close(backend: Any) -> None:
     try:
         backend.close()
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("closing storage backend failed")
