@@ -7,7 +7,9 @@ values in the store (:func:`encode` / :func:`decoder`, msgpack), wire replies
 
 Validation lives next to the records: each ``check_*`` function raises
 :class:`~kvcm.errors.InvalidArgument` naming the offending field, and returns the normalized
-record (defaults filled in, spec groups sorted) that the registry stores.
+record (defaults filled in, spec groups sorted) that the registry stores. Storage specs are the
+one exception: their fields belong to the storage backends, so :func:`check_storage` hands them
+to :func:`kvcm.backends.storages.normalize_spec` rather than keeping a second set of rules.
 
 Passwords are kept only as salted scrypt hashes, ``scrypt$N$r$p$<salt>$<digest>`` (base64
 parts), so the cost travels with the hash and can be raised later; they are verified in
@@ -21,7 +23,6 @@ import base64
 import hashlib
 import hmac
 import json
-import os
 import re
 import secrets
 import time
@@ -30,12 +31,13 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from kvcm.backends.storages import STORAGE_BACKENDS, normalize_spec
 from kvcm.errors import InvalidArgument
 
 T = TypeVar("T")
 
-#: Storage types, and the Tair spellings accepted on input for them.
-STORAGE_TYPES: tuple[str, ...] = ("file", "shm", "3fs", "mooncake", "tairmempool")
+#: Storage types (those of the storage backends), and the Tair spellings accepted on input for them.
+STORAGE_TYPES: tuple[str, ...] = tuple(STORAGE_BACKENDS)
 STORAGE_TYPE_ALIASES: dict[str, str] = {
     "nfs": "file",
     "hf3fs": "3fs",
@@ -61,54 +63,13 @@ def now_ms() -> int:
 # -- storages ------------------------------------------------------------------------------------
 
 
-class FileSpec(msgspec.Struct, forbid_unknown_fields=True):
-    """A directory (local or NFS); ``key_count_per_file`` blocks share one file."""
-
-    root_path: str
-    key_count_per_file: int = 1
-
-
-class ShmSpec(msgspec.Struct, forbid_unknown_fields=True):
-    """POSIX shared memory on this host: segments ``/dev/shm/<prefix>*`` of ``segment_size`` bytes."""
-
-    prefix: str = "kvcm"
-    segment_size: int = 1 << 30
-
-
-class ThreeFsSpec(msgspec.Struct, forbid_unknown_fields=True):
-    mountpoint: str
-    root_dir: str
-    key_count_per_file: int = 1
-    touch_file_when_create: bool = False
-    cluster_name: str = ""
-
-
-class MooncakeSpec(msgspec.Struct, forbid_unknown_fields=True):
-    local_hostname: str = "localhost"
-    metadata_connstring: str = "http://localhost:8080/metadata"
-    protocol: str = "tcp"
-    rdma_device: str = ""
-    master_service_entry: str = "localhost:50051"
-
-
-class TairMemPoolSpec(msgspec.Struct, forbid_unknown_fields=True):
-    domain: str
-    timeout: int = 0
-    service_discovery_url: str = ""
-
-
-SPEC_TYPES: dict[str, type] = {
-    "file": FileSpec,
-    "shm": ShmSpec,
-    "3fs": ThreeFsSpec,
-    "mooncake": MooncakeSpec,
-    "tairmempool": TairMemPoolSpec,
-}
-
-
 class Storage(msgspec.Struct, kw_only=True):
     """One data store kvcm hands out URIs on. ``enabled`` is the admin switch, ``available``
-    the health probe's verdict; a storage takes writes only when both are true."""
+    the health probe's verdict; a storage takes writes only when both are true.
+
+    ``storage_spec`` is stored normalized (:func:`check_storage`): complete, with every default
+    of the backend filled in and paths absolute. For typed access, open or build the backend
+    (:data:`kvcm.backends.storages.STORAGE_BACKENDS`); its ``spec`` is this same map."""
 
     global_unique_name: str
     storage_type: str
@@ -122,76 +83,19 @@ class Storage(msgspec.Struct, kw_only=True):
     def usable(self) -> bool:
         return self.enabled and self.available
 
-    def spec(self) -> Any:
-        """The typed spec (``FileSpec``, ``ShmSpec``, ...) of this storage."""
-        return msgspec.convert(self.storage_spec, SPEC_TYPES[self.storage_type])
 
+def check_storage(storage: Storage, data_dir: str | None = None) -> Storage:
+    """Validate a storage definition; return it with its type normalized (Tair aliases resolved)
+    and its spec complete.
 
-def check_storage(storage: Storage) -> Storage:
-    """Validate a storage definition; return it with its type normalized and its spec complete."""
+    The spec is the backend's business: :func:`kvcm.backends.storages.normalize_spec` checks it
+    with the backend's own reader (fields, defaults, unknown fields refused) and fills in every
+    default, so the registry never accepts what the backend would refuse or vice versa. A
+    relative ``file`` ``root_path`` is resolved under ``data_dir`` (refused without one)."""
     check_name(storage.global_unique_name, "storage.global_unique_name")
     kind = STORAGE_TYPE_ALIASES.get(storage.storage_type, storage.storage_type)
-    if kind not in SPEC_TYPES:
-        raise InvalidArgument(
-            f"storage.storage_type: {storage.storage_type!r} is not one of {', '.join(STORAGE_TYPES)}"
-        )
-    spec: Any = convert(storage.storage_spec, SPEC_TYPES[kind], "storage.storage_spec")
-    _SPEC_CHECKS[kind](spec)
-    return msgspec.structs.replace(storage, storage_type=kind, storage_spec=msgspec.to_builtins(spec))
-
-
-def _check_file(spec: FileSpec) -> None:
-    if not os.path.isabs(spec.root_path):
-        raise InvalidArgument(f"storage.storage_spec.root_path: must be an absolute path, got {spec.root_path!r}")
-    _check_key_count(spec)
-
-
-def _check_key_count(spec: FileSpec | ThreeFsSpec) -> None:
-    if spec.key_count_per_file == 0:  # Tair treats an unset (0) count as 1
-        spec.key_count_per_file = 1
-    if not 1 <= spec.key_count_per_file <= 65536:
-        raise InvalidArgument("storage.storage_spec.key_count_per_file: must be in 1..65536")
-
-
-def _check_shm(spec: ShmSpec) -> None:
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", spec.prefix):
-        raise InvalidArgument(f"storage.storage_spec.prefix: {spec.prefix!r} is not a valid shm name prefix")
-    if spec.segment_size <= 0:
-        raise InvalidArgument("storage.storage_spec.segment_size: must be positive")
-
-
-def _check_3fs(spec: ThreeFsSpec) -> None:
-    _require(spec, "mountpoint", "root_dir")
-    _check_key_count(spec)
-
-
-def _check_mooncake(spec: MooncakeSpec) -> None:
-    _require(spec, "local_hostname", "metadata_connstring", "master_service_entry")
-    if spec.protocol not in ("tcp", "rdma"):
-        raise InvalidArgument(f"storage.storage_spec.protocol: must be 'tcp' or 'rdma', got {spec.protocol!r}")
-    if spec.protocol == "rdma":
-        _require(spec, "rdma_device")
-
-
-def _check_tairmempool(spec: TairMemPoolSpec) -> None:
-    _require(spec, "domain")
-    if spec.timeout < 0:
-        raise InvalidArgument("storage.storage_spec.timeout: must not be negative")
-
-
-def _require(spec: Any, *fields: str) -> None:
-    for name in fields:
-        if not getattr(spec, name):
-            raise InvalidArgument(f"storage.storage_spec.{name}: required")
-
-
-_SPEC_CHECKS: dict[str, Any] = {
-    "file": _check_file,
-    "shm": _check_shm,
-    "3fs": _check_3fs,
-    "mooncake": _check_mooncake,
-    "tairmempool": _check_tairmempool,
-}
+    spec = normalize_spec(kind, storage.global_unique_name, storage.storage_spec, data_dir)
+    return msgspec.structs.replace(storage, storage_type=kind, storage_spec=spec)
 
 
 # -- instance groups -----------------------------------------------------------------------------
@@ -421,7 +325,8 @@ def _parse_hash(encoded: str) -> tuple[int, int, int, bytes, bytes]:
     if len(parts) != 6 or parts[0] != "scrypt":
         raise ValueError("not an scrypt$N$r$p$salt$hash string")
     n, r, p = (int(x) for x in parts[1:4])
-    if not (2 <= n <= 1 << 20 and n & (n - 1) == 0 and 1 <= r <= 32 and 1 <= p <= 16):
+    # Bounded so that a planted hash (e.g. in a loaded snapshot) cannot make a check take >128 MiB.
+    if not (2 <= n <= 1 << 16 and n & (n - 1) == 0 and 1 <= r <= 16 and 1 <= p <= 4):
         raise ValueError("scrypt parameters out of range")
     return n, r, p, base64.b64decode(parts[4], validate=True), base64.b64decode(parts[5], validate=True)
 
@@ -467,9 +372,10 @@ def parse_snapshot(data: dict[str, Any] | str) -> Snapshot:
     return snapshot
 
 
-def check_snapshot(snapshot: Snapshot) -> Snapshot:
-    """Every record valid, names unique, every reference resolved: else nothing is loaded."""
-    storages = [_at(check_storage, s, "storages", i) for i, s in enumerate(snapshot.storages)]
+def check_snapshot(snapshot: Snapshot, data_dir: str | None = None) -> Snapshot:
+    """Every record valid, names unique, every reference resolved: else nothing is loaded.
+    ``data_dir`` resolves relative ``file`` root paths, as in :func:`check_storage`."""
+    storages = [_at(lambda s: check_storage(s, data_dir), s, "storages", i) for i, s in enumerate(snapshot.storages)]
     groups = [_at(check_group, g, "instance_groups", i) for i, g in enumerate(snapshot.instance_groups)]
     instances = [_at(check_instance, x, "instances", i) for i, x in enumerate(snapshot.instances)]
     for i, account in enumerate(snapshot.accounts):

@@ -103,6 +103,8 @@ class Registry:
 
     def __init__(self, store: MetaStore, data_dir: str | None = None) -> None:
         self._store = store
+        # Resolves relative ``file`` root paths (as the storage backends do); None refuses them.
+        self._data_dir = None if data_dir is None else os.path.abspath(data_dir)
         self._storages = _Table(STORAGE, "storages", Storage, lambda s: s.global_unique_name)
         self._groups = _Table(GROUP, "groups", InstanceGroup, lambda g: g.name)
         self._instances = _Table(INSTANCE, "instances", Instance, lambda i: i.instance_id)
@@ -137,6 +139,8 @@ class Registry:
                 return
             root = os.path.join(os.path.abspath(data_dir), "blocks")
             if self._storages.read(txn, DEFAULT_STORAGE) is None:
+                # Absolute already; the spec is normalized like any other (backend defaults filled
+                # in) and the directory is created when the storage pool opens it, not here.
                 spec = {"root_path": root, "key_count_per_file": 1}
                 self._put_new_storage(
                     txn, Storage(global_unique_name=DEFAULT_STORAGE, storage_type="file", storage_spec=spec)
@@ -225,7 +229,7 @@ class Registry:
 
     def add_storage(self, storage: Storage) -> Storage:
         """:raises Conflict: DUPLICATE_ENTITY if the name is taken (nothing is overwritten)."""
-        storage = check_storage(storage)
+        storage = check_storage(storage, self._data_dir)
         with self._store.write() as txn:
             if self._storages.read(txn, storage.global_unique_name) is not None:
                 raise Conflict(f"storage {storage.global_unique_name!r} already exists", Code.DUPLICATE_ENTITY)
@@ -233,13 +237,13 @@ class Registry:
 
     def _put_new_storage(self, txn: WriteTxn, storage: Storage) -> Storage:
         now = now_ms()
-        storage = check_storage(msgspec.structs.replace(storage, create_time=now, update_time=now))
+        storage = check_storage(msgspec.structs.replace(storage, create_time=now, update_time=now), self._data_dir)
         self._storages.put(txn, storage, self._changed)
         return storage
 
     def update_storage(self, storage: Storage) -> Storage:
         """Replace a storage's spec; its type cannot change, ``enabled``/``available`` are kept."""
-        storage = check_storage(storage)
+        storage = check_storage(storage, self._data_dir)
         with self._store.write() as txn:
             old = self._must(txn, self._storages, storage.global_unique_name)
             if old.storage_type != storage.storage_type:
@@ -467,7 +471,7 @@ class Registry:
 
     def load_config_snapshot(self, data: dict[str, Any] | str) -> dict[str, int]:
         """Validate a whole snapshot, then replace the registry with it in one transaction."""
-        snapshot = check_snapshot(parse_snapshot(data))
+        snapshot = check_snapshot(parse_snapshot(data), self._data_dir)
         tables: dict[str, list[Any]] = {
             STORAGE: snapshot.storages,
             GROUP: snapshot.instance_groups,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import pytest
@@ -418,3 +419,20 @@ def test_runs_skip_failed_and_removed_blocks(c, inst, server):
     assert locate(c, [1, 2, 3], instance=inst) == s["locations"][:1]
     assert locate(c, [3, 4], instance=inst) == s["locations"][2:3]
     _check(server)
+
+
+def test_kvcm_call_covers_the_data_plane(server, inst, capsys):
+    from kvcm.cli import main
+
+    def call(method, params):
+        assert main(["call", method, json.dumps(params), "--endpoint", server.endpoint]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    started = call("start_write_cache", {"instance_id": inst, "block_keys": [1, 2]})
+    assert call("finish_write_cache", {"instance_id": inst, "write_session_id": started["write_session_id"],
+                                       "success_blocks": {"offset": 2}}) == {"served": 2, "failed": 0}
+    assert len(call("get_cache_location", {"instance_id": inst, "query_type": "prefix_match",
+                                           "block_keys": [1, 2]})["locations"]) == 2
+    assert call("get_cache_meta", {"instance_id": inst, "block_keys": [1]})["metas"][0]["status"] == "serving"
+    assert call("remove_cache", {"instance_id": inst, "block_keys": [2]}) == {"removed": 1}
+    assert call("trim_cache", {"instance_id": inst, "strategy": "remove_all_cache"}) == {"removed": 1}

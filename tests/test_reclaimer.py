@@ -367,6 +367,18 @@ def test_removed_blocks_leave_the_policy():
     assert {ik[1] for ik in rec.tracked("g", "file").sizes} == {3}
 
 
+def test_a_read_folded_after_its_key_was_evicted_is_ignored():
+    mgr, rec, _ = setup()
+    for k in range(1, 11):
+        mgr.write("i", k, now=float(k))
+    assert keys_of(rec.run_once(11.0)) == [1, 2]
+    for listener in mgr.listeners:  # a hit served just before the eviction, folded just after
+        listener.on_read("i", [1, 2, 3], 10.5)
+    mgr.write("i", 11, now=12.0)
+    mgr.write("i", 12, now=12.0)
+    assert keys_of(rec.run_once(13.0)) == [4, 5]  # 3 was read: it stays
+
+
 def test_sampled_choice_stays_in_the_cold_half():
     mgr, rec, _ = setup({"g": Limits(quota=100_000, used_percentage=1.0)}, sample_size=16)
     for k in range(1000):

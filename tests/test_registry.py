@@ -94,11 +94,11 @@ def test_storage_crud(reg):
     with pytest.raises(Conflict) as exc:
         reg.add_storage(nfs(root="/other/"))
     assert code_of(exc) == Code.DUPLICATE_ENTITY
-    assert reg.get_storage("nfs1").storage_spec["root_path"] == "/mnt/nfs/"  # not overwritten (Tair bug)
+    assert reg.get_storage("nfs1").storage_spec["root_path"] == "/mnt/nfs"  # not overwritten (Tair bug)
 
     assert not reg.set_storage_enabled("nfs1", False).enabled
     updated = reg.update_storage(nfs(root="/mnt/new/"))
-    assert updated.storage_spec["root_path"] == "/mnt/new/" and updated.create_time == added.create_time
+    assert updated.storage_spec["root_path"] == "/mnt/new" and updated.create_time == added.create_time
     assert not updated.enabled  # update_storage never flips the admin switch
     assert reg.set_storage_enabled("nfs1", True).enabled
     assert [s.global_unique_name for s in reg.list_storages()] == [DEFAULT_STORAGE, "nfs1"]
@@ -110,34 +110,81 @@ def test_storage_crud(reg):
 
 
 def test_storage_spec_defaults_and_aliases(reg):
+    """The stored spec is the backend's: complete, with the backend's own defaults."""
     shm = reg.add_storage(Storage(global_unique_name="shm1", storage_type="shm"))
-    assert shm.storage_spec == {"prefix": "kvcm", "segment_size": 1 << 30}
+    assert shm.storage_spec == {
+        "segment_size": 64 << 20, "prefix": "kvcm.shm1.", "shm_dir": "/dev/shm", "capacity_bytes": 0
+    }
     mc = reg.add_storage(Storage(global_unique_name="mc1", storage_type="mooncake"))
-    assert mc.storage_spec["protocol"] == "tcp"
+    assert mc.storage_spec["protocol"] == "tcp" and mc.storage_spec["key_prefix"] == "kvcm/"
+    assert mc.storage_spec["rdma_device"] == "" and mc.storage_spec["probe_address"] == ""
     fs = reg.add_storage(
         Storage(global_unique_name="fs1", storage_type="hf3fs", storage_spec={"mountpoint": "/3fs", "root_dir": "kv"})
     )
-    assert fs.storage_type == "3fs" and fs.spec().key_count_per_file == 1
+    assert fs.storage_type == "3fs" and fs.storage_spec["key_count_per_file"] == 1
+    assert fs.storage_spec["check_storage_available_when_open"] is False
     pool = reg.add_storage(
-        Storage(global_unique_name="pool1", storage_type="tairmempool", storage_spec={"domain": "d"})
+        Storage(global_unique_name="pool1", storage_type="pace", storage_spec={"domain": "d", "node_id": 3})
     )
-    assert pool.spec().domain == "d"
+    assert pool.storage_type == "tairmempool"
+    assert pool.storage_spec == {
+        "domain": "d", "timeout": 0, "service_discovery_url": "", "enable_vipserver": False,
+        "media_type": "dram", "node_id": 3, "range_id": 0, "capacity_bytes": 0, "probe_address": "",
+    }
+    nfs1 = reg.add_storage(
+        Storage(global_unique_name="nfs1", storage_type="nfs", storage_spec={"root_path": "/mnt/nfs/"})
+    )
+    assert nfs1.storage_type == "file"
+    assert nfs1.storage_spec == {
+        "root_path": "/mnt/nfs", "key_count_per_file": 64, "capacity_bytes": 0, "create_root": True
+    }
+
+
+def test_storage_accepts_every_backend_field(reg):
+    """What the backend supports, the registry accepts (it used to refuse these)."""
+    specs = {
+        "file": {"root_path": "/mnt/nfs", "capacity_bytes": 1 << 30, "create_root": False},
+        "shm": {"shm_dir": "/dev/shm", "prefix": "side.", "capacity_bytes": 1 << 20},
+        "3fs": {"mountpoint": "/3fs", "root_dir": "kv", "check_storage_available_when_open": True,
+                "probe_address": "127.0.0.1:9000"},
+        "mooncake": {"key_prefix": "m/", "capacity_bytes": 5},
+        "tairmempool": {"domain": "d", "enable_vipserver": True, "media_type": "ssd", "range_id": 2},
+    }
+    for kind, spec in specs.items():
+        stored = reg.add_storage(Storage(global_unique_name=f"s-{kind}", storage_type=kind, storage_spec=spec))
+        assert spec.items() <= stored.storage_spec.items(), kind
+        # Normalizing again changes nothing (update_storage with a listed spec is a no-op).
+        assert reg.update_storage(stored).storage_spec == stored.storage_spec
+
+
+def test_relative_root_path_is_resolved_under_the_data_dir(reg, tmp_path):
+    stored = reg.add_storage(Storage(global_unique_name="rel", storage_type="file", storage_spec={"root_path": "kv"}))
+    assert stored.storage_spec["root_path"] == str(tmp_path / "data" / "kv")
+    assert not (tmp_path / "data" / "kv").exists()  # validation creates nothing; the pool does on open
+    with pytest.raises(InvalidArgument, match=r"storage_spec\.root_path .*data dir"):
+        Registry(MemoryStore()).add_storage(
+            Storage(global_unique_name="rel", storage_type="file", storage_spec={"root_path": "kv"})
+        )
 
 
 @pytest.mark.parametrize(
     ("storage_type", "spec", "field"),
     [
-        ("file", {}, "root_path"),
-        ("file", {"root_path": "relative/dir"}, "root_path"),
-        ("file", {"root_path": "/x", "key_count_per_file": -1}, "key_count_per_file"),
-        ("file", {"root_path": "/x", "root_pth": "/y"}, "root_pth"),
-        ("file", {"root_path": 5}, "root_path"),
-        ("shm", {"segment_size": 0}, "segment_size"),
-        ("shm", {"prefix": "a/b"}, "prefix"),
-        ("3fs", {"mountpoint": "/m"}, "root_dir"),
-        ("mooncake", {"protocol": "rdma"}, "rdma_device"),
-        ("mooncake", {"protocol": "udp"}, "protocol"),
-        ("tairmempool", {}, "domain"),
+        ("file", {}, "storage_spec.root_path"),
+        ("file", {"root_path": "/x", "key_count_per_file": -1}, "storage_spec.key_count_per_file"),
+        ("file", {"root_path": "/x", "key_count_per_file": 0}, "storage_spec.key_count_per_file"),
+        ("file", {"root_path": "/x", "root_pth": "/y"}, "storage_spec.root_pth"),
+        ("file", {"root_path": 5}, "storage_spec.root_path"),
+        ("file", {"root_path": "/x", "create_root": "no"}, "storage_spec.create_root"),
+        ("shm", {"segment_size": 0}, "storage_spec.segment_size"),
+        ("shm", {"prefix": "a/b"}, "storage_spec.prefix"),
+        ("shm", {"shm_dir": "shm"}, "storage_spec.shm_dir"),
+        ("3fs", {"mountpoint": "/m"}, "storage_spec.root_dir"),
+        ("3fs", {"mountpoint": "m", "root_dir": "r"}, "storage_spec.mountpoint"),
+        ("mooncake", {"protocol": "rdma"}, "storage_spec.rdma_device"),
+        ("mooncake", {"protocol": "udp"}, "storage_spec.protocol"),
+        ("mooncake", {"probe_address": "10.0.0.1:80"}, "storage_spec.probe_address"),
+        ("tairmempool", {}, "storage_spec.domain"),
         ("floppy", {}, "storage_type"),
     ],
 )

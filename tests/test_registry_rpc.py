@@ -117,7 +117,8 @@ def test_storage_rpcs(rpc):
     assert rpc.ok("enable_storage", {"storage_unique_name": "nfs1"})["storage"]["enabled"] is True
     spec = {**NFS["storage_spec"], "root_path": "/mnt/other/"}
     updated = rpc.ok("update_storage", {"storage": {**NFS, "storage_spec": spec}, "force_update": True})["storage"]
-    assert updated["storage_spec"]["root_path"] == "/mnt/other/"
+    assert updated["storage_spec"]["root_path"] == "/mnt/other"  # normalized by the file backend
+    assert updated["storage_spec"]["key_count_per_file"] == 8 and updated["storage_spec"]["create_root"] is True
     names = [s["global_unique_name"] for s in rpc.ok("list_storage")["storage"]]
     assert names == ["default-file", "nfs1"]
     assert rpc.ok("remove_storage", {"storage_unique_name": "nfs1"}) == {}
@@ -205,7 +206,9 @@ def test_one_batch_sees_its_own_writes(rpc):
         ("register_instance", {**REGISTER, "location_spec_infos": [{"name": "tp0", "size": 1.5}]}, "size"),
         ("register_instance", {**REGISTER, "block_size": 0}, "block_size"),
         ("register_instance", {**REGISTER, "model_deployment": {"tp_size": "2"}}, "tp_size"),
-        ("add_storage", {"storage": {**NFS, "storage_spec": {"root_path": 1}}}, "root_path"),
+        ("add_storage", {"storage": {**NFS, "storage_spec": {"root_path": 1}}}, "storage_spec.root_path"),
+        ("add_storage", {"storage": {**NFS, "storage_spec": {"root_path": "/x", "root_pth": "/y"}}}, "storage_spec.root_pth"),
+        ("add_storage", {"storage": {**NFS, "storage_type": "floppy"}}, "storage_type"),
         ("add_storage", {"storage": {**NFS, "enabled": "yes"}}, "enabled"),
         ("add_storage", {}, "storage"),
         ("create_instance_group", {"instance_group": {**GROUP, "quota": {"capacity": "1T"}}}, "capacity"),

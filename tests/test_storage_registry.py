@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 import shutil
 import threading
 import time
@@ -9,7 +11,7 @@ import time
 import pytest
 
 from kvcm.backends.storage_base import StorageBackend, format_uri, slot_runs
-from kvcm.backends.storages import STORAGE_BACKENDS, StorageHealth, open_backend, parse_uri
+from kvcm.backends.storages import STORAGE_BACKENDS, StorageHealth, normalize_spec, open_backend, parse_uri
 from kvcm.errors import InvalidArgument
 
 
@@ -27,6 +29,50 @@ def test_registry_and_unknown_type(tmp_path):
     backend = open_backend("file", "f", {"root_path": "r"}, str(tmp_path))
     assert isinstance(backend, StorageBackend)
     assert backend.type_name == "file" and backend.name == "f"
+
+
+def test_normalize_spec_is_the_backends_spec_and_touches_nothing(tmp_path):
+    """normalize_spec validates with the backend's own reader, fills its defaults, and returns
+    a spec that opens to the same backend; it creates no directory, file or segment."""
+    data_dir = str(tmp_path / "data")
+    file_spec = normalize_spec("file", "f", {"root_path": "blocks/"}, data_dir)
+    assert file_spec == {
+        "root_path": str(tmp_path / "data" / "blocks"), "key_count_per_file": 64, "capacity_bytes": 0,
+        "create_root": True,
+    }
+    shm_spec = normalize_spec("shm", "side", {}, None)
+    assert shm_spec == {"segment_size": 64 << 20, "prefix": "kvcm.side.", "shm_dir": "/dev/shm", "capacity_bytes": 0}
+    assert not (tmp_path / "data").exists()
+    assert not glob.glob("/dev/shm/kvcm.side.*")
+    specs = {
+        "file": ({"root_path": str(tmp_path / "abs")}, None),
+        "shm": ({"prefix": "kvcm.norm-test.", "shm_dir": str(tmp_path)}, None),
+        "3fs": ({"mountpoint": "/m", "root_dir": "r", "touch_file_when_create": True}, None),
+        "mooncake": ({"protocol": "rdma", "rdma_device": "mlx5_0"}, None),
+        "tairmempool": ({"domain": "d"}, None),
+    }
+    for kind, (spec, ddir) in specs.items():
+        normalized = normalize_spec(kind, "n", spec, ddir)
+        assert all(isinstance(v, (str, int, bool)) for v in normalized.values()), kind
+        assert normalize_spec(kind, "n", normalized, None) == normalized, kind  # idempotent
+        assert STORAGE_BACKENDS[kind]("n", spec, ddir).spec == normalized, kind  # what the backend runs with
+    assert not (tmp_path / "abs").exists() and os.listdir(tmp_path) == []
+
+
+def test_normalize_spec_errors_name_the_field():
+    with pytest.raises(InvalidArgument, match="3fs, file, mooncake, shm, tairmempool"):
+        normalize_spec("nfs", "x", {}, None)
+    with pytest.raises(InvalidArgument, match="storage name"):
+        normalize_spec("mooncake", "a/b", {}, None)
+    for kind, spec, field in [
+        ("file", {"root_path": "rel"}, "storage_spec.root_path"),  # relative without a data dir
+        ("file", {"root_path": "/x", "bogus": 1}, "storage_spec.bogus"),
+        ("shm", {"shm_dir": "rel"}, "storage_spec.shm_dir"),
+        ("tairmempool", {"domain": "d", "node_id": -1}, "storage_spec.node_id"),
+        ("mooncake", {"key_prefix": "a&b"}, "storage_spec.key_prefix"),
+    ]:
+        with pytest.raises(InvalidArgument, match=field.replace(".", r"\.")):
+            normalize_spec(kind, "x", spec, None)
 
 
 def test_uri_codec():

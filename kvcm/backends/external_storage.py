@@ -50,16 +50,36 @@ class ExternalStorage:
     scheme = ""
     spec_source: Mapping[str, Any] | None = None  # the spec it was opened with (set by open_backend)
 
-    def __init__(self, name: str, reader: SpecReader) -> None:
+    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> None:
         self.name = name
-        self.capacity_bytes = reader.integer("capacity_bytes", 0)
-        self.probe_address = _loopback_address(name, reader.optional_text("probe_address"))
+        self.spec = self.read_spec(name, spec, data_dir)
+        self.capacity_bytes: int = self.spec["capacity_bytes"]
+        self.probe_address = _loopback_address(name, self.spec["probe_address"] or None)
         self._lock = threading.Lock()
         self._live: dict[str, int] = {}  # uri -> size
         self._bytes_used = 0
         self._opened = False
 
+    @classmethod
+    def read_spec(cls, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> dict[str, Any]:
+        """The normalized spec (defaults filled). Pure: touches nothing, connects nowhere."""
+        reader = SpecReader(cls.type_name, name, spec)
+        cls._read_fields(name, reader)
+        reader.integer("capacity_bytes", 0)
+        _loopback_address(name, reader.optional_text("probe_address"))
+        out = reader.finish()
+        cls._check_fields(name, out)
+        return out
+
     # --------------------------------------------------------------------- subclass hooks
+
+    @classmethod
+    def _read_fields(cls, name: str, reader: SpecReader) -> None:
+        """Read the type's own spec fields (the shared ones are read by ``read_spec``)."""
+
+    @classmethod
+    def _check_fields(cls, name: str, spec: dict[str, Any]) -> None:
+        """Checks across fields, on the complete spec."""
 
     def _new_uris(self, count: int, size: int) -> list[str]:
         raise NotImplementedError
@@ -203,18 +223,22 @@ class ThreeFsStorage(ExternalStorage):
     scheme = "hf3fs"  # what Tair's code emits (its proto comment says 3fs://)
 
     def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> None:
-        reader = SpecReader(self.type_name, name, spec)
-        mountpoint = reader.text("mountpoint")
-        if not mountpoint.startswith("/"):
-            raise InvalidArgument(f"storage {name!r}: storage_spec.mountpoint must be an absolute path")
-        self.directory = posixpath.normpath(posixpath.join(mountpoint, reader.text("root_dir").strip("/")))
-        self.key_count_per_file = reader.integer("key_count_per_file", 1, minimum=1)
-        self.touch_file_when_create = reader.boolean("touch_file_when_create", False)
-        self.check_available = reader.boolean("check_storage_available_when_open", False)
-        reader.optional_text("cluster_name")
-        super().__init__(name, reader)
-        reader.finish()
+        super().__init__(name, spec, data_dir)
+        self.directory = posixpath.normpath(posixpath.join(self.spec["mountpoint"], self.spec["root_dir"].strip("/")))
+        self.key_count_per_file: int = self.spec["key_count_per_file"]
+        self.touch_file_when_create: bool = self.spec["touch_file_when_create"]
+        self.check_available: bool = self.spec["check_storage_available_when_open"]
         self._files: dict[str, int] = {}  # file path -> live blocks in it
+
+    @classmethod
+    def _read_fields(cls, name: str, reader: SpecReader) -> None:
+        if not reader.text("mountpoint").startswith("/"):
+            raise reader.fail("mountpoint", "must be an absolute path")
+        reader.text("root_dir")
+        reader.integer("key_count_per_file", 1, minimum=1)
+        reader.boolean("touch_file_when_create", False)
+        reader.boolean("check_storage_available_when_open", False)
+        reader.optional_text("cluster_name")
 
     def open(self) -> None:
         if self.check_available and not os.path.isdir(self.directory):
@@ -280,20 +304,30 @@ class MooncakeStorage(ExternalStorage):
     scheme = "mooncake"
 
     def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> None:
-        reader = SpecReader(self.type_name, name, spec)
-        self.local_hostname = reader.text("local_hostname", "localhost")
-        self.metadata_connstring = reader.text("metadata_connstring", "http://localhost:8080/metadata")
-        self.protocol = reader.text("protocol", "tcp")
-        self.rdma_device = reader.optional_text("rdma_device")
-        self.master_service_entry = reader.text("master_service_entry", "localhost:50051")
-        self.key_prefix = reader.text("key_prefix", "kvcm/")
-        super().__init__(name, reader)
-        reader.finish()
-        if self.protocol not in ("tcp", "rdma"):
-            raise InvalidArgument(f"storage {name!r}: storage_spec.protocol must be tcp or rdma, got {self.protocol!r}")
-        if self.protocol == "rdma" and self.rdma_device is None:
+        super().__init__(name, spec, data_dir)
+        self.local_hostname: str = self.spec["local_hostname"]
+        self.metadata_connstring: str = self.spec["metadata_connstring"]
+        self.protocol: str = self.spec["protocol"]
+        self.rdma_device: str | None = self.spec["rdma_device"] or None
+        self.master_service_entry: str = self.spec["master_service_entry"]
+        self.key_prefix: str = self.spec["key_prefix"]
+
+    @classmethod
+    def _read_fields(cls, name: str, reader: SpecReader) -> None:
+        reader.text("local_hostname", "localhost")
+        reader.text("metadata_connstring", "http://localhost:8080/metadata")
+        reader.text("protocol", "tcp")
+        reader.optional_text("rdma_device")
+        reader.text("master_service_entry", "localhost:50051")
+        reader.text("key_prefix", "kvcm/")
+
+    @classmethod
+    def _check_fields(cls, name: str, spec: dict[str, Any]) -> None:
+        if spec["protocol"] not in ("tcp", "rdma"):
+            raise InvalidArgument(f"storage {name!r}: storage_spec.protocol must be tcp or rdma, got {spec['protocol']!r}")
+        if spec["protocol"] == "rdma" and not spec["rdma_device"]:
             raise InvalidArgument(f"storage {name!r}: storage_spec.rdma_device is required with protocol rdma")
-        if any(c in self.key_prefix for c in "&=?"):
+        if any(c in spec["key_prefix"] for c in "&=?"):
             raise InvalidArgument(f"storage {name!r}: storage_spec.key_prefix must not contain & = ?")
 
     def _new_uris(self, count: int, size: int) -> list[str]:
@@ -310,17 +344,25 @@ class TairMemPoolStorage(ExternalStorage):
     scheme = "pace"
 
     def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> None:
-        reader = SpecReader(self.type_name, name, spec)
-        self.domain = reader.text("domain")
-        self.timeout_ms = reader.integer("timeout", 0)
-        self.service_discovery_url = reader.optional_text("service_discovery_url")
-        self.enable_vipserver = reader.boolean("enable_vipserver", False)
-        self.media_type = reader.text("media_type", "dram")
-        self.node_id = reader.integer("node_id", 0)
-        self.range_id = reader.integer("range_id", 0)
-        super().__init__(name, reader)
-        reader.finish()
+        super().__init__(name, spec, data_dir)
+        self.domain: str = self.spec["domain"]
+        self.timeout_ms: int = self.spec["timeout"]
+        self.service_discovery_url: str | None = self.spec["service_discovery_url"] or None
+        self.enable_vipserver: bool = self.spec["enable_vipserver"]
+        self.media_type: str = self.spec["media_type"]
+        self.node_id: int = self.spec["node_id"]
+        self.range_id: int = self.spec["range_id"]
         self._next_offset = 0
+
+    @classmethod
+    def _read_fields(cls, name: str, reader: SpecReader) -> None:
+        reader.text("domain")
+        reader.integer("timeout", 0)
+        reader.optional_text("service_discovery_url")
+        reader.boolean("enable_vipserver", False)
+        reader.text("media_type", "dram")
+        reader.integer("node_id", 0)
+        reader.integer("range_id", 0)
 
     def _new_uris(self, count: int, size: int) -> list[str]:
         first, self._next_offset = self._next_offset, self._next_offset + count * size

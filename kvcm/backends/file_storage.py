@@ -57,6 +57,7 @@ class DirectoryStorage:
     type_name = ""
     container_label = "containers"  # the usage() key counting containers
     spec_source: Mapping[str, Any] | None = None  # the spec it was opened with (set by open_backend)
+    spec: dict[str, Any]  # the normalized spec (``read_spec``), set by the subclass
 
     def __init__(self, name: str, directory: str, capacity_bytes: int) -> None:
         self.name = name
@@ -350,27 +351,36 @@ _FILE_PATH = re.compile(r"s([1-9][0-9]*)/([0-9]{8,})\.kv")
 
 
 class FileStorage(DirectoryStorage):
-    """``file`` storage: spec ``root_path`` (required; relative = under the data dir),
-    ``key_count_per_file`` (64), ``capacity_bytes`` (0 = limited by the filesystem only),
-    ``create_root`` (true; set false on NFS so a missing mount fails instead of filling the
-    local disk)."""
+    """``file`` storage: spec ``root_path`` (required; a relative path is resolved under the
+    data dir, and normalized to the absolute path), ``key_count_per_file`` (64),
+    ``capacity_bytes`` (0 = limited by the filesystem only), ``create_root`` (true; set false on
+    NFS so a missing mount fails instead of filling the local disk)."""
 
     type_name = "file"
     container_label = "files"
 
     def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> None:
-        reader = SpecReader(self.type_name, name, spec)
+        self.spec = self.read_spec(name, spec, data_dir)
+        self.key_count_per_file: int = self.spec["key_count_per_file"]
+        self.create_root: bool = self.spec["create_root"]
+        super().__init__(name, self.spec["root_path"], self.spec["capacity_bytes"])
+        self.root = self.directory
+
+    @classmethod
+    def read_spec(cls, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> dict[str, Any]:
+        """The normalized spec (defaults filled, ``root_path`` absolute). Touches nothing on disk."""
+        reader = SpecReader(cls.type_name, name, spec)
         root = reader.text("root_path")
-        self.key_count_per_file = reader.integer("key_count_per_file", 64, minimum=1)
-        capacity = reader.integer("capacity_bytes", 0)
-        self.create_root = reader.boolean("create_root", True)
-        reader.finish()
+        reader.integer("key_count_per_file", 64, minimum=1)
+        reader.integer("capacity_bytes", 0)
+        reader.boolean("create_root", True)
+        out = reader.finish()
         if not os.path.isabs(root):
             if data_dir is None:
-                raise InvalidArgument(f"storage {name!r}: relative storage_spec.root_path needs a data dir")
+                raise reader.fail("root_path", f"is relative ({root!r}), which needs a data dir")
             root = os.path.join(data_dir, root)
-        super().__init__(name, os.path.abspath(root), capacity)
-        self.root = self.directory
+        out["root_path"] = os.path.abspath(root)
+        return out
 
     def _prepare_directory(self) -> None:
         if self.create_root:

@@ -42,14 +42,25 @@ class ShmStorage(DirectoryStorage):
     container_label = "segments"
 
     def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> None:
-        reader = SpecReader(self.type_name, name, spec)
-        self.segment_size = reader.integer("segment_size", DEFAULT_SEGMENT_SIZE, minimum=1)
-        self.prefix = check_component(f"storage {name!r}: storage_spec.prefix", reader.text("prefix", f"kvcm.{name}."))
-        shm_dir = reader.text("shm_dir", "/dev/shm")
-        capacity = reader.integer("capacity_bytes", 0)
-        reader.finish()
-        super().__init__(name, os.path.abspath(shm_dir), capacity)
+        self.spec = self.read_spec(name, spec, data_dir)
+        self.segment_size: int = self.spec["segment_size"]
+        self.prefix: str = self.spec["prefix"]
+        super().__init__(name, self.spec["shm_dir"], self.spec["capacity_bytes"])
         self._segment = re.compile(re.escape(self.prefix) + r"([0-9]+)")
+
+    @classmethod
+    def read_spec(cls, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> dict[str, Any]:
+        """The normalized spec (defaults filled, ``shm_dir`` absolute). Creates no segment."""
+        reader = SpecReader(cls.type_name, name, spec)
+        reader.integer("segment_size", DEFAULT_SEGMENT_SIZE, minimum=1)
+        check_component(f"storage {name!r}: storage_spec.prefix", reader.text("prefix", f"kvcm.{name}."))
+        shm_dir = reader.text("shm_dir", "/dev/shm")
+        reader.integer("capacity_bytes", 0)
+        out = reader.finish()
+        if not os.path.isabs(shm_dir):
+            raise reader.fail("shm_dir", f"must be an absolute path, got {shm_dir!r}")
+        out["shm_dir"] = os.path.normpath(shm_dir)
+        return out
 
     def _slots_per_container(self, size: int) -> int:
         slots = self.segment_size // size

@@ -24,11 +24,13 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from kvcm.errors import Conflict, InvalidArgument
 
 log = logging.getLogger("kvcm.storage")
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -132,7 +134,12 @@ def _parse_query(uri: str, query: str) -> dict[str, str]:
 
 class SpecReader:
     """Reads one storage spec strictly: every error names the field, unknown fields are refused
-    (a typo such as ``key_count_perfile`` must fail at add_storage, not silently use a default)."""
+    (a typo such as ``key_count_perfile`` must fail at add_storage, not silently use a default).
+
+    It also records what it read, defaults filled in: :meth:`finish` returns that complete,
+    normalized spec as plain builtins (the form the registry stores and ``list_storage`` shows).
+    An unset optional text reads as ``None`` and is recorded as ``""`` (Tair's "unset"), so
+    reading a normalized spec again gives the same spec."""
 
     def __init__(self, type_name: str, name: str, spec: Mapping[str, Any] | None) -> None:
         if spec is not None and not isinstance(spec, Mapping):
@@ -140,6 +147,7 @@ class SpecReader:
         self._where = f"storage {name!r} ({type_name})"
         self._spec = dict(spec or {})
         self._seen: set[str] = set()
+        self._values: dict[str, Any] = {}
 
     def integer(self, key: str, default: int | None = None, minimum: int = 0) -> int:
         value = self._get(key, default)
@@ -147,17 +155,18 @@ class SpecReader:
             raise self._bad(key, f"must be an integer, got {value!r}")
         if value < minimum:
             raise self._bad(key, f"must be >= {minimum}, got {value}")
-        return value
+        return self._keep(key, value)
 
     def text(self, key: str, default: str | None = None) -> str:
         value = self._get(key, default)
         if not isinstance(value, str) or not value:
             raise self._bad(key, f"must be a non-empty string, got {value!r}")
-        return value
+        return self._keep(key, value)
 
     def optional_text(self, key: str) -> str | None:
         if self._spec.get(key) in (None, ""):
             self._seen.add(key)
+            self._keep(key, "")
             return None
         return self.text(key)
 
@@ -165,13 +174,18 @@ class SpecReader:
         value = self._get(key, default)
         if not isinstance(value, bool):
             raise self._bad(key, f"must be true or false, got {value!r}")
-        return value
+        return self._keep(key, value)
 
-    def finish(self) -> None:
-        """Refuse fields nobody read."""
+    def fail(self, key: str, why: str) -> InvalidArgument:
+        """An error naming ``storage_spec.<key>``, for checks beyond the type (raise it)."""
+        return self._bad(key, why)
+
+    def finish(self) -> dict[str, Any]:
+        """Refuse fields nobody read; return the normalized spec (every field read, in order)."""
         unknown = sorted(set(self._spec) - self._seen)
         if unknown:
             raise self._bad(unknown[0], f"unknown field (valid: {', '.join(sorted(self._seen))})")
+        return dict(self._values)
 
     def _get(self, key: str, default: Any) -> Any:
         self._seen.add(key)
@@ -181,6 +195,10 @@ class SpecReader:
         if default is None:
             raise self._bad(key, "is required")
         return default
+
+    def _keep(self, key: str, value: T) -> T:
+        self._values[key] = value
+        return value
 
     def _bad(self, key: str, why: str) -> InvalidArgument:
         return InvalidArgument(f"{self._where}: storage_spec.{key} {why}")

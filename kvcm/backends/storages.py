@@ -1,4 +1,9 @@
-"""Storage backends by type name, opening them from a spec, and the storage health prober.
+"""Storage backends by type name, reading and opening them from a spec, and the health prober.
+
+Each backend's ``read_spec`` is the one definition of its spec: fields, defaults and checks.
+:func:`normalize_spec` (what the registry validates ``add_storage``/``update_storage`` with)
+and :func:`open_backend` both go through it, so whatever the registry accepts opens, and the
+spec it stores is exactly what the backend runs with.
 
 Availability, two separate flags (the read/write paths use a storage only when both hold):
 
@@ -29,7 +34,8 @@ from kvcm.threads import LoopThread
 
 log = logging.getLogger("kvcm.storage")
 
-#: type name -> backend class; every class takes ``(name, spec, data_dir)``.
+#: type name -> backend class; every class takes ``(name, spec, data_dir)`` and has a pure
+#: ``read_spec(name, spec, data_dir) -> dict`` classmethod (validate, fill defaults, normalize).
 STORAGE_BACKENDS: dict[str, type] = {
     "file": FileStorage,
     "shm": ShmStorage,
@@ -47,11 +53,39 @@ __all__ = [
     "StorageBackend",
     "StorageHealth",
     "format_uri",
+    "normalize_spec",
     "open_backend",
     "parse_uri",
     "resolve_file_uri",
     "resolve_shm_uri",
 ]
+
+
+def _backend_class(storage_type: Any, name: Any) -> type:
+    cls = STORAGE_BACKENDS.get(storage_type) if isinstance(storage_type, str) else None
+    if cls is None:
+        raise InvalidArgument(
+            f"unknown storage_type {storage_type!r} (valid: {', '.join(sorted(STORAGE_BACKENDS))})"
+        )
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidArgument(f"storage name {name!r} must be 1-128 of A-Z a-z 0-9 . _ ~ - (it is the URI host)")
+    return cls
+
+
+def normalize_spec(
+    storage_type: str, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None
+) -> dict[str, Any]:
+    """Validate ``spec`` strictly with the backend's own reader and return it complete: every
+    field of the type with its default filled in, as plain builtins (str, int, bool).
+
+    Side-effect free: creates no directory, file or segment and connects nowhere. Normalizing
+    a normalized spec returns it unchanged. Relative paths are resolved the way the backend
+    resolves them (``file``: ``root_path`` under ``data_dir``; refused without one), so the
+    result holds absolute paths. InvalidArgument for an unknown type (listing the valid ones),
+    a bad name, or a bad spec (naming ``storage_spec.<field>``)."""
+    cls: Any = _backend_class(storage_type, name)
+    out: dict[str, Any] = cls.read_spec(name, spec, data_dir)
+    return out
 
 
 def open_backend(
@@ -67,11 +101,7 @@ def open_backend(
     if not isinstance(storage_type, str):
         record = storage_type
         return open_backend(record.storage_type, record.global_unique_name, record.storage_spec, name)
-    cls = STORAGE_BACKENDS.get(storage_type)
-    if cls is None:
-        raise InvalidArgument(f"unknown storage type {storage_type!r} (valid: {', '.join(sorted(STORAGE_BACKENDS))})")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise InvalidArgument(f"storage name {name!r} must be 1-128 of A-Z a-z 0-9 . _ ~ - (it is the URI host)")
+    cls = _backend_class(storage_type, name)
     backend: StorageBackend = cls(name, spec, data_dir)
     try:
         backend.open()

@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry
 
 from kvcm.config import ReclaimConfig
 from kvcm.policies import BasePolicy
-from kvcm.reclaim_state import ALL_TYPES, GroupState, IKey, Limits, ReclaimMetrics, limits_from_registry
+from kvcm.reclaimer.state import ALL_TYPES, GroupState, IKey, Limits, ReclaimMetrics
 
 log = logging.getLogger("kvcm.reclaimer")
 
@@ -104,7 +104,7 @@ class Reclaimer:
     ``run_once(now)`` directly. ``limits()`` is called on that thread too.
 
     :param manager: the cache manager (see :class:`CacheHooks`); the reclaimer subscribes itself.
-    :param limits: returns ``{group name: Limits}``; see :func:`limits_from_registry`.
+    :param limits: returns ``{group name: Limits}``; see :func:`~kvcm.reclaimer.state.limits_from_registry`.
     :param pace: called with the seconds of work after each evicted chunk; the thread uses it to
         sleep and bound its CPU share (``reclaim.duty_cycle``), tests leave it out.
     :param free_grace_s: how long after its delete delay an evicted location is assumed freed: the
@@ -421,4 +421,4 @@ def duty_pacer(duty_cycle: float) -> Callable[[float], None] | None:
     return pace
 
 
-__all__ = ["CHUNK", "CacheHooks", "Limits", "Reclaimer", "Round", "duty_pacer", "limits_from_registry"]
+__all__ = ["CHUNK", "CacheHooks", "Reclaimer", "Round", "duty_pacer"]

@@ -134,7 +134,9 @@ class GroupState:
     def read(self, iid: str, keys: Iterable[int], now: float) -> None:
         ikeys = [(iid, k) for k in keys]
         for policy in self.policies.values():
-            policy.access_many(ikeys, now)
+            sizes = policy.sizes
+            # a hit may have been evicted since (or live on another tier): only tracked keys
+            policy.access_many([k for k in ikeys if k in sizes], now)
 
     def remove(self, iid: str, keys: Iterable[int]) -> None:
         for key in keys:
