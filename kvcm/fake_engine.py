@@ -218,8 +218,18 @@ class FakeEnginePublisher:
         sock.setsockopt(zmq.LINGER, 0)
         if endpoint.startswith("tcp://[") or "::" in endpoint:
             sock.setsockopt(zmq.IPV6, 1)
-        sock.bind(endpoint)
-        return sock
+        # libzmq closes sockets asynchronously: rebinding the port we just closed (stop/start,
+        # restart) can briefly fail with EADDRINUSE.
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                sock.bind(endpoint)
+                return sock
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    sock.close(linger=0)
+                    raise
+                time.sleep(0.02)
 
     @staticmethod
     def _last_endpoint(sock: zmq.Socket[bytes]) -> str:

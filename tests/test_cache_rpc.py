@@ -436,3 +436,52 @@ def test_kvcm_call_covers_the_data_plane(server, inst, capsys):
     assert call("get_cache_meta", {"instance_id": inst, "block_keys": [1]})["metas"][0]["status"] == "serving"
     assert call("remove_cache", {"instance_id": inst, "block_keys": [2]}) == {"removed": 1}
     assert call("trim_cache", {"instance_id": inst, "strategy": "remove_all_cache"}) == {"removed": 1}
+
+
+# -- hooks for the reclaimer and the event publisher --------------------------------------------------
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def on_serving(self, instance_id, key, nbytes, storage_type, parent, now):
+        self.calls.append(("serving", instance_id, key, nbytes, storage_type, parent))
+
+    def on_read(self, instance_id, keys, now):
+        self.calls.append(("read", instance_id, tuple(keys)))
+
+    def on_removed(self, instance_id, keys):
+        self.calls.append(("removed", instance_id, tuple(keys)))
+
+    def on_stored(self, instance_id, keys, parent, token_ids):
+        self.calls.append(("stored", instance_id, tuple(keys), parent))
+
+    def on_cleared(self, instance_id):
+        self.calls.append(("cleared", instance_id))
+
+
+def test_listeners_and_reclaimer_hooks(c, inst, server):
+    cache = server.app.cache
+    rec = Recorder()
+    cache.add_listener(rec)
+    try:
+        write(c, [1, 2], inst)
+        locate(c, [1, 2, 3], instance=inst)
+        writing = start(c, [3], inst)
+        assert ("serving", inst, 2, 2048, "file", 1) in rec.calls
+        assert ("stored", inst, (1, 2), None) in rec.calls
+        assert ("read", inst, (1, 2)) in rec.calls
+        assert sorted(k for k, *_ in cache.serving_keys(inst)) == [1, 2]
+        assert inst in cache.instances_of_group("g0")
+        assert cache.usage("g0")["by_instance"][inst]["keys"] == 3
+        assert cache.evict(inst, [1, 2, 3], storage_type="shm") == 0  # no copy of that type
+        assert cache.evict(inst, [1, 2, 3]) == 2 * 2048  # serving only: the writing block 3 stays
+        assert ("removed", inst, (1, 2)) in rec.calls
+        finish(c, writing, instance=inst)
+        assert len(locate(c, [3], instance=inst)) == 1
+        c.call("trim_cache", {"instance_id": inst, "strategy": "remove_all_cache"})
+        assert ("cleared", inst) in rec.calls
+    finally:
+        cache._listeners.remove(rec)
+    _check(server)

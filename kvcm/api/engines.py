@@ -17,6 +17,7 @@ import msgspec
 from kvcm.dispatch import Method
 from kvcm.engines.service import EngineService
 from kvcm.errors import InvalidArgument
+from kvcm.proto.wire import Raw
 
 
 class _Request(msgspec.Struct, kw_only=True):
@@ -73,17 +74,14 @@ class _Handlers:
     def list_event_sources(self, req: ListEventSourcesRequest) -> dict[str, Any]:
         return self.service.list_sources(req.instance_id)
 
-    def match_engines(self, req: MatchEnginesRequest) -> dict[str, Any]:
+    def match_engines(self, req: MatchEnginesRequest) -> Raw:
         if req.limit < 0:
             raise InvalidArgument("limit must be >= 0")
         media = req.media if req.media is not None else ([req.medium] if req.medium else None)
-        out = self.service.match(
+        return Raw(self.service.match_packed(
             req.instance_id, req.token_ids, req.block_keys,
-            lora_name=req.lora_name, media=media, group_idx=req.group_idx,
-        )  # fmt: skip
-        if req.limit:
-            out["sources"] = out["sources"][: req.limit]
-        return out
+            lora_name=req.lora_name, media=media, group_idx=req.group_idx, limit=req.limit,
+        ))  # fmt: skip
 
 
 def methods(service: EngineService) -> list[Method]:

@@ -80,8 +80,21 @@ class EventPublisher:
         sock.setsockopt(zmq.LINGER, 0)
         if "[" in endpoint or "::" in endpoint:
             sock.setsockopt(zmq.IPV6, 1)
-        sock.bind(endpoint)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            self._pub_close_all()
+            raise
         return sock
+
+    def _pub_close_all(self) -> None:
+        """A failed bind in the constructor: close what exists so the context can terminate."""
+        for name in ("_pub", "_router"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
 
     # --- the sink (any thread) ------------------------------------------------------------------
 

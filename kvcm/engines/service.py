@@ -11,21 +11,30 @@ thread (:meth:`start`), or is driven by tests through ``service.subscriber.poll_
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from kvcm.backends.base import MetaStore
 from kvcm.blockkeys import token_ids_to_block_keys
-from kvcm.engines.index import EngineIndex, SourceState
+from kvcm.engines.index import EngineIndex, SourceMatch, SourceState
 from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.sources import SourceSpec, SubscriberSettings, build_spec, static_specs
 from kvcm.engines.subscriber import EventSubscriber
 from kvcm.errors import InvalidArgument
 
 log = logging.getLogger("kvcm.engines")
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class MatchReply(msgspec.Struct, gc=False):
+    """The ``match_engines`` result map."""
+
+    instance_id: str
+    num_blocks: int
+    sources: list[SourceMatch]
 
 
 class EngineService:
@@ -140,7 +149,7 @@ class EngineService:
         """The query's kvcm keys: ``block_keys`` verbatim, else hashed from ``token_ids``."""
         block_size = self.instance_lookup(instance_id)
         if block_keys:
-            return list(block_keys)
+            return block_keys if isinstance(block_keys, list) else list(block_keys)
         if token_ids:
             return token_ids_to_block_keys(token_ids, block_size)
         raise InvalidArgument("token_ids or block_keys is required")
@@ -154,17 +163,38 @@ class EngineService:
         lora_name: str | None = None,
         media: Sequence[str] | None = None,
         group_idx: int | None = None,
+        limit: int = 0,
     ) -> dict[str, Any]:
         """``match_engines``: per source, the longest held prefix split by medium, best first."""
-        started = time.perf_counter()
+        return msgspec.to_builtins(self._match(instance_id, token_ids, block_keys, lora_name, media, group_idx, limit))
+
+    def match_packed(
+        self,
+        instance_id: str,
+        token_ids: Sequence[int] | None = None,
+        block_keys: Sequence[int] | None = None,
+        *,
+        lora_name: str | None = None,
+        media: Sequence[str] | None = None,
+        group_idx: int | None = None,
+        limit: int = 0,
+    ) -> bytes:
+        """:meth:`match` as msgpack bytes (the RPC path: no intermediate dicts)."""
+        return _ENCODER.encode(self._match(instance_id, token_ids, block_keys, lora_name, media, group_idx, limit))
+
+    def _match(
+        self,
+        instance_id: str,
+        token_ids: Sequence[int] | None,
+        block_keys: Sequence[int] | None,
+        lora_name: str | None,
+        media: Sequence[str] | None,
+        group_idx: int | None,
+        limit: int,
+    ) -> MatchReply:
         keys = self.keys_for(instance_id, token_ids, block_keys)
         sources = self.index.match(instance_id, keys, lora_name=lora_name, media=media, group_idx=group_idx)
-        return {
-            "instance_id": instance_id,
-            "num_blocks": len(keys),
-            "sources": sources,
-            "elapsed_us": int((time.perf_counter() - started) * 1e6),
-        }
+        return MatchReply(instance_id, len(keys), sources[:limit] if limit > 0 else sources)
 
     def engine_locations(self, instance_id: str, keys: Sequence[int], lora_name: str | None = None) -> list[list[dict[str, Any]]]:
         """Per key, the engines holding it: for ``get_cache_location(include_engines=true)``."""

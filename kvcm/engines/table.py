@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, compress, count, islice, repeat
+from operator import and_, ne
 
 #: KV-cache group kinds that carry the prefix (Dynamo's "main attention"); SWA / mamba groups
 #: evict differently and are matched only when asked for by ``group_idx``.
@@ -132,32 +134,26 @@ class HolderTable:
         self._allowed[(media, group)] = mask
         return mask
 
-    def longest_prefixes(self, keys: Sequence[int], allowed: int) -> dict[int, int]:
-        """Slot id -> number of leading ``keys`` the slot holds (slots with 0 omitted)."""
+    def longest_prefixes(self, keys: Sequence[int], allowed: int) -> list[tuple[int, int]]:
+        """``(length, bits)`` pairs, ascending: the slots in ``bits`` hold exactly the first
+        ``length`` keys (length > 0). Every allowed slot with a match appears once.
+
+        Only C-level iteration touches every key: the holder masks (``map``), their running AND
+        (``accumulate``; it only loses bits, so it is non-increasing) and the positions where it
+        changes (``compress``). Python then visits each change, at most one per slot.
+        """
         if not keys or not allowed:
-            return {}
-        get = self.holders.get
-        active = get(keys[0], 0) & allowed
-        lengths: dict[int, int] = {}
-        i = 0
-        for i, key in enumerate(keys):  # noqa: B007 - i is the match length after the loop
-            if not active:
-                break
-            mask = get(key, 0)
-            dropped = active & ~mask
-            if dropped:
-                active &= mask
-                while dropped:  # each slot drops out once: O(slots) over the whole walk
-                    low = dropped & -dropped
-                    lengths[low.bit_length() - 1] = i
-                    dropped ^= low
-        else:
-            i = len(keys)
-        while active:
-            low = active & -active
-            lengths[low.bit_length() - 1] = i
-            active ^= low
-        return lengths
+            return []
+        running = list(accumulate(map(self.holders.get, keys, repeat(0, len(keys))), and_, initial=allowed))
+        changes = compress(count(), map(ne, running, islice(running, 1, None)))
+        out = []
+        for i in changes:  # running[i] -> running[i + 1] lost bits: those slots matched i keys
+            if i:
+                out.append((i, running[i] & ~running[i + 1]))
+            if not running[i + 1]:
+                return out
+        out.append((len(keys), running[-1]))
+        return out
 
     def holders_of(self, key: int, allowed: int) -> list[Slot]:
         mask = self.holders.get(key, 0) & allowed

@@ -1,0 +1,33 @@
+"""`kvcm call` and `python -m kvcm` against a real server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from kvcm.cli import main
+from kvcm.testing import serve_in_thread
+
+
+def test_call_prints_json(capsys):
+    with serve_in_thread() as server:
+        assert main(["call", "check_health", "{}", "--endpoint", server.endpoint]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["status"] == "ok"
+        assert main(["call", "get_instance_info", '{"instance_id": "missing"}', "--endpoint", server.endpoint]) == 1
+        assert "INSTANCE_NOT_EXIST" in capsys.readouterr().err
+        assert main(["call", "check_health", "{not json", "--endpoint", server.endpoint]) == 2
+
+
+def test_python_dash_m_entry_point():
+    with serve_in_thread() as server:
+        done = subprocess.run([sys.executable, "-m", "kvcm", "call", "list_storage", "--endpoint", server.endpoint],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "default-file" in done.stdout
+
+
+def test_unreachable_server_times_out_cleanly(capsys, tmp_path):
+    assert main(["call", "check_health", "{}", "--endpoint", f"ipc://{tmp_path}/nobody", "--timeout", "0.2"]) == 1
+    assert "TIMEOUT" in capsys.readouterr().err

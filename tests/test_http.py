@@ -1,0 +1,68 @@
+"""The side HTTP port: Prometheus metrics, probes, and JSON calls forwarded to the RPC loop."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvcm.testing import serve_in_thread
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _post(port: int, path: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_probes_metrics_and_api():
+    with serve_in_thread() as server:
+        port = server.http_port
+        assert _get(port, "/livez")[0] == 200
+        assert _get(port, "/readyz")[0] == 200
+        with server.client() as c:
+            c.call("check_health")
+            c.call("list_storage")
+        status, body = _get(port, "/metrics")
+        assert status == 200
+        families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+        assert "kvcm_rpc_requests" in families
+        methods = {s.labels.get("method") for s in families["kvcm_rpc_requests"].samples}
+        assert {"check_health", "list_storage"} <= methods
+        assert all(name.startswith("kvcm_") for name in families)
+
+        status, body = _post(port, "/api/list_storage", b"{}")
+        assert status == 200 and any(s["global_unique_name"] == "default-file" for s in body["result"]["storage"])
+        status, body = _post(port, "/api/get_instance_info", b'{"instance_id": "nope"}')
+        assert status == 404 and body["error"]["name"] == "INSTANCE_NOT_EXIST"
+        status, body = _post(port, "/api/no_such_method", b"{}")
+        assert status == 404 and body["error"]["name"] == "METHOD_NOT_FOUND"
+        status, body = _post(port, "/api/check_health", b"not json")
+        assert status == 400
+        assert _get(port, "/nope")[0] == 404
+
+        with server.client() as c:
+            snap = c.call("get_metrics")
+        assert "kvcm_rpc_requests_total" in snap["metrics"]
+
+
+def test_readyz_fails_while_draining():
+    with serve_in_thread() as server:
+        server.app.server.draining = True
+        assert _get(server.http_port, "/readyz")[0] == 503
+        assert _get(server.http_port, "/livez")[0] == 200
+        server.app.server.draining = False
