@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
+from typing_extensions import Self
 
 from kvcm.proto.vllm_events import (
     AllBlocksCleared,
@@ -124,7 +125,7 @@ class FakeEnginePublisher:
         self.stop()
         self._ctx.term()
 
-    def __enter__(self) -> FakeEnginePublisher:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -28,6 +28,7 @@ from kvcm.locks import ShardedLocks, make_batches
 DB = "blocks"
 _U64 = struct.Struct(">Q")
 _SIGN = 1 << 63  # i64(): sign bit flipped so signed keys sort numerically
+_MIN_HIT_RATIO = 0.05  # below this the search cache is mostly bypassed (SearchCache.worth_it)
 KEEP = object()  # modifier result: leave the key as it is
 Modifier = Callable[[int, int, Any], Any]  # (index, key, record or None) -> record | None | KEEP
 
@@ -51,9 +52,10 @@ class SearchCache:
 
     Two generations of plain dicts: inserts go to ``young``; when it is full, ``old`` is dropped
     whole and ``young`` becomes ``old``. A hit in ``old`` is promoted. Eviction is O(1) and a miss
-    costs two dict lookups — cheap enough to keep on for uniformly random workloads, where an
-    ``OrderedDict`` LRU costs more than the LMDB read it saves. Thread-safe under the GIL: every
-    operation is a single dict call, and a racing promotion at worst drops one entry.
+    costs two dict lookups (an ``OrderedDict`` LRU costs more than the LMDB read it saves), and
+    while the recent hit ratio is below 5 % the cache is mostly bypassed (:meth:`worth_it`).
+    Thread-safe under the GIL: every operation is a single dict call, and a racing promotion at
+    worst drops one entry.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -64,6 +66,8 @@ class SearchCache:
         self.epoch = 0  # bumped after every committed block write
         self.hits = 0
         self.misses = 0
+        self.hit_ratio = 1.0  # moving average over recent lookups
+        self._calls = 0
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
@@ -75,6 +79,19 @@ class SearchCache:
             if value is not None:
                 self.put(key, value)
         return value
+
+    def worth_it(self) -> bool:
+        """False while recent lookups almost never hit — a uniformly random workload over a
+        store much bigger than the cache, where feeding the cache costs more than it saves;
+        every 16th call still goes through the cache, so a change of workload is noticed."""
+        if not self.capacity:
+            return False
+        self._calls += 1
+        return self.hit_ratio >= _MIN_HIT_RATIO or self._calls % 16 == 0
+
+    def observe(self, hits: int, n: int) -> None:
+        if n:
+            self.hit_ratio = 0.8 * self.hit_ratio + 0.2 * (hits / n)
 
     def lookup(self, keys: list[bytes]) -> list[bytes | None]:
         """``get`` of many keys; hits in the old generation are promoted."""
@@ -185,10 +202,11 @@ class MetaIndex:
         pack, off = _U64.pack, _SIGN
         dbkeys = [ns + pack(k + off) for k in keys]
         cache = self.cache
-        if not cache.capacity:
+        if not cache.worth_it():
             values: list[bytes | None] = snap.view.get_many(DB, dbkeys)
         else:
             values = cache.lookup(dbkeys)
+            cache.observe(len(values) - values.count(None), len(values))
             missing = [i for i, v in enumerate(values) if v is None]
             if len(missing) == len(values):  # cold keys: one store call, no merging
                 values = snap.view.get_many(DB, dbkeys)
@@ -244,7 +262,9 @@ class MetaIndex:
         with self._writers_lock:
             self._writers += 1
         try:
-            for batch in make_batches(keys, self.locks.n, self.batch_size):
+            # A request no bigger than one batch is one batch (what make_batches would return).
+            batches = [range(len(keys))] if len(keys) <= self.batch_size else make_batches(keys, self.locks.n, self.batch_size)
+            for batch in batches:
                 with self.locks.hold([keys[i] for i in batch]):
                     for i in batch:
                         results[i] = self._modify_one(txn, ns, i, keys[i], fn, written)

@@ -20,8 +20,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from kvcm.backends.base import MetaStore, ReadTxn, WriteTxn, from_i64, i64
-from kvcm.cache import lookup, writes
+from kvcm.backends.base import MetaStore, ReadTxn, WriteTxn, i64
+from kvcm.cache import consistency, lookup, writes
 from kvcm.cache.storage_pool import StoragePool
 from kvcm.deleter import Deleter, schedule
 from kvcm.errors import InvalidArgument, NotFound
@@ -36,13 +36,12 @@ from kvcm.records import (
     check_value,
     decode,
     encode,
-    run_members,
     wire_uris,
 )
 from kvcm.registry import GROUP, INSTANCE, Registry
 from kvcm.selection import GroupView, InstanceView
 from kvcm.sessions import Sessions
-from kvcm.usage import Key, Usage, tally
+from kvcm.usage import Key, Usage
 
 log = logging.getLogger("kvcm.manager")
 
@@ -385,47 +384,23 @@ class CacheManager:
     # -- consistency ----------------------------------------------------------------------------
 
     def recount(self) -> dict[Key, list[int]]:
-        """Usage recomputed from the block records (tests, ``kvcm inspect --check``)."""
+        """Usage recomputed from the block records (tests, tools)."""
+        return consistency.recount(self)
+
+    def check(self) -> None:
+        """Assert the data plane's invariants on a quiet server (see :mod:`kvcm.cache.consistency`)."""
+        consistency.check(self)
+
+    def owners(self) -> dict[bytes, tuple[str, str]]:
+        """Namespace -> (group, instance) of every instance known since start."""
         owners = {namespace(i): (g, i) for i, g in self._known.items()}
         for inst in self.registry.list_instances():
             owners[namespace(inst.instance_id)] = (inst.instance_group, inst.instance_id)
-        rows: list[tuple[Key, int]] = []
-        for chunk in self._all_chunks():
-            for dbkey, value in chunk:
-                group, instance = owners.get(dbkey[:8], ("?", dbkey[:8].hex()))
-                rows.extend(((group, instance, loc.type), loc.nbytes) for loc in decode(value).locs)
-        return tally(rows)
+        return owners
 
-    def check(self) -> None:
-        """Assert the data plane's invariants on a quiet server."""
-        self.index.check()
-        counted = self.recount()
-        with self.store.read() as view:
-            persisted = Usage.persisted(view)
-            live = {k.decode() for k, _ in view.scan("sessions")}
-        assert counted == persisted, f"usage {persisted} != recount {counted}"
-        assert persisted == self.usage_book.snapshot(), "in-memory usage differs from the store"
-        for chunk in self._all_chunks():
-            for dbkey, value in chunk:
-                for loc in decode(value).locs:
-                    if loc.status == Status.WRITING:
-                        assert loc.session in live, f"writing copy of {from_i64(dbkey[8:])} outlived its session"
-        self._check_runs()
-
-    def _check_runs(self) -> None:
-        """Every run is exact: each member names it and has exactly that one serving copy."""
-        with self.store.read() as view:
-            for run_key, value in view.scan(RUNS_DB):
-                storage, keys, wires = run_members(value)
-                assert i64(keys[0]) == run_key[8:], "run stored under another key than its first block"
-                for key, wire in zip(keys, wires):
-                    raw = view.get(BLOCKS, run_key[:8] + i64(key))
-                    assert raw is not None, f"run {run_key.hex()} names a missing block"
-                    record = decode(raw)
-                    serving = [x for x in record.locs if x.status == Status.SERVING]
-                    assert record.run == from_i64(run_key[8:]), f"block of run {run_key.hex()} does not name it"
-                    assert len(serving) == 1 and serving[0].wire == wire and serving[0].storage == storage, \
-                        f"run {run_key.hex()} is stale"
+    def all_chunks(self, size: int = 4096) -> Iterator[list[tuple[bytes, bytes]]]:
+        """Every block record, ``(db key, value)``, in chunks of short read transactions."""
+        return self._all_chunks(size)
 
 
 def _run_of(record: Record) -> int | None:

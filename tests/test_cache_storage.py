@@ -168,3 +168,18 @@ def test_storage_space_is_freed_after_delete(two_tiers):
     c.call("remove_cache", {"instance_id": "a", "block_keys": [1, 2]})
     wait_for(lambda: srv.app.cache.usage("g")["keys"] == 0)
     assert disk.usage()["bytes_used"] == 0
+
+
+def test_failed_request_rolls_back_and_releases_space(tmp_path, shm):
+    """Tair left orphan WRITING records and leaked storage when a batch failed half-way (§18.1)."""
+    with serve_in_thread(overrides=FAST) as srv, srv.client() as c:
+        add_shm_storage(c, "tiny", shm, segment_size=1024)  # smaller than one 2048-byte spec
+        add_group(c, "g", ["tiny"])
+        register(c, "a", group="g", specs=[{"name": "tp0", "size": 512}, {"name": "tp1", "size": 2048}])
+        before = srv.app.storages.get("tiny").usage()["bytes_used"]
+        assert error_code(start, c, [1, 2], "a") in ("INVALID_ARGUMENT", "CAPACITY_EXHAUSTED")  # tp1 cannot be placed
+        assert srv.app.storages.get("tiny").usage()["bytes_used"] == before  # tp0's slots given back
+        assert srv.app.cache.usage("g")["keys"] == 0
+        meta = c.call("get_cache_meta", {"instance_id": "a", "block_keys": [1, 2]})["metas"]
+        assert [m["status"] for m in meta] == ["not_found", "not_found"]
+        srv.app.cache.check()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import msgpack
+import msgspec
 import pytest
 
 from kvcm.backends import MemoryStore
@@ -13,7 +15,12 @@ from kvcm.blockkeys import token_ids_to_block_keys
 from kvcm.engines.hashing import chain_states, chain_states_many, to_signed
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
-from kvcm.proto.vllm_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
+from kvcm.proto.vllm_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodedBatch,
+)
 
 TOKENS = [random.Random(7).randrange(50_000) for _ in range(256)]
 
@@ -37,8 +44,8 @@ def stored(hashes, first_block, count, bs=16, parent=None, **kw):
 
 def best(index, keys, source="a", medium="GPU", **kw):
     for entry in index.match("inst", keys, **kw):
-        if entry["source_id"] == source:
-            return entry["media"].get(medium, 0)
+        if entry.source_id == source:
+            return entry.media.get(medium, 0)
     return 0
 
 
@@ -225,8 +232,11 @@ def test_match_agrees_with_brute_force(seed):
         for _ in range(5):
             doc, lora = rng.choice(docs), rng.choice([None, None, "ad"])
             keys = token_ids_to_block_keys(doc[: rng.randrange(len(doc) + 1)], b)
-            got = {r["source_id"]: r["media"] for r in index.match("inst", keys, lora_name=lora)}
+            full = index.match("inst", keys, lora_name=lora)
+            got = {r.source_id: r.media for r in full}
             assert got == model.expected(keys, lora or "")
+            packed = index.match_packed("inst", keys, lora_name=lora, media=["GPU"])
+            assert msgpack.unpackb(packed) == msgspec.to_builtins(index.match("inst", keys, lora_name=lora, media=["GPU"]))
     index.flush()
     restored = EngineIndex(store, lambda _: b)
     restored.load()

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 
+import msgpack
 import pytest
 import zmq
 
@@ -99,8 +100,6 @@ def test_published_payload_shape_and_replay_frames(publisher):
         assert payload[:1] == b"\x83"  # a map-shaped batch, like current vLLM main
         batch = decode_batch(payload)
         assert batch.events == [BlockStored([2**64 - 1], None, [], 0, None, "STORAGE", None), BlockRemoved([5], "STORAGE")]
-        import msgpack
-
         raw = msgpack.unpackb(payload)
         assert [e["instance_id"] for e in raw["events"]] == ["inst", "inst"]
     finally:
@@ -132,7 +131,8 @@ def test_event_log_is_read_by_the_optimizer(tmp_path):
     log.finish_write_cache("inst", "s1", {"offset": 2})
     log.cache_reclaim_submit("inst", KEYS[:1], [["loc-1"]], 1000)
     log.close()
-    lines = [json.loads(x) for x in open(path)]
+    with open(path) as f:
+        lines = [json.loads(x) for x in f]
     assert [x["type"] for x in lines] == ["GetCacheLocation", "StartWriteCache", "FinishWriteCache", "CacheReclaimSubmit"]
     assert all({"id", "source", "component", "type", "trigger_time_us"} <= set(x) for x in lines)
     assert lines[3]["component"] == "cache_reclaimer"
@@ -153,9 +153,9 @@ def test_rpc_methods_and_validation():
         assert out["source"]["source_id"] == "p"
         wait(lambda: svc.subscriber.poll_once(0.01),
              lambda: table["list_event_sources"].handler(table["list_event_sources"].request())["sources"][0]["blocks_held"] == 2)
-        res = table["match_engines"].handler(MatchEnginesRequest(instance_id="inst", token_ids=TOKENS))
+        res = msgpack.unpackb(table["match_engines"].handler(MatchEnginesRequest(instance_id="inst", token_ids=TOKENS)).data)
         assert res["num_blocks"] == 8 and res["sources"][0]["media"] == {"GPU": 2}
-        res = table["match_engines"].handler(MatchEnginesRequest(instance_id="inst", block_keys=KEYS, medium="CPU"))
+        res = msgpack.unpackb(table["match_engines"].handler(MatchEnginesRequest(instance_id="inst", block_keys=KEYS, medium="CPU")).data)
         assert res["sources"] == []
         with pytest.raises(InvalidArgument):
             table["match_engines"].handler(MatchEnginesRequest(instance_id="inst"))

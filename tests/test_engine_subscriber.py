@@ -307,3 +307,53 @@ def _metrics_text(svc: EngineService) -> str:
     from prometheus_client import generate_latest
 
     return generate_latest(svc.metrics.registry).decode()
+
+
+def test_restart_that_overtakes_last_seq_is_still_detected(svc, pubs):
+    pub = pubs()
+    add(svc, pub)
+    for i in range(3):
+        store_blocks(pub, i, 1)  # seq 0..2
+    pump(svc, lambda: matched(svc) == 3)
+    pub.restart()
+    store_blocks(pub, 0, 1)  # the new engine: seq 0..4, beyond our last_seq 2
+    for _ in range(4):
+        pub.remove([100])
+        store_blocks(pub, 0, 1)
+    # its batch 2 is not the one we applied as 2 (newer ts): clear, rebuild from 0
+    pump(svc, lambda: info(svc)["restarts"] >= 1 and info(svc)["last_seq"] == 8)
+    assert svc.index.blocks_held("pod-a") == {"GPU": 1}
+    assert matched(svc) == 1
+
+
+def test_malformed_frames_are_counted_and_skipped(svc, pubs):
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.PUB)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        svc.add_source({"source_id": "raw", "instance_id": "inst", "endpoint": f"tcp://127.0.0.1:{port}"})
+        good = encode_batch([BlockStored([100], None, TOKENS[:BS], BS, None, "GPU", None)], time.time(), 0)
+        deadline = time.monotonic() + 10 * TIME_FACTOR
+        while matched(svc, "raw") == 0 and time.monotonic() < deadline:  # slow joiner
+            raw.send_multipart([b"", b"\x00" * 7, good])  # 7-byte seq
+            raw.send_multipart([b"only one frame"])
+            raw.send_multipart([b"", (0).to_bytes(8, "big"), good])
+            svc.subscriber.poll_once(0.02)
+        assert matched(svc, "raw") == 1
+        assert info(svc, "raw")["errors_by_kind"]["bad_frames"] >= 2
+    finally:
+        raw.close(0)
+        ctx.term()
+
+
+def test_unusable_endpoint_backs_off_without_hurting_others(svc, pubs):
+    good = pubs()
+    svc.add_source({"source_id": "bad", "instance_id": "inst", "endpoint": "tcp://no-port-here"})
+    add(svc, good, "pod-good")
+    store_blocks(good, 0, 2)
+    pump(svc, lambda: matched(svc, "pod-good") == 2)
+    pump(svc, lambda: info(svc, "bad")["errors_by_kind"].get("connect", 0) >= 2)  # retried after backoff
+    text = _metrics_text(svc)
+    for family in ("connections_total", "events_received_total", "events_processed_total", "errors_total",
+                   "replay_requests_total", "connection_status", "last_sequence_id", "processing_latency_seconds"):
+        assert f"kvcm_engine_event_{family}" in text, family

@@ -494,7 +494,7 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
             pending = _write_prompt(c, root, [900, 901], finish=False)  # stays ``writing`` throughout
             written: list[list[int]] = []
             stop = threading.Event()
-            seen = {"peak": 0, "reads": 0, "hits": 0, "errors": []}
+            seen = {"peak": 0, "reads": 0, "hits": 0, "errors": [], "hot_reads": 0}
 
             def sample() -> None:
                 while not stop.is_set():
@@ -509,13 +509,19 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
                             seen["reads"] += 1
                             seen["hits"] += hits
                             seen["errors"] += errors
+                            seen["hot_reads"] += keys is hot
 
             threads = [threading.Thread(target=sample), threading.Thread(target=read)]
             for t in threads:
                 t.start()
             try:
-                rejected, prompt = 0, 100
+                rejected, prompt, hot_reads = 0, 100, 0
                 while len(written) < 60:  # 240 blocks through a 64-block quota
+                    # Writes wait for a read of the hot prompt in between, whatever the thread
+                    # scheduling: LRU must then keep it (the write rate alone cannot push it out).
+                    while seen["hot_reads"] == hot_reads and threads[1].is_alive():
+                        time.sleep(0.0005)
+                    hot_reads = seen["hot_reads"]
                     keys = [prompt * 10 + i for i in range(4)]
                     if _write_prompt(c, root, keys):
                         written.append(keys)

@@ -31,7 +31,7 @@ END_SEQ = b"\xff" * 8
 
 def add_events_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``events`` (with ``record`` and ``decode``) to an argparse subparsers object."""
-    p = subparsers.add_parser("events", help="record or decode vLLM KV-event streams")
+    p: argparse.ArgumentParser = subparsers.add_parser("events", help="record or decode vLLM KV-event streams")
     sub = p.add_subparsers(dest="events_cmd", required=True)
     rec = sub.add_parser("record", help="record a live source's raw batches as JSON lines")
     rec.add_argument("source", help="PUB endpoint (tcp://, ipc://) or host[:port] (default port 5557)")

@@ -30,19 +30,35 @@ is always opened *before* taking the lock (the store's documented lock order).
 
 from __future__ import annotations
 
-import struct
 import threading
-from operator import attrgetter
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
-import msgspec
-
 from kvcm.backends.base import MetaStore
-from kvcm.engines.hashing import chain_states, chain_states_many, to_signed
+from kvcm.engines.blocks import (
+    BLOCK_KEY,
+    BLOCKS_DB,
+    DEC,
+    M64,
+    SID,
+    SOURCES_DB,
+    TOP,
+    TWO64,
+    ApplyStats,
+    EngineBlock,
+    Item,
+    NullTxn,
+    SourceMatch,
+    SourceState,
+    delete_blocks,
+    flush_source,
+    new_block,
+    normalize_medium,
+)
+from kvcm.engines.hashing import Chain, chain_states, hash_chains
 from kvcm.engines.sources import SourceSpec
 from kvcm.engines.table import MAIN_KINDS, HolderTable
 from kvcm.errors import Conflict, KvcmError, NotFound
@@ -53,92 +69,6 @@ from kvcm.proto.vllm_events import (
     DecodedBatch,
     hash_to_u64,
 )
-
-SOURCES_DB = "engine_sources"
-BLOCKS_DB = "engine_blocks"
-_BLOCK_KEY = struct.Struct(">IIQ")  # source number, group, engine hash
-_SID = struct.Struct(">I")
-_TWO64 = 1 << 64
-_TOP = 1 << 63
-_M64 = _TWO64 - 1
-_ENC = msgspec.msgpack.Encoder()
-_DEC = msgspec.msgpack.Decoder()
-
-
-def normalize_medium(medium: str | None) -> str:
-    """``None`` is the GPU block pool; spellings are upper-cased (LMCache sent ``cpu``)."""
-    return "GPU" if not medium else medium.upper()
-
-
-class SourceMatch(msgspec.Struct, gc=False):
-    """One ``match_engines`` entry: a source and its matched prefix per medium."""
-
-    source_id: str
-    dp_rank: int
-    matched_blocks: int
-    media: dict[str, int]
-
-
-class EngineBlock:
-    """One engine block of one source: its kvcm keys, chain end state, and holdings per medium."""
-
-    __slots__ = ("lora", "end", "pos", "keys", "refs")
-
-    def __init__(self, lora: str, end: int, pos: int, keys: tuple[int, ...]) -> None:
-        self.lora = lora
-        self.end = end
-        self.pos = pos
-        self.keys = keys
-        self.refs: dict[str, int] = {}
-
-    def pack(self) -> bytes:
-        return _ENC.encode((self.lora, self.end, self.pos, self.keys, self.refs))
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> EngineBlock:
-        lora, end, pos, keys, refs = _DEC.decode(raw)
-        blk = cls(lora, end, pos, tuple(keys))
-        blk.refs = dict(refs)
-        return blk
-
-
-@dataclass
-class SourceState:
-    """Index-side state of one source (its connection state lives in the subscriber)."""
-
-    spec: SourceSpec
-    number: int  # fixed-width id used in persisted keys
-    generation: int
-    last_seq: int = -1
-    last_ts: float = 0.0
-    last_event_time: float = 0.0
-    blocks: dict[tuple[int, int], EngineBlock] = field(default_factory=dict)
-    groups: dict[int, str | None] = field(default_factory=dict)
-    dirty: set[tuple[int, int]] = field(default_factory=set)
-    cleared: bool = False
-
-    def record(self) -> bytes:
-        return _ENC.encode(
-            {
-                "spec": self.spec.to_dict(),
-                "number": self.number,
-                "last_seq": self.last_seq,
-                "last_ts": self.last_ts,
-                "groups": [[g, k] for g, k in self.groups.items()],
-            }
-        )
-
-
-@dataclass
-class ApplyStats:
-    """What one batch did: events processed per type, errors per kind, block events applied."""
-
-    processed: Counter[str] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)
-    blocks: int = 0
-
-
-Item = tuple[str, int, int, DecodedBatch]  # source_id, generation, seq, batch
 
 
 class EngineIndex:
@@ -183,7 +113,7 @@ class EngineIndex:
             self._dirty.discard(source_id)
             if txn is not None:
                 txn.delete(SOURCES_DB, source_id.encode())
-                _delete_blocks(txn, state.number)
+                delete_blocks(txn, state.number)
             return state
 
     def get(self, source_id: str) -> SourceState | None:
@@ -246,7 +176,7 @@ class EngineIndex:
     def apply_many(self, items: Sequence[Item]) -> list[ApplyStats | None]:
         """Apply batches in order; ``None`` for a batch whose source is gone (stale generation)."""
         with self._lock:
-            self._sizes: dict[str, int | None] = {}
+            self._sizes = {}
             pre = self._precompute(items)
             return [self._apply_one(item, pre) for item in items]
 
@@ -277,7 +207,7 @@ class EngineIndex:
     def _stored(self, state: SourceState, ev: BlockStored, pre: dict[int, list[int]], errors: Counter[str]) -> int:
         group = ev.group_idx or 0
         medium = normalize_medium(ev.medium)
-        hashes = [h & _M64 if type(h) is int else hash_to_u64(h) for h in ev.block_hashes]
+        hashes = [h & M64 if type(h) is int else hash_to_u64(h) for h in ev.block_hashes]
         if ev.kv_cache_spec_kind is not None or group not in state.groups:
             state.groups[group] = ev.kv_cache_spec_kind
         if not ev.token_ids or ev.block_size <= 0:
@@ -299,13 +229,17 @@ class EngineIndex:
             key = (group, h)
             touched.append(key)
             blk = blocks.get(key)
-            if blk is None:
+            if blk is None:  # the common case: a new block, first held in this medium
                 if same:
                     u = states[i]
-                    blk = EngineBlock(lora, u, pos + (i + 1) * size, (u - _TWO64 if u >= _TOP else u,))
+                    k = u - TWO64 if u >= TOP else u
+                    blk = blocks[key] = EngineBlock(lora, u, pos + (i + 1) * size, (k,))
+                    gained.append(k)
                 else:
-                    blk = _new_block(lora, states, i, size, pos, step, block_size)
-                blocks[key] = blk
+                    blk = blocks[key] = new_block(lora, states, i, size, pos, step, block_size)
+                    gained.extend(blk.keys)
+                blk.refs[medium] = 1
+                continue
             refs = blk.refs
             count = refs.get(medium, 0)
             refs[medium] = count + 1
@@ -443,11 +377,11 @@ class EngineIndex:
                     jobs.append((state, ev))
         if len(jobs) < 12:
             return {}  # below that the scalar path in _stored is as fast
-        return _hash_chains(self._chains(jobs))
+        return hash_chains(self._chains(jobs))
 
-    def _chains(self, jobs: list[tuple[SourceState, BlockStored]]) -> list[_Chain]:
-        chains: list[_Chain] = []
-        tails: dict[tuple[str, int, int], _Chain] = {}  # (source, group, last hash) -> open chain
+    def _chains(self, jobs: list[tuple[SourceState, BlockStored]]) -> list[Chain]:
+        chains: list[Chain] = []
+        tails: dict[tuple[str, int, int], Chain] = {}  # (source, group, last hash) -> open chain
         for state, ev in jobs:
             head = self._head(state, ev)
             if head is None:
@@ -461,7 +395,7 @@ class EngineIndex:
                 if chain is None or chain.step != step:
                     continue
             else:
-                chain = _Chain(seed, step)
+                chain = Chain(seed, step)
                 chains.append(chain)
             chain.events.append(ev)
             chain.tokens.extend(ev.token_ids)
@@ -525,6 +459,30 @@ class EngineIndex:
         out.sort(key=_BY_MATCH, reverse=True)  # stable: ties stay in source id order
         return out
 
+    def match_packed(
+        self,
+        instance_id: str,
+        keys: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        media: Iterable[str] | None = None,
+        group_idx: int | None = None,
+        limit: int = 0,
+    ) -> bytes | None:
+        """:meth:`match`'s list as msgpack bytes, assembled from per-slot pre-packed fragments
+        (the RPC fast path). None if a source has several allowed slots: use :meth:`match`."""
+        wanted = None if media is None else frozenset(normalize_medium(m) for m in media)
+        with self._lock:
+            table = self._tables.get((instance_id, lora_name or ""))
+            if table is None:
+                return b"\x90"
+            if not table.single_slot_sources(wanted, group_idx):
+                return None
+            parts = table.packed_matches(keys, table.allowed(wanted, group_idx))
+        if limit:
+            del parts[limit:]
+        return _array_header(len(parts)) + b"".join(parts)
+
     def locations(
         self, instance_id: str, keys: Sequence[int], *, lora_name: str | None = None
     ) -> list[list[dict[str, Any]]]:
@@ -561,7 +519,7 @@ class EngineIndex:
                 for source_id in self._dirty:
                     state = self._sources.get(source_id)
                     if state is not None:
-                        written += _flush_source(txn, state)
+                        written += flush_source(txn, state)
             except BaseException:
                 self._mark_all_dirty()  # the transaction rolls back: rewrite everything next time
                 raise
@@ -580,9 +538,9 @@ class EngineIndex:
             return []
         with self._store.read() as txn, self._lock:
             for _, raw in list(txn.scan(SOURCES_DB)):
-                state = self._load_source(_DEC.decode(raw))
-                for bkey, braw in txn.scan(BLOCKS_DB, prefix=_SID.pack(state.number)):
-                    _, group, h = _BLOCK_KEY.unpack(bkey)
+                state = self._load_source(DEC.decode(raw))
+                for bkey, braw in txn.scan(BLOCKS_DB, prefix=SID.pack(state.number)):
+                    _, group, h = BLOCK_KEY.unpack(bkey)
                     self._load_block(state, group, h, EngineBlock.unpack(braw))
                 self._sources[state.spec.source_id] = state
             return list(self._sources.values())
@@ -604,59 +562,7 @@ class EngineIndex:
             blk.refs[medium] = count
 
     def _txn(self) -> Any:
-        return self._store.write() if self._store is not None else _NullTxn()
-
-
-class _NullTxn:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _new_block(lora: str, states: list[int], i: int, size: int, pos: int, step: int, block_size: int) -> EngineBlock:
-    """Engine block ``i`` of a store event: its end state, end position and the kvcm keys whose
-    blocks end inside it (one when sizes are equal, ``size/step`` or 0-1 when re-chunked)."""
-    per_block = size // step
-    first = i * per_block
-    last = states[first + per_block - 1]
-    if per_block == 1 and step == block_size:
-        keys: tuple[int, ...] = (last - _TWO64 if last >= _TOP else last,)
-    else:
-        keys = tuple(
-            to_signed(states[j]) for j in range(first, first + per_block) if (pos + (j + 1) * step) % block_size == 0
-        )
-    return EngineBlock(lora, last, pos + (i + 1) * size, keys)
-
-
-class _Chain:
-    """Consecutive stores hashed as one chain by :func:`_hash_chains`."""
-
-    __slots__ = ("seed", "step", "events", "tokens")
-
-    def __init__(self, seed: int, step: int) -> None:
-        self.seed = seed
-        self.step = step
-        self.events: list[BlockStored] = []
-        self.tokens: list[int] = []
-
-
-def _hash_chains(chains: list[_Chain]) -> dict[int, list[int]]:
-    """Hash every chain (grouped by step, numpy across chains); states per store event."""
-    out: dict[int, list[int]] = {}
-    by_step: dict[int, list[_Chain]] = {}
-    for chain in chains:
-        by_step.setdefault(chain.step, []).append(chain)
-    for step, group in by_step.items():
-        results = chain_states_many([c.seed for c in group], [c.tokens for c in group], step)
-        for chain, states in zip(group, results):
-            offset = 0
-            for ev in chain.events:
-                n = len(ev.token_ids) // step
-                out[id(ev)] = states[offset : offset + n]
-                offset += n
-    return out
+        return self._store.write() if self._store is not None else NullTxn()
 
 
 _BY_SOURCE = attrgetter("source_id")
@@ -664,29 +570,8 @@ _BY_MATCH = attrgetter("matched_blocks")
 _IGNORED: Counter[str] = Counter()  # errors of the precompute pass are counted when applied
 
 
-def _flush_source(txn: Any, state: SourceState) -> int:
-    if state.cleared:
-        _delete_blocks(txn, state.number)
-        state.cleared = False
-    puts, dels = [], []
-    pack_key, encode, number, blocks = _BLOCK_KEY.pack, _ENC.encode, state.number, state.blocks
-    for group, h in state.dirty:
-        key = pack_key(number, group, h)
-        blk = blocks.get((group, h))
-        if blk is None:
-            dels.append(key)
-        else:
-            puts.append((key, encode((blk.lora, blk.end, blk.pos, blk.keys, blk.refs))))
-    puts.sort()  # B-tree inserts in key order touch each page once
-    txn.put_many(BLOCKS_DB, puts)
-    if dels:
-        txn.delete_many(BLOCKS_DB, dels)
-    txn.put(SOURCES_DB, state.spec.source_id.encode(), state.record())
-    state.dirty.clear()
-    return len(puts) + len(dels) + 1
-
-
-def _delete_blocks(txn: Any, number: int) -> None:
-    keys = [k for k, _ in txn.scan(BLOCKS_DB, prefix=_SID.pack(number))]
-    if keys:
-        txn.delete_many(BLOCKS_DB, keys)
+def _array_header(n: int) -> bytes:
+    """msgpack array header for ``n`` items."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    return b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")

@@ -73,7 +73,7 @@ class EventMetrics:
         )  # fmt: skip
         for metric in simple:
             _remove(metric, source)
-        pairs = {"received": self.received, "processed": self.processed, "errors": self.errors, "blocks": self.blocks}
+        pairs: dict[str, Counter | Gauge] = {"received": self.received, "processed": self.processed, "errors": self.errors, "blocks": self.blocks}
         for family, metric in pairs.items():
             for value in extra.get(family, ()):
                 _remove(metric, source, value)

@@ -33,7 +33,13 @@ from typing import Any
 import zmq
 from prometheus_client import CollectorRegistry, Counter
 
-from kvcm.proto.vllm_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, encode_batch
+from kvcm.proto.vllm_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    encode_batch,
+)
 
 log = logging.getLogger("kvcm.engines.publisher")
 
@@ -109,7 +115,7 @@ class EventPublisher:
     ) -> None:
         """Blocks became serving: ``keys`` consecutive, ``parent`` the key before them (or None)."""
         if keys:
-            hashes = [k & _M64 for k in keys]
+            hashes: list[int | bytes] = [k & _M64 for k in keys]
             event = BlockStored(hashes, None if parent is None else parent & _M64, list(token_ids), block_size, None, medium, None)
             self._put(event, instance_id)
 
@@ -191,7 +197,7 @@ class EventPublisher:
         while not self._stop.is_set():
             try:
                 self.poll_once(0.01)
-            except Exception:  # noqa: BLE001 - keep publishing after one bad iteration
+            except Exception:
                 log.exception("event publisher iteration failed")
                 self._stop.wait(0.1)
 

@@ -19,14 +19,23 @@ from prometheus_client import CollectorRegistry
 
 from kvcm.backends.base import MetaStore
 from kvcm.blockkeys import token_ids_to_block_keys
-from kvcm.engines.index import EngineIndex, SourceMatch, SourceState
+from kvcm.engines.blocks import SourceMatch, SourceState
+from kvcm.engines.index import EngineIndex
 from kvcm.engines.metrics import EventMetrics
-from kvcm.engines.sources import SourceSpec, SubscriberSettings, build_spec, static_specs
+from kvcm.engines.sources import (
+    SourceSpec,
+    SubscriberSettings,
+    build_spec,
+    static_specs,
+)
 from kvcm.engines.subscriber import EventSubscriber
 from kvcm.errors import InvalidArgument
 
 log = logging.getLogger("kvcm.engines")
 _ENCODER = msgspec.msgpack.Encoder()
+_REPLY_HEAD = b"\x83" + _ENCODER.encode("instance_id")
+_NUM_BLOCKS = _ENCODER.encode("num_blocks")
+_SOURCES = _ENCODER.encode("sources")
 
 
 class MatchReply(msgspec.Struct, gc=False):
@@ -166,7 +175,10 @@ class EngineService:
         limit: int = 0,
     ) -> dict[str, Any]:
         """``match_engines``: per source, the longest held prefix split by medium, best first."""
-        return msgspec.to_builtins(self._match(instance_id, token_ids, block_keys, lora_name, media, group_idx, limit))
+        reply: dict[str, Any] = msgspec.to_builtins(
+            self._match(instance_id, token_ids, block_keys, lora_name, media, group_idx, limit)
+        )
+        return reply
 
     def match_packed(
         self,
@@ -180,7 +192,13 @@ class EngineService:
         limit: int = 0,
     ) -> bytes:
         """:meth:`match` as msgpack bytes (the RPC path: no intermediate dicts)."""
-        return _ENCODER.encode(self._match(instance_id, token_ids, block_keys, lora_name, media, group_idx, limit))
+        keys = self.keys_for(instance_id, token_ids, block_keys)
+        packed = self.index.match_packed(
+            instance_id, keys, lora_name=lora_name, media=media, group_idx=group_idx, limit=limit
+        )
+        if packed is None:  # a source with several media or groups: merge in Python
+            return _ENCODER.encode(self._match(instance_id, None, keys, lora_name, media, group_idx, limit))
+        return _REPLY_HEAD + _ENCODER.encode(instance_id) + _NUM_BLOCKS + _ENCODER.encode(len(keys)) + _SOURCES + packed
 
     def _match(
         self,

@@ -39,7 +39,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvcm.engines.index import EngineIndex, Item
+from kvcm.engines.blocks import Item
+from kvcm.engines.index import EngineIndex
 from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.sources import SourceSpec, SubscriberSettings, is_ipv6
 from kvcm.proto.vllm_events import DecodedBatch, EventDecodeError, decode_batch
@@ -141,10 +142,15 @@ class EventSubscriber:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.poll_once(self.settings.poll_ms / 1000)
-            except Exception:  # noqa: BLE001 - the subscriber must outlive any one bad iteration
+                self.poll_once(self._poll_timeout())
+            except Exception:
                 log.exception("event subscriber iteration failed")
                 self._stop.wait(0.1)
+
+    def _poll_timeout(self) -> float:
+        """The shortest ``poll_ms`` of the settings and of any source that sets its own."""
+        per_source = [c.spec.poll_ms for c in list(self._conns.values()) if c.spec.poll_ms]
+        return min([self.settings.poll_ms, *per_source]) / 1000
 
     def stop(self, timeout: float = 5.0) -> None:
         """Idempotent: stop the thread, close every socket."""

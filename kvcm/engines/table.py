@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress, count, islice, repeat
-from operator import and_, ne
+from itertools import compress, count, islice, repeat
+from operator import ne
+
+import msgspec
+
+_packb = msgspec.msgpack.Encoder().encode
 
 #: KV-cache group kinds that carry the prefix (Dynamo's "main attention"); SWA / mamba groups
 #: evict differently and are matched only when asked for by ``group_idx``.
@@ -33,6 +37,10 @@ class Slot:
     group: int
     main: bool
     dp_rank: int = 0
+    #: msgpack of a ``match_engines`` entry up to its first number, and between its numbers:
+    #: ``{"source_id": s, "dp_rank": r, "matched_blocks": <n>, "media": {medium: <n>}}``
+    head: bytes = b""
+    middle: bytes = b""
 
 
 class HolderTable:
@@ -42,9 +50,10 @@ class HolderTable:
         self.holders: dict[int, int] = {}
         self.slots: list[Slot | None] = []
         self.refs: list[dict[int, int]] = []
+        self.entries: list[dict[int, bytes]] = []  # per slot: match length -> packed reply entry
         self.slot_ids: dict[tuple[str, str, int], int] = {}
         self._free: list[int] = []
-        self._allowed: dict[tuple[frozenset[str] | None, int | None], int] = {}
+        self._allowed: dict[tuple[frozenset[str] | None, int | None], tuple[int, bool]] = {}
 
     # --- slots ------------------------------------------------------------------------------
 
@@ -58,8 +67,12 @@ class HolderTable:
         if sid == len(self.slots):
             self.slots.append(None)
             self.refs.append({})
+            self.entries.append({})
         self._allowed.clear()
-        self.slots[sid] = Slot(source_id, medium, group, main, dp_rank)
+        head = _packb({"source_id": source_id, "dp_rank": dp_rank})
+        head = b"\x84" + head[1:] + _packb("matched_blocks")
+        middle = _packb("media") + b"\x81" + _packb(medium)
+        self.slots[sid] = Slot(source_id, medium, group, main, dp_rank, head, middle)
         self.refs[sid] = {}
         self.slot_ids[key] = sid
         return sid
@@ -79,6 +92,7 @@ class HolderTable:
             del self.slot_ids[(slot.source_id, slot.medium, slot.group)]
         self.slots[sid] = None
         self.refs[sid] = {}
+        self.entries[sid] = {}
         self._free.append(sid)
         self._allowed.clear()
 
@@ -98,7 +112,6 @@ class HolderTable:
             refs[key] = count + 1
             if not count:
                 holders[key] = holders.get(key, 0) | bit
-        return None
 
     def release(self, sid: int, keys: Iterable[int]) -> None:
         refs, holders, clear = self.refs[sid], self.holders, ~(1 << sid)
@@ -124,36 +137,106 @@ class HolderTable:
         """Mask of the slots a query may count: main-kind groups unless ``group`` is given."""
         cached = self._allowed.get((media, group))
         if cached is not None:
-            return cached
+            return cached[0]
+        return self._allowed_entry(media, group)[0]
+
+    def single_slot_sources(self, media: frozenset[str] | None, group: int | None) -> bool:
+        """True if no source has two allowed slots (then entries never need merging)."""
+        cached = self._allowed.get((media, group))
+        return (cached if cached is not None else self._allowed_entry(media, group))[1]
+
+    def _allowed_entry(self, media: frozenset[str] | None, group: int | None) -> tuple[int, bool]:
         mask = 0
+        sources = set()
         for sid, slot in enumerate(self.slots):
             if slot is None or (media is not None and slot.medium not in media):
                 continue
             if slot.main if group is None else slot.group == group:
                 mask |= 1 << sid
-        self._allowed[(media, group)] = mask
-        return mask
+                sources.add(slot.source_id)
+        entry = (mask, len(sources) == mask.bit_count())
+        self._allowed[(media, group)] = entry
+        return entry
 
     def longest_prefixes(self, keys: Sequence[int], allowed: int) -> list[tuple[int, int]]:
         """``(length, bits)`` pairs, ascending: the slots in ``bits`` hold exactly the first
         ``length`` keys (length > 0). Every allowed slot with a match appears once.
 
-        Only C-level iteration touches every key: the holder masks (``map``), their running AND
-        (``accumulate``; it only loses bits, so it is non-increasing) and the positions where it
-        changes (``compress``). Python then visits each change, at most one per slot.
+        Only C-level iteration touches every key: the holder masks (``map``) and the positions
+        where the mask differs from the previous key's (``compress``). The running AND of the
+        masks can only change at those positions, so Python visits just them: about one per
+        slot when engines hold contiguous prefixes.
         """
         if not keys or not allowed:
             return []
-        running = list(accumulate(map(self.holders.get, keys, repeat(0, len(keys))), and_, initial=allowed))
-        changes = compress(count(), map(ne, running, islice(running, 1, None)))
-        out = []
-        for i in changes:  # running[i] -> running[i + 1] lost bits: those slots matched i keys
-            if i:
-                out.append((i, running[i] & ~running[i + 1]))
-            if not running[i + 1]:
-                return out
-        out.append((len(keys), running[-1]))
+        masks = list(map(self.holders.get, keys, repeat(0, len(keys))))
+        running = masks[0] & allowed
+        out: list[tuple[int, int]] = []
+        if not running:
+            return out
+        for i in compress(count(1), map(ne, masks, islice(masks, 1, None))):
+            kept = running & masks[i]
+            if kept != running:  # these slots hold keys 0..i-1 but not key i
+                out.append((i, running & ~kept))
+                if not kept:
+                    return out
+                running = kept
+        out.append((len(keys), running))
         return out
+
+    def packed_matches(self, keys: Sequence[int], allowed: int) -> list[bytes]:
+        """:meth:`longest_prefixes` fused with the reply: packed ``match_engines`` entries, best
+        first, ties in source id order. Needs one allowed slot per source (see
+        :meth:`single_slot_sources`)."""
+        if not keys or not allowed:
+            return []
+        masks = list(map(self.holders.get, keys, repeat(0, len(keys))))
+        running = masks[0] & allowed
+        parts: list[bytes] = []
+        if not running:
+            return parts
+        entries = self.entries
+        for i in compress(count(1), map(ne, masks, islice(masks, 1, None))):
+            kept = running & masks[i]
+            if kept != running:
+                self._emit(parts, entries, running & ~kept, i)
+                if not kept:
+                    break
+                running = kept
+        else:
+            self._emit(parts, entries, running, len(keys))
+        parts.reverse()
+        return parts
+
+    def _emit(self, parts: list[bytes], entries: list[dict[int, bytes]], bits: int, n: int) -> None:
+        """Append the entries of the slots in ``bits`` (ascending walk: reversed at the end)."""
+        if not bits & (bits - 1):
+            sid = bits.bit_length() - 1
+            packed = entries[sid].get(n)
+            parts.append(packed if packed is not None else self.entry(sid, n))
+            return
+        tied = []
+        while bits:
+            low = bits & -bits
+            tied.append(low.bit_length() - 1)
+            bits ^= low
+        tied.sort(key=lambda sid: self.slots[sid].source_id, reverse=True)  # type: ignore[union-attr]
+        parts += [self.entry(sid, n) for sid in tied]
+
+    def entry(self, sid: int, n: int) -> bytes:
+        """The packed ``match_engines`` entry of slot ``sid`` matching ``n`` blocks (memoised:
+        a slot's fields never change, and routers ask about the same prefixes again and again)."""
+        cache = self.entries[sid]
+        packed = cache.get(n)
+        if packed is None:
+            slot = self.slots[sid]
+            assert slot is not None
+            num = _packb(n)
+            packed = slot.head + num + slot.middle + num
+            if len(cache) >= 4096:
+                cache.clear()
+            cache[n] = packed
+        return packed
 
     def holders_of(self, key: int, allowed: int) -> list[Slot]:
         mask = self.holders.get(key, 0) & allowed

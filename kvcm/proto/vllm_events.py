@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 
-ExternalBlockHash = Union[int, bytes]
+ExternalBlockHash: TypeAlias = int | bytes
 Encoding = Literal["map", "array", "mixed"]
 ENCODINGS: tuple[str, ...] = ("map", "array", "mixed")
 
@@ -51,53 +51,53 @@ class BlockStored(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Consecutive full blocks of one request; block *i*'s parent is block *i-1*."""
 
     block_hashes: list[ExternalBlockHash]
-    parent_block_hash: Union[ExternalBlockHash, None] = None
+    parent_block_hash: ExternalBlockHash | None = None
     token_ids: list[int] = []
     block_size: int = 0
-    lora_id: Union[int, None] = None
-    medium: Union[str, None] = None
-    lora_name: Union[str, None] = None
-    extra_keys: Union[list[Any], None] = None
-    group_idx: Union[int, None] = None
-    kv_cache_spec_kind: Union[str, None] = None
-    kv_cache_spec_sliding_window: Union[int, None] = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Blocks evicted from one medium of the publishing engine."""
 
     block_hashes: list[ExternalBlockHash]
-    medium: Union[str, None] = None
-    group_idx: Union[int, None] = None
+    medium: str | None = None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, array_like=True, gc=False):
     """The engine dropped its whole prefix cache (every medium, every group)."""
 
 
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 # The map-shaped twins share field names with the array-shaped classes above; msgspec needs one
 # Struct per layout, so decoding goes through these and is converted (cheaply, field by field).
 class _BlockStoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     block_hashes: list[ExternalBlockHash]
-    parent_block_hash: Union[ExternalBlockHash, None] = None
+    parent_block_hash: ExternalBlockHash | None = None
     token_ids: list[int] = []
     block_size: int = 0
-    lora_id: Union[int, None] = None
-    medium: Union[str, None] = None
-    lora_name: Union[str, None] = None
-    extra_keys: Union[list[Any], None] = None
-    group_idx: Union[int, None] = None
-    kv_cache_spec_kind: Union[str, None] = None
-    kv_cache_spec_sliding_window: Union[int, None] = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class _BlockRemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
     block_hashes: list[ExternalBlockHash]
-    medium: Union[str, None] = None
-    group_idx: Union[int, None] = None
+    medium: str | None = None
+    group_idx: int | None = None
 
 
 class _AllBlocksClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
@@ -107,21 +107,19 @@ class _AllBlocksClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="ty
 class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[msgspec.Raw]
-    data_parallel_rank: Union[int, None] = None
+    data_parallel_rank: int | None = None
 
 
 class _MapBatch(msgspec.Struct, gc=False):
     ts: float
     events: list[msgspec.Raw]
-    data_parallel_rank: Union[int, None] = None
+    data_parallel_rank: int | None = None
 
 
 _ARRAY_BATCH = msgspec.msgpack.Decoder(_ArrayBatch)
 _MAP_BATCH = msgspec.msgpack.Decoder(_MapBatch)
-_ARRAY_EVENT = msgspec.msgpack.Decoder(Union[BlockStored, BlockRemoved, AllBlocksCleared])
-_MAP_EVENT = msgspec.msgpack.Decoder(
-    Union[_BlockStoredMap, _BlockRemovedMap, _AllBlocksClearedMap]
-)
+_ARRAY_EVENT = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
+_MAP_EVENT = msgspec.msgpack.Decoder(_BlockStoredMap | _BlockRemovedMap | _AllBlocksClearedMap)
 _ANY = msgspec.msgpack.Decoder()
 _ENCODER = msgspec.msgpack.Encoder()
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
@@ -172,7 +170,8 @@ def _decode_event(raw: msgspec.Raw) -> Event | str:
     try:
         if len(data) and _is_map_header(data[0]):
             return _from_map(_MAP_EVENT.decode(data))
-        return _ARRAY_EVENT.decode(data)
+        event: Event = _ARRAY_EVENT.decode(data)
+        return event
     except (msgspec.DecodeError, RecursionError, ValueError, TypeError):
         return _classify_failure(data)
 

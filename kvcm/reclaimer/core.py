@@ -26,9 +26,11 @@ at most :data:`CHUNK` victims each, until satisfied or the round's ``max_victims
 budget is spent — one busy type or group cannot starve the others.
 
 Overshoot guard: bytes handed to the deleter still count in ``manager.usage`` until they are
-freed, ``delay_before_delete_ms`` later. The reclaimer remembers what each ``evict`` call marked
-("in flight") and subtracts it until the delay plus the deleter's poll interval has passed, so it
-does not evict again for bytes already on their way out. (``on_removed`` cannot tell: the manager reports a key
+freed, ``delay_before_delete_ms`` later — or later still when the deleter lags under load. The
+reclaimer remembers what each ``evict`` call marked ("in flight", with its due time) and
+subtracts it until the head of the deleter's queue has moved past that due time, so it never
+evicts again for bytes already on their way out (which, with a lagging deleter, would evict the
+hot set too). (``on_removed`` cannot tell: the manager reports a key
 removed when it stops serving, before its space is freed.)
 """
 
@@ -47,7 +49,7 @@ from prometheus_client import CollectorRegistry
 
 from kvcm.config import ReclaimConfig
 from kvcm.policies import BasePolicy
-from kvcm.reclaimer.state import ALL_TYPES, GroupState, IKey, Limits, ReclaimMetrics
+from kvcm.reclaimer.state import ALL_TYPES, GroupState, IKey, Limits, ReclaimMetrics, deleter_head
 
 log = logging.getLogger("kvcm.reclaimer")
 
@@ -107,9 +109,9 @@ class Reclaimer:
     :param limits: returns ``{group name: Limits}``; see :func:`~kvcm.reclaimer.state.limits_from_registry`.
     :param pace: called with the seconds of work after each evicted chunk; the thread uses it to
         sleep and bound its CPU share (``reclaim.duty_cycle``), tests leave it out.
-    :param free_grace_s: how long after its delete delay an evicted location is assumed freed: the
-        deleter's poll interval plus a margin. Too short evicts a little more than needed while the
-        deleter lags; too long evicts too little meanwhile (writes then meet the hard quota).
+    :param free_grace_s: only for a manager whose deleter queue cannot be watched
+        (:func:`~kvcm.reclaimer.state.deleter_head`): how long after its delete delay an
+        evicted location is assumed freed.
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class Reclaimer:
         self._clock: Callable[[], float] = clock or getattr(manager, "clock", None) or time.time
         self._pace = pace
         self._grace = free_grace_s
+        self._deleter_head = deleter_head(manager)
         self.metrics = ReclaimMetrics(registry if registry is not None else CollectorRegistry())
         self._events: deque[tuple[Any, ...]] = deque()
         self._groups: dict[str, GroupState] = {}
@@ -159,13 +162,17 @@ class Reclaimer:
         started = time.perf_counter()
         report = Round(now)
         self._sync(now)
+        # Usage first, events second: every serving block the snapshot counts has then been
+        # reported (on_serving fires on commit), so the policies know every block they may need
+        # to evict; read after the drain, blocks served meanwhile would count but be unknown.
+        usages = {name: self._manager.usage(name) for name in self._groups}
         self._drain()
         for state in self._groups.values():
             if state.stale:
                 self._rebuild(state)
         budget = self._config.max_victims_per_round
         budget -= self._run_jobs(self._ttl_jobs(now), budget, now, report)
-        self._run_jobs(self._watermark_jobs(report), budget, now, report)
+        self._run_jobs(self._watermark_jobs(usages, report), budget, now, report)
         report.seconds = time.perf_counter() - started
         self.metrics.rounds.inc()
         self.metrics.round_seconds.observe(report.seconds)
@@ -191,8 +198,19 @@ class Reclaimer:
                 self._groups[name] = GroupState(name, lim, size)
             else:
                 state.update(lim, size)
-                state.expire_inflight(now)
+        settled = self._settled(now)
+        for state in self._groups.values():
+            state.expire_inflight(settled, confirm=self._deleter_head is not None)
         self._refresh_instances()
+
+    def _settled(self, now: float) -> Callable[[float], bool]:
+        """Whether the evictions due at a given time have been freed by the deleter."""
+        if self._deleter_head is None:  # cannot watch the queue: assume freed a grace after due
+            return lambda due: due + self._grace <= now
+        head = self._deleter_head()
+        if head is None:
+            return lambda due: True  # queue empty: everything handed over is freed
+        return lambda due: due < head
 
     def _refresh_instances(self) -> None:
         group_of: dict[str, str] = {}
@@ -206,8 +224,14 @@ class Reclaimer:
         self._group_of = group_of
 
     def _drain(self) -> None:
-        """Apply the events buffered before this call, in order (later ones wait a tick)."""
+        """Apply the events buffered before this call, in order (later ones wait a tick).
+
+        Consecutive reads of a group are applied as one batch (see ``GroupState.read_many``),
+        flushed before that group's next write or removal, so the result is that of applying
+        every event in order.
+        """
         pop, refreshed = self._events.popleft, False
+        reads: dict[GroupState, tuple[dict[str, list[list[int]]], list[float]]] = {}
         for _ in range(len(self._events)):
             event = pop()
             group = self._group_of.get(event[1])
@@ -215,16 +239,21 @@ class Reclaimer:
                 self._refresh_instances()
                 refreshed, group = True, self._group_of.get(event[1])
             state = self._groups.get(group) if group is not None else None
-            if state is None:
+            if state is None or state.stale:  # a stale state is rebuilt from the store
                 continue
-            if state.stale:  # its policies are rebuilt from the store
+            if event[0] == _READ:
+                batch, last = reads.setdefault(state, ({}, [event[3]]))
+                batch.setdefault(event[1], []).append(event[2])
+                last[0] = event[3]
                 continue
+            if state in reads:
+                _flush_reads(state, reads.pop(state))
             if event[0] == _SERVE:
                 state.serve(*event[1:])
-            elif event[0] == _READ:
-                state.read(event[1], event[2], event[3])
             else:
                 state.remove(event[1], event[2])
+        for state, pending in reads.items():
+            _flush_reads(state, pending)
 
     def _rebuild(self, state: GroupState) -> None:
         """Reload one group's policies from the store, oldest write first (start-up, policy change)."""
@@ -249,20 +278,19 @@ class Reclaimer:
             for stype, keys in state.expired(now).items()
         ]
 
-    def _watermark_jobs(self, report: Round) -> list[_Job]:
+    def _watermark_jobs(self, usages: Mapping[str, Mapping[str, Any]], report: Round) -> list[_Job]:
         jobs: list[_Job] = []
         for state in self._groups.values():
-            needs = self._group_needs(state)
+            needs = self._group_needs(state, usages[state.name])
             if needs:
                 report.triggered.append(state.name)
                 self.metrics.triggered.labels(state.name).inc()
             jobs += [_Job(state, t, "watermark", need=n) for t, n in needs.items() if t in state.policies]
         return jobs
 
-    def _group_needs(self, state: GroupState) -> dict[str, int]:
+    def _group_needs(self, state: GroupState, usage: Mapping[str, Any]) -> dict[str, int]:
         """Bytes to free per storage type so the group and each type end under their floors."""
         lim = state.limits
-        usage = self._manager.usage(state.name)
         by_type = {t: int(u.get("bytes", 0)) - state.inflight_bytes(t) for t, u in usage.get("by_type", {}).items()}
         total = int(usage.get("bytes", 0)) - sum(state.inflight_bytes(t) for t in state.inflight)
         self._record_usage(state, usage, by_type)
@@ -372,13 +400,22 @@ class Reclaimer:
         for (iid, key), _ in chosen:
             by_instance.setdefault(iid, []).append(key)
         freed = sum(self._manager.evict(iid, keys, stype) for iid, keys in by_instance.items())
-        state.add_inflight(stype, freed, now + state.limits.delay_before_delete_ms / 1000.0 + self._grace)
+        # Watching the deleter's queue, ``due`` must not be earlier than the manager's own (it
+        # read its clock during evict()); otherwise the injected ``now`` keeps tests exact.
+        marked_at = self._clock() if self._deleter_head is not None else now
+        state.add_inflight(stype, freed, marked_at + state.limits.delay_before_delete_ms / 1000.0)
         report.victims += [(state.name, stype, ikey, job.reason) for ikey, _ in chosen]
         report.freed += freed
         labels = (state.name, stype, state.policy_name, job.reason)
         self.metrics.blocks.labels(*labels).inc(len(chosen))
         self.metrics.bytes.labels(*labels).inc(freed)
         return freed
+
+
+def _flush_reads(state: GroupState, batch: tuple[dict[str, list[list[int]]], list[float]]) -> None:
+    by_instance, last = batch
+    for iid, key_lists in by_instance.items():
+        state.read_many(iid, key_lists, last[0])
 
 
 def _excess(used: int, quota: int, high: float, low: float) -> int:

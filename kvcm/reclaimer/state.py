@@ -9,15 +9,18 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvcm.backends.base import from_u64
 from kvcm.policies import POLICIES, TTL, BasePolicy, make_policy
 
 IKey = tuple[str, int]  # (instance_id, block_key): block keys are per-instance namespaces
+_COUNTS_EVERY_READ = frozenset({"lfu"})  # policies for which two reads differ from one
 ALL_TYPES = "all"  # storage_type label of group-wide numbers
 
 
@@ -37,6 +40,12 @@ class Limits:
     quota: int = 0
     type_quotas: Mapping[str, int] = field(default_factory=dict)
     sample_size: int | None = None
+
+
+def _access(policy: BasePolicy, iid: str, keys: Iterable[int], now: float) -> None:
+    # a hit may have been evicted since (or live on another tier): only tracked keys count
+    sizes = policy.sizes
+    policy.access_many([ikey for ikey in zip(repeat(iid), keys) if ikey in sizes], now)
 
 
 def limits_of(group: Any) -> Limits:
@@ -85,7 +94,8 @@ class GroupState:
         self.sample_size = sample_size
         self.policies: dict[str, BasePolicy] = {}
         self.ttls: dict[str, TTL] = {}  # side TTL trackers, when the main policy is not ``ttl``
-        self.inflight: dict[str, list[tuple[float, int]]] = {}  # type -> [(deadline, bytes)], one per evict()
+        # type -> [[due, bytes, seen freed]], one entry per evict() call
+        self.inflight: dict[str, list[list[Any]]] = {}
         self.stale = True  # rebuild from serving_keys before use
 
     @property
@@ -131,12 +141,27 @@ class GroupState:
         if ttl is not None:
             ttl.on_write(ikey, now, nbytes)
 
-    def read(self, iid: str, keys: Iterable[int], now: float) -> None:
-        ikeys = [(iid, k) for k in keys]
+    def read(self, iid: str, keys: Sequence[int], now: float) -> None:
+        """One read hit of ``keys``."""
+        self.read_many(iid, [keys], now)
+
+    def read_many(self, iid: str, key_lists: Sequence[Sequence[int]], now: float) -> None:
+        """Several read hits of one instance, oldest first, all at (about) ``now``.
+
+        For recency policies only each key's *last* read matters, so hot prefixes read by many
+        requests between two ticks are applied once each: same order, a fraction of the work.
+        """
+        unique: list[int] | None = None
         for policy in self.policies.values():
-            sizes = policy.sizes
-            # a hit may have been evicted since (or live on another tier): only tracked keys
-            policy.access_many([k for k in ikeys if k in sizes], now)
+            if policy.name in _COUNTS_EVERY_READ:
+                for keys in key_lists:
+                    _access(policy, iid, keys, now)
+                continue
+            if unique is None:
+                last_first = dict.fromkeys(chain.from_iterable(map(reversed, reversed(key_lists))))
+                unique = list(last_first)
+                unique.reverse()
+            _access(policy, iid, unique, now)
 
     def remove(self, iid: str, keys: Iterable[int]) -> None:
         for key in keys:
@@ -164,17 +189,30 @@ class GroupState:
                 out[stype] = keys
         return out
 
-    def add_inflight(self, stype: str, nbytes: int, deadline: float) -> None:
-        """``nbytes`` were marked ``deleting`` and still count in usage until ``deadline``."""
+    def add_inflight(self, stype: str, nbytes: int, due: float) -> None:
+        """``nbytes`` were marked ``deleting``, to be freed at ``due``; they count in usage until then."""
         if nbytes > 0:
-            self.inflight.setdefault(stype, []).append((deadline, nbytes))
+            self.inflight.setdefault(stype, []).append([due, nbytes, False])
 
     def inflight_bytes(self, stype: str) -> int:
-        return sum(nbytes for _, nbytes in self.inflight.get(stype, ()))
+        return sum(entry[1] for entry in self.inflight.get(stype, ()))
 
-    def expire_inflight(self, now: float) -> None:
+    def expire_inflight(self, settled: Callable[[float], bool], confirm: bool = False) -> None:
+        """Forget the entries whose deletes the deleter has done (``settled(due)``).
+
+        ``confirm``: only one round after first seeing them done. Watching the real deleter's
+        queue, its commit becomes visible a moment before its usage counters drop (they follow
+        in a commit callback); forgetting an entry while usage still counts its bytes would
+        evict them a second time.
+        """
         for stype, pending in self.inflight.items():
-            self.inflight[stype] = [p for p in pending if p[0] > now]
+            if confirm:
+                pending = [e for e in pending if not e[2]]
+                for entry in pending:
+                    entry[2] = settled(entry[0])
+                self.inflight[stype] = pending
+            else:
+                self.inflight[stype] = [e for e in pending if not settled(e[0])]
 
 
 class ReclaimMetrics:
@@ -206,3 +244,28 @@ class ReclaimMetrics:
                     gauge.remove(labels["group"], labels["storage_type"])
                 except KeyError:
                     pass
+
+
+def deleter_head(manager: Any) -> Callable[[], float | None] | None:
+    """A probe for the due time of the deleter's oldest pending delete (None: queue empty), or
+    None when the manager has no deleter queue to look at (test doubles).
+
+    The deleter frees in due order, so every delete due *before* the head is done: that tells
+    the reclaimer exactly when bytes it evicted stop counting in usage, however far the deleter
+    lags. Uses ``manager.deleter.next_due()`` when there is one, else reads the head of
+    :mod:`kvcm.deleter`'s queue (keys ``u64(due_ms) + u64(seq)``, in due order).
+    """
+    deleter, store = getattr(manager, "deleter", None), getattr(manager, "store", None)
+    if deleter is not None and callable(getattr(deleter, "next_due", None)):
+        return deleter.next_due  # type: ignore[no-any-return]
+    if deleter is None or store is None:
+        return None
+    from kvcm.deleter import DB
+
+    def head() -> float | None:
+        with store.read() as view:
+            for key, _ in view.scan(DB, limit=1):
+                return from_u64(key[:8]) / 1000.0
+        return None
+
+    return head
