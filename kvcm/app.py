@@ -77,6 +77,8 @@ class App:
                 sndhwm=config.server.sndhwm,
             )
         except BaseException:
+            if getattr(self, "engine_store", None) is not None:
+                self.engine_store.close()
             self.store.close()
             raise
         self.endpoint = self.server.endpoint
@@ -100,7 +102,31 @@ class App:
         methods += system_api.methods(self.metrics, self.info)
         methods += self._build_cache(data_dir)
         self._build_reclaimer()
+        methods += self._build_engines(data_dir)
         return methods
+
+    def _build_engines(self, data_dir: str | None) -> list[Method]:
+        """The engine tier (issue 5): event subscriber, engine index, kvcm's own publisher."""
+        from kvcm.api import engines as engines_api
+        from kvcm.engines.service import EngineService
+        from kvcm.engines.sources import SubscriberSettings
+
+        cfg = self.config.events
+        # A store of its own: the engine index may skip fsync (it is rebuilt by replay), which
+        # must not weaken the durability of the main store's commits.
+        self.engine_store: MetaStore = (
+            MemoryStore() if data_dir is None
+            else LmdbStore(os.path.join(data_dir, "engines"), sync=cfg.sync, map_size=self.config.store.map_size,
+                           map_size_max=self.config.store.map_size_max)
+        )
+        self.engines = EngineService(
+            self.engine_store,
+            lambda instance_id: self.registry.get_instance(instance_id).block_size,
+            SubscriberSettings.from_config(cfg),
+            registry=self.metrics.registry,
+            static_sources=cfg.sources,
+        )
+        return engines_api.methods(self.engines)
 
     def _build_cache(self, data_dir: str | None) -> list[Method]:
         """The data plane (issue 3): storages, block index, write sessions, deleter, health."""
@@ -151,6 +177,8 @@ class App:
     def _start_background(self) -> None:
         for thread in self.threads:
             thread.start()
+        if self.config.events.enabled:
+            self.engines.start()
         if self.config.http.enabled:
             self.http = SideHttp(
                 self.config.http.host, self.config.http.port, self.metrics, self.endpoint, self.live, self.ready
@@ -194,10 +222,12 @@ class App:
         else:
             self.server.stop()
             self.server.close_unserved()
+        self.engines.stop()
         for thread in reversed(self.threads):
             thread.stop()
         if self.http is not None:
             self.http.stop()
+        self.engine_store.close()
         self.store.close()
         log.info("kvcm stopped")
 

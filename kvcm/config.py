@@ -88,6 +88,11 @@ class EventsConfig:
     replay_timeout_s: float = 5.0
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 30.0
+    backoff_factor: float = 2.0
+    max_payload_bytes: int = 64 << 20  # larger engine batches are counted and dropped
+    max_held: int = 100_000  # blocks one source may hold in the engine index
+    rcvhwm: int = 100_000  # SUB receive queue per source
+    sync: bool = False  # fsync engine-index commits (it can be rebuilt from the engines by replay)
     sources: tuple[str, ...] = ()  # static sources, JSON objects as given to add_event_source
 
 
@@ -98,6 +103,7 @@ class PublisherConfig:
     replay_endpoint: str = "tcp://127.0.0.1:5568"
     topic: str = "kvcm"
     buffer_steps: int = 10000  # batches kept for replay
+    encoding: str = "map"  # map | array (vLLM's legacy array_like shape)
     event_log: str = ""  # JSON-lines event log path ("" = off)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from kvcm.client import Client
 from kvcm.config import Config, load
 from kvcm.errors import KvcmError
+from kvcm.fake_engine import FakeEnginePublisher
 
 
 def _short_ipc_dir() -> str:
@@ -142,6 +143,7 @@ def _wait_ready(endpoint: str, timeout: float = 30.0, process: subprocess.Popen[
 
 
 __all__ = [
+    "FakeEnginePublisher",
     "RunningServer",
     "serve_in_subprocess",
     "serve_in_thread",

@@ -487,6 +487,33 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
     overrides = {"reclaim": {"interval_s": INTERVAL, "hysteresis": 0.1}, "cache": {"delete_poll_ms": 20}}
     with serve_in_thread(overrides=overrides) as srv:
         app = srv.app
+        orig = app.cache.evict
+        rec = app.reclaimer
+        def evict(iid, keys, stype=None):
+            hotk = [k for k in keys if k in (1, 2, 3, 4)]
+            if hotk:
+                pol = rec.tracked("default", "file")
+                print("EVICT hot", hotk, "of", len(keys), keys, "events", len(rec._events), "usage", app.cache.usage("default")["bytes"]//1024,
+                      "inflight", {k: [(round(e[0]-time.time(),3), e[1]//1024, e[2]) for e in v] for k, v in rec._groups["default"].inflight.items()},
+                      "tracked", len(pol), "head", rec._deleter_head(), time.time(), "hotreads", seen["hot_reads"], "written", len(written))
+                print("LOG", [e for e in rec.dbglog[-60:] if e[0] != "R" or e[1][0] < 10 or True][-40:])
+            return orig(iid, keys, stype)
+        app.cache.evict = evict
+        log = []
+        o_read, o_serv, o_rem = rec.on_read, rec.on_serving, rec.on_removed
+        def on_read(iid, keys, now):
+            log.append(("R", tuple(keys)[:2], round(time.time() % 100, 4))); o_read(iid, keys, now)
+        def on_serving(iid, key, *a):
+            if key % 10 == 0 or key < 10: log.append(("S", key, round(time.time() % 100, 4)))
+            o_serv(iid, key, *a)
+        def on_removed(iid, keys):
+            log.append(("X", tuple(keys)[:3], round(time.time() % 100, 4))); o_rem(iid, keys)
+        for i, l in enumerate(app.cache._listeners):
+            if l is rec:
+                class W: pass
+                w = W(); w.on_read = on_read; w.on_serving = on_serving; w.on_removed = on_removed
+                app.cache._listeners[i] = w
+        rec.dbglog = log
         with srv.client() as c:
             root = _configure(c)
             hot = [1, 2, 3, 4]
