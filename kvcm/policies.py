@@ -357,9 +357,18 @@ class LRU(BasePolicy):
         return written
 
     def access_many(self, keys: Iterable[Hashable], now: float) -> None:
-        if self._od is None:
+        od = self._od
+        if od is None:
             return super().access_many(keys, now)
-        deque(map(self._od.move_to_end, keys), maxlen=0)
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        try:
+            deque(map(od.move_to_end, keys), maxlen=0)
+        except KeyError:
+            # A key we do not track (removed meanwhile): redo one by one, skipping unknowns.
+            # Moving the same keys again in the same order gives the same final order.
+            for key in keys:
+                if key in od:
+                    od.move_to_end(key)
 
     def evict(self, n: int, now: float) -> list[Hashable]:
         od = self._od

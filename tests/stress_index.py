@@ -43,8 +43,11 @@ class Stress:
             action = rng.choices(names, weights)[0]
             getattr(self, "do_" + action)(rng, rng.choice(NAMESPACES))
             if pause is not None and (n + 1) % every == 0:
-                pause.wait()  # all threads stop here while the checker runs
-                pause.wait()
+                try:
+                    pause.wait()  # all threads stop here while the checker runs
+                    pause.wait()
+                except threading.BrokenBarrierError:
+                    return  # the checker failed and aborted the run
 
     def _write(self, ns: bytes, keys: list[int], fn: Callable[[bytes | None], object]) -> None:
         # The model lock spans the commit, so model order == commit order.

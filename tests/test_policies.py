@@ -340,3 +340,13 @@ def test_random_lru_may_return_fewer_than_asked_like_tair():
 def test_random_lru_default_sampling_is_1000():
     assert RandomLRU().sampling_size == 1000
     assert RandomLRU(sample_rate=0).sampling_size == 1000  # <= 0 means 0.1
+
+
+def test_lru_access_many_ignores_unknown_keys():
+    from kvcm.policies import make_policy
+
+    policy = make_policy("lru")
+    for key in (1, 2, 3):
+        policy.on_write(key, now=float(key))
+    policy.access_many(iter([1, 99, 2]), now=10.0)  # 99 was never written
+    assert policy.victims(3, now=11.0) == [3, 1, 2]

@@ -342,6 +342,53 @@ def test_start_up_rebuilds_from_serving_keys_in_write_order():
     assert len(rec.tracked("g", "file")) == 3
 
 
+def test_leaf_lru_rebuild_uses_parents_when_the_store_gives_them():
+    class WithParents(FakeManager):
+        def serving_keys(self, iid):
+            for key, nbytes, stype, written in super().serving_keys(iid):
+                yield key, nbytes, stype, written, self.locs[(iid, key, stype)].parent
+
+    mgr = WithParents(groups={"g": ["i"]})
+    for t, (k, parent) in enumerate([(1, None), (2, 1), (3, 2), (4, None)]):
+        mgr.write("i", k, parent=parent, now=float(t))
+    lim = {"g": Limits(policy="leaf_lru", quota=400, used_percentage=0.9)}
+    rec = Reclaimer(mgr, lambda: lim, ReclaimConfig(hysteresis=0.3), registry=CollectorRegistry())
+    assert keys_of(rec.run_once(10.0)) == [3, 2]  # 400 -> <= 240: the chain's leaf, then its parent
+
+
+class _Deleter:
+    """Stand-in for kvcm.deleter.Deleter's queue head, driven by the test."""
+
+    def __init__(self) -> None:
+        self.head: float | None = None
+
+    def next_due(self) -> float | None:
+        return self.head
+
+
+def test_in_flight_bytes_follow_the_deleter_queue():
+    mgr = FakeManager(groups={"g": ["i"]}, delay=5.0)
+    mgr.deleter = _Deleter()  # type: ignore[attr-defined]
+    lim = {"g": Limits(quota=1000, used_percentage=0.85, delay_before_delete_ms=5000)}
+    rec = Reclaimer(mgr, lambda: lim, ReclaimConfig(hysteresis=0.05), registry=CollectorRegistry())
+    rec.run_once(0.0)
+    for k in range(1, 11):
+        mgr.write("i", k, now=float(k))
+    mgr.now = 11.0
+    assert keys_of(rec.run_once(11.0)) == [1, 2]  # due at 16
+    mgr.deleter.head = 16.0
+    mgr.now = 30.0  # long past the delay, but the deleter lags: its head is still at our entries
+    assert rec.run_once(30.0).victims == []
+    mgr.run_deleter()
+    mgr.deleter.head = None  # queue drained; usage counters may lag one commit callback...
+    assert rec.run_once(31.0).victims == []
+    assert rec.run_once(32.0).victims == []  # ... so the entry goes a round later
+    assert rec._groups["g"].inflight["file"] == []
+    mgr.write("i", 11, now=33.0)
+    mgr.write("i", 12, now=33.0)
+    assert keys_of(rec.run_once(34.0)) == [3, 4]  # back to plain watermark work
+
+
 def test_new_instance_and_group_at_runtime():
     mgr, rec, lim = setup()
     mgr.groups["g"].append("j")  # registered after the last sync
@@ -484,36 +531,9 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
     from kvcm.testing import serve_in_thread
 
     quota = QUOTA_BLOCKS * BLOCK
-    overrides = {"reclaim": {"interval_s": INTERVAL, "hysteresis": 0.1}, "cache": {"delete_poll_ms": 20}}
+    overrides = {"reclaim": {"interval_s": INTERVAL, "hysteresis": 0.05}, "cache": {"delete_poll_ms": 20}}
     with serve_in_thread(overrides=overrides) as srv:
         app = srv.app
-        orig = app.cache.evict
-        rec = app.reclaimer
-        def evict(iid, keys, stype=None):
-            hotk = [k for k in keys if k in (1, 2, 3, 4)]
-            if hotk:
-                pol = rec.tracked("default", "file")
-                print("EVICT hot", hotk, "of", len(keys), keys, "events", len(rec._events), "usage", app.cache.usage("default")["bytes"]//1024,
-                      "inflight", {k: [(round(e[0]-time.time(),3), e[1]//1024, e[2]) for e in v] for k, v in rec._groups["default"].inflight.items()},
-                      "tracked", len(pol), "head", rec._deleter_head(), time.time(), "hotreads", seen["hot_reads"], "written", len(written))
-                print("LOG", [e for e in rec.dbglog[-60:] if e[0] != "R" or e[1][0] < 10 or True][-40:])
-            return orig(iid, keys, stype)
-        app.cache.evict = evict
-        log = []
-        o_read, o_serv, o_rem = rec.on_read, rec.on_serving, rec.on_removed
-        def on_read(iid, keys, now):
-            log.append(("R", tuple(keys)[:2], round(time.time() % 100, 4))); o_read(iid, keys, now)
-        def on_serving(iid, key, *a):
-            if key % 10 == 0 or key < 10: log.append(("S", key, round(time.time() % 100, 4)))
-            o_serv(iid, key, *a)
-        def on_removed(iid, keys):
-            log.append(("X", tuple(keys)[:3], round(time.time() % 100, 4))); o_rem(iid, keys)
-        for i, l in enumerate(app.cache._listeners):
-            if l is rec:
-                class W: pass
-                w = W(); w.on_read = on_read; w.on_serving = on_serving; w.on_removed = on_removed
-                app.cache._listeners[i] = w
-        rec.dbglog = log
         with srv.client() as c:
             root = _configure(c)
             hot = [1, 2, 3, 4]
@@ -531,7 +551,9 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
             def read() -> None:
                 with srv.client() as rc:
                     while not stop.is_set():
-                        for keys in (hot, *written[-3:]):
+                        # an older prompt, likely next to go (its reads race the eviction), then
+                        # the hot one: at most a few blocks are ever more recent than it
+                        for keys in (*written[-5:-4], hot):
                             hits, errors = _check_read(rc, root, keys)
                             seen["reads"] += 1
                             seen["hits"] += hits
@@ -577,8 +599,7 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
             assert done["served"] == 2, done
             blocks = _sample_value(app, "kvcm_reclaim_blocks_total")
             assert blocks >= 240 - QUOTA_BLOCKS, blocks
-        app.reclaimer.run_once(time.time())  # settle, then the data plane's own invariants hold
-        time.sleep(DELAY_MS / 1000 + 0.3)
+        time.sleep(DELAY_MS / 1000 + 0.3)  # let the last deletes finish: usage = recount then
         app.cache.check()
 
 

@@ -44,8 +44,7 @@ class Limits:
 
 def _access(policy: BasePolicy, iid: str, keys: Iterable[int], now: float) -> None:
     # a hit may have been evicted since (or live on another tier): only tracked keys count
-    sizes = policy.sizes
-    policy.access_many([ikey for ikey in zip(repeat(iid), keys) if ikey in sizes], now)
+    policy.access_many(filter(policy.sizes.__contains__, zip(repeat(iid), keys)), now)  # C-level loop
 
 
 def limits_of(group: Any) -> Limits:
