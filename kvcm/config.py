@@ -43,19 +43,19 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class HttpConfig:
-    enabled: bool = True
-    host: str = "127.0.0.1"
+    enabled: bool = True  # serve the side HTTP port
+    host: str = "127.0.0.1"  # bind address of the side HTTP port
     port: int = 6382  # /metrics, /livez, /readyz, POST /api/<method>; 0 picks a free port
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     backend: str = "lmdb"  # lmdb | memory
-    data_dir: str = "./kvcm-data"
+    data_dir: str = "./kvcm-data"  # LMDB metadata, the default file storage, the engine index
     map_size: int = 256 << 20  # initial LMDB map; grows by doubling up to map_size_max
-    map_size_max: int = 64 << 30
+    map_size_max: int = 64 << 30  # past this, writes get CAPACITY_EXHAUSTED
     sync: bool = True  # fsync every commit: an acknowledged write survives power loss
-    max_readers: int = 126
+    max_readers: int = 126  # LMDB reader slots (stale ones are cleared at start)
     lock_shards: int = 64  # in-memory lock shards; a power of two
     search_cache_size: int = 65536  # entries of the lookup LRU cache; 0 disables it
 
@@ -65,32 +65,32 @@ class CacheConfig:
     write_timeout_seconds: float = 30.0  # default write-session lifetime
     session_check_ms: int = 200  # how often expired write sessions are swept
     delete_poll_ms: int = 100  # deleter thread wake-up interval
-    storage_health_interval_s: float = 5.0
+    storage_health_interval_s: float = 5.0  # how often each storage is probed
     runs: bool = True  # keep run records: prefix lookups read one record per written sequence
 
 
 @dataclass(frozen=True)
 class ReclaimConfig:
-    enabled: bool = True
-    interval_s: float = 1.0
+    enabled: bool = True  # run the reclaimer thread
+    interval_s: float = 1.0  # seconds between reclaim rounds
     hysteresis: float = 0.05  # reclaim until usage < watermark - hysteresis
     sample_size: int = 0  # 0 = exact victim choice; >0 = sampled choice of this many candidates
-    max_victims_per_round: int = 10000
+    max_victims_per_round: int = 10000  # bounds one round's work; the next round continues
     duty_cycle: float = 0.5  # largest share of a core the reclaimer uses while evicting (sleeps between chunks)
 
 
 @dataclass(frozen=True)
 class EventsConfig:
-    enabled: bool = True
+    enabled: bool = True  # run the engine-event subscriber thread
     pub_port: int = 5557  # default engine PUB port when a source gives a host only
-    replay_port: int = 5558
-    poll_ms: int = 100
-    replay_timeout_s: float = 5.0
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 30.0
-    backoff_factor: float = 2.0
+    replay_port: int = 5558  # default engine replay ROUTER port
+    poll_ms: int = 100  # subscriber poll timeout
+    replay_timeout_s: float = 5.0  # a replay that does not finish in time counts as failed
+    backoff_initial_s: float = 1.0  # first reconnect delay after a failure
+    backoff_max_s: float = 30.0  # reconnect delay cap
+    backoff_factor: float = 2.0  # reconnect delay growth per failure
     max_payload_bytes: int = 64 << 20  # larger engine batches are counted and dropped
-    max_held: int = 100_000  # blocks one source may hold in the engine index
+    max_held: int = 100_000  # live batches held per source during a replay (older ones dropped, counted)
     rcvhwm: int = 100_000  # SUB receive queue per source
     sync: bool = False  # fsync engine-index commits (it can be rebuilt from the engines by replay)
     sources: tuple[str, ...] = ()  # static sources, JSON objects as given to add_event_source
@@ -99,9 +99,9 @@ class EventsConfig:
 @dataclass(frozen=True)
 class PublisherConfig:
     enabled: bool = False  # publish kvcm's own storage-tier events in vLLM's format
-    endpoint: str = "tcp://127.0.0.1:5567"
-    replay_endpoint: str = "tcp://127.0.0.1:5568"
-    topic: str = "kvcm"
+    endpoint: str = "tcp://127.0.0.1:5567"  # PUB socket of kvcm's own events
+    replay_endpoint: str = "tcp://127.0.0.1:5568"  # replay ROUTER ("" = no replay)
+    topic: str = "kvcm"  # topic frame of every published batch
     buffer_steps: int = 10000  # batches kept for replay
     encoding: str = "map"  # map | array (vLLM's legacy array_like shape)
     event_log: str = ""  # JSON-lines event log path ("" = off)
@@ -116,7 +116,7 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
-    level: str = "INFO"
+    level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
 
 
 @dataclass(frozen=True)

@@ -265,9 +265,11 @@ class MetaIndex:
             # A request no bigger than one batch is one batch (what make_batches would return).
             batches = [range(len(keys))] if len(keys) <= self.batch_size else make_batches(keys, self.locks.n, self.batch_size)
             for batch in batches:
-                with self.locks.hold([keys[i] for i in batch]):
-                    for i in batch:
-                        results[i] = self._modify_one(txn, ns, i, keys[i], fn, written)
+                taken = self.locks.acquire([keys[i] for i in batch])
+                try:
+                    self._modify_batch(txn, ns, keys, batch, fn, results, written)
+                finally:
+                    self.locks.release(taken)
         finally:
             with self._writers_lock:
                 self._writers -= 1
@@ -275,24 +277,36 @@ class MetaIndex:
             txn.on_commit(lambda: self.cache.invalidate(written))
         return results
 
-    def _modify_one(self, txn: WriteTxn, ns: bytes, i: int, key: int, fn: Modifier, written: list[bytes]) -> Any:
-        dbkey = ns + i64(key)
-        raw = txn.get(DB, dbkey)  # never the cache: the txn may hold newer, uncommitted data
-        old = None if raw is None else self.decode(raw)
-        tag = None if old is None or self._tag is None else self._tag(old)  # before fn mutates it
-        new = fn(i, key, old)
-        if new is KEEP:
-            return new
-        if new is None:
-            if raw is None:
-                return new
-            txn.delete(DB, dbkey)
-        else:
-            txn.put(DB, dbkey, self.encode(new))
-        written.append(dbkey)
-        if tag is not None and self._drop_tag is not None:
-            self._drop_tag(txn, ns, tag)
-        return new
+    def _modify_batch(self, txn: WriteTxn, ns: bytes, keys: Sequence[int], batch: Sequence[int], fn: Modifier,
+                      results: list[Any], written: list[bytes]) -> None:
+        """One batch: one ``get_many``, the modifiers in request order, one ``put_many``.
+
+        ``staged`` holds the batch's own new values, so a key repeated in the batch sees its
+        earlier update (the transaction would too, but only after the writes)."""
+        pack, off = _U64.pack, _SIGN
+        dbkeys = [ns + pack(keys[i] + off) for i in batch]
+        stored = txn.get_many(DB, dbkeys)  # never the cache: the txn may hold newer, uncommitted data
+        staged: dict[bytes, bytes | None] = {}
+        existed: set[bytes] = set()
+        decode, encode, tag_of = self.decode, self.encode, self._tag
+        for i, dbkey, raw in zip(batch, dbkeys, stored):
+            if dbkey in staged:
+                raw = staged[dbkey]
+            elif raw is not None:
+                existed.add(dbkey)
+            old = None if raw is None else decode(raw)
+            tag = None if old is None or tag_of is None else tag_of(old)  # before fn mutates it
+            new = fn(i, keys[i], old)
+            results[i] = new
+            if new is KEEP or (new is None and raw is None):
+                continue
+            staged[dbkey] = None if new is None else encode(new)
+            if tag is not None and self._drop_tag is not None:
+                self._drop_tag(txn, ns, tag)
+        if staged:
+            txn.put_many(DB, [(k, v) for k, v in staged.items() if v is not None])
+            txn.delete_many(DB, [k for k, v in staged.items() if v is None and k in existed])
+            written.extend(staged)
 
     def put_records(self, txn: WriteTxn, ns: bytes, items: Sequence[tuple[int, Any]]) -> None:
         """Blind upserts (bulk loads: the benchmark, restores); invalidates like any write."""

@@ -75,3 +75,11 @@ def test_opposite_orders_do_not_deadlock():
         t.join(30)
     assert not any(t.is_alive() for t in threads)
     assert not errors
+
+
+def test_acquire_release_twin_of_hold():
+    locks = ShardedLocks(8)
+    taken = locks.acquire([9, 1, 3])
+    assert locks.held() == [1, 3]
+    locks.release(taken)
+    assert locks.held() == []

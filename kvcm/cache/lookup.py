@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from kvcm.errors import InvalidArgument
+from kvcm.index import Snapshot
 from kvcm.masks import (
     BlockMask,
     check_mask,
@@ -31,7 +32,7 @@ from kvcm.masks import (
     masked_flags,
     unmasked_indices,
 )
-from kvcm.proto.wire import Raw, pack_array_raw, pack_map_raw
+from kvcm.proto.wire import Raw, pack_array_raw
 from kvcm.records import (
     FAST,
     RUNS_DB,
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from kvcm.selection import InstanceView
 
 _packer = msgpack.Packer(use_bin_type=True)
+_LOCATIONS_MAP = _packer.pack_map_header(1) + _packer.pack("locations")  # {"locations": <spliced array>}
 _U64 = struct.Struct(">Q")
 _SIGN = 1 << 63
 QUERY_TYPES = ("prefix_match", "batch_get", "reverse_roll_sw_match")
@@ -97,7 +99,7 @@ def get_cache_location(
             names = frozenset(spec_names)
             wires = [filter_wire(w, names) for w in wires]
         locations = pack_array_raw(wires)
-    reply = pack_map_raw({"locations": locations})
+    reply = Raw(_LOCATIONS_MAP + locations.data)
     if hits:
         m.notify_read(instance_id, hits)
     return reply
@@ -109,9 +111,10 @@ def _prefix(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMas
     wanted = keys if mask is None else [keys[i] for i in unmasked_indices(mask, len(keys))]
     unusable, rank = m.pool.unusable, m.group_view(inst.group).rank
     parts: list[bytes] = []
-    with m.index.read() as snap:
-        done = _runs(snap.view, inst.ns, wanted, unusable, parts) if m.runs and not spec_names else 0
-        wires = _blocks(m, snap, inst, wanted[done:], unusable, rank)
+    epoch = m.index.cache.epoch  # before the snapshot begins: see MetaIndex.read
+    with m.store.read() as view:
+        done = _runs(view, inst.ns, wanted, unusable, parts) if m.runs and not spec_names else 0
+        wires = _blocks(m, Snapshot(view, epoch), inst, wanted[done:], unusable, rank)
     if spec_names:
         names = frozenset(spec_names)
         wires = [filter_wire(w, names) for w in wires]
