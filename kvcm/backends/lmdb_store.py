@@ -24,7 +24,7 @@ import random
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import lmdb
 
@@ -92,13 +92,14 @@ class _ReadTxn:
         self._txn = txn
         self._dbs = dbs
 
+    # Transactions are opened with buffers=False, so LMDB hands out bytes, never memoryviews.
+
     def get(self, db: str, key: bytes) -> bytes | None:
-        value: bytes | None = self._txn.get(key, db=self._dbs[db])
-        return value
+        return cast("bytes | None", self._txn.get(key, db=self._dbs[db]))
 
     def get_many(self, db: str, keys: Iterable[bytes]) -> list[bytes | None]:
         get, handle = self._txn.get, self._dbs[db]
-        return [get(k, db=handle) for k in keys]
+        return cast("list[bytes | None]", [get(k, db=handle) for k in keys])
 
     def scan(
         self, db: str, start: bytes = b"", prefix: bytes = b"", limit: int | None = None
@@ -107,7 +108,7 @@ class _ReadTxn:
         if not cursor.set_range(max(start, prefix)):
             return
         n = 0
-        for key, value in cursor.iternext():
+        for key, value in cast("Iterator[tuple[bytes, bytes]]", cursor.iternext()):
             if not key.startswith(prefix) or (limit is not None and n >= limit):
                 return
             n += 1
@@ -155,7 +156,7 @@ def _key_range(view: _ReadTxn, db: str, prefix: bytes) -> tuple[bytes, bytes]:
         cursor.prev()
     else:
         cursor.last()
-    return first, cursor.key()
+    return cast(bytes, first), cast(bytes, cursor.key())
 
 
 def _next_prefix(prefix: bytes) -> bytes:

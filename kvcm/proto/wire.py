@@ -93,22 +93,27 @@ def _params_map(params: Any, msgid: int | None) -> dict[str, Any]:
     return params[0]
 
 
-_packer = msgpack.Packer(use_bin_type=True)
+# Typed as bytes-returning: msgpack ships no type stubs.
+_packer: Any = msgpack.Packer(use_bin_type=True)
+
+
+def _pack(obj: Any) -> bytes:
+    return bytes(_packer.pack(obj))
 
 
 def pack_request(msgid: int, method: str, params: dict[str, Any]) -> bytes:
-    return _packer.pack([REQUEST, msgid, method, [params]])
+    return _pack([REQUEST, msgid, method, [params]])
 
 
 def pack_notification(method: str, params: dict[str, Any]) -> bytes:
-    return _packer.pack([NOTIFICATION, method, [params]])
+    return _pack([NOTIFICATION, method, [params]])
 
 
 def pack_response(msgid: int, error: dict[str, Any] | None, result: Any) -> bytes:
     """A response; a :class:`Raw` result is spliced in as-is."""
     if isinstance(result, Raw):
-        return _packer.pack_array_header(4) + _packer.pack(RESPONSE) + _packer.pack(msgid) + _packer.pack(error) + result.data
-    return _packer.pack([RESPONSE, msgid, error, result])
+        return bytes(_packer.pack_array_header(4)) + _pack(RESPONSE) + _pack(msgid) + _pack(error) + result.data
+    return _pack([RESPONSE, msgid, error, result])
 
 
 def parse_response(payload: bytes) -> tuple[int, Any, Any]:
@@ -121,7 +126,7 @@ def parse_response(payload: bytes) -> tuple[int, Any, Any]:
 
 def pack(obj: Any) -> bytes:
     """Pack one value the way kvcm does everywhere (bin type on)."""
-    return _packer.pack(obj)
+    return _pack(obj)
 
 
 def pack_map_raw(items: dict[str, Any | Raw]) -> Raw:
