@@ -51,6 +51,8 @@ class App:
         self.started_at = time.time()
         self.store = open_store(config)
         self.threads: list[Any] = []
+        self.publisher: Any = None  # kvcm's own vLLM-format event publisher, when enabled
+        self.event_log: Any = None  # the JSON-lines event log, when configured
         self.timers: list[Timer] = []
         self._stopped = False
         self._serve_thread: threading.Thread | None = None
@@ -100,10 +102,25 @@ class App:
         methods: list[Method] = []
         methods += registry_api.methods(self.registry, self.info)
         methods += system_api.methods(self.metrics, self.info)
-        methods += self._build_cache(data_dir)
-        self._build_reclaimer()
         methods += self._build_engines(data_dir)
+        methods += self._build_cache(data_dir)
+        self._build_storage_events()
+        self._build_reclaimer()
         return methods
+
+    def _build_storage_events(self) -> None:
+        """kvcm's own storage-tier events: vLLM-format publisher and JSON-lines event log."""
+        from kvcm.engines.bridge import StorageEvents
+        from kvcm.engines.publisher import EventPublisher
+
+        cfg = self.config.publisher
+        if cfg.enabled:
+            self.publisher = EventPublisher(cfg.endpoint, cfg.replay_endpoint or None, topic=cfg.topic,
+                                            buffer_steps=cfg.buffer_steps, encoding=cfg.encoding,
+                                            registry=self.metrics.registry)
+        if self.publisher is not None or self.event_log is not None:
+            self.cache.add_listener(StorageEvents(self.publisher, self.event_log,
+                                                  lambda instance_id: self.registry.get_instance(instance_id).block_size))
 
     def _build_engines(self, data_dir: str | None) -> list[Method]:
         """The engine tier (issue 5): event subscriber, engine index, kvcm's own publisher."""
@@ -136,6 +153,10 @@ class App:
         from kvcm.cache.storage_pool import StoragePool
 
         cfg = self.config.cache
+        if self.config.publisher.event_log:
+            from kvcm.engines.eventlog import EventLog
+
+            self.event_log = EventLog(self.config.publisher.event_log)
         self.storages = StoragePool(self.registry, data_dir)
         self.cache = CacheManager(self.store, self.registry, self.storages, default_write_timeout=cfg.write_timeout_seconds,
                                   lock_shards=self.config.store.lock_shards, cache_size=self.config.store.search_cache_size,
@@ -145,7 +166,7 @@ class App:
         self.threads.append(LoopThread("deleter", self.cache.background_once, cfg.delete_poll_ms / 1000.0))
         health = StorageHealth(self.storages.backends, self.registry.set_storage_available)
         self.threads.append(LoopThread("storage-health", health.run_once, cfg.storage_health_interval_s))
-        return cache_api.methods(self.cache)
+        return cache_api.methods(self.cache, self.engines, self.event_log)
 
     def _build_reclaimer(self) -> None:
         """Capacity management (issue 4): the reclaimer thread, fed by the cache manager's hooks."""
@@ -179,6 +200,8 @@ class App:
             thread.start()
         if self.config.events.enabled:
             self.engines.start()
+        if self.publisher is not None:
+            self.publisher.start()
         if self.config.http.enabled:
             self.http = SideHttp(
                 self.config.http.host, self.config.http.port, self.metrics, self.endpoint, self.live, self.ready
@@ -225,6 +248,10 @@ class App:
         self.engines.stop()
         for thread in reversed(self.threads):
             thread.stop()
+        if self.publisher is not None:
+            self.publisher.stop()
+        if self.event_log is not None:
+            self.event_log.close()
         if self.http is not None:
             self.http.stop()
         self.engine_store.close()

@@ -332,7 +332,8 @@ class CacheManager:
 
     def add_listener(self, obj: Any) -> None:
         """``obj`` may implement ``on_serving``, ``on_read``, ``on_removed``, ``on_stored``,
-        ``on_cleared`` (see docs/cache.md); each is called after the change committed."""
+        ``on_cleared``, ``on_evicted`` (see docs/cache.md); each is called after the change
+        committed."""
         self._listeners.append(obj)
 
     def _emit(self, name: str, *args: Any) -> None:
@@ -364,9 +365,12 @@ class CacheManager:
         """Reclaimer: ``serving -> deleting`` by CAS (never ``writing``), freed after the group's
         delay. Returns the bytes reclaimed."""
         group = self._known.get(instance_id) or self.instance(instance_id).group
+        delay = self._delay(group)
         with self.store.write() as txn:
-            _, freed = self._mark_deleting(txn, instance_id, group, keys, self._delay(group),
+            _, freed = self._mark_deleting(txn, instance_id, group, keys, delay,
                                            serving_only=True, storage_type=storage_type)
+            if freed and self._listeners:
+                txn.on_commit(lambda: self._emit("on_evicted", instance_id, list(keys), delay))
         return freed
 
     def instances_of_group(self, group: str) -> list[str]:

@@ -14,9 +14,12 @@ from typing import Annotated, Any
 import msgspec
 
 from kvcm.dispatch import Method
+from kvcm.engines.eventlog import EventLog
+from kvcm.engines.service import EngineService
 from kvcm.errors import InvalidArgument
 from kvcm.manager import CacheManager
-from kvcm.masks import BlockMask
+from kvcm.masks import BlockMask, derive_keys
+from kvcm.proto import wire
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -54,6 +57,8 @@ class GetCacheLocationRequest(_Keys, kw_only=True):
     block_mask: WireMask | None = None
     sw_size: int = 0
     location_spec_names: list[str] = []
+    include_engines: bool = False  # add "engine_locations": per key, the engines holding it
+    lora_name: str | None = None  # engine blocks of this LoRA adapter (with include_engines)
 
 
 class GetCacheMetaRequest(_Keys, kw_only=True):
@@ -89,24 +94,52 @@ def _enum(value: str, prefix: str) -> str:
 
 
 class CacheApi:
-    """Thin adapters from request Structs to :class:`CacheManager` (RPC thread)."""
+    """Thin adapters from request Structs to :class:`CacheManager` (RPC thread).
 
-    def __init__(self, manager: CacheManager) -> None:
+    With an event log, each successful data-plane call is also recorded as one of Tair's event
+    types (``GetCacheLocation``, ``StartWriteCache``, ``FinishWriteCache``) for the optimizer.
+    """
+
+    def __init__(self, manager: CacheManager, engines: EngineService | None = None,
+                 event_log: EventLog | None = None) -> None:
         self.m = manager
+        self.engines = engines
+        self.log = event_log
 
     def get_cache_location(self, r: GetCacheLocationRequest) -> Any:
-        return self.m.get_cache_location(r.instance_id, _enum(r.query_type, "qt_"), r.block_keys, r.token_ids,
-                                         _mask(r.block_mask), r.sw_size, r.location_spec_names)
+        query_type = _enum(r.query_type, "qt_")
+        reply = self.m.get_cache_location(r.instance_id, query_type, r.block_keys, r.token_ids,
+                                          _mask(r.block_mask), r.sw_size, r.location_spec_names)
+        if self.log is not None:
+            self.log.get_cache_location(r.instance_id, query_type, self._keys(r), r.token_ids,
+                                        msgspec.to_builtins(r.block_mask), r.sw_size, r.location_spec_names)
+        if not r.include_engines:
+            return reply
+        if self.engines is None:
+            raise InvalidArgument("include_engines: the engine tier is disabled on this server")
+        # Rare path: decode the spliced reply once to add the engine holders of each key.
+        result = wire.unpack(reply.data)
+        result["engine_locations"] = self.engines.engine_locations(r.instance_id, self._keys(r), r.lora_name)
+        return result
 
     def get_cache_meta(self, r: GetCacheMetaRequest) -> Any:
         return self.m.get_cache_meta(r.instance_id, r.block_keys, r.token_ids, _mask(r.block_mask), r.detail_level)
 
     def start_write_cache(self, r: StartWriteCacheRequest) -> Any:
-        return self.m.start_write_cache(r.instance_id, r.block_keys, r.token_ids, r.location_spec_group_names,
-                                        r.write_timeout_seconds)
+        reply = self.m.start_write_cache(r.instance_id, r.block_keys, r.token_ids, r.location_spec_group_names,
+                                         r.write_timeout_seconds)
+        if self.log is not None:
+            result = wire.unpack(reply.data)
+            self.log.start_write_cache(r.instance_id, result.get("write_session_id", ""), self._keys(r), r.token_ids,
+                                       result.get("block_mask"), r.location_spec_group_names,
+                                       int(r.write_timeout_seconds))
+        return reply
 
     def finish_write_cache(self, r: FinishWriteCacheRequest) -> Any:
-        return self.m.finish_write_cache(r.instance_id, r.write_session_id, _mask(r.success_blocks, "success_blocks"))
+        reply = self.m.finish_write_cache(r.instance_id, r.write_session_id, _mask(r.success_blocks, "success_blocks"))
+        if self.log is not None:
+            self.log.finish_write_cache(r.instance_id, r.write_session_id, msgspec.to_builtins(r.success_blocks))
+        return reply
 
     def remove_cache(self, r: RemoveCacheRequest) -> Any:
         return self.m.remove_cache(r.instance_id, r.block_keys, r.token_ids, _mask(r.block_mask))
@@ -114,9 +147,13 @@ class CacheApi:
     def trim_cache(self, r: TrimCacheRequest) -> Any:
         return self.m.trim_cache(r.instance_id, _enum(r.strategy, "ts_"), r.begin_timestamp, r.end_timestamp)
 
+    def _keys(self, r: _Keys) -> list[int]:
+        return derive_keys(r.block_keys, r.token_ids, self.m.instance(r.instance_id).block_size)
 
-def methods(manager: CacheManager) -> list[Method]:
-    api = CacheApi(manager)
+
+def methods(manager: CacheManager, engines: EngineService | None = None,
+            event_log: EventLog | None = None) -> list[Method]:
+    api = CacheApi(manager, engines, event_log)
     return [
         Method("get_cache_location", api.get_cache_location, request=GetCacheLocationRequest),
         Method("get_cache_meta", api.get_cache_meta, request=GetCacheMetaRequest),
