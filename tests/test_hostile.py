@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import msgpack
+import pytest
 import zmq
 
 from kvcm.errors import Code
@@ -88,15 +89,25 @@ def _flip(payload: bytes, rng: random.Random) -> bytes:
 
 
 def test_ten_thousand_hostile_messages():
-    rng = random.Random(1234)
+    run_hostile(10_500, seed=1234)
+
+
+@pytest.mark.slow
+def test_soak_hostile_messages():
+    """Run by scripts/soak: ten times the default volume, another seed."""
+    run_hostile(105_000, seed=99)
+
+
+def run_hostile(total: int, seed: int) -> None:
+    rng = random.Random(seed)
     overrides = {"server": {"max_message_bytes": MAX_BYTES, "max_keys": MAX_KEYS}}
     with serve_in_thread(overrides=overrides) as server:
         messages: list[list[bytes]] = []
         categories = _categories()
-        while len(messages) < 4000:
+        while len(messages) < total * 4 // 10:
             messages.extend(categories)
         valid = _valid_requests()
-        while len(messages) < 10_500:
+        while len(messages) < total:
             messages.append([_flip(rng.choice(valid), rng)])
         rng.shuffle(messages)
 
