@@ -7,9 +7,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from kvcm.client import Client  # noqa: E402
-from kvcm.config import Config, ConfigError  # noqa: E402
-from kvcm.errors import (  # noqa: E402
+from kvcm.client import Client
+from kvcm.config import Config, ConfigError
+from kvcm.errors import (
     AccessDenied,
     CapacityError,
     Code,

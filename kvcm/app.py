@@ -149,8 +149,8 @@ class App:
         """The data plane (issue 3): storages, block index, write sessions, deleter, health."""
         from kvcm.api import cache as cache_api
         from kvcm.backends.storages import StorageHealth
-        from kvcm.manager import CacheManager
         from kvcm.cache.storage_pool import StoragePool
+        from kvcm.manager import CacheManager
 
         cfg = self.config.cache
         if self.config.publisher.event_log:

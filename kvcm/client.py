@@ -90,7 +90,7 @@ class Client:
         may_retry = method in IDEMPOTENT_METHODS if retry is None else retry
         attempts = 1 + (self.retries if may_retry else 0)
         wait = self.timeout if timeout is None else timeout
-        for attempt in range(attempts):
+        for _ in range(attempts):
             reply = self._roundtrip(payload, msgid, wait)
             if reply is not None:
                 return _result(reply)
@@ -137,4 +137,4 @@ def _result(reply: tuple[Any, Any]) -> Any:
     return result
 
 
-__all__ = ["Client", "ClientState", "IDEMPOTENT_METHODS", "KvcmError"]
+__all__ = ["IDEMPOTENT_METHODS", "Client", "ClientState", "KvcmError"]

@@ -2,9 +2,11 @@
 
 The server hands every batch of drained request payloads to :meth:`Dispatcher.handle_batch`.
 Write methods of one batch run inside one ``group()`` (one store commit, made before any reply
-of the batch is produced); each request is still its own child transaction, so a failing
-request rolls back alone. If the shared commit itself fails, every write of the batch is
-answered with that error — nothing is acknowledged that is not durable.
+of the batch is produced); each request is still its own ``write()`` block (a savepoint of the
+shared transaction), so a failing request rolls back alone. Requests that arrive while a batch
+runs may join it before its commit (``more``). If the shared commit itself fails — or the store
+refuses the shared transaction after an error such as a full LMDB map — every write of the batch
+is answered with that error: nothing is acknowledged that is not durable.
 
 Handlers receive the request already validated against their ``msgspec.Struct`` (strict types,
 unknown fields ignored) and return a result map, or :class:`kvcm.proto.wire.Raw` bytes.
@@ -56,7 +58,7 @@ Authorizer = Callable[[Method, Any], None]
 
 
 class _Outcome:
-    __slots__ = ("msgid", "method", "error", "result")
+    __slots__ = ("error", "method", "msgid", "result")
 
     def __init__(self, msgid: int | None, method: Method | None) -> None:
         self.msgid = msgid
@@ -86,8 +88,8 @@ class Dispatcher:
             self.methods[method.name] = method
         self.metrics = metrics or Metrics()
         self._group = group or nullcontext
-        # Each write request runs in its own child transaction, so a request that fails
-        # half-way rolls back alone, whatever the handler did before it raised.
+        # Each write request runs in its own write() block (a savepoint), so a request that
+        # fails half-way rolls back alone, whatever the handler did before it raised.
         self._atomic = atomic or nullcontext
         self._authorize = authorize
         self._max_keys = max_keys
@@ -98,16 +100,27 @@ class Dispatcher:
 
     # -- batch entry point ----------------------------------------------------------------------
 
-    def handle_batch(self, payloads: Sequence[bytes], peers: Sequence[bytes] | None = None) -> list[bytes | None]:
+    def handle_batch(
+        self,
+        payloads: Sequence[bytes],
+        peers: Sequence[bytes] | None = None,
+        more: Callable[[], tuple[Sequence[bytes], Sequence[bytes]]] | None = None,
+    ) -> list[bytes | None]:
         """Handle drained requests; one reply per request (None for notifications/drops).
 
         ``peers`` (the sender of each payload) lets reads and writes of different peers be
         reordered safely, while one peer's read never overtakes its own earlier write.
+
+        ``more()`` (group commit only) returns ``(payloads, peers)`` that arrived while this
+        batch ran; they join the batch — and its commit — before that commit is made, so a
+        commit covers everything that queued up meanwhile. The replies cover them too, in order
+        (the caller keeps its own list in step).
         """
         self.metrics.batch_size.observe(len(payloads))
         outcomes = [self._parse(p) for p in payloads]
         if self._group_commit:
-            self._run_grouped(outcomes, peers if peers is not None else [b""] * len(outcomes))
+            senders = list(peers) if peers is not None else [b""] * len(outcomes)
+            self._run_grouped(outcomes, senders, more)
         else:
             for outcome in outcomes:
                 self._run_alone(outcome)
@@ -148,22 +161,39 @@ class Dispatcher:
             outcome.result = request.params  # replaced by the handler's result
         return outcome
 
-    def _run_grouped(self, outcomes: list[_Outcome], peers: Sequence[bytes]) -> None:
+    def _run_grouped(
+        self,
+        outcomes: list[_Outcome],
+        peers: list[bytes],
+        more: Callable[[], tuple[Sequence[bytes], Sequence[bytes]]] | None = None,
+    ) -> None:
         """Reads run at once; writes wait in one group that commits when it must (before a read
-        of a peer with a write in it, and at the end) — so every reply follows its commit."""
+        of a peer with a write in it, and at the end) — so every reply follows its commit.
+        Requests that ``more()`` hands over before that final commit join the batch."""
         writes: list[_Outcome] = []
         writers: set[bytes] = set()
-        for outcome, peer in zip(outcomes, peers):
-            if outcome.error is not None or outcome.method is None:
-                continue
-            if outcome.method.writes:
-                writes.append(outcome)
-                writers.add(peer)
-                continue
-            if peer in writers:
-                self._commit_group(writes)
-                writes, writers = [], set()
-            self._execute(outcome)
+        i = 0
+        while True:
+            while i < len(outcomes):
+                outcome, peer = outcomes[i], peers[i]
+                i += 1
+                if outcome.error is not None or outcome.method is None:
+                    continue
+                if outcome.method.writes:
+                    writes.append(outcome)
+                    writers.add(peer)
+                    continue
+                if peer in writers:
+                    self._commit_group(writes)
+                    writes, writers = [], set()
+                self._execute(outcome)
+            if not writes or more is None:
+                break
+            extra, extra_peers = more()
+            if not extra:
+                break
+            outcomes.extend(self._parse(p) for p in extra)
+            peers.extend(extra_peers)
         self._commit_group(writes)
 
     def _commit_group(self, writes: list[_Outcome]) -> None:
@@ -254,7 +284,7 @@ class Dispatcher:
         try:
             result = None if outcome.error is not None else ({} if outcome.result is None else outcome.result)
             return wire.pack_response(outcome.msgid, outcome.error, result)
-        except Exception as exc:  # noqa: BLE001 - an unpackable result must not kill the loop
+        except Exception as exc:
             log.exception("cannot pack the reply of msgid %s", outcome.msgid, exc_info=exc)
             return wire.pack_response(outcome.msgid, ServerError("reply could not be encoded").to_wire(), None)
 

@@ -69,7 +69,7 @@ def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("http: " + fmt, *args)
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server naming
+        def do_GET(self) -> None:
             if self.path == "/metrics":
                 self._send(200, side.metrics.exposition(), "text/plain; version=0.0.4")
             elif self.path == "/livez":
@@ -79,7 +79,7 @@ def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
             else:
                 self._json(404, {"error": {"message": f"no such path {self.path}"}})
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             if not self.path.startswith("/api/"):
                 self._json(404, {"error": {"message": f"no such path {self.path}"}})
                 return

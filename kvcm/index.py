@@ -304,6 +304,9 @@ class MetaIndex:
             if tag is not None and self._drop_tag is not None:
                 self._drop_tag(txn, ns, tag)
         if staged:
+            remember = getattr(txn, "remember", None)
+            if remember is not None:  # the values read above are the ones the writes replace
+                remember(DB, [(k, v) for k, v in zip(dbkeys, stored) if k in staged])
             txn.put_many(DB, [(k, v) for k, v in staged.items() if v is not None])
             txn.delete_many(DB, [k for k, v in staged.items() if v is None and k in existed])
             written.extend(staged)

@@ -289,7 +289,7 @@ class CacheManager:
     def _forget_all(self, txn: WriteTxn, inst: InstanceView, items: list[tuple[int, bytes]]) -> int:
         released: dict[str, list[str]] = defaultdict(list)
         deltas: dict[Key, list[int]] = defaultdict(lambda: [0, 0])
-        for key, value in items:
+        for _key, value in items:
             for loc in decode(value).locs:
                 released[loc.storage].extend(wire_uris(loc.wire))
                 deltas[(inst.group, inst.instance_id, loc.type)][0] -= loc.nbytes

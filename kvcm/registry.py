@@ -174,7 +174,7 @@ class Registry:
         for callback in self._observers:
             try:
                 callback(kind, name)
-            except Exception:  # noqa: BLE001 - the commit already happened; an observer must not undo it
+            except Exception:
                 log.exception("registry observer failed on %s %r", kind, name)
 
     # -- reads (cache) ------------------------------------------------------------------------

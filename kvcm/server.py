@@ -29,7 +29,11 @@ from kvcm.proto import wire
 
 log = logging.getLogger("kvcm.server")
 
-BatchHandler = Callable[[Sequence[bytes], Sequence[bytes]], list[bytes | None]]
+#: Returns ``(payloads, senders)`` of requests that arrived since the batch was drained.
+MoreRequests = Callable[[], tuple[list[bytes], list[bytes]]]
+#: ``handle_batch(payloads, senders, more) -> replies``: one reply (or None) per payload,
+#: including the payloads ``more()`` added.
+BatchHandler = Callable[[Sequence[bytes], Sequence[bytes], MoreRequests], list[bytes | None]]
 
 
 @dataclass
@@ -111,8 +115,22 @@ class Server:
         """Drain ready messages into one batch; reply to each."""
         peers: list[list[bytes]] = []
         payloads: list[bytes] = []
+        self._drain(peers, payloads)
+        if payloads:
+            senders = [head[0] for head in peers]
+
+            def more() -> tuple[list[bytes], list[bytes]]:
+                """Messages that arrived while the batch ran (up to ``drain_max`` in all): they
+                join the batch before its commit."""
+                start = len(payloads)
+                self._drain(peers, payloads)
+                return payloads[start:], [head[0] for head in peers[start:]]
+
+            self._send_all(peers, self._safe_handle(payloads, senders, more))
+
+    def _drain(self, peers: list[list[bytes]], payloads: list[bytes]) -> None:
         sock = self._socket
-        for _ in range(self._drain_max):
+        for _ in range(self._drain_max - len(payloads)):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -121,8 +139,6 @@ class Server:
                 log.warning("recv failed: %s", exc)
                 break
             self._accept(frames, peers, payloads)
-        if payloads:
-            self._send_all(peers, self._safe_handle(payloads, [head[0] for head in peers]))
 
     def _accept(self, frames: list[bytes], peers: list[list[bytes]], payloads: list[bytes]) -> None:
         envelope = _split(frames)
@@ -138,13 +154,13 @@ class Server:
         peers.append(head)
         payloads.append(payload)
 
-    def _safe_handle(self, payloads: list[bytes], senders: list[bytes]) -> list[bytes | None]:
+    def _safe_handle(self, payloads: list[bytes], senders: list[bytes], more: MoreRequests) -> list[bytes | None]:
         try:
-            replies = self._handle_batch(payloads, senders)
+            replies = self._handle_batch(payloads, senders, more)
             if len(replies) == len(payloads):
                 return replies
             log.error("handler returned %d replies for %d requests", len(replies), len(payloads))
-        except Exception:  # noqa: BLE001 - the loop must outlive any handler bug
+        except Exception:
             log.exception("batch handler failed")
         failure = ServerError("internal error").to_wire()
         return [wire.pack_response(_peek_msgid(p), failure, None) for p in payloads]
@@ -179,7 +195,7 @@ class Server:
             timer.due = now + timer.interval
             try:
                 timer.fn()
-            except Exception:  # noqa: BLE001 - a failing timer must not stop the loop
+            except Exception:
                 log.exception("timer %s failed", timer.name)
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -145,9 +145,9 @@ def _wait_ready(endpoint: str, timeout: float = 30.0, process: subprocess.Popen[
 __all__ = [
     "FakeEnginePublisher",
     "RunningServer",
+    "make_test_config",
     "serve_in_subprocess",
     "serve_in_thread",
     "start_subprocess",
     "stop_subprocess",
-    "make_test_config",
 ]

@@ -33,7 +33,7 @@ class LoopThread:
         while not self._stop.is_set():
             try:
                 self._body()
-            except Exception:  # noqa: BLE001 - one bad iteration must not end the loop
+            except Exception:
                 self.failures += 1
                 log.exception("%s: iteration failed", self.name)
             self.iterations += 1

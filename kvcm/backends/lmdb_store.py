@@ -8,7 +8,9 @@ honours fdatasync). Throughput comes from group commit (``group()``), not from w
 Rules from py-lmdb and lmdb.h this module enforces:
 
 * a write transaction is opened, used and committed on one thread; nested ``write()`` blocks on
-  that thread become child transactions (LMDB nested txns), never a second writer (deadlock);
+  that thread become savepoints of it (an undo log each, see :class:`_WriteTxn`), never a second
+  writer (deadlock). An LMDB error inside (e.g. MDB_MAP_FULL) leaves the shared transaction
+  unusable, so the whole group then aborts and raises it: nothing of it is acknowledged;
 * ``set_mapsize`` needs a process with no live transaction, so growth waits at :class:`_Gate`
   until every transaction has ended;
 * ``MapFullError`` becomes :class:`~kvcm.errors.CapacityError`; the next top-level write grows
@@ -107,11 +109,10 @@ class _ReadTxn:
         cursor = self._txn.cursor(db=self._dbs[db])
         if not cursor.set_range(max(start, prefix)):
             return
-        n = 0
-        for key, value in cast("Iterator[tuple[bytes, bytes]]", cursor.iternext()):
+        items = cast("Iterator[tuple[bytes, bytes]]", cursor.iternext())
+        for n, (key, value) in enumerate(items):
             if not key.startswith(prefix) or (limit is not None and n >= limit):
                 return
-            n += 1
             yield key, value
 
     def count(self, db: str) -> int:
@@ -119,32 +120,94 @@ class _ReadTxn:
 
 
 class _WriteTxn(_ReadTxn):
+    """A savepoint inside the group's one LMDB write transaction.
+
+    Nested ``write()`` blocks are not LMDB child transactions (each of those costs a dirty-page
+    list allocation plus a copy of every page it touches that its parent already dirtied): they
+    share the top-level transaction and keep an *undo log* instead — the value each key had when
+    the savepoint began, recorded on its first change — which a rollback writes back. ``undo``
+    is None when nothing needs it (the only savepoint of a group this block created: rollback is
+    the abort of the whole transaction).
+    """
+
+    __slots__ = ("callbacks", "undo")
+
     def __init__(
-        self, txn: lmdb.Transaction, dbs: dict[str, Any], callbacks: list[Callable[[], None]]
+        self,
+        txn: lmdb.Transaction,
+        dbs: dict[str, Any],
+        callbacks: list[Callable[[], None]],
+        undo: dict[tuple[str, bytes], bytes | None] | None,
     ) -> None:
         super().__init__(txn, dbs)
         self.callbacks = callbacks
+        self.undo = undo
 
     def put(self, db: str, key: bytes, value: bytes) -> None:
-        self._txn.put(key, value, db=self._dbs[db])
+        handle = self._dbs[db]
+        undo = self.undo
+        if undo is not None:
+            slot = (db, key)
+            if slot not in undo:
+                undo[slot] = cast("bytes | None", self._txn.get(key, db=handle))
+        self._txn.put(key, value, db=handle)
 
     def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
-        put, handle = self._txn.put, self._dbs[db]
+        txn, handle, undo = self._txn, self._dbs[db], self.undo
+        put = txn.put
+        if undo is None:
+            for key, value in items:
+                put(key, value, db=handle)
+            return
+        get = txn.get
         for key, value in items:
+            slot = (db, key)
+            if slot not in undo:
+                undo[slot] = cast("bytes | None", get(key, db=handle))
             put(key, value, db=handle)
 
     def delete(self, db: str, key: bytes) -> bool:
-        return bool(self._txn.delete(key, db=self._dbs[db]))
+        handle = self._dbs[db]
+        undo = self.undo
+        if undo is not None:
+            slot = (db, key)
+            if slot not in undo:
+                old = cast("bytes | None", self._txn.get(key, db=handle))
+                if old is None:
+                    return False  # nothing to delete, nothing to undo
+                undo[slot] = old
+        return bool(self._txn.delete(key, db=handle))
 
     def delete_many(self, db: str, keys: Iterable[bytes]) -> int:
-        delete, handle = self._txn.delete, self._dbs[db]
-        return sum(1 for k in keys if delete(k, db=handle))
+        return sum(1 for k in keys if self.delete(db, k))
 
     def drop(self, db: str) -> None:
+        undo = self.undo
+        if undo is not None:
+            for key, value in list(self.scan(db)):
+                undo.setdefault((db, key), value)
         self._txn.drop(self._dbs[db], delete=False)
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         self.callbacks.append(fn)
+
+    def remember(self, db: str, items: Iterable[tuple[bytes, bytes | None]]) -> None:
+        """Hint: ``(key, value)`` pairs the caller just read in this savepoint and has not
+        changed since, so the undo log need not read them again before a put or delete."""
+        undo = self.undo
+        if undo is not None:
+            for key, value in items:
+                undo.setdefault((db, key), value)
+
+    def rollback(self) -> None:
+        """Write back every value this savepoint changed (its undo log)."""
+        txn, dbs = self._txn, self._dbs
+        assert self.undo is not None
+        for (db, key), old in self.undo.items():
+            if old is None:
+                txn.delete(key, db=dbs[db])
+            else:
+                txn.put(key, old, db=dbs[db])
 
 
 def _key_range(view: _ReadTxn, db: str, prefix: bytes) -> tuple[bytes, bytes]:
@@ -167,11 +230,19 @@ def _next_prefix(prefix: bytes) -> bytes:
 
 
 class _Group:
-    """Per-thread group-commit state: the lazily opened top-level txn and its callbacks."""
+    """Per-thread group-commit state: the lazily opened top-level txn and its callbacks.
 
-    def __init__(self) -> None:
+    ``broken``: an LMDB error inside the transaction (LMDB then refuses every further operation
+    on it, e.g. after MDB_MAP_FULL) or a failed rollback; the group can only abort, and it raises
+    this error at its end so nothing of it is acknowledged."""
+
+    __slots__ = ("broken", "callbacks", "implicit", "txn")
+
+    def __init__(self, implicit: bool = False) -> None:
         self.txn: lmdb.Transaction | None = None
         self.callbacks: list[Callable[[], None]] = []
+        self.broken: Exception | None = None
+        self.implicit = implicit  # opened by a lone write(): its rollback is the abort
 
 
 class LmdbStore:
@@ -241,7 +312,11 @@ class LmdbStore:
         if getattr(self._local, "group", None) is not None:
             yield  # already inside a group on this thread: join it
             return
-        group = _Group()
+        with self._group(_Group()):
+            yield
+
+    @contextmanager
+    def _group(self, group: _Group) -> Iterator[None]:
         self._local.group = group
         try:
             yield
@@ -253,6 +328,10 @@ class LmdbStore:
             raise
         self._local.group = None
         if group.txn is not None:
+            if group.broken is not None:
+                group.txn.abort()
+                self._leave()
+                raise group.broken
             self._commit_top(group.txn)
         for fn in group.callbacks:
             fn()
@@ -261,37 +340,46 @@ class LmdbStore:
     def write(self) -> Iterator[_WriteTxn]:
         group = getattr(self._local, "group", None)
         if group is None:
-            with self.group():
-                with self.write() as txn:
-                    yield txn
+            with self._group(_Group(implicit=True)), self.write() as txn:
+                yield txn
             return
+        if group.broken is not None:
+            raise group.broken
         if group.txn is None:
             group.txn = self._begin_top()
         stack: list[_WriteTxn] = self._stack()
-        parent = stack[-1]._txn if stack else group.txn
-        try:
-            child = _WriteTxn(self._env.begin(write=True, parent=parent), self._dbs, [])
-        except lmdb.Error as exc:
-            raise _translate(exc) from None
+        # A savepoint (see _WriteTxn), not an LMDB child transaction. The only savepoint of a
+        # group opened by this very write() needs no undo log: its rollback aborts the group.
+        lone = group.implicit and not stack
+        child = _WriteTxn(group.txn, self._dbs, [], None if lone else {})
         stack.append(child)
         try:
             yield child
         except lmdb.Error as exc:
             stack.pop()
-            child._txn.abort()
-            raise _translate(exc) from None
+            translated = _translate(exc)
+            group.broken = translated  # LMDB refuses any further use of this transaction
+            raise translated from None
         except BaseException:
             stack.pop()
-            child._txn.abort()
+            if child.undo is not None and group.broken is None:
+                try:
+                    child.rollback()
+                except lmdb.Error as exc:
+                    group.broken = _translate(exc)
             raise
         stack.pop()
-        try:
-            child._txn.commit()
-        except lmdb.Error as exc:
-            raise _translate(exc) from None
-        # A committed child's callbacks follow its parent's fate; a parent that aborts later
+        if stack:
+            parent = stack[-1]
+            if parent.undo is not None and child.undo:
+                setdefault = parent.undo.setdefault
+                for slot, old in child.undo.items():
+                    setdefault(slot, old)  # the parent keeps the older value
+            parent.callbacks.extend(child.callbacks)
+        else:
+            group.callbacks.extend(child.callbacks)
+        # A committed child's callbacks follow its parent's fate; a parent that rolls back later
         # takes the callbacks of its committed children down with it.
-        (stack[-1].callbacks if stack else group.callbacks).extend(child.callbacks)
 
     def _stack(self) -> list[Any]:
         stack = getattr(self._local, "stack", None)

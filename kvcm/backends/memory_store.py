@@ -22,17 +22,31 @@ _DELETED = None  # overlay marker for a deleted key
 
 
 class _Data:
-    """Committed data: one SortedDict per database."""
+    """Committed data: one SortedDict per database.
+
+    ``lock`` is held while a commit is applied and while a reader copies a key range, so a
+    range read never walks a SortedDict that a committing writer is changing (that could skip
+    keys). Point reads are single dict calls, atomic under the GIL."""
 
     def __init__(self) -> None:
         self.dbs: dict[str, SortedDict] = {name: SortedDict() for name in DATABASES}
+        self.lock = threading.Lock()
 
     def get(self, db: str, key: bytes) -> bytes | None:
         value: bytes | None = self.dbs[db].get(key)
         return value
 
     def keys_from(self, db: str, start: bytes) -> Iterable[bytes]:
-        return self.dbs[db].irange(minimum=start)  # type: ignore[no-any-return]
+        table = self.dbs[db]
+        with self.lock:  # a copy, made while no commit is being applied
+            if not start:
+                return list(table.keys())
+            return table.keys()[table.bisect_left(start):]  # type: ignore[no-any-return]
+
+    def items(self, db: str) -> list[tuple[bytes, bytes]]:
+        table = self.dbs[db]
+        with self.lock:
+            return list(table.items())
 
     def count(self, db: str) -> int:
         return len(self.dbs[db])
@@ -110,13 +124,14 @@ class _WriteView(_View):
         target.callbacks.extend(self.callbacks)
 
     def apply_to(self, data: _Data) -> None:
-        for db, layer in self.overlay.items():
-            table = data.dbs[db]
-            for key, value in layer.items():
-                if value is None:
-                    table.pop(key, None)
-                else:
-                    table[key] = value
+        with data.lock:
+            for db, layer in self.overlay.items():
+                table = data.dbs[db]
+                for key, value in layer.items():
+                    if value is None:
+                        table.pop(key, None)
+                    else:
+                        table[key] = value
 
 
 class MemoryStore:
@@ -152,9 +167,8 @@ class MemoryStore:
     def write(self) -> Iterator[_WriteView]:
         stack: list[_WriteView] | None = getattr(self._local, "stack", None)
         if not stack:
-            with self.group():
-                with self.write() as txn:
-                    yield txn
+            with self.group(), self.write() as txn:
+                yield txn
             return
         child = _WriteView(stack[-1])
         stack.append(child)
@@ -165,7 +179,7 @@ class MemoryStore:
         child.merge_into(stack[-1])  # reached only when the block did not raise
 
     def sample(self, db: str, n: int, prefix: bytes = b"") -> list[tuple[bytes, bytes]]:
-        items = [(k, v) for k, v in self._data.dbs[db].items() if k.startswith(prefix)]
+        items = [(k, v) for k, v in self._data.items(db) if k.startswith(prefix)]
         return random.sample(items, min(max(n, 0), len(items)))
 
     def stats(self) -> dict[str, int]:

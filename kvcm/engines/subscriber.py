@@ -312,7 +312,7 @@ class EventSubscriber:
     def _sequence(self, conn: _Conn, seq: int, batch: DecodedBatch | None, allow_replay: bool) -> None:
         """Place one batch (live or replayed) against ``last_seq``: apply, drop, replay or reset."""
         last = conn.last_seq
-        if seq == last + 1 or last < 0 and not self._can_replay(conn, allow_replay):
+        if seq == last + 1 or (last < 0 and not self._can_replay(conn, allow_replay)):
             if seq > last + 1:
                 self._missed(conn, seq - last - 1)
             self._queue_apply(conn, seq, batch)

@@ -229,7 +229,7 @@ class _Progress:
         self.enabled = not quiet and sys.stderr.isatty()
         self._bars: list[Any] = []
 
-    def __enter__(self) -> _Progress:  # noqa: PYI034 - typing.Self needs Python 3.11
+    def __enter__(self) -> _Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:
