@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
-from typing_extensions import Self
 
 from kvcm.proto.vllm_events import (
     AllBlocksCleared,
@@ -125,7 +124,7 @@ class FakeEnginePublisher:
         self.stop()
         self._ctx.term()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> FakeEnginePublisher:
         return self
 
     def __exit__(self, *exc: object) -> None:
