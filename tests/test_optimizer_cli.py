@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ from kvcm.optimizer.cli import add_optimize_parser, main
 # so the pinned figures never depend on a directory outside the repo.
 TRACES = Path(__file__).resolve().parent / "data"
 MOONCAKE = str(TRACES / "mooncake_synthetic_trace.jsonl.gz")
-needs_trace = pytest.mark.skipif(not os.path.exists(MOONCAKE), reason="shipped trace not found")
 
 
 def run(capsys, *argv):
@@ -26,7 +24,6 @@ def run(capsys, *argv):
     return code, out, err
 
 
-@needs_trace
 def test_single_replay_prints_a_table(capsys):
     code, out, _ = run(capsys, MOONCAKE, "--format", "mooncake", "--block-size", "512",
                        "--policy", "lru", "--capacity", "10000")  # fmt: skip
@@ -34,7 +31,6 @@ def test_single_replay_prints_a_table(capsys):
     assert "instance" in out and "0.4235" in out and "cap=10000" in out
 
 
-@needs_trace
 def test_json_reports_the_unbounded_mooncake_ratio(capsys, tmp_path):
     code, out, _ = run(capsys, MOONCAKE, "--json", "--out", tmp_path, "--plot", tmp_path / "t.png",
                        "--prefill-tps", "10000", "--gpu-price", "2")  # fmt: skip
@@ -45,7 +41,6 @@ def test_json_reports_the_unbounded_mooncake_ratio(capsys, tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {"instance_hit_rates.csv", "summary.json", "t.png"}
 
 
-@needs_trace
 def test_sweep_with_policies_writes_csv_json_and_a_png(capsys, tmp_path):
     png = tmp_path / "sweep.png"
     code, out, _ = run(capsys, MOONCAKE, "--limit", "600", "--sweep", "--points", "5",
@@ -59,7 +54,6 @@ def test_sweep_with_policies_writes_csv_json_and_a_png(capsys, tmp_path):
     assert (tmp_path / "sweep.csv").read_text().count("\n") == 16
 
 
-@needs_trace
 def test_explicit_capacities_and_a_policy_comparison(capsys):
     code, out, _ = run(capsys, MOONCAKE, "--limit", "300", "--sweep", "--capacities", "100,1000",
                        "--json")  # fmt: skip

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from kvcm.optimizer.traces import read_trace
 # so the pinned figures never depend on a directory outside the repo.
 TRACES = Path(__file__).resolve().parent / "data"
 MOONCAKE = TRACES / "mooncake_synthetic_trace.jsonl.gz"
-needs_trace = pytest.mark.skipif(not MOONCAKE.exists(), reason=f"{MOONCAKE} not found ")
 
 
 def one_group(capacity=None, policy="lru", unit="blocks", **replay_opts) -> ReplaySpec:
@@ -72,7 +70,6 @@ def lru_simulator(raw, capacity):
     return hit_blocks, hit_tokens
 
 
-@needs_trace
 def test_unbounded_replay_reports_the_mooncake_prefix_hit_ratio(mooncake):
     records, raw = mooncake
     total = replay(records, block_size_of=512).total
@@ -91,7 +88,6 @@ def test_unbounded_replay_reports_the_mooncake_prefix_hit_ratio(mooncake):
     assert total.reads == 3993 and total.internal_hit_blocks == 0
 
 
-@needs_trace
 @pytest.mark.parametrize("capacity", [1, 500, 7000, 30000])
 def test_lru_replay_equals_an_independent_lru_simulator(mooncake, capacity):
     records, raw = mooncake
@@ -99,7 +95,6 @@ def test_lru_replay_equals_an_independent_lru_simulator(mooncake, capacity):
     assert (total.hit_blocks, total.hit_tokens) == lru_simulator(raw, capacity)
 
 
-@needs_trace
 def test_lru_hit_rate_is_monotone_in_capacity(mooncake):
     records, _ = mooncake
     rates = []

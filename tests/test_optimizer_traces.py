@@ -20,7 +20,7 @@ from kvcm.proto.vllm_events import (
     encode_batch,
 )
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "vllm_events" / "golden.jsonl"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "vllm_events.jsonl"  # a copy of shared/data/vllm_events/golden.jsonl
 
 
 def _write(tmp_path: Path, lines: list, name: str = "t.jsonl") -> Path:
@@ -274,7 +274,6 @@ def test_vllm_capture_bad_payloads_name_the_line(tmp_path):
             list(read_trace(path, "vllm_events"))
 
 
-@pytest.mark.skipif(not GOLDEN.exists(), reason="shared golden vLLM payloads not present")
 def test_vllm_capture_decodes_the_shared_golden_payloads(tmp_path):
     lines = []
     for i, line in enumerate(GOLDEN.read_text().splitlines()):
