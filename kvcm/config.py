@@ -111,7 +111,7 @@ class PublisherConfig:
 class AuthConfig:
     enabled: bool = False  # when on, every request needs "auth": {"user", "password"}
     admin_user: str = "admin"  # bootstrap admin account created on first start when auth is on
-    admin_password: str = ""
+    admin_password: str = ""  # its password (set it with KVCM_AUTH_ADMIN_PASSWORD, not in a file)
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,8 @@ from kvcm.proto import wire
 
 log = logging.getLogger("kvcm.server")
 
-#: Returns ``(payloads, senders)`` of requests that arrived since the batch was drained.
-MoreRequests = Callable[[], tuple[list[bytes], list[bytes]]]
-#: ``handle_batch(payloads, senders, more) -> replies``: one reply (or None) per payload,
-#: including the payloads ``more()`` added.
-BatchHandler = Callable[[Sequence[bytes], Sequence[bytes], MoreRequests], list[bytes | None]]
+#: ``handle_batch(payloads, senders) -> replies``: one reply (or None) per payload.
+BatchHandler = Callable[[Sequence[bytes], Sequence[bytes]], list[bytes | None]]
 
 
 @dataclass
@@ -117,20 +114,11 @@ class Server:
         payloads: list[bytes] = []
         self._drain(peers, payloads)
         if payloads:
-            senders = [head[0] for head in peers]
-
-            def more() -> tuple[list[bytes], list[bytes]]:
-                """Messages that arrived while the batch ran (up to ``drain_max`` in all): they
-                join the batch before its commit."""
-                start = len(payloads)
-                self._drain(peers, payloads)
-                return payloads[start:], [head[0] for head in peers[start:]]
-
-            self._send_all(peers, self._safe_handle(payloads, senders, more))
+            self._send_all(peers, self._safe_handle(payloads, [head[0] for head in peers]))
 
     def _drain(self, peers: list[list[bytes]], payloads: list[bytes]) -> None:
         sock = self._socket
-        for _ in range(self._drain_max - len(payloads)):
+        for _ in range(self._drain_max):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -154,9 +142,9 @@ class Server:
         peers.append(head)
         payloads.append(payload)
 
-    def _safe_handle(self, payloads: list[bytes], senders: list[bytes], more: MoreRequests) -> list[bytes | None]:
+    def _safe_handle(self, payloads: list[bytes], senders: list[bytes]) -> list[bytes | None]:
         try:
-            replies = self._handle_batch(payloads, senders, more)
+            replies = self._handle_batch(payloads, senders)
             if len(replies) == len(payloads):
                 return replies
             log.error("handler returned %d replies for %d requests", len(replies), len(payloads))
