@@ -332,7 +332,7 @@ class CacheManager:
 
     def add_listener(self, obj: Any) -> None:
         """``obj`` may implement ``on_serving``, ``on_read``, ``on_removed``, ``on_stored``,
-        ``on_cleared``, ``on_evicted`` (see docs/cache.md); each is called after the change
+        ``on_cleared``, ``on_evicted`` (see the README, "Data plane"); each is called after the change
         committed."""
         self._listeners.append(obj)
 

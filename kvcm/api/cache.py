@@ -1,5 +1,5 @@
 """Data-plane RPCs: ``get_cache_location``, ``get_cache_meta``, ``start_write_cache``,
-``finish_write_cache``, ``remove_cache``, ``trim_cache`` (docs/cache.md has an example of each).
+``finish_write_cache``, ``remove_cache``, ``trim_cache`` (the README's "Data plane" section has an example of each).
 
 Request schemas use Tair's proto field names; every request may carry ``trace_id``; unknown
 fields are ignored. Enum values are lower-case names (``"prefix_match"``); Tair's spellings

@@ -1,4 +1,4 @@
-"""Capacity management: the reclaimer thread and its per-group state (docs/reclaim.md).
+"""Capacity management: the reclaimer thread and its per-group state (README, "Capacity management").
 
 :mod:`kvcm.reclaimer.core` has :class:`Reclaimer` (the round: sync, drain, TTL sweep, watermark,
 eviction); :mod:`kvcm.reclaimer.state` has :class:`Limits`, the per-group policies and the
