@@ -43,6 +43,7 @@ import heapq
 import inspect
 import math
 import random
+from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import islice
@@ -80,7 +81,7 @@ class Policy(Protocol):
     def __contains__(self, key: object) -> bool: ...
 
 
-class BasePolicy:
+class BasePolicy(ABC):
     """Size bookkeeping and the batch helpers every policy shares.
 
     ``sizes`` maps each tracked key to its size; it is public *read-only* so that a hot loop can
@@ -109,19 +110,23 @@ class BasePolicy:
         self._clock = max(self._clock, now)
         return self._clock
 
+    @abstractmethod
     def on_write(
         self, key: Hashable, now: float, size: int = 1, parent: Hashable | None = None
     ) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def on_access(self, key: Hashable, now: float) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def on_remove(self, key: Hashable) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def victims(self, n: int, now: float) -> list[Hashable]:
-        raise NotImplementedError
+        ...
 
     def expired(self, now: float) -> list[Hashable]:
         return []

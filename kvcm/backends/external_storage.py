@@ -29,6 +29,7 @@ import posixpath
 import socket
 import threading
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -40,7 +41,7 @@ log = logging.getLogger("kvcm.storage")
 PROBE_TIMEOUT_S = 1.0
 
 
-class ExternalStorage:
+class ExternalStorage(ABC):
     """Accounting of URIs handed out in a store kvcm does not own.
 
     Thread ownership: shared by the RPC thread (allocate, release), the deleter thread (delete)
@@ -81,8 +82,9 @@ class ExternalStorage:
     def _check_fields(cls, name: str, spec: dict[str, Any]) -> None:
         """Checks across fields, on the complete spec."""
 
+    @abstractmethod
     def _new_uris(self, count: int, size: int) -> list[str]:
-        raise NotImplementedError
+        ...
 
     def _tasks(self, freed: list[str]) -> list[str]:
         """The owner's deletion tasks for URIs just dropped from the live table."""

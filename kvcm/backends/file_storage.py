@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -44,7 +45,7 @@ log = logging.getLogger("kvcm.storage")
 _NO_SPACE = {28, 122}  # ENOSPC, EDQUOT: the storage is full, not broken
 
 
-class DirectoryStorage:
+class DirectoryStorage(ABC):
     """Slot allocation over sparse container files in one directory.
 
     Thread ownership: shared by the RPC thread (allocate, release), the deleter thread (delete)
@@ -71,25 +72,31 @@ class DirectoryStorage:
 
     # ----------------------------------------------------------------- hooks for subclasses
 
+    @abstractmethod
     def _slots_per_container(self, size: int) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _container_name(self, size: int, index: int) -> str:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _scan(self) -> Iterator[tuple[str, int]]:
         """``(container name, index)`` of every container already in the directory."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _index_of(self, container_name: str) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _uri(self, container: Container, slot: int) -> str:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _locate(self, uri: str) -> tuple[str, int, int]:
         """``(container name, slot, size)`` of one of our URIs; InvalidArgument otherwise."""
-        raise NotImplementedError
+        ...
 
     def _prepare_directory(self) -> None:
         if not os.path.isdir(self.directory):
