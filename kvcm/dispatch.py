@@ -57,13 +57,25 @@ Authorizer = Callable[[Method, Any], None]
 
 
 class _Outcome:
-    __slots__ = ("error", "method", "msgid", "result")
+    __slots__ = ("error", "method", "msgid", "params", "result")
 
     def __init__(self, msgid: int | None, method: Method | None) -> None:
         self.msgid = msgid
         self.method = method
         self.error: dict[str, Any] | None = None
-        self.result: Any = None
+        self.result: Any = None  # the raw params map until the handler replaces it
+        self.params: Any = None  # the validated request Struct, when the fast path decoded it
+
+
+def _refuse_ext(code: int, data: memoryview) -> Any:
+    raise ValueError(f"msgpack ext type {code} is not accepted")
+
+
+# Fast path: ``[0, msgid, method, [ {map} ]]`` decoded by msgspec straight from the bytes into the
+# method's Struct (no intermediate dicts, about 3x cheaper than unpack + convert). Anything it
+# does not take — notifications, a bare params map, a bad field — is parsed again by the slow path,
+# which alone produces the error replies, so both paths answer alike.
+_ENVELOPE = msgspec.msgpack.Decoder(tuple[int, int, str, msgspec.Raw], ext_hook=_refuse_ext)
 
 
 class Dispatcher:
@@ -95,6 +107,12 @@ class Dispatcher:
         self._group_commit = group_commit
         self._access_log = access_log
         self._decoders: dict[type, Callable[[Any], Any]] = {}
+        self._fast: dict[str, tuple[Method, Callable[[Any], Any]]] = {}
+        if authorize is None:  # auth needs the raw map ("auth" is no Struct field): slow path
+            for method in self.methods.values():
+                if method.request is not None:
+                    decoder = msgspec.msgpack.Decoder(tuple[method.request], ext_hook=_refuse_ext)  # type: ignore[name-defined]
+                    self._fast[method.name] = (method, decoder.decode)
         self._metric_children: dict[str, tuple[Any, Any]] = {}
 
     # -- batch entry point ----------------------------------------------------------------------
@@ -136,6 +154,9 @@ class Dispatcher:
     # -- steps ----------------------------------------------------------------------------------
 
     def _parse(self, payload: bytes) -> _Outcome:
+        fast = self._parse_fast(payload)
+        if fast is not None:
+            return fast
         try:
             request = wire.parse_request(payload)
         except wire.BadEnvelope as exc:
@@ -151,6 +172,19 @@ class Dispatcher:
             outcome.error = error(Code.METHOD_NOT_FOUND, f"unknown method {request.method[:100]!r}").to_wire()
         else:
             outcome.result = request.params  # replaced by the handler's result
+        return outcome
+
+    def _parse_fast(self, payload: bytes) -> _Outcome | None:
+        try:
+            kind, msgid, name, raw = _ENVELOPE.decode(payload)
+            entry = self._fast.get(name)
+            if kind != wire.REQUEST or entry is None or not 0 <= msgid <= wire.MAX_MSGID:
+                return None
+            (params,) = entry[1](raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+            return None
+        outcome = _Outcome(msgid, entry[0])
+        outcome.params = params
         return outcome
 
     def _run_grouped(self, outcomes: list[_Outcome], peers: Sequence[bytes]) -> None:
@@ -209,7 +243,11 @@ class Dispatcher:
         counter, latency = self._children(method.name)
         counter.inc()
         try:
-            params = self._validate(method, outcome.result)
+            params = outcome.params
+            if params is None:
+                params = self._validate(method, outcome.result)
+            else:
+                self._check_sizes(params)
             if self._authorize is not None:
                 self._authorize(method, outcome.result.get("auth"))
             if method.writes:
@@ -234,11 +272,15 @@ class Dispatcher:
             )
         return pair
 
-    def _validate(self, method: Method, params: dict[str, Any]) -> Any:
+    def _check_sizes(self, params: Any) -> None:
+        get = params.get if isinstance(params, dict) else lambda name: getattr(params, name, None)
         for name in KEY_FIELDS:
-            value = params.get(name)
+            value = get(name)
             if isinstance(value, list) and len(value) > self._max_keys:
                 raise error(Code.TOO_MANY_KEYS, f"{name} has {len(value)} entries; the limit is {self._max_keys}")
+
+    def _validate(self, method: Method, params: dict[str, Any]) -> Any:
+        self._check_sizes(params)
         if method.request is None:
             return {k: v for k, v in params.items() if k != "auth"}
         decode = self._decoders.get(method.request)

@@ -311,9 +311,15 @@ class MetaIndex:
             txn.delete_many(DB, [k for k, v in staged.items() if v is None and k in existed])
             written.extend(staged)
 
-    def put_records(self, txn: WriteTxn, ns: bytes, items: Sequence[tuple[int, Any]]) -> None:
-        """Blind upserts (bulk loads: the benchmark, restores); invalidates like any write."""
+    def put_records(self, txn: WriteTxn, ns: bytes, items: Sequence[tuple[int, Any]], absent: bool = False) -> None:
+        """Blind upserts (new blocks, bulk loads, restores); invalidates like any write.
+
+        ``absent``: the caller read every key in this same write block and found no record (so
+        the savepoint's undo log need not read them again)."""
         dbkeys = [ns + i64(k) for k, _ in items]
+        remember = getattr(txn, "remember", None) if absent else None
+        if remember is not None:
+            remember(DB, [(k, None) for k in dbkeys])
         txn.put_many(DB, zip(dbkeys, (self.encode(r) for _, r in items)))
         txn.on_commit(lambda: self.cache.invalidate(dbkeys))
 

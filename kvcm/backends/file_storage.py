@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -43,6 +44,7 @@ from kvcm.errors import CapacityError, Code, InvalidArgument, KvcmError, ServerE
 log = logging.getLogger("kvcm.storage")
 
 _NO_SPACE = {28, 122}  # ENOSPC, EDQUOT: the storage is full, not broken
+_STATVFS_TTL = 0.05  # seconds a free-space reading is reused (charged with allocations meanwhile)
 
 
 class DirectoryStorage(ABC):
@@ -69,6 +71,7 @@ class DirectoryStorage(ABC):
         self._unclaimed: dict[str, int] = {}  # found on disk at open, no reserved URI yet: name -> bytes
         self._next_index = 0
         self._opened = False
+        self._free_seen, self._free_at = 0, -1.0  # the last statvfs reading (_free_disk_bytes)
 
     # ----------------------------------------------------------------- hooks for subclasses
 
@@ -169,15 +172,25 @@ class DirectoryStorage(ABC):
             )
         # Files are sparse, so creating them always succeeds; check the real free space now
         # rather than letting clients hit ENOSPC halfway through writing their blocks.
-        if nbytes and self._free_disk_bytes() < nbytes:
+        if nbytes and self._free_disk_bytes(nbytes) < nbytes:
             raise CapacityError(f"storage {self.name!r}: filesystem has < {nbytes} bytes free", Code.CAPACITY_EXHAUSTED)
 
-    def _free_disk_bytes(self) -> int:
-        try:
-            st = os.statvfs(self.directory)
-        except OSError as exc:
-            raise CapacityError(f"storage {self.name!r}: {exc}", Code.NO_STORAGE_AVAILABLE) from exc
-        return st.f_bavail * st.f_frsize
+    def _free_disk_bytes(self, nbytes: int) -> int:
+        """Free bytes of the filesystem, less what was handed out since the last look.
+
+        ``statvfs`` costs as much as the rest of an allocation, so a reading is reused for
+        :data:`_STATVFS_TTL` seconds, charged with every allocation made meanwhile."""
+        now = time.monotonic()
+        if now - self._free_at > _STATVFS_TTL or self._free_seen < nbytes:
+            try:
+                st = os.statvfs(self.directory)
+            except OSError as exc:
+                raise CapacityError(f"storage {self.name!r}: {exc}", Code.NO_STORAGE_AVAILABLE) from exc
+            self._free_seen, self._free_at = st.f_bavail * st.f_frsize, now
+        free = self._free_seen
+        if free >= nbytes:
+            self._free_seen -= nbytes
+        return free
 
     def _create(self, size: int, slots: int) -> Container:
         """A new sparse container file (never reusing a name: a late delete can't hit it)."""

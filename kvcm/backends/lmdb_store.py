@@ -337,8 +337,13 @@ class LmdbStore:
             fn()
 
     @contextmanager
-    def write(self) -> Iterator[_WriteTxn]:
+    def write(self, join: bool = False) -> Iterator[_WriteTxn]:
         group = getattr(self._local, "group", None)
+        if join and group is not None and group.broken is None:
+            stack = getattr(self._local, "stack", None)
+            if stack:
+                yield stack[-1]  # no savepoint of its own: its errors roll back the enclosing block
+                return
         if group is None:
             with self._group(_Group(implicit=True)), self.write() as txn:
                 yield txn

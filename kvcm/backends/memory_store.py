@@ -164,8 +164,11 @@ class MemoryStore:
             fn()
 
     @contextmanager
-    def write(self) -> Iterator[_WriteView]:
+    def write(self, join: bool = False) -> Iterator[_WriteView]:
         stack: list[_WriteView] | None = getattr(self._local, "stack", None)
+        if join and stack and len(stack) > 1:  # stack[0] is the group's own view, not a block
+            yield stack[-1]
+            return
         if not stack:
             with self.group(), self.write() as txn:
                 yield txn

@@ -60,8 +60,10 @@ def start_write_cache(
     keys = derive_keys(block_keys, token_ids, inst.block_size)
     specs = inst.specs_for(spec_group_names, len(keys))
     timeout = _timeout(m, timeout)
-    with m.store.write() as txn:
-        exists = _existing(m, txn, inst, keys)
+    # join: under the dispatcher each request already runs in its own savepoint, and every
+    # error here propagates out of it.
+    with m.store.write(join=True) as txn:
+        exists, records = _existing(m, txn, inst, keys)
         new = [i for i, there in enumerate(exists) if not there]
         mask = write_mask(exists)
         if not new:
@@ -70,7 +72,8 @@ def start_write_cache(
         needed = sum(size for i in new for _, size in specs[i])
         target, uris = _allocate(m, txn, inst, [specs[i] for i in new], needed)
         try:
-            session, wires = _record_new(m, txn, inst, keys, new, specs, target, uris, timeout)
+            session, wires = _record_new(m, txn, inst, keys, new, [records[i] is None for i in new], specs, target,
+                                         uris, timeout)
         except BaseException:
             _release(m, target.storage, uris)
             raise
@@ -85,23 +88,26 @@ def _timeout(m: CacheManager, timeout: float | None) -> float:
     return float(timeout)
 
 
-def _existing(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[int]) -> list[bool]:
-    """Per request key: already present (any live copy on a usable storage) or a repeat."""
+def _existing(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[int]) -> tuple[list[bool], list[Record | None]]:
+    """Per request key: already present (any live copy on a usable storage) or a repeat; and
+    the record each key has in ``txn`` (None: no record at all)."""
     unusable = m.pool.unusable
     seen: set[int] = set()
     out: list[bool] = []
-    for record, key in zip(m.records_in(txn, inst.ns, keys), keys):
+    records = m.records_in(txn, inst.ns, keys)
+    for record, key in zip(records, keys):
         there = key in seen or (record is not None and any(loc.storage not in unusable for loc in record.locs))
         seen.add(key)
         out.append(there)
-    return out
+    return out, records
 
 
 def _allocate(m: CacheManager, txn: WriteTxn, inst: InstanceView, specs: list[tuple[tuple[str, int], ...]],
               needed: int) -> tuple[Target, list[list[str]]]:
     """URIs per new block (one per spec of that block), on the first target that can take them."""
     group = m.group_view(inst.group)
-    used_total, used_by_type = Usage.group_used(txn, group.name)
+    # Usage only matters to a group with a quota (the scan is a fifth of an unlimited write).
+    used_total, used_by_type = Usage.group_used(txn, group.name) if group.capacity or group.type_capacity else (0, {})
     targets = write_targets(group, needed, used_total, used_by_type, m.pool.storage_type, m.pool.usable)
     last: CapacityError | None = None
     for target in targets:
@@ -147,8 +153,12 @@ def _release(m: CacheManager, storage: str, uris: Sequence[Any]) -> None:
 
 
 def _record_new(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[int], new: list[int],
-                specs: list[tuple[tuple[str, int], ...]], target: Target, uris: list[list[str]],
+                fresh: list[bool], specs: list[tuple[tuple[str, int], ...]], target: Target, uris: list[list[str]],
                 timeout: float) -> tuple[Session, list[bytes]]:
+    """Records, usage and the session of the new keys. ``fresh[j]``: ``keys[new[j]]`` has no
+    record in ``txn`` (read by :func:`_existing` in this same block), so its record is written
+    blind; a key whose record holds only copies on unusable storages gets one more location by
+    read-modify-write."""
     now = m.clock()
     # Records name their session and the session names their location ids: take the id first.
     sid = new_session_id()
@@ -173,7 +183,12 @@ def _record_new(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[i
         record.updated = now
         return record
 
-    m.index.read_modify_write(txn, inst.ns, new_keys, add)
+    blind = [(new_keys[j], add(j, new_keys[j], None)) for j in range(len(new)) if fresh[j]]
+    if blind:
+        m.index.put_records(txn, inst.ns, blind, absent=True)
+    if len(blind) < len(new):
+        rest = [j for j in range(len(new)) if not fresh[j]]
+        m.index.read_modify_write(txn, inst.ns, [new_keys[j] for j in rest], lambda n, key, rec: add(rest[n], key, rec))
     m.usage_book.add(txn, {(inst.group, inst.instance_id, target.type): [sum(x.nbytes for x in locs), len(locs)]})
     session = m.sessions.create(txn, inst.instance_id, inst.group, new_keys, [x.id for x in locs], timeout, sid=sid)
     return session, wires
@@ -188,7 +203,7 @@ def _reply(session_id: str, mask: dict[str, Any], wires: list[bytes]) -> Raw:
 
 def finish_write_cache(m: CacheManager, instance_id: str, session_id: str, success: BlockMask | None) -> dict[str, Any]:
     m.instance(instance_id)
-    with m.store.write() as txn:
+    with m.store.write(join=True) as txn:
         session = m.sessions.get(txn, session_id)
         if session is None or m.sessions.is_due(session_id):
             if session is not None or m.sessions.was_expired(session_id):
