@@ -273,9 +273,9 @@ class Dispatcher:
         return pair
 
     def _check_sizes(self, params: Any) -> None:
-        get = params.get if isinstance(params, dict) else lambda name: getattr(params, name, None)
+        raw = isinstance(params, dict)
         for name in KEY_FIELDS:
-            value = get(name)
+            value = params.get(name) if raw else getattr(params, name, None)
             if isinstance(value, list) and len(value) > self._max_keys:
                 raise error(Code.TOO_MANY_KEYS, f"{name} has {len(value)} entries; the limit is {self._max_keys}")
 

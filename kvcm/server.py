@@ -71,6 +71,8 @@ class Server:
         self.draining = False
         self._socket = self._bind(endpoint, sndhwm)
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
 
     def _bind(self, endpoint: str, sndhwm: int) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -92,8 +94,7 @@ class Server:
 
     def serve(self) -> None:
         """Run until :meth:`stop`; then answer what is already queued and close the socket."""
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
+        poller = self._poller
         self.metrics.up.set(1)
         try:
             while not self._stop.is_set():
@@ -117,7 +118,7 @@ class Server:
             self._send_all(peers, self._safe_handle(payloads, [head[0] for head in peers]))
 
     def _drain(self, peers: list[list[bytes]], payloads: list[bytes]) -> None:
-        sock = self._socket
+        sock, poll = self._socket, self._poller.poll
         for _ in range(self._drain_max):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -127,6 +128,10 @@ class Server:
                 log.warning("recv failed: %s", exc)
                 break
             self._accept(frames, peers, payloads)
+            # Look before the next recv: a zero-timeout poll costs about 1.5 us, the zmq.Again
+            # a recv raises on an empty queue about 11 us (a third of a small request).
+            if not poll(0):
+                break
 
     def _accept(self, frames: list[bytes], peers: list[list[bytes]], payloads: list[bytes]) -> None:
         envelope = _split(frames)

@@ -94,6 +94,23 @@ def test_nested_write_joins_outer(store):
         assert view.count("blocks") == 2
 
 
+def test_write_join_reuses_the_open_block(store):
+    with store.group():
+        with store.write() as outer, store.write(join=True) as joined:
+            assert joined is outer
+            joined.put("blocks", b"a", b"1")
+        # A joined block has no savepoint of its own: its error takes the enclosing block down.
+        with pytest.raises(RuntimeError), store.write() as outer:
+            outer.put("blocks", b"b", b"2")
+            with store.write(join=True) as joined:
+                joined.put("blocks", b"c", b"3")
+                raise RuntimeError("boom")
+    with store.write(join=True) as alone:  # outside any block: an ordinary write
+        alone.put("blocks", b"d", b"4")
+    with store.read() as view:
+        assert [view.get("blocks", k) for k in (b"a", b"b", b"c", b"d")] == [b"1", None, None, b"4"]
+
+
 def test_drop_and_sample(store):
     with store.write() as txn:
         txn.put_many("access", [(u64(i), b"v") for i in range(100)])

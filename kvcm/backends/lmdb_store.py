@@ -340,9 +340,9 @@ class LmdbStore:
     def write(self, join: bool = False) -> Iterator[_WriteTxn]:
         group = getattr(self._local, "group", None)
         if join and group is not None and group.broken is None:
-            stack = getattr(self._local, "stack", None)
-            if stack:
-                yield stack[-1]  # no savepoint of its own: its errors roll back the enclosing block
+            open_blocks: list[_WriteTxn] | None = getattr(self._local, "stack", None)
+            if open_blocks:
+                yield open_blocks[-1]  # no savepoint of its own: its errors roll back the enclosing block
                 return
         if group is None:
             with self._group(_Group(implicit=True)), self.write() as txn:
