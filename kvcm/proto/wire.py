@@ -43,7 +43,8 @@ class Request:
     params: dict[str, Any]
 
 
-def _refuse_ext(code: int, data: bytes) -> Any:
+def refuse_ext(code: int, data: bytes | memoryview) -> Any:
+    """Ext hook for msgpack and msgspec decoders of untrusted bytes: kvcm accepts no ext types."""
     raise ValueError(f"msgpack ext type {code} is not accepted")
 
 
@@ -54,7 +55,7 @@ def unpack(payload: bytes, max_items: int = 1 << 20) -> Any:
             payload,
             raw=False,
             strict_map_key=True,
-            ext_hook=_refuse_ext,
+            ext_hook=refuse_ext,
             max_array_len=max_items,
             max_map_len=max_items,
         )
