@@ -111,6 +111,11 @@ class Dispatcher:
                     self._fast[method.name] = (method, decoder.decode)
         self._metric_children: dict[str, tuple[Any, Any]] = {}
 
+    @property
+    def typed_decode(self) -> bool:
+        """Requests are decoded straight into their Structs (only without an auth hook)."""
+        return bool(self._fast)
+
     # -- batch entry point ----------------------------------------------------------------------
 
     def handle_batch(

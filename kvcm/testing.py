@@ -25,7 +25,7 @@ from typing import Any
 
 from kvcm.client import Client
 from kvcm.config import Config, load
-from kvcm.errors import KvcmError
+from kvcm.errors import AccessDenied, KvcmError
 from kvcm.fake_engine import FakeEnginePublisher
 
 
@@ -137,6 +137,8 @@ def _wait_ready(endpoint: str, timeout: float = 30.0, process: subprocess.Popen[
             try:
                 client.call("check_health", retry=False)
                 return
+            except AccessDenied:
+                return  # auth is on: the server answered, so it is serving
             except KvcmError:
                 if time.monotonic() > deadline:
                     raise

@@ -193,3 +193,27 @@ def test_secret_never_in_replies(call):
     ]
     text = repr(replies)
     assert "Zebra-Secret-77" not in text and ADMIN_PW not in text
+
+
+# -- end to end, over a real server ----------------------------------------------------------------
+
+
+def test_auth_on_over_the_wire_and_typed_decoding_only_when_off():
+    from kvcm.client import Client
+    from kvcm.testing import serve_in_thread
+
+    on = {"auth": {"enabled": True, "admin_user": "admin", "admin_password": ADMIN_PW}}
+    with serve_in_thread(overrides=on) as srv, Client(srv.endpoint) as c:
+        assert not srv.app.dispatcher.typed_decode  # the hook needs the raw "auth" map
+        with pytest.raises(AccessDenied) as exc:
+            c.call("check_health", {})
+        assert exc.value.code == Code.UNAUTHENTICATED
+        with pytest.raises(AccessDenied) as exc:
+            c.call("list_storage", {"auth": creds(password="wrong")})
+        assert exc.value.code == Code.UNAUTHENTICATED
+        assert "storage" in c.call("list_storage", {"auth": creds()})
+    with serve_in_thread() as srv, Client(srv.endpoint) as c:
+        assert srv.app.dispatcher.typed_decode
+        # Off: an "auth" map is accepted and ignored, on the typed path too.
+        assert "storage" in c.call("list_storage", {"auth": creds(password="anything")})
+        assert c.call("check_health", {})

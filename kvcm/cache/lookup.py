@@ -86,40 +86,44 @@ def get_cache_location(
     keys = derive_keys(block_keys, token_ids, inst.block_size)
     mask = check_mask(mask, len(keys))
     if query_type == "prefix_match":
-        hits, locations = _prefix(m, inst, keys, mask, spec_names)
+        hits, chunks = _prefix(m, inst, keys, mask, spec_names)
+        if hits:
+            m.notify_read(instance_id, hits)
+        return Raw(b"".join(chunks))  # one copy of a reply that may be tens of kB
+    if query_type == "batch_get":
+        hits, wires = _batch(m, inst, keys, mask)
     else:
-        if query_type == "batch_get":
-            hits, wires = _batch(m, inst, keys, mask)
-        else:
-            if not 0 < sw_size <= len(keys):
-                # sw_size == 0 made Tair loop forever (§18.13).
-                raise InvalidArgument(f"sw_size: must be in 1..{len(keys)} (the number of blocks), got {sw_size}")
-            hits, wires = _window(m, inst, keys, mask, sw_size)
-        if spec_names:
-            names = frozenset(spec_names)
-            wires = [filter_wire(w, names) for w in wires]
-        locations = pack_array_raw(wires)
-    reply = Raw(_LOCATIONS_MAP + locations.data)
+        if not 0 < sw_size <= len(keys):
+            # sw_size == 0 made Tair loop forever (§18.13).
+            raise InvalidArgument(f"sw_size: must be in 1..{len(keys)} (the number of blocks), got {sw_size}")
+        hits, wires = _window(m, inst, keys, mask, sw_size)
+    if spec_names:
+        names = frozenset(spec_names)
+        wires = [filter_wire(w, names) for w in wires]
     if hits:
         m.notify_read(instance_id, hits)
-    return reply
+    return Raw(_LOCATIONS_MAP + pack_array_raw(wires).data)
 
 
 def _prefix(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMask | None,
-            spec_names: Sequence[str] | None) -> tuple[list[int], Raw]:
-    """Matched keys and the packed ``locations`` array: runs first, then block by block."""
+            spec_names: Sequence[str] | None) -> tuple[list[int], list[bytes]]:
+    """Matched keys and the reply's chunks (``{"locations": [...]}``): runs first, then block
+    by block."""
     wanted = keys if mask is None else [keys[i] for i in unmasked_indices(mask, len(keys))]
-    unusable, rank = m.pool.unusable, m.group_view(inst.group).rank
+    unusable = m.pool.unusable
     parts: list[bytes] = []
     epoch = m.index.cache.epoch  # before the snapshot begins: see MetaIndex.read
     with m.store.read() as view:
         done = _runs(view, inst.ns, wanted, unusable, parts) if m.runs and not spec_names else 0
-        wires = _blocks(m, Snapshot(view, epoch), inst, wanted[done:], unusable, rank)
-    if spec_names:
-        names = frozenset(spec_names)
-        wires = [filter_wire(w, names) for w in wires]
-    count = done + len(wires)
-    return wanted[:count], Raw(_packer.pack_array_header(count) + b"".join(parts) + b"".join(wires))
+        if done < len(wanted):
+            rank = m.group_view(inst.group).rank
+            wires = _blocks(m, Snapshot(view, epoch), inst, wanted[done:], unusable, rank)
+            if spec_names:
+                names = frozenset(spec_names)
+                wires = [filter_wire(w, names) for w in wires]
+            parts += wires
+            done += len(wires)
+    return (wanted if done == len(wanted) else wanted[:done]), [_LOCATIONS_MAP, _packer.pack_array_header(done), *parts]
 
 
 def _runs(view: Any, ns: bytes, wanted: list[int], unusable: frozenset[str], parts: list[bytes]) -> int:

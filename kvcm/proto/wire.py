@@ -110,10 +110,13 @@ def pack_notification(method: str, params: dict[str, Any]) -> bytes:
     return _pack([NOTIFICATION, method, [params]])
 
 
+_RESPONSE_HEAD = bytes(_packer.pack_array_header(4)) + _pack(RESPONSE)
+
+
 def pack_response(msgid: int, error: dict[str, Any] | None, result: Any) -> bytes:
-    """A response; a :class:`Raw` result is spliced in as-is."""
+    """A response; a :class:`Raw` result is spliced in as-is (one copy of it, however large)."""
     if isinstance(result, Raw):
-        return bytes(_packer.pack_array_header(4)) + _pack(RESPONSE) + _pack(msgid) + _pack(error) + result.data
+        return b"".join((_RESPONSE_HEAD, _pack(msgid), _pack(error), result.data))
     return _pack([RESPONSE, msgid, error, result])
 
 
