@@ -14,7 +14,6 @@ decode + repack)::
 
 from __future__ import annotations
 
-import functools
 import struct
 from collections.abc import Sequence
 from enum import IntEnum
@@ -164,15 +163,8 @@ RUNS_DB = "access"
 _U32 = struct.Struct(">I")
 
 
-@functools.lru_cache(maxsize=64)
-def _keys_struct(n: int) -> struct.Struct:
-    return struct.Struct(f">{n}q")
-
-
 def pack_keys(keys: Sequence[int]) -> bytes:
-    # A compiled Struct per length: formatting and parsing the format string each call cost a
-    # tenth of a 64-key lookup.
-    return _keys_struct(len(keys)).pack(*keys)
+    return struct.pack(f">{len(keys)}q", *keys)
 
 
 def encode_run(storage: str, keys: Sequence[int], wires: Sequence[bytes]) -> bytes:

@@ -123,7 +123,8 @@ def _prefix(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMas
                 wires = [filter_wire(w, names) for w in wires]
             parts += wires
             done += len(wires)
-    return (wanted if done == len(wanted) else wanted[:done]), [_LOCATIONS_MAP, _packer.pack_array_header(done), *parts]
+    hits = wanted if done == len(wanted) else wanted[:done]
+    return hits, [_LOCATIONS_MAP, _packer.pack_array_header(done), *parts]
 
 
 def _runs(view: Any, ns: bytes, wanted: list[int], unusable: frozenset[str], parts: list[bytes]) -> int:
