@@ -109,7 +109,6 @@ class Dispatcher:
                 if method.request is not None:
                     decoder = msgspec.msgpack.Decoder(tuple[method.request], ext_hook=wire.refuse_ext)  # type: ignore[name-defined]
                     self._fast[method.name] = (method, decoder.decode)
-        self._metric_children: dict[str, tuple[Any, Any]] = {}
 
     @property
     def typed_decode(self) -> bool:
@@ -128,7 +127,7 @@ class Dispatcher:
         ``peers`` (the sender of each payload) lets reads and writes of different peers be
         reordered safely, while one peer's read never overtakes its own earlier write.
         """
-        self.metrics.batch_size.observe(len(payloads))
+        self.metrics.rpc.batch(len(payloads))
         outcomes = [self._parse(p) for p in payloads]
         if self._group_commit:
             self._run_grouped(outcomes, peers if peers is not None else [b""] * len(outcomes))
@@ -241,8 +240,6 @@ class Dispatcher:
         method = outcome.method
         assert method is not None  # internal invariant: only called for resolved methods
         started = time.perf_counter()
-        counter, latency = self._children(method.name)
-        counter.inc()
         try:
             params = outcome.params
             if params is None:
@@ -259,19 +256,10 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - the single exception boundary of a request
             outcome.error, outcome.result = self._to_error(exc, method.name), None
         elapsed = time.perf_counter() - started
-        latency.observe(elapsed)
+        self.metrics.rpc.request(method.name, elapsed)
         if self._access_log:
             status = "ok" if outcome.error is None else outcome.error["name"]
             log.info("rpc %s %s %.0fus", method.name, status, elapsed * 1e6)
-
-    def _children(self, name: str) -> tuple[Any, Any]:
-        # Resolving labelled children costs a lock and a dict lookup each; do it once per method.
-        pair = self._metric_children.get(name)
-        if pair is None:
-            pair = self._metric_children[name] = (
-                self.metrics.requests.labels(name), self.metrics.latency.labels(name)
-            )
-        return pair
 
     def _check_sizes(self, params: Any) -> None:
         raw = isinstance(params, dict)

@@ -221,3 +221,43 @@ def test_stop_answers_queued_requests(tmp_path):
     thread.join(5)
     assert got == {1, 2}
     dealer.close(0)
+
+
+def test_rpc_stats_are_exact_cumulative_and_thread_safe():
+    from kvcm.metrics import Metrics
+
+    metrics = Metrics()
+    rpc = metrics.rpc
+    # 0.0001 sits exactly on a bound: "le" is inclusive, as in prometheus_client's Histogram.
+    for seconds in (0.00004, 0.0001, 0.0003, 2.0):
+        rpc.request("get_cache_location", seconds)
+    rpc.batch(1)
+    rpc.batch(300)
+
+    def hammer() -> None:
+        for _ in range(5000):
+            rpc.request("check_health", 0.001)
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    snap = metrics.snapshot()
+    by = {(s["labels"].get("method"), s["labels"].get("le")): s["value"]
+          for s in snap["kvcm_rpc_latency_seconds_bucket"]}
+    assert by[("get_cache_location", "5e-05")] == 1
+    assert by[("get_cache_location", "0.0001")] == 2
+    assert by[("get_cache_location", "0.00025")] == 2
+    assert by[("get_cache_location", "0.0005")] == 3
+    assert by[("get_cache_location", "1.0")] == 3
+    assert by[("get_cache_location", "+Inf")] == 4
+    assert by[("check_health", "0.001")] == 20000  # no increment lost across threads
+    counts = {s["labels"]["method"]: s["value"] for s in snap["kvcm_rpc_requests_total"]}
+    assert counts == {"get_cache_location": 4, "check_health": 20000}
+    sums = {s["labels"]["method"]: s["value"] for s in snap["kvcm_rpc_latency_seconds_sum"]}
+    assert sums["get_cache_location"] == pytest.approx(2.00044)
+    batches = {s["labels"]["le"]: s["value"] for s in snap["kvcm_rpc_batch_size_bucket"]}
+    assert batches["1.0"] == 1 and batches["256.0"] == 1 and batches["+Inf"] == 2
+    assert snap["kvcm_rpc_batch_size_sum"][0]["value"] == 301
+    assert b'kvcm_rpc_requests_total{method="check_health"} 20000.0' in metrics.exposition()
