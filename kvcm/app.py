@@ -69,6 +69,7 @@ class App:
                 max_keys=config.server.max_keys,
                 group_commit=config.server.group_commit,
                 access_log=config.server.access_log,
+                grow=getattr(self.store, "grow", None),
             )
             self.server = Server(
                 config.server.endpoint,

@@ -5,7 +5,9 @@ Write methods of one batch run inside one ``group()`` (one store commit, made be
 of the batch is produced); each request is still its own ``write()`` block (a savepoint of the
 shared transaction), so a failing request rolls back alone. If the shared commit itself fails — or the store
 refuses the shared transaction after an error such as a full LMDB map — every write of the batch
-is answered with that error: nothing is acknowledged that is not durable.
+is answered with that error: nothing is acknowledged that is not durable. A full map that can still
+grow is the exception: the map grows and the batch runs once more (nothing of the first run
+committed, and handlers change memory only in ``on_commit``/``on_abort`` callbacks).
 
 Handlers receive the request already validated against their ``msgspec.Struct`` (strict types,
 unknown fields ignored) and return a result map, or :class:`kvcm.proto.wire.Raw` bytes.
@@ -22,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, error
+from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, StoreFull, error
 from kvcm.metrics import Metrics
 from kvcm.proto import wire
 
@@ -87,7 +89,10 @@ class Dispatcher:
         max_keys: int = 65536,
         group_commit: bool = True,
         access_log: bool = False,
+        grow: Callable[[], bool] | None = None,
     ) -> None:
+        """``grow``: make room in the store after :class:`~kvcm.errors.StoreFull`; True when it
+        did (the failed batch is then run again, once)."""
         self.methods: dict[str, Method] = {}
         for method in methods:
             if method.name in self.methods:
@@ -98,6 +103,7 @@ class Dispatcher:
         # Each write request runs in its own write() block (a savepoint), so a request that
         # fails half-way rolls back alone, whatever the handler did before it raised.
         self._atomic = atomic or nullcontext
+        self._grow = grow
         self._authorize = authorize
         self._max_keys = max_keys
         self._group_commit = group_commit
@@ -213,16 +219,33 @@ class Dispatcher:
     def _commit_group(self, writes: list[_Outcome]) -> None:
         if not writes:
             return
+        inputs = [(o.result, o.params) for o in writes]  # a retry starts from the requests again
         try:
-            with self._group():
-                for outcome in writes:
-                    self._execute(outcome)
-            self.metrics.commits.inc()
+            self._commit_once(writes)
+            return
+        except StoreFull as exc:
+            failure: Exception = exc
+            if self._grow is not None and self._grow():
+                log.warning("metadata store full during a batch of %d writes: map grown, batch run again", len(writes))
+                for outcome, (raw, params) in zip(writes, inputs):
+                    outcome.error, outcome.result, outcome.params = None, raw, params
+                try:
+                    self._commit_once(writes)
+                    return
+                except Exception as again:  # noqa: BLE001
+                    failure = again
         except Exception as exc:  # noqa: BLE001 - the shared commit failed: nothing was durable
-            failure = self._to_error(exc, "commit")
+            failure = exc
+        wired = self._to_error(failure, "commit")
+        for outcome in writes:
+            if outcome.error is None:
+                outcome.error, outcome.result = wired, None
+
+    def _commit_once(self, writes: list[_Outcome]) -> None:
+        with self._group():
             for outcome in writes:
-                if outcome.error is None:
-                    outcome.error, outcome.result = failure, None
+                self._execute(outcome)
+        self.metrics.commits.inc()
 
     def _run_alone(self, outcome: _Outcome) -> None:
         if outcome.error is not None or outcome.method is None:
@@ -230,11 +253,7 @@ class Dispatcher:
         if not outcome.method.writes:
             self._execute(outcome)
             return
-        try:
-            with self._group():
-                self._execute(outcome)
-        except Exception as exc:  # noqa: BLE001
-            outcome.error, outcome.result = self._to_error(exc, outcome.method.name), None
+        self._commit_group([outcome])
 
     def _execute(self, outcome: _Outcome) -> None:
         method = outcome.method

@@ -12,7 +12,8 @@ Hierarchy::
     ├── NotFound               (NOT_FOUND, INSTANCE_NOT_EXIST, WRITE_SESSION_UNKNOWN, WRITE_SESSION_EXPIRED)
     ├── Conflict               (DUPLICATE_ENTITY, VERSION_CONFLICT, STILL_REFERENCED)
     ├── CapacityError          (REACH_MAX_ENTITY_CAPACITY, QUOTA_EXCEEDED, NO_STORAGE_AVAILABLE,
-    │                           CAPACITY_EXHAUSTED)
+    │   │                       CAPACITY_EXHAUSTED)
+    │   └── StoreFull          (CAPACITY_EXHAUSTED: the metadata store itself ran out of room)
     ├── AccessDenied           (UNAUTHENTICATED, PERMISSION_DENIED)
     ├── Unavailable            (SERVICE_NOT_READY, SERVER_NOT_LEADER, SHUTTING_DOWN, TIMEOUT)
     └── ServerError            (INTERNAL_ERROR, UNSUPPORTED, IO_ERROR)
@@ -85,6 +86,10 @@ class Conflict(KvcmError):
 
 class CapacityError(KvcmError):
     default_code = Code.CAPACITY_EXHAUSTED
+
+
+class StoreFull(CapacityError):
+    """The metadata store has no room left for a transaction (LMDB ``MDB_MAP_FULL``)."""
 
 
 class AccessDenied(KvcmError):

@@ -84,6 +84,43 @@ def test_group_children_commit_or_roll_back_alone(store):
         assert view.get("blocks", b"a") == b"1" and view.get("blocks", b"b") is None
 
 
+def test_abort_callbacks_run_exactly_when_changes_never_commit(store):
+    fired = []
+    with store.write() as txn:  # committed: its abort callback is dropped
+        txn.on_abort(lambda: fired.append("committed"))
+    with pytest.raises(RuntimeError), store.write() as txn:  # rolled back alone
+        txn.on_abort(lambda: fired.append("own rollback"))
+        raise RuntimeError
+    assert fired == ["own rollback"]
+    fired.clear()
+    # A savepoint that committed inside a group is undone with the group: its callback runs
+    # then, after the ones of the failing savepoint, newest first.
+    with pytest.raises(ValueError), store.group():
+        with store.write() as txn:
+            txn.put("blocks", b"a", b"1")
+            txn.on_abort(lambda: fired.append("first"))
+            with store.write() as inner:
+                inner.on_abort(lambda: fired.append("inner"))
+        assert fired == []
+        with pytest.raises(KeyError), store.write() as txn:
+            txn.on_abort(lambda: fired.append("second"))
+            raise KeyError
+        assert fired == ["second"]
+        raise ValueError("the group fails")
+    assert fired == ["second", "inner", "first"]
+    with store.read() as view:
+        assert view.get("blocks", b"a") is None
+
+
+def test_abort_callback_failure_does_not_hide_the_error(store):
+    fired = []
+    with pytest.raises(RuntimeError, match="cause"), store.write() as txn:
+        txn.on_abort(lambda: fired.append("later"))
+        txn.on_abort(lambda: 1 / 0)  # newest runs first and fails: logged, the rest still run
+        raise RuntimeError("cause")
+    assert fired == ["later"]
+
+
 def test_nested_write_joins_outer(store):
     with store.write() as outer:
         outer.put("blocks", b"a", b"1")
@@ -149,6 +186,23 @@ def test_lmdb_map_full_is_capacity_error_then_grows(tmp_path):
             with s.write() as txn:
                 txn.put("blocks", u64(i), b"x" * 200)
         assert s.stats()["map_size"] > 256 << 10
+    finally:
+        s.close()
+
+
+def test_lmdb_full_map_runs_the_groups_abort_callbacks(tmp_path):
+    s = LmdbStore(str(tmp_path / "d"), map_size=256 << 10, map_size_max=256 << 10)
+    released = []
+    try:
+        with pytest.raises(CapacityError), s.group():
+            for i in range(10_000):
+                with s.write() as txn:
+                    txn.on_abort(lambda i=i: released.append(i))
+                    txn.put("blocks", u64(i), b"x" * 200)
+        # every savepoint of the group, the one that hit the full map included, never committed
+        assert sorted(released) == list(range(len(released))) and len(released) > 1
+        with s.read() as view:
+            assert view.count("blocks") == 0
     finally:
         s.close()
 

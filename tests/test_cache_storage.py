@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
+import zmq
 from cache_helpers import (
     add_file_storage,
     add_group,
@@ -183,3 +185,60 @@ def test_failed_request_rolls_back_and_releases_space(tmp_path, shm):
         meta = c.call("get_cache_meta", {"instance_id": "a", "block_keys": [1, 2]})["metas"]
         assert [m["status"] for m in meta] == ["not_found", "not_found"]
         srv.app.cache.check()
+
+
+def _start_bursts(endpoint, rounds):
+    """Pipelined bursts of 32 ``start_write_cache`` of 64 new keys each (the server drains them
+    into few groups) until a burst has errors; returns (acknowledged requests, error names)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    ok, failed, key = 0, [], 1
+    try:
+        for _ in range(rounds):
+            for msgid in range(32):
+                request = {"instance_id": "a", "block_keys": list(range(key, key + 64))}
+                sock.send(msgpack.packb([0, msgid, "start_write_cache", [request]]))
+                key += 64
+            for _ in range(32):
+                reply = msgpack.unpackb(sock.recv())
+                if reply[2] is None:
+                    ok += 1
+                else:
+                    failed.append(reply[2]["name"])
+            if failed:
+                break
+    finally:
+        sock.close(0)
+    return ok, failed
+
+
+def test_full_map_that_can_grow_fails_no_request(tmp_path):
+    """A request too big for the map's headroom while the map is under its growth threshold:
+    the map grows and the batch runs again, instead of failing with CAPACITY_EXHAUSTED."""
+    overrides = {**FAST, "store": {"map_size": 1 << 20, "map_size_max": 256 << 20}}
+    with serve_in_thread(overrides=overrides) as srv, srv.client() as c:
+        add_file_storage(c, "disk", tmp_path / "disk")
+        add_group(c, "g", ["disk"])
+        register(c, "a", group="g")
+        session = start(c, list(range(1, 3001)), "a")  # about 1.3 MB of records
+        assert len(session["locations"]) == 3000
+        assert srv.app.store.stats()["map_size"] == 2 << 20
+        assert srv.app.storages.get("disk").usage()["slots_used"] == 3000 * 2  # no leftovers of the failed run
+        finish(c, session, instance="a")
+        assert len(locate(c, list(range(1, 3001)), instance="a")) == 3000
+        srv.app.cache.check()
+
+
+def test_group_that_cannot_commit_gives_its_storage_space_back(tmp_path):
+    """Requests that succeeded inside a group whose shared commit then failed (here: the LMDB map
+    is full and may not grow) are answered with the error, and their storage space is released."""
+    overrides = {**FAST, "store": {"map_size": 1 << 20, "map_size_max": 1 << 20}}
+    with serve_in_thread(overrides=overrides) as srv, srv.client() as c:
+        add_file_storage(c, "disk", tmp_path / "disk")
+        add_group(c, "g", ["disk"])
+        register(c, "a", group="g")
+        ok, failed = _start_bursts(srv.endpoint, rounds=100)
+        assert failed and set(failed) == {"CAPACITY_EXHAUSTED"}
+        # only the acknowledged requests hold space: 64 blocks x 2 specs each
+        assert srv.app.storages.get("disk").usage()["slots_used"] == ok * 64 * 2
+        assert srv.app.cache.usage("g")["keys"] == ok * 64

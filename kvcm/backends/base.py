@@ -12,6 +12,9 @@ Every store (LMDB, in-memory) implements :class:`MetaStore`. Callers never see `
 
 ``txn.on_commit(fn)`` defers in-memory side effects (caches, counters) until the outermost
 transaction has really committed, so a rolled-back request leaves no trace anywhere.
+``txn.on_abort(fn)`` is its mirror for what cannot wait for the commit (storage space taken
+for the request's new blocks): ``fn`` runs once the block's changes are certain never to commit
+— its own rollback, an enclosing block's, or the abort or failed commit of the group.
 
 Keys are bytes and sort bytewise; callers encode integers fixed-width big-endian
 (:func:`u64`, :func:`i64`) so that cursor scans come out ordered.
@@ -22,10 +25,13 @@ open the write transaction first, then take in-memory shard locks (``locks.Shard
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol
+
+log = logging.getLogger("kvcm.store")
 
 #: Every sub-database a store provides. Adding a concept means adding its name here.
 DATABASES: tuple[str, ...] = (
@@ -46,6 +52,17 @@ DATABASES: tuple[str, ...] = (
 
 _U64 = struct.Struct(">Q")
 _I64 = struct.Struct(">q")
+
+
+def run_aborts(fns: list[Callable[[], None]]) -> None:
+    """Run abort callbacks newest first; one failing must not stop the others (nor hide the
+    error that caused the abort)."""
+    for fn in reversed(fns):
+        try:
+            fn()
+        except Exception:  # logged; the abort itself goes on
+            log.exception("abort callback failed")
+    fns.clear()
 
 
 def u64(value: int) -> bytes:
@@ -100,6 +117,10 @@ class WriteTxn(ReadTxn, Protocol):
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` after the outermost transaction commits; dropped on rollback."""
+        ...
+
+    def on_abort(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` if this block's changes end up not committed; dropped on commit."""
         ...
 
 

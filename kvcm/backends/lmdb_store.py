@@ -13,8 +13,9 @@ Rules from py-lmdb and lmdb.h this module enforces:
   unusable, so the whole group then aborts and raises it: nothing of it is acknowledged;
 * ``set_mapsize`` needs a process with no live transaction, so growth waits at :class:`_Gate`
   until every transaction has ended;
-* ``MapFullError`` becomes :class:`~kvcm.errors.CapacityError`; the next top-level write grows
-  the map (doubling) up to ``map_size_max``;
+* ``MapFullError`` becomes :class:`~kvcm.errors.StoreFull` (``CAPACITY_EXHAUSTED``); the next
+  top-level write grows the map (doubling) up to ``map_size_max``, and :meth:`LmdbStore.grow`
+  does it at once (the dispatcher then runs the failed batch again);
 * a data dir is used by one kvcm at a time: an ``flock`` on ``kvcm.lock`` refuses a second one.
 """
 
@@ -30,8 +31,8 @@ from typing import Any, cast
 
 import lmdb
 
-from kvcm.backends.base import DATABASES
-from kvcm.errors import CapacityError, Code, ServerError, Unavailable
+from kvcm.backends.base import DATABASES, run_aborts
+from kvcm.errors import Code, ServerError, StoreFull, Unavailable
 
 _GROW_AT = 0.75  # grow the map once it is this full, before a write fails
 
@@ -82,7 +83,7 @@ class _Gate:
 
 def _translate(exc: lmdb.Error) -> Exception:
     if isinstance(exc, lmdb.MapFullError):
-        return CapacityError(
+        return StoreFull(
             "metadata store is full (LMDB map size reached); raise store.map_size_max",
             Code.CAPACITY_EXHAUSTED,
         )
@@ -134,7 +135,7 @@ class _WriteTxn(_ReadTxn):
     the abort of the whole transaction).
     """
 
-    __slots__ = ("callbacks", "undo")
+    __slots__ = ("aborts", "callbacks", "undo")
 
     def __init__(
         self,
@@ -145,6 +146,7 @@ class _WriteTxn(_ReadTxn):
     ) -> None:
         super().__init__(txn, dbs)
         self.callbacks = callbacks
+        self.aborts: list[Callable[[], None]] = []
         self.undo = undo
 
     def put(self, db: str, key: bytes, value: bytes) -> None:
@@ -195,6 +197,9 @@ class _WriteTxn(_ReadTxn):
     def on_commit(self, fn: Callable[[], None]) -> None:
         self.callbacks.append(fn)
 
+    def on_abort(self, fn: Callable[[], None]) -> None:
+        self.aborts.append(fn)
+
     def remember(self, db: str, items: Iterable[tuple[bytes, bytes | None]]) -> None:
         """Hint: ``(key, value)`` pairs the caller just read in this savepoint and has not
         changed since, so the undo log need not read them again before a put or delete."""
@@ -240,11 +245,12 @@ class _Group:
     on it, e.g. after MDB_MAP_FULL) or a failed rollback; the group can only abort, and it raises
     this error at its end so nothing of it is acknowledged."""
 
-    __slots__ = ("broken", "callbacks", "implicit", "txn")
+    __slots__ = ("aborts", "broken", "callbacks", "implicit", "txn")
 
     def __init__(self, implicit: bool = False) -> None:
         self.txn: lmdb.Transaction | None = None
         self.callbacks: list[Callable[[], None]] = []
+        self.aborts: list[Callable[[], None]] = []  # of committed savepoints: run if the txn never commits
         self.broken: Exception | None = None
         self.implicit = implicit  # opened by a lone write(): its rollback is the abort
 
@@ -348,14 +354,20 @@ class LmdbStore:
             if group.txn is not None:
                 group.txn.abort()
                 self._leave()
+            run_aborts(group.aborts)
             raise
         self._local.group = None
         if group.txn is not None:
             if group.broken is not None:
                 group.txn.abort()
                 self._leave()
+                run_aborts(group.aborts)
                 raise group.broken
-            self._commit_top(group.txn)
+            try:
+                self._commit_top(group.txn)
+            except BaseException:
+                run_aborts(group.aborts)  # a failed commit made nothing durable
+                raise
         for fn in group.callbacks:
             fn()
 
@@ -387,6 +399,7 @@ class LmdbStore:
             stack.pop()
             translated = _translate(exc)
             group.broken = translated  # LMDB refuses any further use of this transaction
+            run_aborts(child.aborts)
             raise translated from None
         except BaseException:
             stack.pop()
@@ -395,6 +408,7 @@ class LmdbStore:
                     child.rollback()
                 except lmdb.Error as exc:
                     group.broken = _translate(exc)
+            run_aborts(child.aborts)  # rolled back, or its group can only abort
             raise
         stack.pop()
         if stack:
@@ -404,8 +418,10 @@ class LmdbStore:
                 for slot, old in child.undo.items():
                     setdefault(slot, old)  # the parent keeps the older value
             parent.callbacks.extend(child.callbacks)
+            parent.aborts.extend(child.aborts)
         else:
             group.callbacks.extend(child.callbacks)
+            group.aborts.extend(child.aborts)
         # A committed child's callbacks follow its parent's fate; a parent that rolls back later
         # takes the callbacks of its committed children down with it.
 
@@ -453,14 +469,24 @@ class LmdbStore:
 
     def _maybe_grow(self) -> None:
         size = int(self._env.info()["map_size"])
-        if size >= self.map_size_max or self._used_bytes() < size * _GROW_AT:
-            return
+        if size < self.map_size_max and self._used_bytes() >= size * _GROW_AT:
+            self._grow_from(size)
+
+    def grow(self) -> bool:
+        """Double the map now (up to ``map_size_max``), e.g. after a transaction found it full
+        while it was less than ``_GROW_AT`` used. False: at the limit, or this thread holds a
+        transaction (waiting for every transaction to end would then wait on itself)."""
+        size = int(self._env.info()["map_size"])
+        return size < self.map_size_max and self._grow_from(size)
+
+    def _grow_from(self, size: int) -> bool:
         if getattr(self._local, "held", 0):
-            return  # this thread holds a transaction: growing now would wait on itself
+            return False  # this thread holds a transaction: growing now would wait on itself
         with self._gate.exclusive():
             new = min(size * 2, self.map_size_max)
             if int(self._env.info()["map_size"]) < new:
                 self._env.set_mapsize(new)
+        return True
 
     # -- misc ------------------------------------------------------------------------------------
 

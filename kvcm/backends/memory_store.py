@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from sortedcontainers import SortedDict
 
-from kvcm.backends.base import DATABASES
+from kvcm.backends.base import DATABASES, run_aborts
 
 _DELETED = None  # overlay marker for a deleted key
 
@@ -93,6 +93,7 @@ class _WriteView(_View):
     def __init__(self, base: _Data | _View) -> None:
         super().__init__(base)
         self.callbacks: list[Callable[[], None]] = []
+        self.aborts: list[Callable[[], None]] = []
 
     def put(self, db: str, key: bytes, value: bytes) -> None:
         if db not in DATABASES:
@@ -118,10 +119,14 @@ class _WriteView(_View):
     def on_commit(self, fn: Callable[[], None]) -> None:
         self.callbacks.append(fn)
 
+    def on_abort(self, fn: Callable[[], None]) -> None:
+        self.aborts.append(fn)
+
     def merge_into(self, target: _WriteView) -> None:
         for db, layer in self.overlay.items():
             target.overlay.setdefault(db, {}).update(layer)
         target.callbacks.extend(self.callbacks)
+        target.aborts.extend(self.aborts)
 
     def apply_to(self, data: _Data) -> None:
         with data.lock:
@@ -157,6 +162,9 @@ class MemoryStore:
             self._local.stack = [top]
             try:
                 yield
+            except BaseException:
+                run_aborts(top.aborts)
+                raise
             finally:
                 self._local.stack = None
             top.apply_to(self._data)  # reached only when the group did not raise
@@ -177,6 +185,9 @@ class MemoryStore:
         stack.append(child)
         try:
             yield child
+        except BaseException:
+            run_aborts(child.aborts)
+            raise
         finally:
             stack.pop()
         child.merge_into(stack[-1])  # reached only when the block did not raise

@@ -3,8 +3,8 @@
 
 Everything one request changes (block records, usage, the session, scheduled deletes) happens in
 the caller's write transaction; under group commit that is a child of the batch's transaction,
-committed before any reply. Storage space allocated for a request that then fails is released
-before the error propagates.
+committed before any reply. Storage space allocated for a request is released again whenever
+its changes do not commit: the request fails, or its whole group aborts (``txn.on_abort``).
 
 * A key counts as existing (masked in the reply) if it has a ``writing``, ``serving`` or
   ``deleting`` copy on a usable storage — or if it appeared earlier in the same request, so a
@@ -71,12 +71,11 @@ def start_write_cache(
             return _reply(session.id, mask, [])
         needed = sum(size for i in new for _, size in specs[i])
         target, uris = _allocate(m, txn, inst, [specs[i] for i in new], needed)
-        try:
-            session, wires = _record_new(m, txn, inst, keys, new, [records[i] is None for i in new], specs, target,
-                                         uris, timeout)
-        except BaseException:
-            _release(m, target.storage, uris)
-            raise
+        # The space is taken now, outside the transaction: give it back if the request fails,
+        # and also if the request succeeds but its group never commits (§18.1's leak, batched).
+        txn.on_abort(lambda: _release(m, target.storage, uris))
+        session, wires = _record_new(m, txn, inst, keys, new, [records[i] is None for i in new], specs, target,
+                                     uris, timeout)
     return _reply(session.id, mask, wires)
 
 
