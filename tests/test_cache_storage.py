@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import msgpack
 import pytest
 import zmq
@@ -231,8 +233,11 @@ def test_full_map_that_can_grow_fails_no_request(tmp_path):
 
 def test_group_that_cannot_commit_gives_its_storage_space_back(tmp_path):
     """Requests that succeeded inside a group whose shared commit then failed (here: the LMDB map
-    is full and may not grow) are answered with the error, and their storage space is released."""
-    overrides = {**FAST, "store": {"map_size": 1 << 20, "map_size_max": 1 << 20}}
+    is full and may not grow) are answered with the error, their storage space is released, and
+    the event log records only acknowledged writes."""
+    log_path = tmp_path / "events.jsonl"
+    overrides = {**FAST, "store": {"map_size": 1 << 20, "map_size_max": 1 << 20},
+                 "publisher": {"event_log": str(log_path)}}
     with serve_in_thread(overrides=overrides) as srv, srv.client() as c:
         add_file_storage(c, "disk", tmp_path / "disk")
         add_group(c, "g", ["disk"])
@@ -242,3 +247,5 @@ def test_group_that_cannot_commit_gives_its_storage_space_back(tmp_path):
         # only the acknowledged requests hold space: 64 blocks x 2 specs each
         assert srv.app.storages.get("disk").usage()["slots_used"] == ok * 64 * 2
         assert srv.app.cache.usage("g")["keys"] == ok * 64
+    started = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [e["type"] for e in started] == ["StartWriteCache"] * ok

@@ -9,6 +9,7 @@ fields are ignored. Enum values are lower-case names (``"prefix_match"``); Tair'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -97,7 +98,8 @@ class CacheApi:
     """Thin adapters from request Structs to :class:`CacheManager` (RPC thread).
 
     With an event log, each successful data-plane call is also recorded as one of Tair's event
-    types (``GetCacheLocation``, ``StartWriteCache``, ``FinishWriteCache``) for the optimizer.
+    types (``GetCacheLocation``, ``StartWriteCache``, ``FinishWriteCache``) for the optimizer;
+    a write is recorded once it has committed, so a batch that fails to commit leaves no event.
     """
 
     def __init__(self, manager: CacheManager, engines: EngineService | None = None,
@@ -128,17 +130,25 @@ class CacheApi:
     def start_write_cache(self, r: StartWriteCacheRequest) -> Any:
         reply = self.m.start_write_cache(r.instance_id, r.block_keys, r.token_ids, r.location_spec_group_names,
                                          r.write_timeout_seconds)
-        if self.log is not None:
-            result = wire.unpack(reply.data)
-            self.log.start_write_cache(r.instance_id, result.get("write_session_id", ""), self._keys(r), r.token_ids,
-                                       result.get("block_mask"), r.location_spec_group_names,
-                                       int(r.write_timeout_seconds))
+        log = self.log
+        if log is not None:
+            keys = self._keys(r)
+
+            def record() -> None:
+                result = wire.unpack(reply.data)
+                log.start_write_cache(r.instance_id, result.get("write_session_id", ""), keys, r.token_ids,
+                                      result.get("block_mask"), r.location_spec_group_names,
+                                      int(r.write_timeout_seconds))
+
+            self._after_commit(record)
         return reply
 
     def finish_write_cache(self, r: FinishWriteCacheRequest) -> Any:
         reply = self.m.finish_write_cache(r.instance_id, r.write_session_id, _mask(r.success_blocks, "success_blocks"))
-        if self.log is not None:
-            self.log.finish_write_cache(r.instance_id, r.write_session_id, msgspec.to_builtins(r.success_blocks))
+        log = self.log
+        if log is not None:
+            mask = msgspec.to_builtins(r.success_blocks)
+            self._after_commit(lambda: log.finish_write_cache(r.instance_id, r.write_session_id, mask))
         return reply
 
     def remove_cache(self, r: RemoveCacheRequest) -> Any:
@@ -146,6 +156,11 @@ class CacheApi:
 
     def trim_cache(self, r: TrimCacheRequest) -> Any:
         return self.m.trim_cache(r.instance_id, _enum(r.strategy, "ts_"), r.begin_timestamp, r.end_timestamp)
+
+    def _after_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when the calling request's changes commit (its own savepoint, joined)."""
+        with self.m.store.write(join=True) as txn:
+            txn.on_commit(fn)
 
     def _keys(self, r: _Keys) -> list[int]:
         return derive_keys(r.block_keys, r.token_ids, self.m.instance(r.instance_id).block_size)
