@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
 import pytest
 
 from kvcm.backends import LmdbStore, MemoryStore
@@ -164,3 +165,17 @@ def test_block_record_codec_fast_path():
     check_value(value)
     two = encode(Record(7, 1.0, 2.0, [loc, Location("c" * 8, Status.SERVING, "t", "shm", 4, 1.0, 2.0, "", wire)]))
     assert fast_wire(two) is None
+
+
+def test_fast_record_stores_its_wire_once_and_reads_older_values():
+    wire = pack_wire("file", [("tp0", "file://disk/a/000001.blk?blkid=1234&size=1024")] * 2)
+    serving = Location("abcdefgh", Status.SERVING, "disk", "file", 2048, 1.0, 2.0, "", wire)
+    writing = Location("b" * 8, Status.WRITING, "disk", "file", 4, 1.0, 0.0, "sess", wire)
+    record = Record(7, 1.0, 2.0, [writing, serving])
+    value = encode(record)
+    assert value.count(wire) == 2  # the header's, and the writing copy's own (not the serving one's)
+    assert serving.wire == wire  # encode leaves the caller's record as it was
+    assert decode(value) == record and encode(decode(value)) == value
+    # a value written before the wire was stored once (in the header and in the record) still reads
+    older = value[: 3 + len(wire)] + msgspec.msgpack.encode(record)
+    assert decode(older) == record
