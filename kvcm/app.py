@@ -257,6 +257,7 @@ class App:
             self.event_log.close()
         if self.http is not None:
             self.http.stop()
+        self.storages.close()  # storage lock files and shm mappings (no thread uses them any more)
         self.engine_store.close()
         self.store.close()
         log.info("kvcm stopped")

@@ -73,3 +73,31 @@ def test_second_kvcm_on_same_dir_refused(sock_dir):
         assert "in use by another kvcm" in second.stderr
     finally:
         stop_subprocess(server)
+
+
+def test_stop_releases_everything_it_opened_under_the_data_dir(sock_dir, tmp_path):
+    """An in-process App (the test fixture, an embedding program) closes its storages on stop:
+    no lock file, block file or LMDB descriptor stays open, so the dir can be reused or unmounted."""
+    from kvcm.testing import serve_in_thread
+
+    data = str(tmp_path / "data")
+
+    def open_under_data() -> list[str]:
+        paths = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue  # closed while listing
+            if target.startswith(data):
+                paths.append(target)
+        return paths
+
+    with serve_in_thread(data_dir=data) as srv, srv.client() as c:
+        c.call("register_instance", {"instance_group": "default", "instance_id": "i", "block_size": 4,
+                                     "location_spec_infos": [{"name": "tp0", "size": 1024}]})
+        session = c.call("start_write_cache", {"instance_id": "i", "block_keys": [1, 2]})
+        c.call("finish_write_cache", {"instance_id": "i", "write_session_id": session["write_session_id"],
+                                      "success_blocks": {"offset": 2}})
+        assert open_under_data()  # the store and the default file storage are open
+    assert open_under_data() == []
