@@ -170,6 +170,35 @@ def test_vanished_client_does_not_break_loop(running):
         assert c.call("echo", {"z": 1}) == {"echo": {"z": 1}}
 
 
+def test_client_that_never_reads_loses_replies_not_the_server(tmp_path):
+    """reliability.md C1: a peer that sends and never reads fills its reply queue; the loop never
+    blocks on it, its replies over the HWM are dropped and counted, and other clients are served."""
+    dispatcher = Dispatcher(_methods(MemoryStore()))
+    server = Server(f"ipc://{tmp_path}/s", dispatcher.handle_batch, sndhwm=50, poll_ms=20)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    hog = zmq.Context.instance().socket(zmq.DEALER)
+    hog.setsockopt(zmq.RCVHWM, 10)
+    hog.setsockopt(zmq.SNDHWM, 0)  # queue every request on our side
+    hog.connect(server.endpoint)
+    try:
+        padding = "x" * 20_000  # echoed back: 20 kB replies overflow the kernel buffers quickly
+        for i in range(2_000):
+            hog.send(wire.pack_request(i, "echo", {"pad": padding}))
+        dropped = server.metrics.replies_dropped.labels("hwm")
+        with Client(server.endpoint, timeout=10) as c:
+            deadline = time.monotonic() + 30
+            while dropped._value.get() == 0 and time.monotonic() < deadline:
+                assert c.call("echo", {"z": 1}) == {"echo": {"z": 1}}  # served all along
+                time.sleep(0.05)
+            assert dropped._value.get() > 0
+            assert c.call("echo", {"z": 2}) == {"echo": {"z": 2}}
+    finally:
+        hog.close(0)
+        server.stop(timeout=5)
+        thread.join(5)
+
+
 def test_timers_run_between_polls(running):
     _, ticks = running
     deadline = time.monotonic() + 5
