@@ -26,7 +26,6 @@ from kvcm.threads import LoopThread
 
 log = logging.getLogger("kvcm.app")
 
-_LIVE_AFTER_S = 10.0  # /livez fails when the RPC loop has not turned for this long
 
 
 def open_store(config: Config) -> MetaStore:
@@ -231,7 +230,7 @@ class App:
         self.server.stop()
 
     def live(self) -> bool:
-        return time.monotonic() - self.server.heartbeat < _LIVE_AFTER_S
+        return time.monotonic() - self.server.heartbeat < self.config.server.live_after_s
 
     def ready(self) -> bool:
         return self.live() and not self.server.draining and not self._stopped

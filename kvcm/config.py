@@ -37,6 +37,7 @@ class ServerConfig:
     poll_ms: int = 100  # poll timeout: bounds timer lag and shutdown latency
     group_commit: bool = True  # share one LMDB commit among the requests of one wake-up
     shutdown_grace_s: float = 10.0  # SIGTERM: time allowed to drain in-flight requests
+    live_after_s: float = 10.0  # /livez fails once the RPC loop has not turned for this long
     sndhwm: int = 10000  # per-peer reply queue; a peer over it loses replies (counted)
     access_log: bool = False  # one log line per request at INFO
 
@@ -273,6 +274,8 @@ def validate(config: Config) -> None:
         (config.server.max_keys > 0, "server.max_keys must be positive"),
         (config.server.drain_max > 0, "server.drain_max must be positive"),
         (config.server.poll_ms > 0, "server.poll_ms must be positive"),
+        (config.server.live_after_s > config.server.poll_ms / 1000,
+         "server.live_after_s must be longer than one poll (server.poll_ms)"),
         (0 <= config.http.port < 65536, "http.port must be in 0..65535"),
         (config.cache.write_timeout_seconds > 0, "cache.write_timeout_seconds must be positive"),
         (0 <= config.reclaim.hysteresis < 1, "reclaim.hysteresis must be in [0, 1)"),

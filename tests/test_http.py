@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
+import msgpack
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcm.testing import serve_in_thread
@@ -66,3 +69,27 @@ def test_readyz_fails_while_draining():
         assert _get(server.http_port, "/readyz")[0] == 503
         assert _get(server.http_port, "/livez")[0] == 200
         server.app.server.draining = False
+
+
+def test_livez_fails_while_the_rpc_loop_is_wedged():
+    """reliability.md H1: the loop stuck in one request (here: waiting for the LMDB writer lock,
+    which the test holds) turns /livez and /readyz to 503; once it moves again they recover."""
+    with serve_in_thread(overrides={"server": {"live_after_s": 1.0}}) as server:
+        port = server.http_port
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.connect(server.endpoint)
+        try:
+            with server.app.store.write():  # a write transaction: the next writer waits for it
+                group = {"name": "g", "storage_candidates": ["default-file"], "quota": {"capacity": 0}}
+                dealer.send(msgpack.packb([0, 1, "create_instance_group", [{"instance_group": group}]]))
+                deadline = time.monotonic() + 30
+                while _get(port, "/livez")[0] == 200 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert _get(port, "/livez")[0] == 503
+                assert _get(port, "/readyz")[0] == 503
+            assert dealer.poll(10_000), "the loop never came back"
+            assert msgpack.unpackb(dealer.recv())[2] is None  # the waiting request then succeeded
+            assert _get(port, "/livez")[0] == 200
+            assert _get(port, "/readyz")[0] == 200
+        finally:
+            dealer.close(0)
