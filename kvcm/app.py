@@ -27,7 +27,6 @@ from kvcm.threads import LoopThread
 log = logging.getLogger("kvcm.app")
 
 
-
 def open_store(config: Config) -> MetaStore:
     """The configured metadata store (an LMDB env under the data dir by default)."""
     if config.store.backend == "memory":
