@@ -1,4 +1,4 @@
-"""Crash tests with a real ``kvcm serve`` subprocess killed with SIGKILL (reliability.md F1, F2).
+"""Crash tests with a real ``kvcm serve`` subprocess killed with SIGKILL (reliability.md F1-F3).
 
 After every restart: no acknowledged write is missing, no ``writing`` location outlives its
 session, and the persisted usage equals a recount from the block records (checked in-process
@@ -16,7 +16,7 @@ import time
 import pytest
 from cache_helpers import add_group, finish, register, start, wait_for
 
-from kvcm.errors import KvcmError
+from kvcm.errors import CapacityError, KvcmError
 from kvcm.testing import serve_in_thread, start_subprocess, stop_subprocess
 
 FAST = ["--set", "cache.session_check_ms=50", "--set", "cache.delete_poll_ms=20"]
@@ -85,8 +85,9 @@ def test_kill_between_start_and_finish(tmp_path, sock_dir):
 class Writers:
     """Threads writing 1–16 fresh keys per start/finish pair; records what was acknowledged."""
 
-    def __init__(self, endpoint: str, instance: str, n: int, seed: int) -> None:
+    def __init__(self, endpoint: str, instance: str, n: int, seed: int, over_quota_ok: bool = False) -> None:
         self.endpoint, self.instance = endpoint, instance
+        self.over_quota_ok = over_quota_ok  # QUOTA_EXCEEDED: wait for the reclaimer and go on
         self.acked: set[int] = set()
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -102,6 +103,11 @@ class Writers:
                 try:
                     session = start(c, keys, self.instance, write_timeout_seconds=1)
                     finish(c, session, instance=self.instance)
+                except CapacityError:
+                    if not self.over_quota_ok:
+                        raise
+                    time.sleep(0.01)
+                    continue
                 except KvcmError:
                     return  # the server died: a reply that never came is not an acknowledgement
                 with self.lock:
@@ -141,3 +147,37 @@ def test_kill_during_write_bursts(tmp_path, sock_dir):
             acked |= writers.acked
     assert acked  # the bursts did write something
     _check_offline(data, "burst", acked)
+
+
+def test_kill_during_eviction(tmp_path, sock_dir):
+    """F3: writers keep a quota'd group above its watermark, so the reclaimer evicts all the time;
+    SIGKILL at a random moment, three times. The store stays consistent (usage equals a recount,
+    no record without its index entries), and after the restart eviction goes on."""
+    data = str(tmp_path / "data")
+    spec_bytes, quota_blocks = 1024, 200
+    capacity = quota_blocks * 2 * spec_bytes  # two specs per block
+    rng = random.Random(5)
+    for cycle in range(3):
+        server = start_subprocess(data, f"ipc://{sock_dir}/rpc", [*FAST, "--set", "reclaim.interval_s=0.02"])
+        try:
+            with server.client() as c:
+                if cycle == 0:
+                    c.call("create_instance_group", {"instance_group": {
+                        "name": "ev", "storage_candidates": ["default-file"], "quota": {"capacity": capacity},
+                        "reclaim_strategy": {"reclaim_policy": "lru", "used_percentage": 0.5,
+                                             "delay_before_delete_ms": 0}}})
+                    register(c, "ev", group="ev")
+            writers = Writers(server.endpoint, "ev", 4, seed=cycle, over_quota_ok=True)
+            writers.run_for(rng.uniform(0.5, 1.2))
+            with server.client() as c:  # the kill below lands while evicting
+                metrics = c.call("get_metrics")["metrics"]
+            assert sum(x["value"] for x in metrics.get("kvcm_reclaim_blocks_total", [])) > 0
+        finally:
+            stop_subprocess(server, kill=True)
+        writers.stop.set()
+        for t in writers.threads:
+            t.join(10)
+        assert writers.acked  # each cycle wrote, so the group went over its watermark
+    _check_offline(data)
+    with serve_in_thread(data_dir=data, overrides={"reclaim": {"interval_s": 0.02}}) as srv:
+        assert wait_for(lambda: srv.app.cache.usage("ev")["bytes"] <= 0.5 * capacity, timeout=30)
