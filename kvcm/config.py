@@ -56,7 +56,7 @@ class StoreConfig:
     map_size: int = 256 << 20  # initial LMDB map; grows by doubling up to map_size_max
     map_size_max: int = 64 << 30  # past this, writes get CAPACITY_EXHAUSTED
     sync: bool = True  # fsync every commit: an acknowledged write survives power loss
-    max_readers: int = 126  # LMDB reader slots (stale ones are cleared at start)
+    max_readers: int = 126  # LMDB reader slots (stale ones are cleared at start and when full)
     lock_shards: int = 64  # in-memory lock shards; a power of two
     search_cache_size: int = 65536  # entries of the lookup LRU cache; 0 disables it
 

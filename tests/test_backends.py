@@ -207,6 +207,44 @@ def test_lmdb_full_map_runs_the_groups_abort_callbacks(tmp_path):
         s.close()
 
 
+def _hold_a_reader(path, ready):
+    import time
+
+    import lmdb
+
+    env = lmdb.open(path, readonly=True, max_dbs=32, max_readers=4)
+    txn = env.begin()  # takes a reader slot, never given back: the process is killed holding it
+    ready.set()
+    time.sleep(60)
+    txn.abort()
+
+
+def test_lmdb_reader_slots_of_killed_processes_are_reclaimed_when_full(tmp_path):
+    """reliability.md F8: other processes (an inspection tool) die holding every reader slot;
+    the next read clears them instead of failing with MDB_READERS_FULL."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    s = LmdbStore(str(tmp_path / "d"), max_readers=4)
+    try:
+        with s.write() as txn:
+            txn.put("meta", b"k", b"v")
+        spawn = mp.get_context("spawn")
+        for _ in range(4):
+            ready = spawn.Event()
+            holder = spawn.Process(target=_hold_a_reader, args=(str(tmp_path / "d" / "meta"), ready))
+            holder.start()
+            assert ready.wait(30)
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.join()
+        with s.read() as view:
+            assert view.get("meta", b"k") == b"v"
+        assert s.stale_readers_cleared == 4
+    finally:
+        s.close()
+
+
 def test_lmdb_survives_reopen(tmp_path):
     s = LmdbStore(str(tmp_path / "d"))
     with s.write() as txn:

@@ -22,6 +22,7 @@ Rules from py-lmdb and lmdb.h this module enforces:
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import random
 import threading
@@ -33,6 +34,8 @@ import lmdb
 
 from kvcm.backends.base import DATABASES, run_aborts
 from kvcm.errors import Code, ServerError, StoreFull, Unavailable
+
+log = logging.getLogger("kvcm.store")
 
 _GROW_AT = 0.75  # grow the map once it is this full, before a write fails
 
@@ -269,7 +272,7 @@ class _Reading:
         store = self._store
         store._enter()
         try:
-            self._txn = store._env.begin(buffers=False)
+            self._txn = store._begin_read()
         except BaseException:
             store._leave()
             raise
@@ -309,7 +312,8 @@ class LmdbStore:
             max_readers=max_readers,
             subdir=True,
         )
-        self._env.reader_check()  # slots left by killed readers of a previous run
+        self.stale_readers_cleared = 0
+        self._clear_stale_readers()  # slots left by killed readers of a previous run
         self._dbs = {name: self._env.open_db(name.encode()) for name in DATABASES}
         self._gate = _Gate()
         self._local = threading.local()
@@ -448,6 +452,24 @@ class LmdbStore:
         finally:
             self._leave()
 
+    def _begin_read(self) -> lmdb.Transaction:
+        try:
+            return self._env.begin(buffers=False)
+        except lmdb.ReadersFullError:
+            # Every reader slot taken: often by processes that died holding one (a killed
+            # inspection tool), which only a reader check notices.
+            if not self._clear_stale_readers():
+                raise Unavailable("metadata store: every LMDB reader slot is in use; raise store.max_readers",
+                                  Code.SERVICE_NOT_READY) from None
+            return self._env.begin(buffers=False)
+
+    def _clear_stale_readers(self) -> int:
+        cleared = int(self._env.reader_check())
+        if cleared:
+            self.stale_readers_cleared += cleared
+            log.warning("cleared %d LMDB reader slots of dead processes", cleared)
+        return cleared
+
     def _enter(self) -> None:
         # Re-entrant per thread: a thread that already holds the gate must not queue behind a
         # waiting grower, or the grower (waiting for this thread) and this thread deadlock.
@@ -518,7 +540,7 @@ class LmdbStore:
             "map_size": int(info["map_size"]),
             "used_bytes": self._used_bytes(),
             "readers": int(info["num_readers"]),
-            "stale_readers_cleared": int(self._env.reader_check()),
+            "stale_readers_cleared": self.stale_readers_cleared + self._clear_stale_readers(),
         }
         with self.read() as view:
             for name in DATABASES:
