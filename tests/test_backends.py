@@ -245,6 +245,34 @@ def test_lmdb_reader_slots_of_killed_processes_are_reclaimed_when_full(tmp_path)
         s.close()
 
 
+def test_lmdb_store_refuses_use_in_a_forked_child(tmp_path):
+    """reliability.md F10: LMDB must not be used across fork(); the child gets a clear error
+    instead of undefined behaviour, and the parent is unaffected."""
+    import os
+
+    from kvcm.errors import ServerError
+
+    s = LmdbStore(str(tmp_path / "d"))
+    try:
+        with s.write() as txn:
+            txn.put("meta", b"k", b"v")
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit code only
+            code = 3
+            try:
+                with s.read():
+                    code = 1
+            except ServerError as exc:
+                code = 0 if "fork()" in str(exc) else 2
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with s.read() as view:
+            assert view.get("meta", b"k") == b"v"
+    finally:
+        s.close()
+
+
 def test_lmdb_survives_reopen(tmp_path):
     s = LmdbStore(str(tmp_path / "d"))
     with s.write() as txn:

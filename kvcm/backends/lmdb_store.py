@@ -16,7 +16,10 @@ Rules from py-lmdb and lmdb.h this module enforces:
 * ``MapFullError`` becomes :class:`~kvcm.errors.StoreFull` (``CAPACITY_EXHAUSTED``); the next
   top-level write grows the map (doubling) up to ``map_size_max``, and :meth:`LmdbStore.grow`
   does it at once (the dispatcher then runs the failed batch again);
-* a data dir is used by one kvcm at a time: an ``flock`` on ``kvcm.lock`` refuses a second one.
+* a data dir is used by one kvcm at a time: an ``flock`` on ``kvcm.lock`` refuses a second one;
+* an environment must not be used across ``fork()`` (lmdb.h: "Use an MDB_env* in the process
+  which opened it, without fork()ing"); py-lmdb does not stop a child, so a store refuses every
+  transaction in a forked child with a clear error.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 import os
 import random
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -318,6 +322,8 @@ class LmdbStore:
         self._gate = _Gate()
         self._local = threading.local()
         self._closed = False
+        self._forked = False  # set in a child process after fork(): see _mark_forked
+        _open_stores.add(self)
 
     @staticmethod
     def _lock_dir(path: str) -> int:
@@ -471,6 +477,9 @@ class LmdbStore:
         return cleared
 
     def _enter(self) -> None:
+        if self._forked:
+            raise ServerError("this metadata store was opened by the parent of a fork(); "
+                              "open the data dir again in this process", Code.INTERNAL_ERROR)
         # Re-entrant per thread: a thread that already holds the gate must not queue behind a
         # waiting grower, or the grower (waiting for this thread) and this thread deadlock.
         held = getattr(self._local, "held", 0)
@@ -556,3 +565,15 @@ class LmdbStore:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+_open_stores: weakref.WeakSet[LmdbStore] = weakref.WeakSet()
+
+
+def _mark_forked() -> None:
+    for store in list(_open_stores):
+        store._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_mark_forked)
