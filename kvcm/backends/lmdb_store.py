@@ -8,9 +8,10 @@ honours fdatasync). Throughput comes from group commit (``group()``), not from w
 Rules from py-lmdb and lmdb.h this module enforces:
 
 * a write transaction is opened, used and committed on one thread; nested ``write()`` blocks on
-  that thread become savepoints of it (an undo log each, see :class:`_WriteTxn`), never a second
-  writer (deadlock). An LMDB error inside (e.g. MDB_MAP_FULL) leaves the shared transaction
-  unusable, so the whole group then aborts and raises it: nothing of it is acknowledged;
+  that thread become savepoints of it (an undo log each, see
+  :class:`~kvcm.backends.lmdb_txn.LmdbWriteTxn`), never a second writer (deadlock). An LMDB
+  error inside (e.g. MDB_MAP_FULL) leaves the shared transaction unusable, so the whole group
+  then aborts and raises it: nothing of it is acknowledged;
 * ``set_mapsize`` needs a process with no live transaction, so growth waits at :class:`_Gate`
   until every transaction has ended;
 * ``MapFullError`` becomes :class:`~kvcm.errors.StoreFull` (``CAPACITY_EXHAUSTED``); the next
@@ -30,14 +31,15 @@ import os
 import random
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 
 import lmdb
 
 from kvcm.backends.base import DATABASES, run_aborts
-from kvcm.errors import Code, ServerError, StoreFull, Unavailable
+from kvcm.backends.lmdb_txn import LmdbReadTxn, LmdbWriteTxn, key_range, translate_error
+from kvcm.errors import Code, ServerError, Unavailable
 
 log = logging.getLogger("kvcm.store")
 
@@ -88,163 +90,6 @@ class _Gate:
                 self._cond.notify_all()
 
 
-def _translate(exc: lmdb.Error) -> Exception:
-    if isinstance(exc, lmdb.MapFullError):
-        return StoreFull(
-            "metadata store is full (LMDB map size reached); raise store.map_size_max",
-            Code.CAPACITY_EXHAUSTED,
-        )
-    if isinstance(exc, lmdb.DiskError):
-        return ServerError(f"metadata store disk error: {exc}", Code.IO_ERROR)
-    return ServerError(f"metadata store error: {exc}", Code.IO_ERROR)
-
-
-class _ReadTxn:
-    """A read view over one LMDB transaction (committed data, or a write txn's own writes)."""
-
-    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, Any]) -> None:
-        self._txn = txn
-        self._dbs = dbs
-
-    # Transactions are opened with buffers=False, so LMDB hands out bytes, never memoryviews.
-
-    def get(self, db: str, key: bytes) -> bytes | None:
-        return cast("bytes | None", self._txn.get(key, db=self._dbs[db]))
-
-    def get_many(self, db: str, keys: Iterable[bytes]) -> list[bytes | None]:
-        get, handle = self._txn.get, self._dbs[db]
-        return cast("list[bytes | None]", [get(k, db=handle) for k in keys])
-
-    def scan(
-        self, db: str, start: bytes = b"", prefix: bytes = b"", limit: int | None = None
-    ) -> Iterator[tuple[bytes, bytes]]:
-        cursor = self._txn.cursor(db=self._dbs[db])
-        if not cursor.set_range(max(start, prefix)):
-            return
-        items = cast("Iterator[tuple[bytes, bytes]]", cursor.iternext())
-        for n, (key, value) in enumerate(items):
-            if not key.startswith(prefix) or (limit is not None and n >= limit):
-                return
-            yield key, value
-
-    def count(self, db: str) -> int:
-        return int(self._txn.stat(self._dbs[db])["entries"])
-
-
-class _WriteTxn(_ReadTxn):
-    """A savepoint inside the group's one LMDB write transaction.
-
-    Nested ``write()`` blocks are not LMDB child transactions (each of those costs a dirty-page
-    list allocation plus a copy of every page it touches that its parent already dirtied): they
-    share the top-level transaction and keep an *undo log* instead — the value each key had when
-    the savepoint began, recorded on its first change — which a rollback writes back. ``undo``
-    is None when nothing needs it (the only savepoint of a group this block created: rollback is
-    the abort of the whole transaction).
-    """
-
-    __slots__ = ("aborts", "callbacks", "undo")
-
-    def __init__(
-        self,
-        txn: lmdb.Transaction,
-        dbs: dict[str, Any],
-        callbacks: list[Callable[[], None]],
-        undo: dict[tuple[str, bytes], bytes | None] | None,
-    ) -> None:
-        super().__init__(txn, dbs)
-        self.callbacks = callbacks
-        self.aborts: list[Callable[[], None]] = []
-        self.undo = undo
-
-    def put(self, db: str, key: bytes, value: bytes) -> None:
-        handle = self._dbs[db]
-        undo = self.undo
-        if undo is not None:
-            slot = (db, key)
-            if slot not in undo:
-                undo[slot] = cast("bytes | None", self._txn.get(key, db=handle))
-        self._txn.put(key, value, db=handle)
-
-    def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
-        txn, handle, undo = self._txn, self._dbs[db], self.undo
-        put = txn.put
-        if undo is None:
-            for key, value in items:
-                put(key, value, db=handle)
-            return
-        get = txn.get
-        for key, value in items:
-            slot = (db, key)
-            if slot not in undo:
-                undo[slot] = cast("bytes | None", get(key, db=handle))
-            put(key, value, db=handle)
-
-    def delete(self, db: str, key: bytes) -> bool:
-        handle = self._dbs[db]
-        undo = self.undo
-        if undo is not None:
-            slot = (db, key)
-            if slot not in undo:
-                old = cast("bytes | None", self._txn.get(key, db=handle))
-                if old is None:
-                    return False  # nothing to delete, nothing to undo
-                undo[slot] = old
-        return bool(self._txn.delete(key, db=handle))
-
-    def delete_many(self, db: str, keys: Iterable[bytes]) -> int:
-        return sum(1 for k in keys if self.delete(db, k))
-
-    def drop(self, db: str) -> None:
-        undo = self.undo
-        if undo is not None:
-            for key, value in list(self.scan(db)):
-                undo.setdefault((db, key), value)
-        self._txn.drop(self._dbs[db], delete=False)
-
-    def on_commit(self, fn: Callable[[], None]) -> None:
-        self.callbacks.append(fn)
-
-    def on_abort(self, fn: Callable[[], None]) -> None:
-        self.aborts.append(fn)
-
-    def remember(self, db: str, items: Iterable[tuple[bytes, bytes | None]]) -> None:
-        """Hint: ``(key, value)`` pairs the caller just read in this savepoint and has not
-        changed since, so the undo log need not read them again before a put or delete."""
-        undo = self.undo
-        if undo is not None:
-            for key, value in items:
-                undo.setdefault((db, key), value)
-
-    def rollback(self) -> None:
-        """Write back every value this savepoint changed (its undo log)."""
-        txn, dbs = self._txn, self._dbs
-        assert self.undo is not None
-        for (db, key), old in self.undo.items():
-            if old is None:
-                txn.delete(key, db=dbs[db])
-            else:
-                txn.put(key, old, db=dbs[db])
-
-
-def _key_range(view: _ReadTxn, db: str, prefix: bytes) -> tuple[bytes, bytes]:
-    cursor = view._txn.cursor(db=view._dbs[db])
-    cursor.set_range(prefix)
-    first = cursor.key()
-    # The last key with this prefix: jump past the prefix range and step back once.
-    if prefix and cursor.set_range(_next_prefix(prefix)):
-        cursor.prev()
-    else:
-        cursor.last()
-    return cast(bytes, first), cast(bytes, cursor.key())
-
-
-def _next_prefix(prefix: bytes) -> bytes:
-    stripped = prefix.rstrip(b"\xff")
-    if not stripped:
-        return b"\xff" * (len(prefix) + 1)
-    return stripped[:-1] + bytes([stripped[-1] + 1])
-
-
 class _Group:
     """Per-thread group-commit state: the lazily opened top-level txn and its callbacks.
 
@@ -272,7 +117,7 @@ class _Reading:
         self._store = store
         self._txn: lmdb.Transaction | None = None
 
-    def __enter__(self) -> _ReadTxn:
+    def __enter__(self) -> LmdbReadTxn:
         store = self._store
         store._enter()
         try:
@@ -280,7 +125,7 @@ class _Reading:
         except BaseException:
             store._leave()
             raise
-        return _ReadTxn(self._txn, store._dbs)
+        return LmdbReadTxn(self._txn, store._dbs)
 
     def __exit__(self, *exc: object) -> None:
         try:
@@ -382,10 +227,10 @@ class LmdbStore:
             fn()
 
     @contextmanager
-    def write(self, join: bool = False) -> Iterator[_WriteTxn]:
+    def write(self, join: bool = False) -> Iterator[LmdbWriteTxn]:
         group = getattr(self._local, "group", None)
         if join and group is not None and group.broken is None:
-            open_blocks: list[_WriteTxn] | None = getattr(self._local, "stack", None)
+            open_blocks: list[LmdbWriteTxn] | None = getattr(self._local, "stack", None)
             if open_blocks:
                 yield open_blocks[-1]  # no savepoint of its own: its errors roll back the enclosing block
                 return
@@ -397,17 +242,17 @@ class LmdbStore:
             raise group.broken
         if group.txn is None:
             group.txn = self._begin_top()
-        stack: list[_WriteTxn] = self._stack()
-        # A savepoint (see _WriteTxn), not an LMDB child transaction. The only savepoint of a
+        stack: list[LmdbWriteTxn] = self._stack()
+        # A savepoint (see LmdbWriteTxn), not an LMDB child transaction. The only savepoint of a
         # group opened by this very write() needs no undo log: its rollback aborts the group.
         lone = group.implicit and not stack
-        child = _WriteTxn(group.txn, self._dbs, [], None if lone else {})
+        child = LmdbWriteTxn(group.txn, self._dbs, [], None if lone else {})
         stack.append(child)
         try:
             yield child
         except lmdb.Error as exc:
             stack.pop()
-            translated = _translate(exc)
+            translated = translate_error(exc)
             group.broken = translated  # LMDB refuses any further use of this transaction
             run_aborts(child.aborts)
             raise translated from None
@@ -417,7 +262,7 @@ class LmdbStore:
                 try:
                     child.rollback()
                 except lmdb.Error as exc:
-                    group.broken = _translate(exc)
+                    group.broken = translate_error(exc)
             run_aborts(child.aborts)  # rolled back, or its group can only abort
             raise
         stack.pop()
@@ -448,13 +293,13 @@ class LmdbStore:
             return self._env.begin(write=True)
         except lmdb.Error as exc:
             self._leave()
-            raise _translate(exc) from None
+            raise translate_error(exc) from None
 
     def _commit_top(self, txn: lmdb.Transaction) -> None:
         try:
             txn.commit()  # with sync on, LMDB fsyncs inside commit()
         except lmdb.Error as exc:
-            raise _translate(exc) from None
+            raise translate_error(exc) from None
         finally:
             self._leave()
 
@@ -531,7 +376,7 @@ class LmdbStore:
             items = list(view.scan(db, prefix=prefix, limit=n * 4 + 1))
             if len(items) <= n * 4:
                 return random.sample(items, min(max(n, 0), len(items)))
-            lo, hi = _key_range(view, db, prefix)
+            lo, hi = key_range(view, db, prefix)
             width = max(len(lo), len(hi))
             low, high = int.from_bytes(lo.ljust(width, b"\0"), "big"), int.from_bytes(hi.ljust(width, b"\0"), "big")
             out: dict[bytes, bytes] = {}
