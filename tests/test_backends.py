@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvcm.backends import DataDirLocked, LmdbStore, from_i64, i64, u64
-from kvcm.errors import CapacityError, Code
+from kvcm.backends.base import MAX_KEY
+from kvcm.errors import CapacityError, Code, InvalidArgument
 
 
 def test_put_get_delete(store):
@@ -22,6 +23,25 @@ def test_put_get_delete(store):
         assert txn.delete_many("blocks", [b"k2", b"zz"]) == 1
     with store.read() as view:
         assert [k for k, _ in view.scan("blocks")] == [b"k3"]
+
+
+def test_keys_outside_the_size_limit_are_absent_and_refused(store):
+    """Found by the B6 fuzzer: looking up an empty storage name gave IO_ERROR (LMDB's
+    MDB_BAD_VALSIZE) where "not found" is the answer; writing one must be a caller error."""
+    bad = [b"", b"x" * (MAX_KEY + 1)]
+    with store.write() as txn:
+        txn.put("storages", b"x" * MAX_KEY, b"longest")
+        for key in bad:
+            assert txn.get("storages", key) is None
+            assert txn.delete("storages", key) is False
+        assert txn.get_many("storages", [*bad, b"x" * MAX_KEY]) == [None, None, b"longest"]
+    with store.read() as view:
+        assert view.get_many("storages", bad) == [None, None]
+    for key in bad:
+        with pytest.raises(InvalidArgument), store.write() as txn:
+            txn.put("storages", key, b"v")
+    with store.read() as view:
+        assert [k for k, _ in view.scan("storages")] == [b"x" * MAX_KEY]
 
 
 def test_databases_are_separate(store):

@@ -17,7 +17,9 @@ for the request's new blocks): ``fn`` runs once the block's changes are certain 
 — its own rollback, an enclosing block's, or the abort or failed commit of the group.
 
 Keys are bytes and sort bytewise; callers encode integers fixed-width big-endian
-(:func:`u64`, :func:`i64`) so that cursor scans come out ordered.
+(:func:`u64`, :func:`i64`) so that cursor scans come out ordered. A key is 1 to
+:data:`MAX_KEY` bytes (LMDB's limit): reading any other key finds nothing (a name no record can
+have is simply not there), writing one raises :class:`~kvcm.errors.InvalidArgument`.
 
 Lock order, to rule out deadlocks between the RPC thread and the background threads:
 open the write transaction first, then take in-memory shard locks (``locks.ShardedLocks``).
@@ -30,6 +32,8 @@ import struct
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol
+
+from kvcm.errors import InvalidArgument
 
 log = logging.getLogger("kvcm.store")
 
@@ -50,6 +54,9 @@ DATABASES: tuple[str, ...] = (
     "engine_hashes",  # (source, engine hash) -> kvcm key
 )
 
+#: Longest key a store accepts (LMDB's compile-time ``MDB_MAXKEYSIZE``).
+MAX_KEY = 511
+
 _U64 = struct.Struct(">Q")
 _I64 = struct.Struct(">q")
 
@@ -63,6 +70,10 @@ def run_aborts(fns: list[Callable[[], None]]) -> None:
         except Exception:  # logged; the abort itself goes on
             log.exception("abort callback failed")
     fns.clear()
+
+
+def bad_key(key: bytes) -> InvalidArgument:
+    return InvalidArgument(f"a metadata key of {len(key)} bytes: keys (names, ids) must be 1 to {MAX_KEY} bytes")
 
 
 def u64(value: int) -> bytes:

@@ -10,10 +10,13 @@ from typing import Any, cast
 
 import lmdb
 
-from kvcm.errors import Code, ServerError, StoreFull
+from kvcm.backends.base import MAX_KEY
+from kvcm.errors import Code, InvalidArgument, ServerError, StoreFull
 
 
 def translate_error(exc: lmdb.Error) -> Exception:
+    if isinstance(exc, lmdb.BadValsizeError):  # a write of a key no record can have
+        return InvalidArgument(f"a metadata key (name or id) is empty or longer than {MAX_KEY} bytes")
     if isinstance(exc, lmdb.MapFullError):
         return StoreFull(
             "metadata store is full (LMDB map size reached); raise store.map_size_max",
@@ -34,11 +37,18 @@ class LmdbReadTxn:
     # Transactions are opened with buffers=False, so LMDB hands out bytes, never memoryviews.
 
     def get(self, db: str, key: bytes) -> bytes | None:
-        return cast("bytes | None", self._txn.get(key, db=self._dbs[db]))
+        try:
+            return cast("bytes | None", self._txn.get(key, db=self._dbs[db]))
+        except lmdb.BadValsizeError:
+            return None  # empty or over MAX_KEY: no record can have that key
 
     def get_many(self, db: str, keys: Iterable[bytes]) -> list[bytes | None]:
         get, handle = self._txn.get, self._dbs[db]
-        return cast("list[bytes | None]", [get(k, db=handle) for k in keys])
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        try:
+            return cast("list[bytes | None]", [get(k, db=handle) for k in keys])
+        except lmdb.BadValsizeError:
+            return [self.get(db, k) for k in keys]
 
     def scan(
         self, db: str, start: bytes = b"", prefix: bytes = b"", limit: int | None = None
@@ -105,6 +115,8 @@ class LmdbWriteTxn(LmdbReadTxn):
             put(key, value, db=handle)
 
     def delete(self, db: str, key: bytes) -> bool:
+        if not 0 < len(key) <= MAX_KEY:
+            return False  # no record has that key
         handle = self._dbs[db]
         undo = self.undo
         if undo is not None:
