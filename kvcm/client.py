@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from kvcm.errors import Code, KvcmError, ServerError, Unavailable, error_from_wire
+from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, Unavailable, error_from_wire
 from kvcm.proto import wire
 
 #: Methods that may be re-sent after a timeout without changing the outcome.
@@ -86,7 +86,10 @@ class Client:
         if self.auth is not None and "auth" not in params:
             params["auth"] = self.auth
         msgid = next(self._ids) & wire.MAX_MSGID
-        payload = wire.pack_request(msgid, method, params)
+        try:
+            payload = wire.pack_request(msgid, method, params)
+        except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond 64 bits
+            raise InvalidArgument(f"{method}: params cannot be sent: {type(exc).__name__}: {exc}") from None
         may_retry = method in IDEMPOTENT_METHODS if retry is None else retry
         attempts = 1 + (self.retries if may_retry else 0)
         wait = self.timeout if timeout is None else timeout

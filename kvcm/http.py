@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvcm.client import Client
-from kvcm.errors import Code, InvalidArgument, KvcmError
+from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError
 from kvcm.metrics import Metrics
 
 log = logging.getLogger("kvcm.http")
@@ -89,18 +89,30 @@ def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
                 self._json(200, {"result": result})
             except KvcmError as exc:
                 self._json(_STATUS.get(exc.code, 500), {"error": exc.to_wire()})
+            except Exception as exc:  # noqa: BLE001 - every request gets an answer
+                log.exception("http: POST %s failed", self.path[:200])
+                self._json(500, {"error": ServerError(f"internal error: {type(exc).__name__}").to_wire()})
 
         def _body(self) -> dict[str, Any]:
-            length = int(self.headers.get("Content-Length") or 0)
+            header = self.headers.get("Content-Length") or "0"
+            try:
+                length = int(header)
+            except ValueError:
+                length = -1
+            if length < 0:
+                self.close_connection = True  # the rest of the stream cannot be framed
+                raise InvalidArgument(f"Content-Length {header[:40]!r} is not a byte count")
             if length > _MAX_BODY:
+                self.close_connection = True
                 raise InvalidArgument(f"body of {length} bytes is too large", Code.MESSAGE_TOO_LARGE)
             raw = self.rfile.read(length) if length else b"{}"
             try:
                 params = json.loads(raw or b"{}")
-            except ValueError as exc:
-                raise InvalidArgument(f"body is not JSON: {exc}") from None
+            except (ValueError, RecursionError) as exc:
+                raise InvalidArgument(f"body is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
             if not isinstance(params, dict):
                 raise InvalidArgument("body must be a JSON object")
+            _check_json(params)
             return params
 
         def _probe(self, ok: bool) -> None:
@@ -117,6 +129,26 @@ def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
     return Handler
+
+
+_MAX_DEPTH = 32
+_INT_RANGE = range(-(1 << 63), 1 << 64)  # what msgpack, and so the RPC front door, can carry
+
+
+def _check_json(body: dict[str, Any]) -> None:
+    """Refuse what the RPC side could not carry: nesting deeper than any request needs (json
+    parses far deeper) and integers outside int64/uint64 (msgpack cannot pack them)."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            raise InvalidArgument(f"body nests deeper than {_MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, int) and not isinstance(value, bool) and value not in _INT_RANGE:
+            raise InvalidArgument(f"integer {str(value)[:40]} does not fit in 64 bits")
 
 
 def _jsonable(value: Any) -> Any:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
 import urllib.request
 
 import msgpack
+import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvcm.errors import InvalidArgument
 from kvcm.testing import serve_in_thread
 
 
@@ -93,3 +96,42 @@ def test_livez_fails_while_the_rpc_loop_is_wedged():
             assert _get(port, "/readyz")[0] == 200
         finally:
             dealer.close(0)
+
+
+def _raw_post(port: int, body: bytes, headers: dict[str, str], path: str = "/api/check_health") -> tuple[int, dict]:
+    """A POST with headers exactly as given (urllib would fix a bad Content-Length)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest("POST", path)
+        for name, value in headers.items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        conn.send(body)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_hostile_bodies_get_a_typed_400_and_the_port_keeps_serving():
+    """Each of these used to end in a traceback and a dropped connection (or, for a negative
+    Content-Length, a handler reading until the client gave up)."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    cases = [
+        (b"{}", {"Content-Length": "abc"}, "/api/check_health", "Content-Length"),
+        (b"{}", {"Content-Length": "-1"}, "/api/check_health", "Content-Length"),
+        (deep, {"Content-Length": str(len(deep))}, "/api/check_health", "RecursionError"),
+        (b'{"a":' * 33 + b"1" + b"}" * 33, {}, "/api/check_health", "deeper than 32"),
+        (b'{"instance_id": "i", "block_keys": [1180591620717411303424]}', {}, "/api/get_cache_location",
+         "64 bits"),
+    ]
+    with serve_in_thread() as server:
+        port = server.http_port
+        for body, headers, path, words in cases:
+            headers = {"Content-Length": str(len(body)), **headers}
+            status, reply = _raw_post(port, body, headers, path)
+            assert status == 400, (headers, reply)
+            assert reply["error"]["name"] == "INVALID_ARGUMENT" and words in reply["error"]["message"], reply
+        assert _post(port, "/api/check_health", b"{}")[0] == 200
+        with server.client() as c, pytest.raises(InvalidArgument, match="64 bits|cannot be sent"):
+            c.call("get_cache_location", {"instance_id": "i", "block_keys": [1 << 70]})
