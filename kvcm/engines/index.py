@@ -108,7 +108,7 @@ class EngineIndex:
         with self._txn() as txn, self._lock:
             state = self._sources.pop(source_id, None)
             if state is None:
-                raise NotFound(f"no event source {source_id!r}")
+                raise NotFound(f"no event source {source_id[:200]!r}")
             self._clear_memory(state)
             self._dirty.discard(source_id)
             if txn is not None:
