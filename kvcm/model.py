@@ -346,9 +346,12 @@ SNAPSHOT_FORMAT, SNAPSHOT_VERSION = "kvcm-registry", 1
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
-    """The whole registry, as ``gen_config_snapshot`` exports it."""
+    """The whole registry, as ``gen_config_snapshot`` exports it.
 
-    format: str = SNAPSHOT_FORMAT
+    ``format`` is required: loading replaces the registry, so a map that is not a snapshot at
+    all (``{}``, or a storage record passed by mistake) must not read as an empty one."""
+
+    format: str
     version: int = SNAPSHOT_VERSION
     created_time: int = 0
     storages: list[Storage] = []
@@ -361,8 +364,8 @@ def parse_snapshot(data: dict[str, Any] | str) -> Snapshot:
     if isinstance(data, str):
         try:
             data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise InvalidArgument(f"config_snapshot: not valid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested beyond any snapshot
+            raise InvalidArgument(f"config_snapshot: not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     snapshot = convert(data, Snapshot, "config_snapshot")
     if snapshot.format != SNAPSHOT_FORMAT or snapshot.version > SNAPSHOT_VERSION:
         raise InvalidArgument(

@@ -25,6 +25,7 @@ import msgspec
 from kvcm.backends.base import MetaStore, ReadTxn, WriteTxn
 from kvcm.errors import Code, Conflict, InvalidArgument, NotFound, error
 from kvcm.model import (
+    SNAPSHOT_FORMAT,
     Account,
     Instance,
     InstanceGroup,
@@ -461,6 +462,7 @@ class Registry:
         """Everything in the registry (accounts with their hashes), as one map."""
         with self._store.read() as view:
             snapshot = Snapshot(
+                format=SNAPSHOT_FORMAT,
                 created_time=now_ms(),
                 storages=self._storages.all(view),
                 instance_groups=self._groups.all(view),

@@ -575,6 +575,7 @@ def test_snapshot_keeps_unchanged_records_alive(reg_g1):
         (lambda s: s["accounts"][0].update(password_hash="scrypt$1048576000$8$1$AA==$AA=="), "password_hash"),
         (lambda s: s["instances"][0].update(block_size="16"), "config_snapshot.instances[0].block_size"),
         (lambda s: s.update(format="other"), "format"),
+        (lambda s: s.pop("format"), "format"),  # not a snapshot: never read as an empty one
     ],
 )
 def test_snapshot_load_validates_everything_first(reg, mutate, message):

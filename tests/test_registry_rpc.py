@@ -220,6 +220,8 @@ def test_one_batch_sees_its_own_writes(rpc):
         ("add_account", {"user_name": "u", "password": "p", "role": "root"}, "role"),
         ("load_config_snapshot", {"config_snapshot": 5}, "config_snapshot"),
         ("load_config_snapshot", {"config_snapshot": "{not json"}, "config_snapshot"),
+        ("load_config_snapshot", {"config_snapshot": "[" * 100_000}, "config_snapshot"),  # was INTERNAL_ERROR
+        ("load_config_snapshot", {"config_snapshot": {}}, "format"),  # was: an empty registry
         ("get_instance_info", {"instance_id": ["i1"]}, "instance_id"),
     ],
 )

@@ -68,6 +68,20 @@ class _Kvcm:
         self.dispatcher = self.app.dispatcher
         atexit.register(self.close)
         self._seed()
+        self._registry = self.app.registry.gen_config_snapshot()
+
+    def reseed(self) -> None:
+        """Put the registry back when an input removed the instance (or its group or storage),
+        so later inputs still reach the cache handlers; a failure leaves things as they are."""
+        from kvcm.errors import KvcmError
+
+        try:
+            self.app.registry.get_instance(INSTANCE)
+        except KvcmError:
+            try:
+                self.app.registry.load_config_snapshot(self._registry)
+            except KvcmError:
+                pass
 
     def _seed(self) -> None:
         call = self.dispatcher.call
@@ -146,7 +160,8 @@ _WRONG = (None, -1, 2**64 - 1, "", "x" * 300, b"\x00\xff", [], {}, 1.5, True, [N
 _WORDS = ("", INSTANCE, "default", "tp0", "tp1", "file", "shm", "3fs", "mooncake", "tairmempool", "prefix_match",
           "batch_get", "reverse_roll_sw_match", "remove_all_cache", "remove_all_meta", "timestamp", "lru", "lfu",
           "ttl", "leaf_lru", "GPU", "CPU", "admin", "x" * 70, "\u00fc\u00df", "a/b", "..", "tcp://127.0.0.1:1",
-          "ipc:///nonexistent/x", "0" * 32, "default-file", "fuzz-inst-2")
+          "ipc:///nonexistent/x", "0" * 32, "default-file", "fuzz-inst-2", "[" * 3000,
+          '{"format": "kvcm-registry"}')
 
 
 def _value(r: _Reader, info: Any, sandbox: str, depth: int = 0) -> Any:
@@ -203,11 +218,27 @@ def _any(r: _Reader, sandbox: str, depth: int) -> Any:
     return r.pick(_WRONG)
 
 
+#: Values that make a field *mean* something to the seeded kvcm (an existing instance, written
+#: keys, a live session), used for three out of four fields so named: random words would almost
+#: never name the instance, and every cache request would stop at INSTANCE_NOT_EXIST.
+_HINTS: dict[str, Callable[[_Reader], Any]] = {
+    "instance_id": lambda r: INSTANCE,
+    "block_keys": lambda r: [r.pick(WRITTEN_KEYS + [100, 101, -5]) for _ in range(_length(r))],
+    "token_ids": lambda r: [r.byte() % 4 for _ in range(_length(r) * BLOCK_SIZE)],
+    "write_session_id": lambda r: r.pick(_recent_sessions or ["0" * 32]),
+    "query_type": lambda r: r.pick(("prefix_match", "batch_get", "reverse_roll_sw_match")),
+    "strategy": lambda r: r.pick(("remove_all_cache", "remove_all_meta", "timestamp")),
+}
+_recent_sessions: list[str] = []
+
+
 def _struct(r: _Reader, info: Any, sandbox: str, depth: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field in info.fields:
         if field.required or r.byte() & 1:
-            out[field.encode_name] = _value(r, field.type, sandbox, depth)
+            hint = _HINTS.get(field.encode_name)
+            use_hint = hint is not None and r.byte() % 4 != 0
+            out[field.encode_name] = hint(r) if hint is not None and use_hint else _value(r, field.type, sandbox, depth)
     if r.byte() % 7 == 0:
         out[r.pick(_WORDS)] = _any(r, sandbox, depth)  # unknown fields must be ignored
     return _sandboxed(out, sandbox)
@@ -239,8 +270,22 @@ def structured_request(data: bytes) -> bytes:
 
 
 def check_rpc_struct(data: bytes) -> None:
+    k = kvcm()
     request = structured_request(data)
-    _check_reply(request, kvcm().dispatcher.handle(request))
+    reply = k.dispatcher.handle(request)
+    _check_reply(request, reply)
+    _remember_session(reply)
+    k.reseed()
+
+
+def _remember_session(reply: bytes | None) -> None:
+    """Keep the last few write sessions, so finish_write_cache can name a live one."""
+    if reply is None or b"write_session_id" not in reply:
+        return
+    result = wire.parse_response(reply)[2]
+    if isinstance(result, dict) and isinstance(result.get("write_session_id"), str):
+        _recent_sessions.append(result["write_session_id"])
+        del _recent_sessions[:-8]
 
 
 # -- KV events -------------------------------------------------------------------------------------
