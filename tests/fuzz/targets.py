@@ -223,7 +223,7 @@ def _any(r: _Reader, sandbox: str, depth: int) -> Any:
 #: never name the instance, and every cache request would stop at INSTANCE_NOT_EXIST.
 _HINTS: dict[str, Callable[[_Reader], Any]] = {
     "instance_id": lambda r: INSTANCE,
-    "block_keys": lambda r: [r.pick(WRITTEN_KEYS + [100, 101, -5]) for _ in range(_length(r))],
+    "block_keys": lambda r: [r.pick([*WRITTEN_KEYS, 100, 101, -5]) for _ in range(_length(r))],
     "token_ids": lambda r: [r.byte() % 4 for _ in range(_length(r) * BLOCK_SIZE)],
     "write_session_id": lambda r: r.pick(_recent_sessions or ["0" * 32]),
     "query_type": lambda r: r.pick(("prefix_match", "batch_get", "reverse_roll_sw_match")),
