@@ -20,6 +20,7 @@ a crash found once stays a regression test. Nothing here needs atheris.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import shutil
@@ -78,10 +79,8 @@ class _Kvcm:
         try:
             self.app.registry.get_instance(INSTANCE)
         except KvcmError:
-            try:
+            with contextlib.suppress(KvcmError):
                 self.app.registry.load_config_snapshot(self._registry)
-            except KvcmError:
-                pass
 
     def _seed(self) -> None:
         call = self.dispatcher.call
