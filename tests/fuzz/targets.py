@@ -41,10 +41,10 @@ from kvcm.proto.vllm_events import EventDecodeError, decode_batch, event_to_mean
 INSTANCE = "fuzz-inst"
 BLOCK_SIZE = 4
 WRITTEN_KEYS = list(range(1, 9))
-#: Spec fields that name directories: a fuzzer must never make kvcm create or probe paths
-#: outside its sandbox, so raw inputs naming them are parsed but not executed, and structured
-#: inputs get sandbox paths there.
-PATH_FIELDS = (b"root_path", b"mountpoint", b"root_dir", b"shm_dir", b"storage_spec")
+#: Fields of storage records, whose specs name directories (and default to real ones, such as
+#: ``/dev/shm``): a fuzzer must never make kvcm create or probe paths outside its sandbox, so
+#: raw inputs naming them are parsed but not executed, and structured inputs get sandbox paths.
+PATH_FIELDS = (b"root_path", b"mountpoint", b"root_dir", b"shm_dir", b"storage_spec", b"storage_type")
 
 
 class FuzzBug(AssertionError):
@@ -243,12 +243,23 @@ def _struct(r: _Reader, info: Any, sandbox: str, depth: int) -> dict[str, Any]:
     return _sandboxed(out, sandbox)
 
 
+#: The spec field naming a directory, per storage type; left out, each defaults to a real
+#: system path (``shm`` to ``/dev/shm``), so it is always set into the sandbox.
+_PATH_FIELD = {"file": "root_path", "shm": "shm_dir", "3fs": "mountpoint"}
+
+
 def _sandboxed(params: dict[str, Any], sandbox: str) -> dict[str, Any]:
-    spec = params.get("storage_spec")
-    if isinstance(spec, dict):
-        for name in ("root_path", "mountpoint", "shm_dir"):
-            spec[name] = os.path.join(sandbox, "st", str(spec.get(name, ""))[:8].replace("/", "_") or "x")
-        spec.pop("root_dir", None)
+    """A storage record's directory goes into the sandbox, whatever the fuzz bytes chose."""
+    if "storage_type" not in params and "storage_spec" not in params:
+        return params
+    spec = params.setdefault("storage_spec", {})
+    kind = params.get("storage_type")
+    if not isinstance(spec, dict) or not isinstance(kind, str):
+        return params  # refused by validation before any backend opens
+    field = _PATH_FIELD.get(kind)
+    if field is not None:
+        spec[field] = os.path.join(sandbox, "st", str(spec.get(field, ""))[:8].replace("/", "_") or "x")
+    spec.pop("root_dir", None)  # relative to the mountpoint, but ".." would climb out
     return params
 
 
