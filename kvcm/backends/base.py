@@ -72,8 +72,14 @@ def run_aborts(fns: list[Callable[[], None]]) -> None:
     fns.clear()
 
 
-def bad_key(key: bytes) -> InvalidArgument:
-    return InvalidArgument(f"a metadata key of {len(key)} bytes: keys (names, ids) must be 1 to {MAX_KEY} bytes")
+def key_fits(key: bytes) -> bool:
+    """A key a store can hold (see the module docstring)."""
+    return 0 < len(key) <= MAX_KEY
+
+
+def bad_key() -> InvalidArgument:
+    """The error of a write with a key that does not fit, from every store alike."""
+    return InvalidArgument(f"a metadata key (name or id) is empty or longer than {MAX_KEY} bytes")
 
 
 def u64(value: int) -> bytes:

@@ -10,13 +10,13 @@ from typing import Any, cast
 
 import lmdb
 
-from kvcm.backends.base import MAX_KEY
-from kvcm.errors import Code, InvalidArgument, ServerError, StoreFull
+from kvcm.backends.base import bad_key, key_fits
+from kvcm.errors import Code, ServerError, StoreFull
 
 
 def translate_error(exc: lmdb.Error) -> Exception:
     if isinstance(exc, lmdb.BadValsizeError):  # a write of a key no record can have
-        return InvalidArgument(f"a metadata key (name or id) is empty or longer than {MAX_KEY} bytes")
+        return bad_key()
     if isinstance(exc, lmdb.MapFullError):
         return StoreFull(
             "metadata store is full (LMDB map size reached); raise store.map_size_max",
@@ -40,7 +40,7 @@ class LmdbReadTxn:
         try:
             return cast("bytes | None", self._txn.get(key, db=self._dbs[db]))
         except lmdb.BadValsizeError:
-            return None  # empty or over MAX_KEY: no record can have that key
+            return None  # the key does not fit (key_fits): no record can have it
 
     def get_many(self, db: str, keys: Iterable[bytes]) -> list[bytes | None]:
         get, handle = self._txn.get, self._dbs[db]
@@ -115,7 +115,7 @@ class LmdbWriteTxn(LmdbReadTxn):
             put(key, value, db=handle)
 
     def delete(self, db: str, key: bytes) -> bool:
-        if not 0 < len(key) <= MAX_KEY:
+        if not key_fits(key):
             return False  # no record has that key
         handle = self._dbs[db]
         undo = self.undo

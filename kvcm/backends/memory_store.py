@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from sortedcontainers import SortedDict
 
-from kvcm.backends.base import DATABASES, MAX_KEY, bad_key, run_aborts
+from kvcm.backends.base import DATABASES, bad_key, key_fits, run_aborts
 
 _DELETED = None  # overlay marker for a deleted key
 
@@ -98,8 +98,8 @@ class _WriteView(_View):
     def put(self, db: str, key: bytes, value: bytes) -> None:
         if db not in DATABASES:
             raise KeyError(db)
-        if not 0 < len(key) <= MAX_KEY:
-            raise bad_key(key)  # as LMDB would
+        if not key_fits(key):
+            raise bad_key()  # as LMDB would
         self.overlay.setdefault(db, {})[bytes(key)] = bytes(value)
 
     def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
