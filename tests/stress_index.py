@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             t.start()
         rounds = args.ops // args.check_every
         try:
-            for r in range(rounds):
+            for _r in range(rounds):
                 barrier.wait()
                 stress.verify()
                 barrier.wait()

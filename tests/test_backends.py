@@ -60,7 +60,7 @@ def test_scan_is_ordered_with_prefix_start_and_limit(store):
         txn.put("blocks", b"\xff\xff", b"y")
     with store.read() as view:
         got = [k for k, _ in view.scan("blocks")]
-        assert got == sorted(keys) + [b"\xff\xff"]
+        assert got == [*sorted(keys), b"\xff\xff"]
         assert [k for k, _ in view.scan("blocks", start=u64(6))][:2] == [u64(7), u64(300)]
         assert [k for k, _ in view.scan("blocks", prefix=b"\xff")] == [b"\xff\xff"]
         assert len(list(view.scan("blocks", limit=2))) == 2
@@ -74,11 +74,10 @@ def test_signed_keys_sort_numerically():
 
 def test_failed_write_rolls_back_and_skips_callbacks(store):
     fired = []
-    with pytest.raises(RuntimeError):
-        with store.write() as txn:
-            txn.put("blocks", b"a", b"1")
-            txn.on_commit(lambda: fired.append("a"))
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), store.write() as txn:
+        txn.put("blocks", b"a", b"1")
+        txn.on_commit(lambda: fired.append("a"))
+        raise RuntimeError("boom")
     with store.read() as view:
         assert view.get("blocks", b"a") is None
     assert fired == []
@@ -90,11 +89,10 @@ def test_group_children_commit_or_roll_back_alone(store):
         with store.write() as txn:
             txn.put("blocks", b"a", b"1")
             txn.on_commit(lambda: fired.append("a"))
-        with pytest.raises(ValueError):
-            with store.write() as txn:
-                txn.put("blocks", b"b", b"2")
-                txn.on_commit(lambda: fired.append("b"))
-                raise ValueError
+        with pytest.raises(ValueError), store.write() as txn:
+            txn.put("blocks", b"b", b"2")
+            txn.on_commit(lambda: fired.append("b"))
+            raise ValueError
         with store.write() as txn:
             assert txn.get("blocks", b"a") == b"1"  # sees the earlier child of the group
             assert txn.get("blocks", b"b") is None

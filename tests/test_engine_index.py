@@ -66,7 +66,7 @@ def test_keys_are_the_storage_tier_keys_chained_through_parents():
     apply("a", stored([4], 3, 1, parent=3))
     keys = token_ids_to_block_keys(TOKENS[: 16 * 6], 16)
     assert best(index, keys) == 4
-    other = token_ids_to_block_keys([7] + TOKENS[1:96], 16)  # first token differs: every key differs
+    other = token_ids_to_block_keys([7, *TOKENS[1:96]], 16)  # first token differs: every key differs
     assert best(index, other) == 0
 
 

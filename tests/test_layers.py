@@ -52,7 +52,7 @@ def kvcm_imports(path: pathlib.Path, module: str) -> set[str]:
             out.update(a.name for a in node.names if a.name.startswith("kvcm"))
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative import: resolve against the package
-                base = module.split(".")[: -node.level] if not path.name == "__init__.py" else module.split(".")[: len(module.split(".")) - node.level + 1]
+                base = module.split(".")[: -node.level] if path.name != "__init__.py" else module.split(".")[: len(module.split(".")) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""

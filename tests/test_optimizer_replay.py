@@ -109,7 +109,8 @@ def test_lru_hit_rate_is_monotone_in_capacity(mooncake):
 
 
 def test_masks_count_internal_hits_and_skip_the_lookup():
-    records = turns([1, 2, 3, 4]) + [
+    records = [
+        *turns([1, 2, 3, 4]),
         Record(5, "i", "read", [1, 2, 3, 4], mask=2),
         Record(6, "i", "read", [9, 9 + 1, 3, 4], mask=2),  # masked blocks need not be cached
         Record(7, "i", "read", [1, 2, 3, 4], mask=[False, True, True, False]),
@@ -142,12 +143,7 @@ def test_reads_refresh_and_writes_store():
 
 
 def test_remove_and_clear_records():
-    records = turns([1, 2, 3], [4]) + [
-        Record(3, "i", "remove", [2, 99]),
-        Record(4, "i", "read", [1, 2, 3]),
-        Record(5, "i", "clear"),
-        Record(6, "i", "read", [4]),
-    ]
+    records = [*turns([1, 2, 3], [4]), Record(3, "i", "remove", [2, 99]), Record(4, "i", "read", [1, 2, 3]), Record(5, "i", "clear"), Record(6, "i", "read", [4])]
     result = replay(records, block_size_of=1)
     s = result.instances["i"]
     assert s.external_hit_blocks == 1 and s.removed_blocks == 1 + 3 and s.evicted_blocks == 0

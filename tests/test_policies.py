@@ -42,12 +42,12 @@ def test_registry_has_the_five_policies():
 
 
 def test_unknown_policy_lists_valid_names():
-    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'.*lru, lfu, ttl, leaf_lru"):
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'fifo'.*lru, lfu, ttl, leaf_lru"):
         make_policy("fifo")
 
 
 def test_unknown_option_lists_valid_options():
-    with pytest.raises(ValueError, match="no option ttl_seconds.*sample_size, seed"):
+    with pytest.raises(ValueError, match=r"no option ttl_seconds.*sample_size, seed"):
         make_policy("lru", ttl_seconds=3)
 
 

@@ -60,7 +60,7 @@ class FakeManager:
 
     def read(self, iid: str, keys: list[int], now: float | None = None) -> None:
         now = self.now if now is None else now
-        hits = [k for k in keys if any(l.status == "serving" for (i, kk, _), l in self.locs.items() if i == iid and kk == k)]
+        hits = [k for k in keys if any(loc.status == "serving" for (i, kk, _), loc in self.locs.items() if i == iid and kk == k)]
         for lst in self.listeners:
             lst.on_read(iid, hits, now)
 
@@ -86,8 +86,8 @@ class FakeManager:
                     freed += loc.nbytes
                     self.evicted.append((iid, key, t))
         # as the real manager: a key is reported removed once no copy of it is serving
-        gone = [k for k in keys if not any(i == iid and kk == k and l.status == "serving"
-                                           for (i, kk, _), l in self.locs.items())]
+        gone = [k for k in keys if not any(i == iid and kk == k and loc.status == "serving"
+                                           for (i, kk, _), loc in self.locs.items())]
         for lst in self.listeners:
             lst.on_removed(iid, gone)
         if self.delay == 0:

@@ -20,7 +20,7 @@ def _events(sub: zmq.Socket, want: int, timeout: float = 10.0) -> list:
     out: list = []
     deadline = time.monotonic() + timeout
     while len(out) < want and sub.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-        topic, seq, payload = sub.recv_multipart()
+        _topic, _seq, payload = sub.recv_multipart()
         out.extend(decode_batch(payload).events)
     return out
 
