@@ -18,9 +18,10 @@ from typing import Any
 from kvcm import __version__
 from kvcm.backends import LmdbStore, MemoryStore, MetaStore
 from kvcm.config import Config
-from kvcm.dispatch import Dispatcher, Method
+from kvcm.dispatch import Dispatcher, Limits, Method
 from kvcm.http import SideHttp
 from kvcm.metrics import Metrics
+from kvcm.proto.curve import CurveServer
 from kvcm.server import Server, Timer
 from kvcm.threads import LoopThread
 
@@ -54,32 +55,45 @@ class App:
         self.timers: list[Timer] = []
         self._stopped = False
         self._serve_thread: threading.Thread | None = None
+        self.curve: CurveServer | None = None  # keys, context and ZAP handler when CURVE is on
         try:
+            self.curve = self._build_curve()
             methods = self._build_services()
             self.dispatcher = Dispatcher(
                 methods,
                 metrics=self.metrics,
                 group=self.store.group,
                 atomic=self.store.write,
-                # Off, no hook at all: the dispatcher then decodes requests straight into
-                # their Structs (the "auth" map is no Struct field, so auth needs the raw map).
+                # Off, no hook at all: not even a call per request.
                 authorize=self.authorize if self.authorize.enabled else None,
-                max_keys=config.server.max_keys,
+                limits=Limits(
+                    max_keys=config.server.max_keys,
+                    max_tokens=config.server.max_tokens,
+                    max_reply_bytes=config.server.max_reply_bytes,
+                    turn_budget_ms=config.server.turn_budget_ms,
+                    defer_timeout_s=config.server.defer_timeout_s,
+                ),
                 group_commit=config.server.group_commit,
                 access_log=config.server.access_log,
                 grow=getattr(self.store, "grow", None),
             )
             self.server = Server(
                 config.server.endpoint,
-                self.dispatcher.handle_batch,
+                self.dispatcher,
                 metrics=self.metrics,
                 timers=self.timers,
                 max_message_bytes=config.server.max_message_bytes,
                 drain_max=config.server.drain_max,
                 poll_ms=config.server.poll_ms,
                 sndhwm=config.server.sndhwm,
+                context=self.curve.context if self.curve is not None else None,
+                socket_setup=self.curve.setup if self.curve is not None else None,
             )
         except BaseException:
+            if self.publisher is not None:
+                self.publisher.stop()
+            if self.curve is not None:
+                self.curve.stop()  # after every socket on its context is closed
             if getattr(self, "engine_store", None) is not None:
                 self.engine_store.close()
             self.store.close()
@@ -89,8 +103,26 @@ class App:
 
     # -- wiring ---------------------------------------------------------------------------------
 
+    def _build_curve(self) -> CurveServer | None:
+        """CURVE for the RPC port (and the publisher with publisher.curve); None = plaintext."""
+        cfg = self.config.server
+        if not cfg.curve_secret_key_file:
+            return None
+        from prometheus_client import Counter
+
+        from kvcm.proto.curve import load_keypair
+
+        rejected = Counter("kvcm_curve_rejected_clients", "CURVE connection attempts refused by client key",
+                           registry=self.metrics.registry)
+        curve = CurveServer(load_keypair(cfg.curve_secret_key_file), cfg.curve_allowed_clients_dir or None,
+                            on_reject=rejected.inc)
+        admits = f"client keys in {cfg.curve_allowed_clients_dir}" if cfg.curve_allowed_clients_dir else "any client key"
+        log.info("CURVE on: server public key %s, admitting %s", curve.keys.public.decode(), admits)
+        return curve.start()
+
     def _build_services(self) -> list[Method]:
         """Every service of the process; returns the RPC method table."""
+        from kvcm.api import auth as auth_api
         from kvcm.api import registry as registry_api
         from kvcm.api import system as system_api
         from kvcm.auth import Authenticator
@@ -101,7 +133,8 @@ class App:
         self.registry.ensure_defaults(data_dir or os.path.abspath(self.config.store.data_dir))
         self.authorize = Authenticator(self.registry, self.config.auth)
         methods: list[Method] = []
-        methods += registry_api.methods(self.registry, self.info)
+        methods += registry_api.methods(self.registry, self.info, self.authorize)
+        methods += auth_api.methods(self.registry, self.authorize)
         methods += system_api.methods(self.metrics, self.info)
         methods += self._build_engines(data_dir)
         methods += self._build_cache(data_dir)
@@ -118,10 +151,16 @@ class App:
         if cfg.enabled:
             self.publisher = EventPublisher(cfg.endpoint, cfg.replay_endpoint or None, topic=cfg.topic,
                                             buffer_steps=cfg.buffer_steps, encoding=cfg.encoding,
-                                            registry=self.metrics.registry)
+                                            registry=self.metrics.registry, **self._publisher_curve())
         if self.publisher is not None or self.event_log is not None:
             self.cache.add_listener(StorageEvents(self.publisher, self.event_log,
                                                   lambda instance_id: self.registry.get_instance(instance_id).block_size))
+
+    def _publisher_curve(self) -> dict[str, Any]:
+        """EventPublisher arguments that make it a CURVE server like the RPC port."""
+        if not self.config.publisher.curve or self.curve is None:
+            return {}
+        return {"context": self.curve.context, "socket_setup": self.curve.setup}
 
     def _build_engines(self, data_dir: str | None) -> list[Method]:
         """The engine tier (issue 5): event subscriber, engine index, kvcm's own publisher."""
@@ -144,7 +183,7 @@ class App:
             registry=self.metrics.registry,
             static_sources=cfg.sources,
         )
-        return engines_api.methods(self.engines)
+        return engines_api.methods(self.engines, self.authorize)
 
     def _build_cache(self, data_dir: str | None) -> list[Method]:
         """The data plane (issue 3): storages, block index, write sessions, deleter, health."""
@@ -205,7 +244,10 @@ class App:
             self.publisher.start()
         if self.config.http.enabled:
             self.http = SideHttp(
-                self.config.http.host, self.config.http.port, self.metrics, self.endpoint, self.live, self.ready
+                self.config.http, self.metrics, self.endpoint, self.live, self.ready,
+                max_body=self.config.server.max_message_bytes,
+                auth_required=self.config.auth.enabled,
+                client_options=self.curve.client_options() if self.curve is not None else None,
             )
             self.http.start()
 
@@ -246,11 +288,14 @@ class App:
         else:
             self.server.stop()
             self.server.close_unserved()
+        self.authorize.close()  # the password-check thread
         self.engines.stop()
         for thread in reversed(self.threads):
             thread.stop()
         if self.publisher is not None:
             self.publisher.stop()
+        if self.curve is not None:
+            self.curve.stop()  # after the server and publisher sockets on its context are closed
         if self.event_log is not None:
             self.event_log.close()
         if self.http is not None:

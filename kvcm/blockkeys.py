@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
+_HIGH = _M64 ^ ((1 << 32) - 1)  # sign fill of an arithmetic 32-bit right shift
 
 
 def _signed(x: int) -> int:
@@ -32,15 +33,39 @@ def token_ids_to_block_keys(
     >>> token_ids_to_block_keys(list(range(1, 9)), 4)
     [455111481605203084, 6902853672176602142]
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    h, keys = seed, []
-    n_full = len(tokens) // block_size * block_size
-    for start in range(0, n_full, block_size):
-        for v in tokens[start : start + block_size]:
-            h = mix(h, v)
-        keys.append(h)
-    return keys
+    hasher = ChainHasher(block_size, seed)
+    hasher.feed(tokens)
+    return hasher.keys
+
+
+class ChainHasher:
+    """The chained hash of :func:`token_ids_to_block_keys`, resumable: a long prompt can be hashed
+    a slice at a time (the RPC loop spreads one request's hashing over several turns, so other
+    clients are not held up behind it). Feed slices in order; only full blocks produce keys.
+    """
+
+    __slots__ = ("_pending", "_state", "block_size", "keys")
+
+    def __init__(self, block_size: int, seed: int = 0) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.keys: list[int] = []
+        self._state = seed & _M64  # kept unsigned: the signed view is only taken per key
+        self._pending = 0  # tokens of the current, not yet complete block
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        """Hash ``tokens`` (the next ones of the prompt)."""
+        # The loop is mix() inlined over unsigned state (about 1.5x faster than calling it): for
+        # signed h, ``(h >> 32) & M64`` is an arithmetic shift, hence the sign fill of the top half.
+        u, pending, size, keys = self._state, self._pending, self.block_size, self.keys
+        for v in tokens:
+            u ^= ((v & _M64) + _GOLDEN + ((u << 12) & _M64) + ((u >> 32) | (_HIGH if u >> 63 else 0))) & _M64
+            pending += 1
+            if pending == size:
+                keys.append(u - (1 << 64) if u >> 63 else u)
+                pending = 0
+        self._state, self._pending = u, pending
 
 
 def chain_hash_ids(hash_ids: Iterable[int], seed: int = 0) -> list[int]:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import logging
+import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvcm.config import Config, ConfigError, load, overrides_from_pairs, to_toml
@@ -37,8 +39,16 @@ def _call_parser(sub: Any) -> None:
     p.add_argument("params", nargs="?", default="{}", help="JSON object of parameters")
     p.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
     p.add_argument("--timeout", type=float, default=10.0)
-    p.add_argument("--user", help="account name (when auth is on)")
-    p.add_argument("--password", help="account password (when auth is on)")
+    p.add_argument("--user", help="account name (when auth is on); its password comes from KVCM_PASSWORD, "
+                                  "--password-file, or a prompt on a terminal")
+    p.add_argument("--password", help="account password: visible in the process list, prefer KVCM_PASSWORD "
+                                      "or --password-file")
+    p.add_argument("--password-file", metavar="FILE", help="read the account password from FILE (its first line)")
+    p.add_argument("--token", help="API token (add_token): visible in the process list, prefer KVCM_TOKEN")
+    p.add_argument("--curve-server-key", metavar="FILE_OR_Z85",
+                   help="CURVE: the server's public key (its .key file, or z85 text)")
+    p.add_argument("--curve-client-key", metavar="SECRET_CERT_FILE",
+                   help="CURVE: this client's secret certificate (default: an ephemeral key pair)")
 
 
 def _config_parser(sub: Any) -> None:
@@ -60,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plugin_parsers(sub: Any) -> None:
-    """Subcommands owned by other packages (optimizer, engine events)."""
-    for module_name, adder in (("kvcm.optimizer.cli", "add_optimize_parser"), ("kvcm.engines.cli", "add_events_parser")):
+    """Subcommands owned by other packages (optimizer, engine events, CURVE keys)."""
+    for module_name, adder in (("kvcm.optimizer.cli", "add_optimize_parser"), ("kvcm.engines.cli", "add_events_parser"),
+                               ("kvcm.keys_cli", "add_keys_parser")):
         try:
             module = __import__(module_name, fromlist=[adder])
         except ImportError:
@@ -116,11 +127,64 @@ def cmd_call(args: argparse.Namespace) -> int:
     if not isinstance(params, dict):
         print("kvcm call: params must be a JSON object", file=sys.stderr)
         return 2
-    auth = {"user": args.user, "password": args.password or ""} if args.user else None
-    with Client(args.endpoint, timeout=args.timeout, auth=auth) as client:
+    try:
+        auth = _call_auth(args, os.environ)
+    except _CredentialsError as exc:
+        print(f"kvcm call: {exc}", file=sys.stderr)
+        return 2
+    curve: dict[str, Any] = {}
+    if args.curve_server_key or args.curve_client_key:  # a client key alone is refused by Client
+        curve = {"curve_server_key": args.curve_server_key, "curve_client_keys": args.curve_client_key}
+    with Client(args.endpoint, timeout=args.timeout, auth=auth, **curve) as client:
         result = client.call(args.method, params)
     print(json.dumps(result, indent=2, sort_keys=True, default=_jsonable))
     return 0
+
+
+class _CredentialsError(Exception):
+    """The credentials ``kvcm call`` was given cannot be used (the message says why)."""
+
+
+_VISIBLE = " is visible to other users in the process list; use {instead} instead"
+
+
+def _call_auth(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str] | None:
+    """The request's ``auth`` map: ``--token``, else ``--user`` with a password (``--password``,
+    ``--password-file``, ``KVCM_PASSWORD``, a prompt), else ``KVCM_TOKEN``, else none."""
+    if args.token is not None:
+        if args.password is not None or args.password_file is not None:
+            raise _CredentialsError("give --token or a password, not both")
+        _warn("--token" + _VISIBLE.format(instead="KVCM_TOKEN"))
+        return {"token": args.token}
+    if args.user:
+        return {"user": args.user, "password": _password(args, environ)}
+    if args.password is not None or args.password_file is not None:
+        raise _CredentialsError("a password needs --user")
+    token = environ.get("KVCM_TOKEN")
+    return {"token": token} if token else None
+
+
+def _password(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    if args.password is not None:
+        _warn("--password" + _VISIBLE.format(instead="KVCM_PASSWORD or --password-file"))
+        return str(args.password)
+    if args.password_file is not None:
+        try:
+            with open(args.password_file, encoding="utf-8") as fh:
+                first = fh.readline()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _CredentialsError(f"cannot read --password-file {args.password_file}: {exc}") from None
+        return first.removesuffix("\n").removesuffix("\r")
+    password = environ.get("KVCM_PASSWORD")
+    if password:
+        return password
+    if sys.stdin.isatty():
+        return getpass.getpass(f"password for {args.user}: ")
+    raise _CredentialsError("--user needs a password: set KVCM_PASSWORD, give --password-file, or run on a terminal")
+
+
+def _warn(message: str) -> None:
+    print(f"kvcm call: warning: {message}", file=sys.stderr)
 
 
 def _jsonable(value: Any) -> Any:

@@ -9,6 +9,12 @@ Errors come back as :class:`~kvcm.errors.KvcmError` subclasses, mapped in one pl
 :class:`~kvcm.errors.Unavailable` with code ``TIMEOUT``. Only idempotent methods are retried
 (Lazy Pirate: drop the socket, reconnect, resend); a write such as ``start_write_cache`` is
 never sent twice behind the caller's back. Not thread-safe: one client per thread.
+
+CURVE (a server with ``server.curve_secret_key_file``): pass ``curve_server_key`` (the server's
+public key: z85 text or its ``.key`` certificate file) and ``curve_client_keys`` (this client's
+secret certificate file, or a ``(public, secret)`` pair); without client keys an ephemeral pair
+is made, which only a server admitting any key accepts. A refused CURVE handshake is silent in
+ZeroMQ, so it surfaces as the ``TIMEOUT`` error, whose message then says so.
 """
 
 from __future__ import annotations
@@ -23,13 +29,16 @@ import zmq
 
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, Unavailable, error_from_wire
 from kvcm.proto import wire
+from kvcm.proto.curve import KeyPair, apply_client, client_keypair, load_public_key
+
+CurveClientKeys = str | os.PathLike[str] | tuple[str | bytes, str | bytes] | KeyPair
 
 #: Methods that may be re-sent after a timeout without changing the outcome.
 IDEMPOTENT_METHODS = frozenset(
     {
         "check_health", "get_manager_cluster_info", "get_metrics", "get_instance_info",
         "list_instance_info", "get_cache_location", "get_cache_meta", "get_instance_group",
-        "list_instance_groups", "list_storage", "list_accounts", "gen_config_snapshot",
+        "list_instance_groups", "list_storage", "list_account", "gen_config_snapshot", "whoami", "list_tokens",
         "register_instance", "list_event_sources", "match_engines", "enable_storage",
         "disable_storage",
     }
@@ -51,8 +60,15 @@ class Client:
         retries: int = 2,
         auth: dict[str, str] | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        curve_server_key: str | bytes | os.PathLike[str] | None = None,
+        curve_client_keys: CurveClientKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._curve: tuple[bytes, KeyPair] | None = None
+        if curve_server_key is not None:
+            self._curve = (load_public_key(curve_server_key), client_keypair(curve_client_keys))
+        elif curve_client_keys is not None:
+            raise InvalidArgument("curve_client_keys need curve_server_key (the server's public key)")
         self.timeout = timeout
         self.retries = retries
         self.auth = auth
@@ -98,8 +114,9 @@ class Client:
             if reply is not None:
                 return _result(reply)
             self._drop_socket()  # Lazy Pirate: a fresh socket discards any late reply
+        curve = "; CURVE handshake failed or server unreachable" if self._curve is not None else ""
         raise Unavailable(
-            f"no reply to {method} from {self.endpoint} within {wait:g}s ({attempts} attempt(s))",
+            f"no reply to {method} from {self.endpoint} within {wait:g}s ({attempts} attempt(s)){curve}",
             Code.TIMEOUT,
         )
 
@@ -123,6 +140,8 @@ class Client:
         if self._socket is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                apply_client(sock, *self._curve)
             sock.connect(self.endpoint)
             self._socket = sock
         return self._socket

@@ -12,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvcm.proto.schema import KEYS_CEILING, TOKENS_CEILING
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,7 +35,13 @@ class ConfigError(ValueError):
 class ServerConfig:
     endpoint: str = "tcp://127.0.0.1:6381"  # the msgpack-RPC ROUTER endpoint (tcp:// or ipc://)
     max_message_bytes: int = 4 << 20  # larger requests get MESSAGE_TOO_LARGE
-    max_keys: int = 65536  # keys per request; more gets TOO_MANY_KEYS
+    max_keys: int = 65536  # keys per request (block_keys, or token_ids / block_size); more gets TOO_MANY_KEYS
+    max_tokens: int = 262144  # token_ids per request; more gets TOO_MANY_KEYS
+    max_reply_bytes: int = 16 << 20  # a request whose reply would be larger gets TOO_LARGE
+    turn_budget_ms: float = 50.0  # work per loop turn before heavy requests wait for the next turn
+    defer_timeout_s: float = 30.0  # a request carried over loop turns this long is answered TIMEOUT
+    curve_secret_key_file: str = ""  # CURVE: this server's key pair (kvcm keys generate); "" = plaintext
+    curve_allowed_clients_dir: str = ""  # CURVE: directory of allowed client public keys ("" = any key)
     drain_max: int = 256  # requests handled per wake-up (they share one commit)
     poll_ms: int = 100  # poll timeout: bounds timer lag and shutdown latency
     group_commit: bool = True  # share one LMDB commit among the requests of one wake-up
@@ -47,6 +56,10 @@ class HttpConfig:
     enabled: bool = True  # serve the side HTTP port
     host: str = "127.0.0.1"  # bind address of the side HTTP port
     port: int = 6382  # /metrics, /livez, /readyz, POST /api/<method>; 0 picks a free port
+    allowed_hosts: tuple[str, ...] = ()  # extra Host names ("name" any port, "name:port") besides the bound address
+    read_timeout_s: float = 10.0  # a whole request (line, headers, body) must arrive within this
+    idle_timeout_s: float = 5.0  # a kept-alive connection with no new request is closed after this
+    max_connections: int = 64  # open connections (one thread each); more get 503 and are closed
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,7 @@ class EventsConfig:
     rcvhwm: int = 100_000  # SUB receive queue per source
     sync: bool = False  # fsync engine-index commits (it can be rebuilt from the engines by replay)
     sources: tuple[str, ...] = ()  # static sources, JSON objects as given to add_event_source
+    max_sources: int = 128  # sources followed at most, static ones included (each: 4 ZeroMQ sockets, ~6 fds)
 
 
 @dataclass(frozen=True)
@@ -106,13 +120,22 @@ class PublisherConfig:
     buffer_steps: int = 10000  # batches kept for replay
     encoding: str = "map"  # map | array (vLLM's legacy array_like shape)
     event_log: str = ""  # JSON-lines event log path ("" = off)
+    curve: bool = False  # CURVE-encrypt PUB and replay with the server's keys, admitting the server's client keys
 
 
 @dataclass(frozen=True)
 class AuthConfig:
-    enabled: bool = False  # when on, every request needs "auth": {"user", "password"}
+    enabled: bool = False  # when on, every request needs "auth": {"user", "password"} or {"token"}
     admin_user: str = "admin"  # bootstrap admin account created on first start when auth is on
     admin_password: str = ""  # its password (set it with KVCM_AUTH_ADMIN_PASSWORD, not in a file)
+    verdict_cache_s: float = 60.0  # a verified password is trusted this long without another scrypt
+    failed_cache_s: float = 10.0  # a wrong password is answered from memory this long (no scrypt)
+    max_pending_checks: int = 32  # password checks queued for the checker thread; more get RATE_LIMITED
+    max_pending_per_peer: int = 2  # of those, at most this many from one connection
+    max_pending_per_user: int = 4  # ... and for one user name
+    failed_login_limit: int = 10  # failed logins per connection per window; then RATE_LIMITED
+    failed_login_limit_per_user: int = 30  # failed logins per user name per window; then RATE_LIMITED
+    failed_login_window_s: float = 60.0  # the window of both failed-login limits
 
 
 @dataclass(frozen=True)
@@ -211,11 +234,15 @@ def _merge(layers: list[tuple[str, Mapping[str, Mapping[str, Any]]]]) -> dict[st
     return merged
 
 
+#: ``KVCM_*`` variables that are no server settings: ``kvcm call`` reads them (credentials).
+CLIENT_ENV = ("KVCM_PASSWORD", "KVCM_TOKEN")
+
+
 def _env_layer(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     layer: dict[str, dict[str, Any]] = {}
     sections = _sections()
     for name, value in environ.items():
-        if not name.startswith("KVCM_") or name.startswith("KVCM_TEST_"):
+        if not name.startswith("KVCM_") or name.startswith("KVCM_TEST_") or name in CLIENT_ENV:
             continue
         rest = name[5:].lower()
         section = next((s for s in sections if rest.startswith(s + "_")), None)
@@ -263,6 +290,10 @@ def load(
     return config
 
 
+# A Host header value: name, IPv4 or [IPv6], optional port (no scheme, no path).
+_HOST_ENTRY = re.compile(r"(?:[a-z0-9_.-]{1,253}|\[[0-9a-f:.]{2,45}\])(?::[0-9]{1,5})?")
+
+
 def validate(config: Config) -> None:
     """Cross-field and range checks; raise ConfigError naming the key."""
     checks: list[tuple[bool, str]] = [
@@ -271,12 +302,21 @@ def validate(config: Config) -> None:
         (config.store.backend in ("lmdb", "memory"), "store.backend must be one of: lmdb, memory"),
         (config.store.map_size >= 64 << 10, "store.map_size must be at least 64 KiB"),
         (config.server.max_message_bytes >= 1024, "server.max_message_bytes must be at least 1024"),
-        (config.server.max_keys > 0, "server.max_keys must be positive"),
+        (0 < config.server.max_keys <= KEYS_CEILING, f"server.max_keys must be in 1..{KEYS_CEILING}"),
+        (0 < config.server.max_tokens <= TOKENS_CEILING, f"server.max_tokens must be in 1..{TOKENS_CEILING}"),
+        (config.server.max_reply_bytes >= 1024, "server.max_reply_bytes must be at least 1024"),
+        (config.server.turn_budget_ms > 0, "server.turn_budget_ms must be positive"),
+        (config.server.defer_timeout_s > 0, "server.defer_timeout_s must be positive"),
         (config.server.drain_max > 0, "server.drain_max must be positive"),
         (config.server.poll_ms > 0, "server.poll_ms must be positive"),
         (config.server.live_after_s > config.server.poll_ms / 1000,
          "server.live_after_s must be longer than one poll (server.poll_ms)"),
         (0 <= config.http.port < 65536, "http.port must be in 0..65535"),
+        (0 < config.http.read_timeout_s <= 3600, "http.read_timeout_s must be in (0, 3600]"),
+        (0 < config.http.idle_timeout_s <= 3600, "http.idle_timeout_s must be in (0, 3600]"),
+        (0 < config.http.max_connections <= 10000, "http.max_connections must be in 1..10000"),
+        (all(_HOST_ENTRY.fullmatch(h.strip().lower()) for h in config.http.allowed_hosts),
+         "http.allowed_hosts: each entry must be a host name, an IP address or [IPv6], with an optional :port"),
         (config.cache.write_timeout_seconds > 0, "cache.write_timeout_seconds must be positive"),
         (0 <= config.reclaim.hysteresis < 1, "reclaim.hysteresis must be in [0, 1)"),
         (config.reclaim.interval_s > 0, "reclaim.interval_s must be positive"),
@@ -284,11 +324,45 @@ def validate(config: Config) -> None:
         (config.reclaim.max_victims_per_round > 0, "reclaim.max_victims_per_round must be positive"),
         (config.reclaim.sample_size >= 0, "reclaim.sample_size must not be negative"),
         (config.events.backoff_initial_s > 0, "events.backoff_initial_s must be positive"),
+        # A deferred request finds its verdict in these caches when it is retried a turn later.
+        (config.auth.verdict_cache_s >= 1, "auth.verdict_cache_s must be at least 1"),
+        (config.auth.failed_cache_s >= 1, "auth.failed_cache_s must be at least 1"),
+        (config.auth.max_pending_checks > 0, "auth.max_pending_checks must be positive"),
+        (config.auth.max_pending_per_peer > 0, "auth.max_pending_per_peer must be positive"),
+        (config.auth.max_pending_per_user > 0, "auth.max_pending_per_user must be positive"),
+        (config.auth.failed_login_limit > 0, "auth.failed_login_limit must be positive"),
+        (config.auth.failed_login_limit_per_user > 0, "auth.failed_login_limit_per_user must be positive"),
+        (config.auth.failed_login_window_s > 0, "auth.failed_login_window_s must be positive"),
+        (1 <= config.events.max_sources <= 16000, "events.max_sources must be in 1..16000"),
         (config.log.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log.level must be DEBUG, INFO, WARNING or ERROR"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _check_curve(config)
+
+
+def _check_curve(config: Config) -> None:
+    """The CURVE files exist and hold what they should (read now, so start-up fails, not a client)."""
+    server = config.server
+    if not server.curve_secret_key_file:
+        if server.curve_allowed_clients_dir:
+            raise ConfigError("server.curve_allowed_clients_dir needs server.curve_secret_key_file")
+        if config.publisher.curve:
+            raise ConfigError("publisher.curve uses the server's keys: set server.curve_secret_key_file")
+        return
+    from kvcm.errors import InvalidArgument
+    from kvcm.proto.curve import allowed_keys, load_keypair
+
+    try:
+        load_keypair(server.curve_secret_key_file)
+    except InvalidArgument as exc:
+        raise ConfigError(f"server.curve_secret_key_file: {exc.message}") from None
+    if server.curve_allowed_clients_dir:
+        try:
+            allowed_keys(server.curve_allowed_clients_dir)
+        except InvalidArgument as exc:
+            raise ConfigError(f"server.curve_allowed_clients_dir: {exc.message}") from None
 
 
 def to_toml(config: Config) -> str:

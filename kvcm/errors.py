@@ -8,14 +8,15 @@ the server maps exceptions to it in ``dispatch`` and the client maps it back wit
 Hierarchy::
 
     KvcmError
-    ├── InvalidArgument        (INVALID_ARGUMENT, MESSAGE_TOO_LARGE, TOO_MANY_KEYS, METHOD_NOT_FOUND)
+    ├── InvalidArgument        (INVALID_ARGUMENT, MESSAGE_TOO_LARGE, TOO_MANY_KEYS, TOO_LARGE,
+    │                           METHOD_NOT_FOUND)
     ├── NotFound               (NOT_FOUND, INSTANCE_NOT_EXIST, WRITE_SESSION_UNKNOWN, WRITE_SESSION_EXPIRED)
     ├── Conflict               (DUPLICATE_ENTITY, VERSION_CONFLICT, STILL_REFERENCED)
     ├── CapacityError          (REACH_MAX_ENTITY_CAPACITY, QUOTA_EXCEEDED, NO_STORAGE_AVAILABLE,
     │   │                       CAPACITY_EXHAUSTED)
     │   └── StoreFull          (CAPACITY_EXHAUSTED: the metadata store itself ran out of room)
     ├── AccessDenied           (UNAUTHENTICATED, PERMISSION_DENIED)
-    ├── Unavailable            (SERVICE_NOT_READY, SERVER_NOT_LEADER, SHUTTING_DOWN, TIMEOUT)
+    ├── Unavailable            (SERVICE_NOT_READY, SERVER_NOT_LEADER, SHUTTING_DOWN, TIMEOUT, RATE_LIMITED)
     └── ServerError            (INTERNAL_ERROR, UNSUPPORTED, IO_ERROR)
 """
 
@@ -53,6 +54,8 @@ class Code(IntEnum):
     VERSION_CONFLICT = 112
     STILL_REFERENCED = 113
     TIMEOUT = 114
+    TOO_LARGE = 115  # the work or the reply of a request would exceed a configured limit
+    RATE_LIMITED = 116  # too many attempts (failed logins) from this peer or account; retry later
 
 
 class KvcmError(Exception):
@@ -109,6 +112,7 @@ _FAMILY: dict[Code, type[KvcmError]] = {
     Code.MESSAGE_TOO_LARGE: InvalidArgument,
     Code.TOO_MANY_KEYS: InvalidArgument,
     Code.METHOD_NOT_FOUND: InvalidArgument,
+    Code.TOO_LARGE: InvalidArgument,
     Code.NOT_FOUND: NotFound,
     Code.INSTANCE_NOT_EXIST: NotFound,
     Code.WRITE_SESSION_UNKNOWN: NotFound,
@@ -126,6 +130,7 @@ _FAMILY: dict[Code, type[KvcmError]] = {
     Code.SERVER_NOT_LEADER: Unavailable,
     Code.SHUTTING_DOWN: Unavailable,
     Code.TIMEOUT: Unavailable,
+    Code.RATE_LIMITED: Unavailable,
     Code.INTERNAL_ERROR: ServerError,
     Code.UNSUPPORTED: ServerError,
     Code.IO_ERROR: ServerError,

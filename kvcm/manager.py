@@ -196,7 +196,7 @@ class CacheManager:
         the group's ``delay_before_delete_ms`` (readers that already hold URIs get that grace)."""
         inst = self.instance(instance_id)
         keys = derive_keys(block_keys, token_ids, inst.block_size)
-        mask = check_mask(mask, len(keys))
+        mask = check_mask(mask, len(keys), destructive=True)
         keys = [keys[i] for i in unmasked_indices(mask, len(keys))]
         with self.store.write() as txn:
             marked, _ = self._mark_deleting(txn, inst.instance_id, inst.group, keys, self._delay(inst.group))
@@ -209,8 +209,7 @@ class CacheManager:
         inst = self.instance(instance_id)
         if strategy not in TRIM_STRATEGIES:
             raise InvalidArgument(f"strategy: {strategy!r} is not one of {', '.join(TRIM_STRATEGIES)}")
-        if strategy == "timestamp" and (begin_us < 0 or (end_us and end_us <= begin_us)):
-            raise InvalidArgument("begin_timestamp/end_timestamp: need 0 <= begin < end (end 0 = open)")
+        _check_trim_range(strategy, begin_us, end_us)
         with self.store.write() as txn:
             items = list(self.index.scan(txn, inst.ns))
             if strategy == "remove_all_meta":
@@ -413,6 +412,23 @@ def _run_of(record: Record) -> int | None:
 
 def _drop_run(txn: WriteTxn, ns: bytes, first: int) -> None:
     txn.delete(RUNS_DB, ns + i64(first))
+
+
+def _check_trim_range(strategy: str, begin_us: int, end_us: int) -> None:
+    """A trim's range only ever narrows it: a range that is inverted, negative, empty for
+    ``timestamp`` or given to another strategy (which would ignore it) is refused, never read
+    as "every block"."""
+    if begin_us < 0 or end_us < 0:
+        raise InvalidArgument("begin_timestamp/end_timestamp: must not be negative")
+    if strategy != "timestamp":
+        if begin_us or end_us:
+            raise InvalidArgument(f"begin_timestamp/end_timestamp: only for strategy 'timestamp', not {strategy!r}")
+        return
+    if not begin_us and not end_us:
+        raise InvalidArgument("begin_timestamp/end_timestamp: strategy 'timestamp' needs at least one of them "
+                              "(remove_all_cache removes every block)")
+    if end_us and end_us <= begin_us:
+        raise InvalidArgument("begin_timestamp/end_timestamp: need begin < end (end 0 = open)")
 
 
 def _in_range(value: bytes, begin_us: int, end_us: int) -> bool:

@@ -1,6 +1,8 @@
 """Block masks (Tair ``BlockMask``) and key derivation for data-plane requests.
 
-A mask is ``{"offset": n}``, ``{"bool_masks": [..]}`` or absent (= mask nothing). On reads,
+A mask is ``{"offset": n}``, ``{"bool_masks": [..]}`` or absent (= mask nothing); a present mask
+that sets neither (``{}``) reads as absent, except on a deletion, where it is refused: there a
+malformed mask must never widen to "every key". On reads,
 ``masked(i)`` means "the client already has block i, skip it": ``i < offset``, or
 ``bool_masks[i]`` (indices past the vector are not masked). In ``finish_write_cache`` the same
 shape means the opposite, "block i was written": there the mask must cover the session's
@@ -25,9 +27,15 @@ class BlockMask(msgspec.Struct, omit_defaults=True):
     bool_masks: list[bool] | None = None
 
 
-def check_mask(mask: BlockMask | None, n: int, field: str = "block_mask") -> BlockMask | None:
-    """Validate a read mask against ``n`` keys (Tair's ``valid(mask, n)``)."""
-    if mask is None or (mask.offset is None and mask.bool_masks is None):
+def check_mask(mask: BlockMask | None, n: int, field: str = "block_mask",
+               destructive: bool = False) -> BlockMask | None:
+    """Validate a mask against ``n`` keys (Tair's ``valid(mask, n)``). ``destructive``: the mask
+    limits a deletion, so an empty one (``{}``) is refused rather than read as "no mask"."""
+    if mask is None:
+        return None
+    if mask.offset is None and mask.bool_masks is None:
+        if destructive:
+            raise InvalidArgument(f"{field}: give offset or bool_masks (leave {field} out to mean every key)")
         return None
     if mask.offset is not None and mask.bool_masks is not None:
         raise InvalidArgument(f"{field}: give either offset or bool_masks, not both")

@@ -90,7 +90,13 @@ class Metrics:
             "kvcm_rpc_replies_dropped", "Replies not delivered (peer gone or over its HWM)", ["reason"], registry=r
         )
         self.commits = Counter("kvcm_store_commits", "Group commits of the RPC loop", registry=r)
+        self.carried = Counter(
+            "kvcm_rpc_carried", "Requests carried over to a later loop turn (hashing, budget, auth)", ["reason"], registry=r
+        )
         self.store_errors = Counter("kvcm_store_errors", "Metadata store errors", ["kind"], registry=r)
+        self.http_refused = Counter(
+            "kvcm_http_refused", "Side HTTP requests and connections refused, by reason", ["reason"], registry=r
+        )
         self.up = Gauge("kvcm_up", "1 while the server is serving", registry=r)
 
     def exposition(self) -> bytes:

@@ -11,9 +11,9 @@ record (defaults filled in, spec groups sorted) that the registry stores. Storag
 one exception: their fields belong to the storage backends, so :func:`check_storage` hands them
 to :func:`kvcm.backends.storages.normalize_spec` rather than keeping a second set of rules.
 
-Passwords are kept only as salted scrypt hashes, ``scrypt$N$r$p$<salt>$<digest>`` (base64
+Passwords are kept only as salted scrypt hashes, ``scrypt2$N$r$p$<salt>$<digest>`` (base64
 parts), so the cost travels with the hash and can be raised later; they are verified in
-constant time. A :class:`Snapshot` is the whole registry; :func:`parse_snapshot` and
+constant time. API tokens are kept only as SHA-256 digests (:class:`Token`). A :class:`Snapshot` is the whole registry; :func:`parse_snapshot` and
 :func:`check_snapshot` validate one completely before ``load_config_snapshot`` touches the store.
 """
 
@@ -33,6 +33,7 @@ import msgspec
 
 from kvcm.backends.storages import STORAGE_BACKENDS, normalize_spec
 from kvcm.errors import InvalidArgument
+from kvcm.proto import schema
 
 T = TypeVar("T")
 
@@ -63,7 +64,7 @@ def now_ms() -> int:
 # -- storages ------------------------------------------------------------------------------------
 
 
-class Storage(msgspec.Struct, kw_only=True):
+class Storage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One data store kvcm hands out URIs on. ``enabled`` is the admin switch, ``available``
     the health probe's verdict; a storage takes writes only when both are true.
 
@@ -101,24 +102,24 @@ def check_storage(storage: Storage, data_dir: str | None = None) -> Storage:
 # -- instance groups -----------------------------------------------------------------------------
 
 
-class QuotaConfig(msgspec.Struct, kw_only=True):
+class QuotaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     storage_type: str
     capacity: int = 0  # bytes; 0 = unlimited
 
 
-class Quota(msgspec.Struct, kw_only=True):
+class Quota(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     capacity: int = 0  # total bytes of the group; 0 = unlimited
     quota_config: list[QuotaConfig] = []
 
 
-class ReclaimStrategy(msgspec.Struct, kw_only=True):
+class ReclaimStrategy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reclaim_policy: str = "lru"
     used_percentage: float = 0.9  # reclaim when usage / quota passes this watermark
     delay_before_delete_ms: int = 1000  # grace between "deleting" and freeing the data
     ttl_seconds: int = 0  # "ttl" policy: blocks not read for this long are reclaimed
 
 
-class InstanceGroup(msgspec.Struct, kw_only=True):
+class InstanceGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Quota owner of a set of instances. ``version`` is bumped on every update (CAS)."""
 
     name: str
@@ -183,17 +184,17 @@ def _check_reclaim(strategy: ReclaimStrategy) -> None:
 # -- instances -----------------------------------------------------------------------------------
 
 
-class LocationSpecInfo(msgspec.Struct):
+class LocationSpecInfo(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     size: int  # bytes of this spec (shard) for one block
 
 
-class LocationSpecGroup(msgspec.Struct):
+class LocationSpecGroup(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     spec_names: list[str] = []
 
 
-class ModelDeployment(msgspec.Struct, kw_only=True):
+class ModelDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model_name: str = ""
     dtype: str = ""
     use_mla: bool = False
@@ -205,7 +206,7 @@ class ModelDeployment(msgspec.Struct, kw_only=True):
     user_data: str = ""  # opaque; not part of the identity of a deployment
 
 
-class Instance(msgspec.Struct, kw_only=True):
+class Instance(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One model deployment. Stored with spec groups sorted by name (spec names sorted too)."""
 
     instance_id: str
@@ -269,47 +270,101 @@ def instance_identity(instance: Instance) -> tuple[Any, ...]:
     )
 
 
-# -- accounts ------------------------------------------------------------------------------------
+# -- accounts and API tokens ---------------------------------------------------------------------
+
+#: The ``groups`` entry that means every instance group.
+ALL_GROUPS = "*"
+_MAX_GROUPS = 256
 
 
-class Account(msgspec.Struct, kw_only=True):
-    """A user. Only a salted scrypt hash of the password is ever stored (:func:`hash_password`)."""
+class Account(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A user. Only a salted scrypt hash of the password is ever stored (:func:`hash_password`).
+
+    ``groups`` are the instance groups the account may use (``["*"]`` = every group; an admin
+    may use every group whatever it says). A record or snapshot without the field reads as
+    ``["*"]``: accounts from before tenancy could use every group, and keep doing so."""
 
     user_name: str
     role: str = "user"
     password_hash: str
+    groups: list[str] = msgspec.field(default_factory=lambda: [ALL_GROUPS])
     create_time: int = 0
     update_time: int = 0
 
 
-def check_account(user_name: str, role: str) -> None:
+def check_account(user_name: str, role: str, groups: list[str] | None = None) -> list[str] | None:
+    """Validate an account's name and role; return ``groups`` normalized (None stays None)."""
     check_name(user_name, "user_name", _ID)
     if role not in ROLES:
         raise InvalidArgument(f"role: {role!r} is not one of {', '.join(ROLES)}")
+    return None if groups is None else check_groups(groups)
+
+
+def is_user_name(value: str) -> bool:
+    """Could ``value`` name an account (the rule :func:`check_account` applies)?"""
+    return _ID.fullmatch(value) is not None
+
+
+def check_groups(groups: list[str]) -> list[str]:
+    """``["*"]``, or distinct instance-group names (they need not exist yet); returned sorted."""
+    if len(groups) > _MAX_GROUPS:
+        raise InvalidArgument(f"groups: at most {_MAX_GROUPS} names")
+    _check_unique(groups, "groups")
+    for i, name in enumerate(groups):
+        if name != ALL_GROUPS:
+            check_name(name, f"groups[{i}]")
+    if ALL_GROUPS in groups and len(groups) > 1:
+        raise InvalidArgument("groups: '*' already means every group; give it alone")
+    return sorted(groups)
 
 
 _SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 1 << 14, 8, 1
 _MAX_PASSWORD = 1024
+# C0 and C1 control characters, NUL included: nobody types them, and a trailing NUL is
+# invisible to the original hash format (see _scrypt_key).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# The format hash_password writes; "scrypt" (the first format) is still verified.
+_HASH_V2, _HASH_V1 = "scrypt2", "scrypt"
+
+
+def password_problem(password: str) -> str | None:
+    """Why ``password`` cannot be a password, or None: it must be 1..1024 bytes of UTF-8
+    without control characters. Checked when a password is set and before every login."""
+    try:
+        size = len(password.encode())
+    except UnicodeEncodeError:  # a lone surrogate, e.g. from a JSON "\ud800" escape
+        return "must be valid Unicode text"
+    if not 0 < size <= _MAX_PASSWORD:
+        return f"must be 1..{_MAX_PASSWORD} bytes"
+    if _CONTROL.search(password):
+        return "must not contain control characters (NUL, tab, newline, ...)"
+    return None
+
+
+def check_password(password: str) -> None:
+    problem = password_problem(password)
+    if problem is not None:
+        raise InvalidArgument(f"password: {problem}")
 
 
 def hash_password(password: str) -> str:
-    """``scrypt$N$r$p$salt$hash`` (base64) with a fresh random salt."""
-    if not password or len(password.encode()) > _MAX_PASSWORD:
-        raise InvalidArgument(f"password: must be 1..{_MAX_PASSWORD} bytes")
+    """``scrypt2$N$r$p$salt$hash`` (base64) with a fresh random salt."""
+    check_password(password)
     salt = secrets.token_bytes(16)
-    digest = _scrypt(password, salt, _SCRYPT_N, _SCRYPT_R, _SCRYPT_P)
-    return "$".join(["scrypt", str(_SCRYPT_N), str(_SCRYPT_R), str(_SCRYPT_P), _b64(salt), _b64(digest)])
+    digest = _scrypt(_scrypt_key(password, _HASH_V2), salt, _SCRYPT_N, _SCRYPT_R, _SCRYPT_P)
+    return "$".join([_HASH_V2, str(_SCRYPT_N), str(_SCRYPT_R), str(_SCRYPT_P), _b64(salt), _b64(digest)])
 
 
 def verify_password(password: str, encoded: str) -> bool:
-    """Constant-time check of ``password`` against a :func:`hash_password` string."""
+    """Constant-time check of ``password`` against a :func:`hash_password` string. A string that
+    cannot be a password (:func:`password_problem`) never matches, whatever the hash."""
     try:
-        n, r, p, salt, digest = _parse_hash(encoded)
+        version, n, r, p, salt, digest = _parse_hash(encoded)
     except ValueError:
         return False
-    if len(password.encode()) > _MAX_PASSWORD:
+    if password_problem(password) is not None:
         return False
-    return hmac.compare_digest(_scrypt(password, salt, n, r, p), digest)
+    return hmac.compare_digest(_scrypt(_scrypt_key(password, version), salt, n, r, p), digest)
 
 
 def check_password_hash(encoded: str) -> None:
@@ -320,19 +375,91 @@ def check_password_hash(encoded: str) -> None:
         raise InvalidArgument(f"password_hash: {exc}") from None
 
 
-def _parse_hash(encoded: str) -> tuple[int, int, int, bytes, bytes]:
+def _parse_hash(encoded: str) -> tuple[str, int, int, int, bytes, bytes]:
     parts = encoded.split("$")
-    if len(parts) != 6 or parts[0] != "scrypt":
-        raise ValueError("not an scrypt$N$r$p$salt$hash string")
+    if len(parts) != 6 or parts[0] not in (_HASH_V2, _HASH_V1):
+        raise ValueError("not an scrypt2$N$r$p$salt$hash string")
+    if not all(x.isdigit() and len(x) <= 6 for x in parts[1:4]):
+        raise ValueError("scrypt parameters must be small decimal numbers")
     n, r, p = (int(x) for x in parts[1:4])
     # Bounded so that a planted hash (e.g. in a loaded snapshot) cannot make a check take >128 MiB.
     if not (2 <= n <= 1 << 16 and n & (n - 1) == 0 and 1 <= r <= 16 and 1 <= p <= 4):
         raise ValueError("scrypt parameters out of range")
-    return n, r, p, base64.b64decode(parts[4], validate=True), base64.b64decode(parts[5], validate=True)
+    return parts[0], n, r, p, base64.b64decode(parts[4], validate=True), base64.b64decode(parts[5], validate=True)
 
 
-def _scrypt(password: str, salt: bytes, n: int, r: int, p: int) -> bytes:
-    return hashlib.scrypt(password.encode(), salt=salt, n=n, r=r, p=p, maxmem=256 * n * r + (1 << 20), dklen=32)
+def _scrypt_key(password: str, version: str) -> bytes:
+    """What scrypt is fed. scrypt uses the password as an HMAC-SHA256 key, and HMAC pads a key
+    shorter than 64 bytes with zero bytes (and replaces a longer one by its SHA-256): fed raw,
+    ``pw`` and ``pw\\0`` are the same key. The v2 format feeds SHA-256(password), always 32
+    bytes, so two passwords share a key only if they share a SHA-256."""
+    raw = password.encode()
+    return hashlib.sha256(raw).digest() if version == _HASH_V2 else raw
+
+
+def _scrypt(key: bytes, salt: bytes, n: int, r: int, p: int) -> bytes:
+    return hashlib.scrypt(key, salt=salt, n=n, r=r, p=p, maxmem=256 * n * r + (1 << 20), dklen=32)
+
+
+#: Every API token starts with this, so a token is recognisable (in a leak scan, say) and never
+#: mistaken for a password.
+TOKEN_PREFIX = "kvcm_"
+_TOKEN_BYTES = 32
+# The shape of a token; anything else (a huge string, say) is refused before it is hashed.
+_TOKEN_TEXT = re.compile(r"kvcm_[A-Za-z0-9_-]{16,123}")
+_TOKEN_ID = re.compile(r"[0-9a-f]{16}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_MAX_LABEL = 128
+
+
+class Token(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An API token of an account. Only the SHA-256 ``digest`` of the token is stored; the token
+    itself is shown once, by ``add_token``. It carries 256 random bits, so a fast unsalted digest
+    leaves nothing to brute-force and a check stays one hash and one dict lookup."""
+
+    token_id: str  # the public handle (list_tokens, revoke_token); reveals nothing of the token
+    user_name: str
+    digest: str  # hex SHA-256 of the token
+    name: str = ""  # a label for people ("ci-runner")
+    create_time: int = 0
+    expire_time: int = 0  # wall-clock ms; 0 = never
+
+    def expired(self, now: int) -> bool:
+        return 0 < self.expire_time <= now
+
+
+def new_token() -> tuple[str, str, str]:
+    """A fresh ``(token_id, token, digest)``."""
+    token = TOKEN_PREFIX + secrets.token_urlsafe(_TOKEN_BYTES)
+    return secrets.token_hex(8), token, token_digest(token)
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def looks_like_token(token: str) -> bool:
+    """Cheap shape check before hashing: prefix, bounded length, URL-safe base64 characters."""
+    return _TOKEN_TEXT.fullmatch(token) is not None
+
+
+def check_token_label(name: str) -> str:
+    if len(name) > _MAX_LABEL or _CONTROL.search(name):
+        raise InvalidArgument(f"name: at most {_MAX_LABEL} characters, no control characters")
+    return name
+
+
+def check_token(token: Token) -> Token:
+    """A token record as a snapshot carries it (digest only)."""
+    if not _TOKEN_ID.fullmatch(token.token_id):
+        raise InvalidArgument("token_id: 16 lower-case hex digits expected")
+    check_name(token.user_name, "user_name", _ID)
+    if not _DIGEST.fullmatch(token.digest):
+        raise InvalidArgument("digest: a lower-case hex SHA-256 expected")
+    check_token_label(token.name)
+    if token.expire_time < 0:
+        raise InvalidArgument("expire_time: must not be negative")
+    return token
 
 
 def _b64(raw: bytes) -> str:
@@ -345,7 +472,7 @@ def _b64(raw: bytes) -> str:
 SNAPSHOT_FORMAT, SNAPSHOT_VERSION = "kvcm-registry", 1
 
 
-class Snapshot(msgspec.Struct, kw_only=True):
+class Snapshot(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The whole registry, as ``gen_config_snapshot`` exports it.
 
     ``format`` is required: loading replaces the registry, so a map that is not a snapshot at
@@ -358,6 +485,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     instance_groups: list[InstanceGroup] = []
     instances: list[Instance] = []
     accounts: list[Account] = []
+    tokens: list[Token] = []  # digests only: a snapshot never holds a usable token
 
 
 def parse_snapshot(data: dict[str, Any] | str) -> Snapshot:
@@ -381,12 +509,17 @@ def check_snapshot(snapshot: Snapshot, data_dir: str | None = None) -> Snapshot:
     storages = [_at(lambda s: check_storage(s, data_dir), s, "storages", i) for i, s in enumerate(snapshot.storages)]
     groups = [_at(check_group, g, "instance_groups", i) for i, g in enumerate(snapshot.instance_groups)]
     instances = [_at(check_instance, x, "instances", i) for i, x in enumerate(snapshot.instances)]
-    for i, account in enumerate(snapshot.accounts):
-        _at(_check_snapshot_account, account, "accounts", i)
+    accounts = [_at(_check_snapshot_account, a, "accounts", i) for i, a in enumerate(snapshot.accounts)]
+    tokens = [_at(check_token, t, "tokens", i) for i, t in enumerate(snapshot.tokens)]
     storage_names = _unique([s.global_unique_name for s in storages], "storages")
     group_names = _unique([g.name for g in groups], "instance_groups")
     _unique([x.instance_id for x in instances], "instances")
-    _unique([a.user_name for a in snapshot.accounts], "accounts")
+    user_names = _unique([a.user_name for a in accounts], "accounts")
+    _unique([t.token_id for t in tokens], "tokens")
+    _unique([t.digest for t in tokens], "tokens (digest)")
+    for token in tokens:
+        if token.user_name not in user_names:
+            raise InvalidArgument(f"config_snapshot.tokens: {token.token_id!r} names unknown account {token.user_name!r}")
     for group in groups:
         for name in group.storage_candidates:
             if name not in storage_names:
@@ -396,13 +529,15 @@ def check_snapshot(snapshot: Snapshot, data_dir: str | None = None) -> Snapshot:
             raise InvalidArgument(
                 f"config_snapshot.instances: {instance.instance_id!r} names unknown group {instance.instance_group!r}"
             )
-    return msgspec.structs.replace(snapshot, storages=storages, instance_groups=groups, instances=instances)
+    return msgspec.structs.replace(
+        snapshot, storages=storages, instance_groups=groups, instances=instances, accounts=accounts, tokens=tokens
+    )
 
 
 def _check_snapshot_account(account: Account) -> Account:
-    check_account(account.user_name, account.role)
+    groups = check_account(account.user_name, account.role, account.groups)
     check_password_hash(account.password_hash)
-    return account
+    return msgspec.structs.replace(account, groups=groups)
 
 
 def _at(check: Callable[[Any], Any], record: Any, field: str, index: int) -> Any:
@@ -446,14 +581,12 @@ def _check_unique(values: list[str], field: str) -> None:
 
 
 def convert(obj: Any, kind: type[T], where: str) -> T:
-    """``msgspec.convert`` (strict) with errors as InvalidArgument naming the field under ``where``."""
+    """``msgspec.convert`` (strict) with errors as InvalidArgument naming the field under ``where``
+    (unknown fields with their path and a "did you mean", see :func:`kvcm.proto.schema.describe`)."""
     try:
         return msgspec.convert(obj, kind, strict=True)
     except msgspec.ValidationError as exc:
-        message = str(exc).replace("`$", f"`{where}")
-        if "- at `" not in message:
-            message = f"{message} - at `{where}`"
-        raise InvalidArgument(message) from None
+        raise InvalidArgument(schema.describe(kind, exc, where)) from None
 
 
 def encode(record: msgspec.Struct) -> bytes:

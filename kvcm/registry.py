@@ -1,4 +1,4 @@
-"""The control plane: storages, instance groups, instances and accounts, persisted in the store.
+"""The control plane: storages, instance groups, instances, accounts and API tokens, persisted in the store.
 
 The whole registry is small, so it is also held in memory: every record is cached in a dict,
 loaded once at start and refreshed by ``txn.on_commit`` callbacks, so the data plane's
@@ -25,6 +25,7 @@ import msgspec
 from kvcm.backends.base import MetaStore, ReadTxn, WriteTxn
 from kvcm.errors import Code, Conflict, InvalidArgument, NotFound, error
 from kvcm.model import (
+    ALL_GROUPS,
     SNAPSHOT_FORMAT,
     Account,
     Instance,
@@ -32,27 +33,31 @@ from kvcm.model import (
     ReclaimStrategy,
     Snapshot,
     Storage,
+    Token,
     check_account,
     check_group,
     check_instance,
     check_snapshot,
     check_storage,
+    check_token_label,
     convert,
     decoder,
     encode,
     hash_password,
     instance_identity,
+    new_token,
     now_ms,
     parse_snapshot,
     to_wire,
 )
+from kvcm.proto import schema
 
 log = logging.getLogger("kvcm.registry")
 
 R = TypeVar("R", bound=msgspec.Struct)
 
 #: Kinds passed to ``on_change`` observers, one per table.
-STORAGE, GROUP, INSTANCE, ACCOUNT = "storage", "instance_group", "instance", "account"
+STORAGE, GROUP, INSTANCE, ACCOUNT, TOKEN = "storage", "instance_group", "instance", "account", "token"
 DEFAULT_STORAGE, DEFAULT_GROUP = "default-file", "default"
 _SCHEMA_KEY, _SCHEMA = b"registry.schema", b"1"
 _DEFAULTS_KEY = b"registry.defaults_created"
@@ -60,6 +65,11 @@ _DEFAULTS_KEY = b"registry.defaults_created"
 Observer = Callable[[str, str], None]
 #: ``guard(txn, kind, name) -> reason or None``; a reason refuses the removal (STILL_REFERENCED).
 RemovalGuard = Callable[[ReadTxn, str, str], "str | None"]
+
+
+def instance_not_found(instance_id: str) -> NotFound:
+    """The one answer for an unknown instance id (tenancy gives it for another tenant's too)."""
+    return NotFound(f"instance {instance_id[:200]!r} is not registered", Code.INSTANCE_NOT_EXIST)
 
 
 class Registration(NamedTuple):
@@ -110,6 +120,7 @@ class Registry:
         self._groups = _Table(GROUP, "groups", InstanceGroup, lambda g: g.name)
         self._instances = _Table(INSTANCE, "instances", Instance, lambda i: i.instance_id)
         self._accounts = _Table(ACCOUNT, "accounts", Account, lambda a: a.user_name)
+        self._tokens = _Table(TOKEN, "tokens", Token, lambda t: t.token_id)
         self._tables: dict[str, _Table[Any]] = {t.kind: t for t in self._all_tables()}
         self._observers: list[Observer] = []
         self._guards: list[RemovalGuard] = []
@@ -118,7 +129,7 @@ class Registry:
             self.ensure_defaults(data_dir)
 
     def _all_tables(self) -> tuple[_Table[Any], ...]:
-        return (self._storages, self._groups, self._instances, self._accounts)
+        return (self._storages, self._groups, self._instances, self._accounts, self._tokens)
 
     def _open(self) -> None:
         with self._store.write() as txn:
@@ -185,7 +196,7 @@ class Registry:
         try:
             return self._instances.cache[instance_id]
         except KeyError:
-            raise NotFound(f"instance {instance_id[:200]!r} is not registered", Code.INSTANCE_NOT_EXIST) from None
+            raise instance_not_found(instance_id) from None
 
     def get_group(self, name: str) -> InstanceGroup:
         try:
@@ -199,8 +210,21 @@ class Registry:
         except KeyError:
             raise NotFound(f"storage {name[:200]!r} does not exist") from None
 
+    def group_of(self, instance_id: str) -> str | None:
+        """O(1): the instance's group, or None if it is not registered (the tenancy check)."""
+        instance = self._instances.cache.get(instance_id)
+        return None if instance is None else instance.instance_group
+
     def get_account(self, user_name: str) -> Account | None:
         return self._accounts.cache.get(user_name)
+
+    def get_token(self, token_id: str) -> Token | None:
+        return self._tokens.cache.get(token_id)
+
+    def list_tokens(self, user_name: str = "") -> list[Token]:
+        """Every token, or those of ``user_name`` ("" = all)."""
+        found = [t for t in list(self._tokens.cache.values()) if not user_name or t.user_name == user_name]
+        return sorted(found, key=lambda t: (t.user_name, t.create_time, t.token_id))
 
     def list_storages(self) -> list[Storage]:
         return sorted(list(self._storages.cache.values()), key=lambda s: s.global_unique_name)
@@ -312,7 +336,10 @@ class Registry:
         is still ``current_version``; the stored version becomes ``current_version + 1``.
 
         :raises Conflict: VERSION_CONFLICT when the group changed since the caller read it.
+        :raises InvalidArgument: for any key, at any depth, that is not a group field — first,
+            whatever the version, so a typo is never reported as a conflict.
         """
+        schema.check_partial(changes, InstanceGroup, "instance_group")
         name = changes.get("name")
         if not isinstance(name, str):
             raise InvalidArgument("instance_group.name: required")
@@ -400,66 +427,126 @@ class Registry:
         with self._store.write() as txn:
             old = self._instances.read(txn, instance_id)
             if old is None:
-                raise NotFound(f"instance {instance_id[:200]!r} is not registered", Code.INSTANCE_NOT_EXIST)
+                raise instance_not_found(instance_id)
             self._run_guards(txn, INSTANCE, instance_id)
             self._instances.delete(txn, instance_id, self._changed)
             return old
 
     # -- accounts -----------------------------------------------------------------------------
 
-    def add_account(self, user_name: str, password: str, role: str = "user") -> Account:
-        check_account(user_name, role)
+    def add_account(
+        self, user_name: str, password: str, role: str = "user", groups: list[str] | None = None
+    ) -> Account:
+        """``groups``: the instance groups the account may use; none by default (``["*"]`` = all)."""
+        normalized = check_account(user_name, role, [] if groups is None else groups)
         password_hash = hash_password(password)  # slow: outside the write transaction
         with self._store.write() as txn:
             if self._accounts.read(txn, user_name) is not None:
                 raise Conflict(f"account {user_name!r} already exists", Code.DUPLICATE_ENTITY)
             now = now_ms()
             account = Account(
-                user_name=user_name, role=role, password_hash=password_hash, create_time=now, update_time=now
+                user_name=user_name,
+                role=role,
+                password_hash=password_hash,
+                groups=normalized or [],
+                create_time=now,
+                update_time=now,
             )
             self._accounts.put(txn, account, self._changed)
             return account
 
-    def update_account(self, user_name: str, password: str | None = None, role: str | None = None) -> Account:
-        """Change a password and/or role. The last admin cannot be demoted."""
-        check_account(user_name, role or "user")
+    def update_account(
+        self,
+        user_name: str,
+        password: str | None = None,
+        role: str | None = None,
+        groups: list[str] | None = None,
+        caller: str | None = None,
+    ) -> Account:
+        """Change a password, role and/or groups. The last admin cannot be demoted, nor can
+        ``caller`` (the admin making the call) demote itself."""
+        normalized = check_account(user_name, role or "user", groups)
         password_hash = None if password is None else hash_password(password)
         with self._store.write() as txn:
             old = self._must(txn, self._accounts, user_name)
             if role == "user" and old.role == "admin":
+                self._not_the_caller(user_name, caller, "demote")
                 self._keep_an_admin(txn, user_name)
             new = msgspec.structs.replace(
-                old, role=role or old.role, password_hash=password_hash or old.password_hash, update_time=now_ms()
+                old,
+                role=role or old.role,
+                password_hash=password_hash or old.password_hash,
+                groups=old.groups if normalized is None else normalized,
+                update_time=now_ms(),
             )
             self._accounts.put(txn, new, self._changed)
             return new
 
-    def delete_account(self, user_name: str) -> None:
-        """The last admin cannot be deleted (it would lock everyone out when auth is on)."""
+    def delete_account(self, user_name: str, caller: str | None = None) -> None:
+        """The last admin cannot be deleted (it would lock everyone out when auth is on), nor can
+        ``caller`` delete itself. The account's API tokens go with it, in the same commit."""
+        self._not_the_caller(user_name, caller, "delete")
         with self._store.write() as txn:
             old = self._must(txn, self._accounts, user_name)
             if old.role == "admin":
                 self._keep_an_admin(txn, user_name)
+            for token in self._tokens.all(txn):
+                if token.user_name == user_name:
+                    self._tokens.delete(txn, token.token_id, self._changed)
             self._accounts.delete(txn, user_name, self._changed)
 
     def _keep_an_admin(self, txn: ReadTxn, leaving: str) -> None:
         if not any(a.role == "admin" and a.user_name != leaving for a in self._accounts.all(txn)):
             raise Conflict(f"account {leaving!r} is the last admin; add another admin first", Code.STILL_REFERENCED)
 
+    @staticmethod
+    def _not_the_caller(user_name: str, caller: str | None, what: str) -> None:
+        if caller is not None and caller == user_name:
+            raise Conflict(
+                f"you cannot {what} the account you are calling as ({user_name!r}); another admin can",
+                Code.STILL_REFERENCED,
+            )
+
     def ensure_admin(self, user_name: str, password: str) -> bool:
         """Create ``user_name`` as admin unless some admin exists. Returns True if created."""
         if any(a.role == "admin" for a in self._accounts.cache.values()):
             return False
         if self._accounts.cache.get(user_name) is not None:
-            self.update_account(user_name, password, "admin")
+            self.update_account(user_name, password, "admin", [ALL_GROUPS])
         else:
-            self.add_account(user_name, password, "admin")
+            self.add_account(user_name, password, "admin", [ALL_GROUPS])
         return True
+
+    # -- API tokens ---------------------------------------------------------------------------
+
+    def add_token(self, user_name: str, name: str = "", ttl_seconds: float = 0.0) -> tuple[str, Token]:
+        """A new token for ``user_name``: returns the token (its only appearance) and the stored
+        record (its digest). ``ttl_seconds`` 0 = it never expires."""
+        check_token_label(name)
+        if not 0 <= ttl_seconds <= _MAX_TOKEN_TTL_S:
+            raise InvalidArgument(f"ttl_seconds: must be in 0..{_MAX_TOKEN_TTL_S} (0 = no expiry)")
+        token_id, token, digest = new_token()
+        with self._store.write() as txn:
+            self._must(txn, self._accounts, user_name)
+            now = now_ms()
+            expire = now + max(1, int(ttl_seconds * 1000)) if ttl_seconds else 0
+            record = Token(
+                token_id=token_id, user_name=user_name, digest=digest, name=name, create_time=now, expire_time=expire
+            )
+            self._tokens.put(txn, record, self._changed)
+        return token, record
+
+    def revoke_token(self, token_id: str) -> Token:
+        """Delete a token; it stops working with the next request."""
+        with self._store.write() as txn:
+            old = self._must(txn, self._tokens, token_id)
+            self._tokens.delete(txn, token_id, self._changed)
+            return old
 
     # -- snapshots ----------------------------------------------------------------------------
 
     def gen_config_snapshot(self) -> dict[str, Any]:
-        """Everything in the registry (accounts with their hashes), as one map."""
+        """Everything in the registry (accounts with their hashes, tokens as digests), as one map."""
         with self._store.read() as view:
             snapshot = Snapshot(
                 format=SNAPSHOT_FORMAT,
@@ -468,19 +555,26 @@ class Registry:
                 instance_groups=self._groups.all(view),
                 instances=self._instances.all(view),
                 accounts=self._accounts.all(view),
+                tokens=self._tokens.all(view),
             )
         return to_wire(snapshot)
 
-    def load_config_snapshot(self, data: dict[str, Any] | str) -> dict[str, int]:
-        """Validate a whole snapshot, then replace the registry with it in one transaction."""
+    def load_config_snapshot(self, data: dict[str, Any] | str, caller: str | None = None) -> dict[str, int]:
+        """Validate a whole snapshot, then replace the registry with it in one transaction.
+
+        Refused (STILL_REFERENCED) if it would leave no admin while there is one now, or drop
+        ``caller`` (the admin making the call) as an admin: either would lock people out.
+        """
         snapshot = check_snapshot(parse_snapshot(data), self._data_dir)
         tables: dict[str, list[Any]] = {
             STORAGE: snapshot.storages,
             GROUP: snapshot.instance_groups,
             INSTANCE: snapshot.instances,
             ACCOUNT: snapshot.accounts,
+            TOKEN: snapshot.tokens,
         }
         with self._store.write() as txn:
+            self._check_snapshot_admins(txn, snapshot.accounts, caller)
             for kind, records in tables.items():
                 table = self._tables[kind]
                 # Delete only what the snapshot lacks: a delete-then-put of a kept record would tell
@@ -492,6 +586,21 @@ class Registry:
                 for record in records:
                     table.put(txn, record, self._changed)
         return {kind: len(records) for kind, records in tables.items()}
+
+    def _check_snapshot_admins(self, txn: ReadTxn, accounts: list[Account], caller: str | None) -> None:
+        admins = {a.user_name for a in accounts if a.role == "admin"}
+        if not admins and any(a.role == "admin" for a in self._accounts.all(txn)):
+            raise Conflict(
+                "config_snapshot.accounts: no admin account; loading it would remove every admin "
+                "(and lock everyone out when auth is on)",
+                Code.STILL_REFERENCED,
+            )
+        if caller is not None and caller not in admins:
+            raise Conflict(
+                f"config_snapshot.accounts: {caller!r}, the account you are calling as, is not an admin in it; "
+                "add it to the snapshot (or load it as one of the snapshot's admins)",
+                Code.STILL_REFERENCED,
+            )
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -509,6 +618,9 @@ class Registry:
             if reason:
                 raise Conflict(reason, Code.STILL_REFERENCED)
 
+
+#: Longest token lifetime ``add_token`` accepts (ten years); 0 means no expiry.
+_MAX_TOKEN_TTL_S = 10 * 365 * 86400
 
 #: Group fields the server owns: an update never takes them from the caller.
 _GROUP_SERVER_FIELDS = ("version", "create_time", "update_time")

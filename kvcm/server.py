@@ -1,11 +1,14 @@
 """The RPC front door: one ZMQ ROUTER socket driven by a ``zmq.Poller`` loop.
 
-The server knows frames and bytes only. It is handed a ``handle_batch(payloads) -> replies``
-callable (the dispatcher) and timers; it never imports the manager, the index or a store.
+The server knows frames and bytes only. It is handed a handler (the dispatcher's
+``serve(arrivals) -> replies`` and ``wait_ms()``, or a plain ``handle_batch(payloads, senders)``)
+and timers; it never imports the manager, the index or a store.
 
-Per wake-up it drains every ready message (up to ``drain_max``) and hands them over as one batch,
-so the dispatcher can commit all their writes at once; then it sends the replies and runs the
-timers that are due. Envelopes: ``[identity, payload]`` from DEALER clients and
+Per wake-up it drains every ready message (up to ``drain_max``) and hands them over as one turn,
+so the dispatcher can commit all their writes at once; then it sends the replies that are ready
+and runs the timers that are due. The dispatcher may carry a request over to later turns (a long
+prompt being hashed, heavy work past the turn's budget, a password being checked elsewhere): its
+reply is sent in the turn it finishes, and while work is carried the loop does not sleep in poll. Envelopes: ``[identity, payload]`` from DEALER clients and
 ``[identity, b"", payload]`` from REQ clients, answered in kind. Nothing a peer sends can raise
 out of the loop: malformed frames are answered with an error when a reply is possible, else
 dropped and counted. ``ROUTER_MANDATORY`` plus ``NOBLOCK`` make replies to vanished or stalled
@@ -19,8 +22,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
-import msgpack
 import zmq
 
 from kvcm.errors import Code, ServerError, error
@@ -29,8 +32,37 @@ from kvcm.proto import wire
 
 log = logging.getLogger("kvcm.server")
 
-#: ``handle_batch(payloads, senders) -> replies``: one reply (or None) per payload.
+#: ``handle_batch(payloads, senders) -> replies``: one reply (or None) per payload, all in one turn.
 BatchHandler = Callable[[Sequence[bytes], Sequence[bytes]], list[bytes | None]]
+
+
+@runtime_checkable
+class TurnHandler(Protocol):
+    """What the dispatcher offers the loop: requests may finish in a later turn than they came."""
+
+    def serve(self, arrivals: Sequence[tuple[Any, bytes, bytes]]) -> list[tuple[Any, bytes | None]]:
+        """``(tag, sender, payload)`` in; ``(tag, reply or None)`` of every request finished."""
+        ...
+
+    def wait_ms(self) -> int | None:
+        """0: work is carried and runnable now; N: look again within N ms; None: nothing carried."""
+        ...
+
+
+class _WholeBatches:
+    """A :data:`BatchHandler` seen as a :class:`TurnHandler` (every request ends in its turn)."""
+
+    def __init__(self, handle_batch: BatchHandler) -> None:
+        self._handle_batch = handle_batch
+
+    def serve(self, arrivals: Sequence[tuple[Any, bytes, bytes]]) -> list[tuple[Any, bytes | None]]:
+        replies = self._handle_batch([a[2] for a in arrivals], [a[1] for a in arrivals])
+        if len(replies) != len(arrivals):
+            raise RuntimeError(f"handler returned {len(replies)} replies for {len(arrivals)} requests")
+        return [(a[0], reply) for a, reply in zip(arrivals, replies)]
+
+    def wait_ms(self) -> int | None:
+        return None
 
 
 @dataclass
@@ -49,7 +81,7 @@ class Server:
     def __init__(
         self,
         endpoint: str,
-        handle_batch: BatchHandler,
+        handler: BatchHandler | TurnHandler,
         metrics: Metrics | None = None,
         timers: Sequence[Timer] = (),
         max_message_bytes: int = 4 << 20,
@@ -57,13 +89,18 @@ class Server:
         poll_ms: int = 100,
         sndhwm: int = 10000,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        socket_setup: Callable[[zmq.Socket[bytes]], None] | None = None,
+        drain_grace_s: float = 5.0,
     ) -> None:
-        self._handle_batch = handle_batch
+        """``socket_setup`` runs on the ROUTER socket before it binds (CURVE keys, for one)."""
+        self._socket_setup = socket_setup
+        self._handler: TurnHandler = handler if isinstance(handler, TurnHandler) else _WholeBatches(handler)
         self.metrics = metrics or Metrics()
         self._timers = list(timers)
         self._max_bytes = max_message_bytes
         self._drain_max = drain_max
         self._poll_ms = poll_ms
+        self._drain_grace_s = drain_grace_s
         self._ctx = context or zmq.Context.instance()
         self._stop = threading.Event()
         self._closed = threading.Event()
@@ -84,6 +121,8 @@ class Server:
         # libzmq (peer disconnected), while merely oversize requests still get a typed reply.
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes * 4 + 4096)
         try:
+            if self._socket_setup is not None:
+                self._socket_setup(sock)
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
             sock.close(0)
@@ -99,25 +138,40 @@ class Server:
         try:
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
-                if poller.poll(self._next_timeout()):
+                carried = self._handler.wait_ms()
+                if poller.poll(self._next_timeout(carried)) or carried == 0:
                     self._serve_ready()
+                elif carried is not None:
+                    self._turn([])  # carried work whose wait is up (e.g. a verdict came back)
                 self._run_timers()
             self.draining = True
             self._serve_ready()  # in-flight requests already received get their answers
+            self._finish_carried()
         finally:
             self.metrics.up.set(0)
             self._socket.close(linger=1000)
             self._closed.set()
 
     def _serve_ready(self) -> None:
-        """Drain ready messages into one batch; reply to each."""
-        peers: list[list[bytes]] = []
-        payloads: list[bytes] = []
-        self._drain(peers, payloads)
-        if payloads:
-            self._send_all(peers, self._safe_handle(payloads, [head[0] for head in peers]))
+        """Drain ready messages into one turn; reply to each request that finished."""
+        arrivals: list[tuple[Any, bytes, bytes]] = []
+        self._drain(arrivals)
+        self._turn(arrivals)
 
-    def _drain(self, peers: list[list[bytes]], payloads: list[bytes]) -> None:
+    def _turn(self, arrivals: list[tuple[Any, bytes, bytes]]) -> None:
+        for head, reply in self._safe_serve(arrivals):
+            if reply is not None:
+                self._send(head, reply)
+
+    def _finish_carried(self) -> None:
+        """On the way out: let carried requests finish (bounded), so each gets its answer."""
+        deadline = time.monotonic() + self._drain_grace_s
+        while (wait := self._handler.wait_ms()) is not None and time.monotonic() < deadline:
+            if wait:
+                time.sleep(wait / 1000.0)
+            self._turn([])
+
+    def _drain(self, arrivals: list[tuple[Any, bytes, bytes]]) -> None:
         sock, poll = self._socket, self._poller.poll
         for _ in range(self._drain_max):
             try:
@@ -127,13 +181,13 @@ class Server:
             except zmq.ZMQError as exc:  # pragma: no cover - socket-level trouble, keep serving
                 log.warning("recv failed: %s", exc)
                 break
-            self._accept(frames, peers, payloads)
+            self._accept(frames, arrivals)
             # Look before the next recv: a zero-timeout poll costs about 1.5 us, the zmq.Again
             # a recv raises on an empty queue about 11 us (a third of a small request).
             if not poll(0):
                 break
 
-    def _accept(self, frames: list[bytes], peers: list[list[bytes]], payloads: list[bytes]) -> None:
+    def _accept(self, frames: list[bytes], arrivals: list[tuple[Any, bytes, bytes]]) -> None:
         envelope = _split(frames)
         if envelope is None:
             self.metrics.bad_messages.labels("frames").inc()
@@ -142,26 +196,17 @@ class Server:
         if len(payload) > self._max_bytes:
             self.metrics.bad_messages.labels("too_large").inc()
             too_large = error(Code.MESSAGE_TOO_LARGE, f"message of {len(payload)} bytes exceeds {self._max_bytes}")
-            self._send(head, wire.pack_response(_peek_msgid(payload), too_large.to_wire(), None))
+            self._send(head, wire.pack_response(wire.peek_msgid(payload), too_large.to_wire(), None))
             return
-        peers.append(head)
-        payloads.append(payload)
+        arrivals.append((head, head[0], payload))
 
-    def _safe_handle(self, payloads: list[bytes], senders: list[bytes]) -> list[bytes | None]:
+    def _safe_serve(self, arrivals: list[tuple[Any, bytes, bytes]]) -> list[tuple[Any, bytes | None]]:
         try:
-            replies = self._handle_batch(payloads, senders)
-            if len(replies) == len(payloads):
-                return replies
-            log.error("handler returned %d replies for %d requests", len(replies), len(payloads))
+            return self._handler.serve(arrivals)
         except Exception:
-            log.exception("batch handler failed")
+            log.exception("request handler failed")
         failure = ServerError("internal error").to_wire()
-        return [wire.pack_response(_peek_msgid(p), failure, None) for p in payloads]
-
-    def _send_all(self, peers: list[list[bytes]], replies: list[bytes | None]) -> None:
-        for head, reply in zip(peers, replies):
-            if reply is not None:
-                self._send(head, reply)
+        return [(head, wire.pack_response(wire.peek_msgid(p), failure, None)) for head, _, p in arrivals]
 
     def _send(self, head: list[bytes], reply: bytes) -> None:
         try:
@@ -174,11 +219,12 @@ class Server:
 
     # -- timers -------------------------------------------------------------------------------
 
-    def _next_timeout(self) -> int:
+    def _next_timeout(self, carried: int | None = None) -> int:
+        limit = self._poll_ms if carried is None else min(self._poll_ms, carried)
         if not self._timers:
-            return self._poll_ms
+            return limit
         wait = min(t.due for t in self._timers) - time.monotonic()
-        return max(0, min(self._poll_ms, int(wait * 1000) + 1))
+        return max(0, min(limit, int(wait * 1000) + 1))
 
     def _run_timers(self) -> None:
         now = time.monotonic()
@@ -212,16 +258,3 @@ def _split(frames: list[bytes]) -> tuple[list[bytes], bytes] | None:
     if len(frames) == 3 and frames[1] == b"" and frames[2]:
         return frames[:2], frames[2]
     return None
-
-
-def _peek_msgid(payload: bytes) -> int:
-    """Best-effort msgid of a request we will not decode in full (0 when unreadable)."""
-    try:
-        unpacker = msgpack.Unpacker(max_buffer_size=64)
-        unpacker.feed(payload[:32])
-        unpacker.read_array_header()
-        unpacker.unpack()
-        msgid = unpacker.unpack()
-    except Exception:  # noqa: BLE001 - truly unreadable: answer under msgid 0
-        return 0
-    return msgid if isinstance(msgid, int) and 0 <= msgid <= wire.MAX_MSGID else 0

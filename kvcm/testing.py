@@ -72,7 +72,8 @@ def serve_in_thread(
     data_dir = data_dir or os.path.join(sock_dir, "data")
     app = App(make_test_config(data_dir, f"ipc://{sock_dir}/rpc", overrides)).start()
     try:
-        _wait_ready(app.endpoint)
+        # A CURVE server admits its own internal key pair, whatever its allowed clients are.
+        _wait_ready(app.endpoint, client_options=app.curve.client_options() if app.curve is not None else None)
         yield RunningServer(app.endpoint, data_dir, app=app, http_port=app.http.port if app.http else None)
     finally:
         app.stop()
@@ -127,9 +128,10 @@ def stop_subprocess(server: RunningServer, kill: bool = False, timeout: float = 
             process.stderr.close()
 
 
-def _wait_ready(endpoint: str, timeout: float = 30.0, process: subprocess.Popen[bytes] | None = None) -> None:
+def _wait_ready(endpoint: str, timeout: float = 30.0, process: subprocess.Popen[bytes] | None = None,
+                client_options: dict[str, Any] | None = None) -> None:
     deadline = time.monotonic() + timeout
-    with Client(endpoint, timeout=0.5, retries=0) as client:
+    with Client(endpoint, timeout=0.5, retries=0, **(client_options or {})) as client:
         while True:
             if process is not None and process.poll() is not None:
                 err = process.stderr.read().decode(errors="replace") if process.stderr else ""

@@ -40,7 +40,9 @@ def _served(c, instance, keys):
 
 def _check_offline(data, instance=None, acked=()):
     """Consistency of the data dir, after the writing sessions of the crashed run expired."""
-    with serve_in_thread(data_dir=data, overrides={"cache": {"session_check_ms": 50, "delete_poll_ms": 20}}) as srv:
+    # No reclaimer: check() needs a quiet index, and a round evicting meanwhile is a write in progress.
+    quiet = {"cache": {"session_check_ms": 50, "delete_poll_ms": 20}, "reclaim": {"enabled": False}}
+    with serve_in_thread(data_dir=data, overrides=quiet) as srv:
         cache = srv.app.cache
         if acked:
             keys = sorted(acked)

@@ -99,7 +99,9 @@ def test_livez_fails_while_the_rpc_loop_is_wedged():
 
 
 def _raw_post(port: int, body: bytes, headers: dict[str, str], path: str = "/api/check_health") -> tuple[int, dict]:
-    """A POST with headers exactly as given (urllib would fix a bad Content-Length)."""
+    """A POST with headers exactly as given (urllib would fix a bad Content-Length); JSON, as
+    the port requires."""
+    headers = {"Content-Type": "application/json", **headers}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         conn.putrequest("POST", path)
@@ -133,5 +135,5 @@ def test_hostile_bodies_get_a_typed_400_and_the_port_keeps_serving():
             assert status == 400, (headers, reply)
             assert reply["error"]["name"] == "INVALID_ARGUMENT" and words in reply["error"]["message"], reply
         assert _post(port, "/api/check_health", b"{}")[0] == 200
-        with server.client() as c, pytest.raises(InvalidArgument, match="64 bits|cannot be sent"):
+        with server.client() as c, pytest.raises(InvalidArgument, match=r"64 bits|cannot be sent"):
             c.call("get_cache_location", {"instance_id": "i", "block_keys": [1 << 70]})

@@ -431,10 +431,9 @@ def test_list_and_remove_instances(reg_g1):
 def test_cache_follows_commits_not_rollbacks(reg_g1, store):
     seen: list[tuple[str, str]] = []
     reg_g1.on_change(lambda kind, name: seen.append((kind, name)))
-    with pytest.raises(RuntimeError):
-        with store.write():
-            reg_g1.register_instance(inst("x"))
-            raise RuntimeError("roll back")
+    with pytest.raises(RuntimeError), store.write():
+        reg_g1.register_instance(inst("x"))
+        raise RuntimeError("roll back")
     assert seen == []
     with pytest.raises(NotFound):
         reg_g1.get_instance("x")
@@ -540,7 +539,7 @@ def test_snapshot_round_trip_into_fresh_store(reg, tmp_path):
     seen: list[tuple[str, str]] = []
     fresh.on_change(lambda kind, name: seen.append((kind, name)))
     loaded = fresh.load_config_snapshot(msgspec.json.decode(msgspec.json.encode(snapshot)))
-    assert loaded == {"storage": 3, "instance_group": 2, "instance": 2, "account": 1}
+    assert loaded == {"storage": 3, "instance_group": 2, "instance": 2, "account": 1, "token": 0}
     assert registry_state(fresh) == registry_state(reg)
     assert verify_password("pw", fresh.get_account("admin").password_hash)
     assert ("instance", "i1") in seen

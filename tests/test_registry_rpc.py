@@ -42,7 +42,7 @@ class Rpc:
         return result
 
     def fail(self, method: str, params: dict[str, Any] | None, code: Code) -> str:
-        error, result = self.raw(method, params)
+        error, _result = self.raw(method, params)
         assert error is not None and error["code"] == int(code) and error["name"] == code.name, error
         return str(error["message"])
 
@@ -229,9 +229,12 @@ def test_bad_input_names_the_field(rpc, method, params, field):
     assert field in rpc.fail(method, params, Code.INVALID_ARGUMENT)
 
 
-def test_unknown_fields_tolerated(ready):
-    ready.ok("register_instance", {**REGISTER, "future_field": {"x": 1}})
-    ready.ok("check_health", {"whatever": True, "trace_id": "abc"})
+def test_unknown_fields_refused(ready):
+    message = ready.fail("register_instance", {**REGISTER, "future_field": {"x": 1}}, Code.INVALID_ARGUMENT)
+    assert "unknown field future_field" in message
+    assert ready.ok("list_instance_info")["instance_info"] == []
+    ready.fail("check_health", {"whatever": True, "trace_id": "abc"}, Code.INVALID_ARGUMENT)
+    ready.ok("check_health", {"trace_id": "abc"})
 
 
 def test_account_rpcs_never_reveal_secrets(rpc):
@@ -243,11 +246,12 @@ def test_account_rpcs_never_reveal_secrets(rpc):
         rpc.ok("list_account"),
         rpc.ok("gen_config_snapshot"),
     ]
-    assert replies[0] == {"account": {"user_name": "root", "role": "admin"}}
+    assert replies[0] == {"account": {"user_name": "root", "role": "admin", "groups": []}}
     assert replies[1]["account"]["role"] == "user"
-    assert replies[3] == {"accounts": [{"user_name": "bob", "role": "admin"}, {"user_name": "root", "role": "admin"}]}
+    assert replies[3] == {"accounts": [{"user_name": "bob", "role": "admin", "groups": []},
+                                       {"user_name": "root", "role": "admin", "groups": []}]}
     assert all(secret not in repr(r) for r in replies)
-    assert all(a["password_hash"].startswith("scrypt$") for a in replies[4]["config_snapshot"]["accounts"])
+    assert all(a["password_hash"].startswith("scrypt2$") for a in replies[4]["config_snapshot"]["accounts"])
     rpc.fail("add_account", {"user_name": "bob", "password": "x"}, Code.DUPLICATE_ENTITY)
     assert rpc.ok("delete_account", {"user_name": "bob"}) == {}
     rpc.fail("delete_account", {"user_name": "root"}, Code.STILL_REFERENCED)
@@ -260,7 +264,7 @@ def test_snapshot_rpcs_round_trip(ready, tmp_path):
     snapshot = ready.ok("gen_config_snapshot")["config_snapshot"]
     other = Rpc(MemoryStore(), str(tmp_path / "other"))
     loaded = other.ok("load_config_snapshot", {"config_snapshot": snapshot})["loaded"]
-    assert loaded == {"storage": 2, "instance_group": 2, "instance": 1, "account": 1}
+    assert loaded == {"storage": 2, "instance_group": 2, "instance": 1, "account": 1, "token": 0}
     for method in ("list_storage", "list_instance_groups", "list_instance_info", "list_account"):
         assert other.ok(method) == ready.ok(method), method
     assert other.ok("get_instance_info", {"instance_id": "i1"}) == ready.ok("get_instance_info", {"instance_id": "i1"})

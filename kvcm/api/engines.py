@@ -5,7 +5,8 @@
 instance's block size, or ready ``block_keys``), how many leading blocks does each engine source
 hold, per medium, best first.
 
-Request schemas ignore unknown fields and accept ``trace_id``; replies are plain maps.
+Request schemas accept ``trace_id`` and ``auth`` and refuse unknown fields (INVALID_ARGUMENT
+naming the field); replies are plain maps.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ from typing import Any
 
 import msgspec
 
-from kvcm.dispatch import Method
+from kvcm.auth import Authenticator
+from kvcm.dispatch import Estimate, Method, TokenWork
 from kvcm.engines.service import EngineService
 from kvcm.errors import InvalidArgument
+from kvcm.proto.schema import Keys, RequestBase, Tokens
 from kvcm.proto.wire import Raw
 
 
-class _Request(msgspec.Struct, kw_only=True):
-    trace_id: str = ""
+# msgspec.Struct named again only so that linters see a Struct (its defaults are copied, not shared).
+class _Request(RequestBase, msgspec.Struct, kw_only=True):
+    pass
 
 
 class AddEventSourceRequest(_Request):
@@ -51,8 +55,8 @@ class ListEventSourcesRequest(_Request):
 
 class MatchEnginesRequest(_Request):
     instance_id: str
-    token_ids: list[int] = []
-    block_keys: list[int] = []
+    token_ids: Tokens = []
+    block_keys: Keys = []
     lora_name: str | None = None
     media: list[str] | None = None  # e.g. ["GPU"]; absent = every medium
     medium: str | None = None  # shorthand for media=[medium]
@@ -60,19 +64,39 @@ class MatchEnginesRequest(_Request):
     limit: int = 0  # 0 = every source with a match
 
 
+#: RequestBase's fields: the dispatcher's business, never part of a source's definition.
+_COMMON = frozenset(RequestBase.__struct_fields__)
+
+
 class _Handlers:
-    def __init__(self, service: EngineService) -> None:
+    def __init__(self, service: EngineService, auth: Authenticator | None = None) -> None:
         self.service = service
+        self.auth = auth
 
     def add_event_source(self, req: AddEventSourceRequest) -> dict[str, Any]:
-        params = {f: getattr(req, f) for f in req.__struct_fields__ if f != "trace_id"}
+        params = {f: getattr(req, f) for f in req.__struct_fields__ if f not in _COMMON}
         return self.service.add_source(params)
 
     def remove_event_source(self, req: RemoveEventSourceRequest) -> dict[str, Any]:
         return self.service.remove_source(req.source_id)
 
     def list_event_sources(self, req: ListEventSourcesRequest) -> dict[str, Any]:
-        return self.service.list_sources(req.instance_id)
+        # A non-admin sees the sources (endpoints included) of its own groups' instances only.
+        visible = None if self.auth is None else self.auth.visible(req)
+        return self.service.list_sources(req.instance_id, visible)
+
+    def match_tokens(self, req: MatchEnginesRequest) -> TokenWork | None:
+        """Keys of a token query, derived by the dispatcher a slice at a time before the match."""
+        if req.block_keys or not req.token_ids:
+            return None
+
+        def done(keys: list[int]) -> None:
+            req.block_keys = keys
+
+        return TokenWork(req.token_ids, self.service.instance_lookup(req.instance_id), done)
+
+    def match_cost(self, req: MatchEnginesRequest) -> Estimate:
+        return Estimate(len(req.block_keys) * _MATCH_US_PER_KEY, 0, _MATCH_US_PER_KEY)
 
     def match_engines(self, req: MatchEnginesRequest) -> Raw:
         if req.limit < 0:
@@ -84,12 +108,16 @@ class _Handlers:
         ))  # fmt: skip
 
 
-def methods(service: EngineService) -> list[Method]:
-    """The engine-tier method table for the dispatcher."""
-    h = _Handlers(service)
+# Work per key of match_engines on the RPC thread (microseconds; docs/limits.md).
+_MATCH_US_PER_KEY = 0.5
+
+
+def methods(service: EngineService, auth: Authenticator | None = None) -> list[Method]:
+    """The engine-tier method table for the dispatcher; ``auth`` filters ``list_event_sources``."""
+    h = _Handlers(service, auth)
     return [
         Method("add_event_source", h.add_event_source, AddEventSourceRequest, writes=True, admin=True),
         Method("remove_event_source", h.remove_event_source, RemoveEventSourceRequest, writes=True, idempotent=False, admin=True),
         Method("list_event_sources", h.list_event_sources, ListEventSourcesRequest),
-        Method("match_engines", h.match_engines, MatchEnginesRequest),
+        Method("match_engines", h.match_engines, MatchEnginesRequest, cost=h.match_cost, tokens=h.match_tokens),
     ]

@@ -1,7 +1,7 @@
 """Control-plane RPCs: storages, instance groups, instances, accounts, snapshots, health.
 
-Request schemas use Tair's proto field names; every request may carry ``trace_id`` and unknown
-fields are ignored. Replies are plain maps; lists keep Tair's (singular) field names
+Request schemas use Tair's proto field names; every request may carry ``trace_id`` and ``auth``;
+an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.proto.schema`). Replies are plain maps; lists keep Tair's (singular) field names
 (``storage``, ``instance_group``, ``instance_info``, ``accounts``).
 """
 
@@ -13,14 +13,17 @@ from typing import Any
 
 import msgspec
 
+from kvcm.auth import Authenticator
 from kvcm.dispatch import Method
 from kvcm.errors import InvalidArgument
 from kvcm.model import Instance, InstanceGroup, LocationSpecGroup, LocationSpecInfo, ModelDeployment, Storage, to_wire
+from kvcm.proto.schema import RequestBase
 from kvcm.registry import Registry
 
 
-class _Request(msgspec.Struct, kw_only=True):
-    trace_id: str = ""
+# msgspec.Struct named again only so that linters see a Struct (its defaults are copied, not shared).
+class _Request(RequestBase, msgspec.Struct, kw_only=True):
+    pass
 
 
 class Empty(_Request):
@@ -76,12 +79,14 @@ class AddAccountRequest(_Request):
     user_name: str
     password: str
     role: str = "user"
+    groups: list[str] = []  # instance groups the account may use; none by default, ["*"] = all
 
 
 class UpdateAccountRequest(_Request):
     user_name: str
     password: str | None = None
     role: str | None = None
+    groups: list[str] | None = None  # replaces the account's groups when given
 
 
 class UserNameRequest(_Request):
@@ -95,10 +100,17 @@ class LoadConfigSnapshotRequest(_Request):
 class _Handlers:
     """Thin adapters from request Structs to :class:`Registry` calls and reply maps."""
 
-    def __init__(self, registry: Registry, info: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self, registry: Registry, info: Callable[[], dict[str, Any]], auth: Authenticator | None = None
+    ) -> None:
         self.registry = registry
         self.info = info
+        self.auth = auth
         self.started = time.time()
+
+    def _caller(self, req: Any) -> str | None:
+        """The calling account when auth is on: guards refuse to let it lock itself out."""
+        return None if self.auth is None else self.auth.caller(req)
 
     # storages
     def add_storage(self, req: AddStorageRequest) -> dict[str, Any]:
@@ -158,7 +170,11 @@ class _Handlers:
         return {"instance_group": instance.instance_group, "instance_info": to_wire(instance)}
 
     def list_instance_info(self, req: ListInstanceInfoRequest) -> dict[str, Any]:
-        return {"instance_info": [to_wire(i) for i in self.registry.list_instances(req.instance_group_name)]}
+        instances = self.registry.list_instances(req.instance_group_name)
+        visible = None if self.auth is None else self.auth.visible(req)
+        if visible is not None:  # a non-admin sees the instances of its own groups only
+            instances = [i for i in instances if visible(i.instance_id)]
+        return {"instance_info": [to_wire(i) for i in instances]}
 
     def remove_instance(self, req: InstanceIdRequest) -> dict[str, Any]:
         self.registry.remove_instance(req.instance_id)
@@ -166,13 +182,16 @@ class _Handlers:
 
     # accounts
     def add_account(self, req: AddAccountRequest) -> dict[str, Any]:
-        return {"account": _account(self.registry.add_account(req.user_name, req.password, req.role))}
+        return {"account": _account(self.registry.add_account(req.user_name, req.password, req.role, req.groups))}
 
     def update_account(self, req: UpdateAccountRequest) -> dict[str, Any]:
-        return {"account": _account(self.registry.update_account(req.user_name, req.password, req.role))}
+        account = self.registry.update_account(
+            req.user_name, req.password, req.role, req.groups, caller=self._caller(req)
+        )
+        return {"account": _account(account)}
 
     def delete_account(self, req: UserNameRequest) -> dict[str, Any]:
-        self.registry.delete_account(req.user_name)
+        self.registry.delete_account(req.user_name, caller=self._caller(req))
         return {}
 
     def list_account(self, req: Empty) -> dict[str, Any]:
@@ -183,7 +202,7 @@ class _Handlers:
         return {"config_snapshot": self.registry.gen_config_snapshot()}
 
     def load_config_snapshot(self, req: LoadConfigSnapshotRequest) -> dict[str, Any]:
-        return {"loaded": self.registry.load_config_snapshot(req.config_snapshot)}
+        return {"loaded": self.registry.load_config_snapshot(req.config_snapshot, caller=self._caller(req))}
 
     # health
     def check_health(self, req: Empty) -> dict[str, Any]:
@@ -215,8 +234,8 @@ class _Handlers:
 
 
 def _account(account: Any) -> dict[str, Any]:
-    """Never the hash: an account on the wire is its name and role."""
-    return {"user_name": account.user_name, "role": account.role}
+    """Never the hash: an account on the wire is its name, role and instance groups."""
+    return {"user_name": account.user_name, "role": account.role, "groups": list(account.groups)}
 
 
 # name, request type, writes, idempotent, admin
@@ -234,7 +253,7 @@ _TABLE: tuple[tuple[str, type, bool, bool, bool], ...] = (
     ("list_instance_groups", Empty, False, True, True),
     ("register_instance", RegisterInstanceRequest, True, True, False),
     ("get_instance_info", InstanceIdRequest, False, True, False),
-    ("list_instance_info", ListInstanceInfoRequest, False, True, True),
+    ("list_instance_info", ListInstanceInfoRequest, False, True, False),  # filtered to the caller's groups
     ("remove_instance", InstanceIdRequest, True, False, True),
     ("add_account", AddAccountRequest, True, False, True),
     ("update_account", UpdateAccountRequest, True, True, True),
@@ -247,15 +266,21 @@ _TABLE: tuple[tuple[str, type, bool, bool, bool], ...] = (
 )
 
 
-def methods(registry: Registry, info: dict[str, Any] | Callable[[], dict[str, Any]] | None = None) -> list[Method]:
+def methods(
+    registry: Registry,
+    info: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+    auth: Authenticator | None = None,
+) -> list[Method]:
     """Every control-plane method. ``info``: facts about this node (e.g. ``node_id``, ``endpoint``,
     ``version``) for ``check_health`` and ``get_manager_cluster_info``; a callable is asked on
-    every call, so facts known only after start (the bound port) show up."""
+    every call, so facts known only after start (the bound port) show up. ``auth`` (when on)
+    filters ``list_instance_info`` to the caller's groups and keeps admins from locking
+    themselves out."""
     if callable(info):
-        handlers = _Handlers(registry, info)
+        handlers = _Handlers(registry, info, auth)
     else:
         facts = dict(info or {})
-        handlers = _Handlers(registry, lambda: dict(facts))
+        handlers = _Handlers(registry, lambda: dict(facts), auth)
     return [
         Method(name, getattr(handlers, name), request=request, writes=writes, idempotent=idempotent, admin=admin)
         for name, request, writes, idempotent, admin in _TABLE

@@ -6,14 +6,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from kvcm.dispatch import Method
 from kvcm.metrics import Metrics
+from kvcm.proto.schema import RequestBase
 
 
-class GetMetricsRequest(msgspec.Struct, kw_only=True):
-    trace_id: str = ""
+class GetMetricsRequest(RequestBase, kw_only=True):
+    pass
 
 
 def methods(metrics: Metrics, info: Callable[[], dict[str, Any]]) -> list[Method]:

@@ -44,6 +44,7 @@ DATABASES: tuple[str, ...] = (
     "groups",  # instance group name -> record
     "instances",  # instance id -> record
     "accounts",  # user name -> record
+    "tokens",  # API token id -> record (the token's digest, never the token)
     "blocks",  # (instance, block key) -> block record with its locations
     "sessions",  # write session id -> session record
     "deletes",  # pending asynchronous deletes

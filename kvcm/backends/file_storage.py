@@ -79,6 +79,14 @@ class DirectoryStorage(ABC):
     def _slots_per_container(self, size: int) -> int:
         ...
 
+    def slots_per_container(self, size: int) -> int:
+        """How many blocks of ``size`` bytes share one container (file or segment): what a write
+        costs in container creations per block, for the dispatcher's estimate."""
+        try:
+            return self._slots_per_container(size)
+        except KvcmError:  # a size this storage cannot hold: the write will fall over elsewhere
+            return 1
+
     @abstractmethod
     def _container_name(self, size: int, index: int) -> str:
         ...

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from kvcm.errors import Conflict, InvalidArgument
+from kvcm.proto.schema import suggest
 
 log = logging.getLogger("kvcm.storage")
 
@@ -184,7 +185,9 @@ class SpecReader:
         """Refuse fields nobody read; return the normalized spec (every field read, in order)."""
         unknown = sorted(set(self._spec) - self._seen)
         if unknown:
-            raise self._bad(unknown[0], f"unknown field (valid: {', '.join(sorted(self._seen))})")
+            guess = suggest(unknown[0], sorted(self._seen))
+            hint = f"did you mean storage_spec.{guess}? " if guess else ""
+            raise self._bad(unknown[0], f"unknown field ({hint}valid: {', '.join(sorted(self._seen))})")
         return dict(self._values)
 
     def _get(self, key: str, default: Any) -> Any:

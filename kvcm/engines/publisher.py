@@ -15,6 +15,10 @@ are ignored by vLLM-style decoders). Note that a consumer treating kvcm as one "
 If the queue between the data plane and this thread is full, events are dropped, counted, and
 one sequence number is skipped, so consumers see a gap instead of silently diverging.
 
+CURVE: given ``context`` (the server's CURVE context, whose ZAP handler decides which client keys
+get in) and ``socket_setup`` (which makes a socket a CURVE server), both sockets are encrypted;
+the context then belongs to the caller and is not terminated here.
+
 Thread ownership: the sink methods (:meth:`block_stored`, :meth:`block_removed`,
 :meth:`all_cleared`) only enqueue and may be called from any thread; the sockets belong to the
 thread running :meth:`poll_once` (the publisher thread started by :meth:`start`).
@@ -27,7 +31,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -61,6 +65,8 @@ class EventPublisher:
         encoding: str = "map",
         max_queue: int = 100_000,
         registry: CollectorRegistry | None = None,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        socket_setup: Callable[[zmq.Socket[bytes]], None] | None = None,
     ) -> None:
         self.topic = topic.encode()
         self.encoding = encoding
@@ -69,7 +75,9 @@ class EventPublisher:
         self._dropped = 0
         self._drop_lock = threading.Lock()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._ctx = zmq.Context()
+        self._own_ctx = context is None
+        self._ctx = zmq.Context() if context is None else context
+        self._socket_setup = socket_setup
         self._pub = self._bind(zmq.PUB, endpoint)
         self._router = self._bind(zmq.ROUTER, replay_endpoint) if replay_endpoint else None
         self.endpoint = _last(self._pub)
@@ -87,6 +95,8 @@ class EventPublisher:
         if "[" in endpoint or "::" in endpoint:
             sock.setsockopt(zmq.IPV6, 1)
         try:
+            if self._socket_setup is not None:
+                self._socket_setup(sock)
             sock.bind(endpoint)
         except zmq.ZMQError:
             sock.close(linger=0)
@@ -100,7 +110,8 @@ class EventPublisher:
             sock = getattr(self, name, None)
             if sock is not None:
                 sock.close(linger=0)
-        self._ctx.term()
+        if self._own_ctx:
+            self._ctx.term()
 
     # --- the sink (any thread) ------------------------------------------------------------------
 
@@ -213,7 +224,8 @@ class EventPublisher:
             for sock in (self._pub, self._router):
                 if sock is not None:
                     sock.close(linger=0)
-            self._ctx.term()
+            if self._own_ctx:
+                self._ctx.term()
 
 
 def _last(sock: zmq.Socket[bytes] | None) -> str:

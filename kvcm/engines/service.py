@@ -6,6 +6,11 @@ source list; the subscriber owns the sockets), and shapes replies.
 
 Thread ownership: public methods are called from the RPC thread; the subscriber runs on its own
 thread (:meth:`start`), or is driven by tests through ``service.subscriber.poll_once``.
+
+At most ``settings.max_sources`` sources are followed, static and persisted ones included: past
+it ``add_event_source`` is refused (REACH_MAX_ENTITY_CAPACITY) rather than accepted and never
+connected, and a start-up that would exceed it (a lowered limit, too many static sources) fails
+with a ConfigError.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from kvcm.backends.base import MetaStore
 from kvcm.blockkeys import token_ids_to_block_keys
+from kvcm.config import ConfigError
 from kvcm.engines.blocks import SourceMatch, SourceState
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.metrics import EventMetrics
@@ -29,7 +35,7 @@ from kvcm.engines.sources import (
     static_specs,
 )
 from kvcm.engines.subscriber import EventSubscriber
-from kvcm.errors import InvalidArgument
+from kvcm.errors import Code, InvalidArgument, error
 
 log = logging.getLogger("kvcm.engines")
 _ENCODER = msgspec.msgpack.Encoder()
@@ -68,10 +74,22 @@ class EngineService:
         self.metrics = EventMetrics(registry)
         self.index = EngineIndex(store, instance_lookup)
         self.subscriber = EventSubscriber(self.index, self.settings, self.metrics)
-        for state in self.index.load():
+        loaded = self.index.load()
+        statics = static_specs(tuple(static_sources), self.settings)
+        self._check_start_count(loaded, statics)
+        for state in loaded:
             self.subscriber.add(state.spec, state.generation, state.last_seq, state.last_ts)
-        for spec in static_specs(tuple(static_sources), self.settings):
+        for spec in statics:
             self._add_static(spec)
+
+    def _check_start_count(self, loaded: Sequence[SourceState], statics: Sequence[SourceSpec]) -> None:
+        ids = {state.spec.source_id for state in loaded} | {spec.source_id for spec in statics}
+        if len(ids) > self.settings.max_sources:
+            raise ConfigError(
+                f"{len(ids)} event sources ({len(statics)} static, {len(loaded)} registered) exceed "
+                f"events.max_sources={self.settings.max_sources}: raise it, or drop sources "
+                f"(events.sources, remove_event_source)"
+            )
 
     def _add_static(self, spec: SourceSpec) -> None:
         old = self.index.get(spec.source_id)
@@ -100,10 +118,19 @@ class EngineService:
         spec = build_spec({k: v for k, v in params.items() if v is not None}, self.settings)
         self.instance_lookup(spec.instance_id)  # raises NotFound for an unknown instance
         existed = self.index.get(spec.source_id) is not None
+        if not existed:
+            self._check_room()
         state = self.index.add_source(spec)
         if not existed:
             self.subscriber.add(spec, state.generation, state.last_seq, state.last_ts)
         return {"source": self._describe(state, {})}
+
+    def _check_room(self) -> None:
+        count, limit = len(self.index.sources()), self.settings.max_sources
+        if count >= limit:
+            raise error(Code.REACH_MAX_ENTITY_CAPACITY,
+                        f"{count} event sources are followed, the most allowed (events.max_sources={limit}); "
+                        f"remove one first")
 
     def remove_source(self, source_id: str) -> dict[str, Any]:
         """Stop following a source and drop exactly its blocks and metrics."""
@@ -112,12 +139,17 @@ class EngineService:
         self.metrics.remove_source(source_id)
         return {"source_id": source_id, "instance_id": state.spec.instance_id}
 
-    def list_sources(self, instance_id: str | None = None) -> dict[str, Any]:
+    def list_sources(
+        self, instance_id: str | None = None, visible: Callable[[str], bool] | None = None
+    ) -> dict[str, Any]:
+        """Every source, or those of ``instance_id``; ``visible(instance_id)`` (tenancy) hides
+        the sources of the instances it refuses, as if they did not exist."""
         snap = self.subscriber.snapshot()
         out = [
             self._describe(state, snap.get(state.spec.source_id, {}))
             for state in sorted(self.index.sources(), key=lambda s: s.spec.source_id)
-            if instance_id is None or state.spec.instance_id == instance_id
+            if (instance_id is None or state.spec.instance_id == instance_id)
+            and (visible is None or visible(state.spec.instance_id))
         ]
         return {"sources": out}
 

@@ -18,7 +18,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvcm.config import ConfigError
 from kvcm.errors import InvalidArgument
+from kvcm.proto.schema import suggest
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 _ID = re.compile(r"^[A-Za-z0-9._:@/\-\[\]]{1,200}$")
@@ -38,6 +40,7 @@ class SubscriberSettings:
     max_payload_bytes: int = 64 << 20  # larger PUB messages are dropped by ZMQ (MAXMSGSIZE)
     max_held: int = 100_000  # live messages held per source while its replay runs
     rcvhwm: int = 100_000
+    max_sources: int = 128  # sources followed at most; sizes the subscriber's ZeroMQ context
 
     @classmethod
     def from_config(cls, cfg: Any) -> SubscriberSettings:
@@ -113,6 +116,7 @@ def build_spec(params: dict[str, Any], settings: SubscriberSettings) -> SourceSp
     ``port``/``replay_port`` or the settings, offset by ``dp_rank``). ``replay: false`` turns
     replay off for a host-derived source.
     """
+    _check_keys(params)
     source_id = params.get("source_id")
     if not isinstance(source_id, str) or not _ID.match(source_id):
         raise InvalidArgument(f"source_id must be 1-200 chars of [A-Za-z0-9._:@/-], got {source_id!r}")
@@ -133,10 +137,10 @@ def build_spec(params: dict[str, Any], settings: SubscriberSettings) -> SourceSp
         replay_endpoint=replay,
         topic=topic,
         dp_rank=rank,
-        replay_timeout_s=_positive(params, "replay_timeout_s"),
-        backoff_initial_s=_positive(params, "backoff_initial_s"),
-        backoff_max_s=_positive(params, "backoff_max_s"),
-        poll_ms=_positive_int(params, "poll_ms"),
+        replay_timeout_s=_positive(params, "replay_timeout_s", _MAX_SECONDS),
+        backoff_initial_s=_positive(params, "backoff_initial_s", _MAX_SECONDS),
+        backoff_max_s=_positive(params, "backoff_max_s", _MAX_SECONDS),
+        poll_ms=_positive_int(params, "poll_ms", _MAX_POLL_MS),
         static=bool(params.get("static", False)),
     )
 
@@ -155,33 +159,71 @@ def _endpoints(
         return endpoint, replay
     if not isinstance(host, str) or not host:
         raise InvalidArgument("endpoint or host is required")
-    port = int(params.get("port") or settings.pub_port)
-    replay_port = int(params.get("replay_port") or settings.replay_port)
+    port = _port(params, "port", settings.pub_port, rank)
+    replay_port = _port(params, "replay_port", settings.replay_port, rank)
     pub = tcp_endpoint(host, port + rank)
     if params.get("replay", True) is False:
         return pub, None
     return pub, tcp_endpoint(host, replay_port + rank)
 
 
-def _positive(params: dict[str, Any], name: str) -> float | None:
+# Upper bounds of a source's timings: beyond them a value is a mistake (or an attack on the
+# persisted record, which must stay encodable), not a setting.
+_MAX_SECONDS = 86_400.0
+_MAX_POLL_MS = 60_000
+
+
+def _positive(params: dict[str, Any], name: str, most: float) -> float | None:
     value = params.get(name)
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise InvalidArgument(f"{name} must be a positive number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= most:
+        raise InvalidArgument(f"{name} must be a number in (0, {most:g}], got {str(value)[:40]}")
     return float(value)
 
 
-def _positive_int(params: dict[str, Any], name: str) -> int | None:
-    value = _positive(params, name)
+def _positive_int(params: dict[str, Any], name: str, most: int) -> int | None:
+    value = _positive(params, name, most)
     return None if value is None else max(1, int(value))
 
 
+def _port(params: dict[str, Any], name: str, default: int, rank: int) -> int:
+    value = params.get(name)
+    if value is None:
+        value = default
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value + rank <= 65535:
+        raise InvalidArgument(f"{name} must be an int with {name} + dp_rank in 1..65535, got {str(value)[:40]}")
+    return value
+
+
+#: What a source description may hold: ``add_event_source``'s fields (and ``static``, set here).
+_KEYS = frozenset({"source_id", "instance_id", "endpoint", "replay_endpoint", "host", "port", "replay_port",
+                   "replay", "topic", "dp_rank", "replay_timeout_s", "backoff_initial_s", "backoff_max_s",
+                   "poll_ms", "static"})
+
+
+def _check_keys(params: dict[str, Any]) -> None:
+    """A misspelled key (``replay_endpiont``) must not quietly give a source without replay."""
+    for key in params:
+        if key not in _KEYS:
+            guess = suggest(str(key), _KEYS)
+            hint = f" (did you mean {guess}?)" if guess else ""
+            raise InvalidArgument(f"unknown field {str(key)[:100]}{hint}")
+
+
 def static_specs(entries: tuple[str, ...] | list[Any], settings: SubscriberSettings) -> list[SourceSpec]:
-    """Static sources from the ``[events]`` config: JSON objects (or dicts) as ``add_event_source``."""
+    """Static sources from the ``[events]`` config: JSON objects (or dicts) as ``add_event_source``.
+
+    :raises ConfigError: naming ``events.sources[i]`` (a config mistake stops start-up)."""
     specs = []
-    for entry in entries:
-        params = json.loads(entry) if isinstance(entry, str) else dict(entry)
-        params["static"] = True
-        specs.append(build_spec(params, settings))
+    for i, entry in enumerate(entries):
+        try:
+            params = json.loads(entry) if isinstance(entry, str) else dict(entry)
+            if not isinstance(params, dict):
+                raise InvalidArgument("must be a JSON object")
+            params["static"] = True
+            specs.append(build_spec(params, settings))
+        except (ValueError, TypeError, InvalidArgument) as exc:
+            reason = exc.message if isinstance(exc, InvalidArgument) else f"not valid JSON: {exc}"
+            raise ConfigError(f"events.sources[{i}]: {reason}") from None
     return specs

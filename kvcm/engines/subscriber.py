@@ -19,6 +19,12 @@ Per source (``reference/kv_events.md`` §1.5, Appendix B):
   accepted, and further replays of that source back off 1 s -> 30 s (x2). Socket set-up failures
   back off the same way; TCP reconnects use libzmq's own backoff set to the same numbers.
 
+Capacity: each source holds :data:`SOCKETS_PER_SOURCE` ZeroMQ sockets and about
+:data:`FDS_PER_SOURCE` file descriptors. A context allows 1,023 sockets unless told otherwise,
+and past that socket creation fails ("Too many open files") while the source looks registered;
+so the context is sized for ``settings.max_sources`` up front, and the process's open-file limit
+is raised (soft up to hard) or start-up refused when they cannot fit.
+
 Nothing blocks: every receive is non-blocking, each socket is drained at most ``_DRAIN`` messages
 per wake-up, and a silent replay endpoint only ever delays its own source.
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import resource
 import struct
 import threading
 import time
@@ -39,6 +46,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvcm.config import ConfigError
 from kvcm.engines.blocks import Item
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.metrics import EventMetrics
@@ -51,6 +59,36 @@ END_SEQ = b"\xff" * 8
 _SEQ = struct.Struct(">Q")
 _DRAIN = 1000
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+SOCKETS_PER_SOURCE = 4  # SUB, replay DEALER, and the SUB's monitor (a PAIR socket at each end)
+FDS_PER_SOURCE = 6  # one mailbox per socket, plus the SUB's and the DEALER's connection
+_SPARE_SOCKETS = 16
+_FD_RESERVE = 256  # for the rest of the process: stores, the RPC port and its peers, HTTP
+
+
+def size_context(ctx: zmq.Context[zmq.Socket[bytes]], max_sources: int) -> None:
+    """Make room in ``ctx`` (before its first socket) and in the process for ``max_sources``
+    sources; raise ConfigError naming ``events.max_sources`` when they cannot fit."""
+    sockets = SOCKETS_PER_SOURCE * max_sources + _SPARE_SOCKETS
+    if sockets > ctx.get(zmq.MAX_SOCKETS):
+        limit = ctx.get(zmq.SOCKET_LIMIT)
+        if sockets > limit:
+            raise ConfigError(f"events.max_sources={max_sources} needs {sockets} ZeroMQ sockets; "
+                              f"this libzmq allows at most {limit}")
+        ctx.set(zmq.MAX_SOCKETS, sockets)
+    ensure_open_files(FDS_PER_SOURCE * max_sources + _FD_RESERVE, max_sources)
+
+
+def ensure_open_files(needed: int, max_sources: int) -> None:
+    """Raise the soft RLIMIT_NOFILE up to the hard one when ``needed`` is above it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise ConfigError(f"events.max_sources={max_sources} needs about {needed} open files, but the "
+                          f"process may open at most {hard} (hard RLIMIT_NOFILE, ulimit -Hn): lower "
+                          f"events.max_sources or raise the limit")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    log.info("raised the open-file limit from %d to %d for events.max_sources=%d", soft, needed, max_sources)
 
 
 class _Conn:
@@ -105,6 +143,11 @@ class EventSubscriber:
         self.metrics = metrics or EventMetrics()
         self._clock = clock
         self._ctx = zmq.Context()
+        try:
+            size_context(self._ctx, self.settings.max_sources)
+        except BaseException:
+            self._ctx.term()
+            raise
         self._conns: dict[str, _Conn] = {}
         self._owner: dict[Any, tuple[_Conn, str]] = {}
         self._poller = zmq.Poller()

@@ -59,7 +59,9 @@ def unpack(payload: bytes, max_items: int = 1 << 20) -> Any:
             max_array_len=max_items,
             max_map_len=max_items,
         )
-    except Exception as exc:  # noqa: BLE001 - msgpack raises ValueError, TypeError, StackError, ...
+    except msgpack.StackError:
+        raise BadEnvelope("payload is nested too deeply") from None
+    except Exception as exc:  # noqa: BLE001 - msgpack raises ValueError, TypeError, ...
         raise BadEnvelope(f"payload is not valid msgpack: {type(exc).__name__}: {exc}") from None
 
 
@@ -145,3 +147,18 @@ def pack_map_raw(items: dict[str, Any | Raw]) -> Raw:
 def pack_array_raw(items: list[bytes]) -> Raw:
     """An array of already packed values."""
     return Raw(_packer.pack_array_header(len(items)) + b"".join(items))
+
+
+def peek_msgid(payload: bytes) -> int:
+    """Best-effort msgid of a request that will not (or could not) be decoded in full: 0 when
+    unreadable, so that a REQ client still gets a reply."""
+    try:
+        unpacker = msgpack.Unpacker(max_buffer_size=64)
+        unpacker.feed(payload[:32])
+        unpacker.read_array_header()
+        unpacker.unpack()
+        msgid = unpacker.unpack()
+    except Exception:  # noqa: BLE001 - truly unreadable: answer under msgid 0
+        return 0
+    ok = isinstance(msgid, int) and not isinstance(msgid, bool) and 0 <= msgid <= MAX_MSGID
+    return msgid if ok else 0

@@ -6,8 +6,10 @@
   handler: input validation missed something) or ``IO_ERROR`` (the sandbox's disk never fails,
   so the store refused something validation should have).
 * ``rpc_struct`` — the bytes *choose* a request: a method, then a value for each field of its
-  request schema (mostly of the declared type, sometimes not), so the handlers' own checks are
-  reached far more often than by random msgpack. Same oracle as ``rpc``.
+  request schema (mostly of the declared type, sometimes not, now and then with a field the
+  schema lacks), so the handlers' own checks are reached far more often than by random msgpack.
+  Same oracle as ``rpc``, plus: a request with an unknown field, at any depth, must be refused
+  (INVALID_ARGUMENT, or TOO_MANY_KEYS when its size is checked first), never executed.
 * ``events`` — the bytes are one KV-event payload: decoded, and when it decodes, applied to an
   engine index and matched against it. Decoding may refuse with ``EventDecodeError``; nothing
   else may raise.
@@ -34,8 +36,8 @@ import msgspec
 from kvcm.blockkeys import token_ids_to_block_keys
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
-from kvcm.errors import Code
-from kvcm.proto import wire
+from kvcm.errors import Code, InvalidArgument
+from kvcm.proto import schema, wire
 from kvcm.proto.vllm_events import EventDecodeError, decode_batch, event_to_meaning, hash_to_u64
 
 INSTANCE = "fuzz-inst"
@@ -239,8 +241,10 @@ def _struct(r: _Reader, info: Any, sandbox: str, depth: int) -> dict[str, Any]:
             use_hint = hint is not None and r.byte() % 4 != 0
             out[field.encode_name] = hint(r) if hint is not None and use_hint else _value(r, field.type, sandbox, depth)
     if r.byte() % 7 == 0:
-        out[r.pick(_WORDS)] = _any(r, sandbox, depth)  # unknown fields must be ignored
-    return _sandboxed(out, sandbox)
+        out[r.pick(_WORDS)] = _any(r, sandbox, depth)  # usually a field the schema lacks: refused
+    if any(field.encode_name == "storage_spec" for field in info.fields):
+        _sandboxed(out, sandbox)
+    return out
 
 
 #: The spec field naming a directory, per storage type; left out, each defaults to a real
@@ -248,44 +252,68 @@ def _struct(r: _Reader, info: Any, sandbox: str, depth: int) -> dict[str, Any]:
 _PATH_FIELD = {"file": "root_path", "shm": "shm_dir", "3fs": "mountpoint"}
 
 
-def _sandboxed(params: dict[str, Any], sandbox: str) -> dict[str, Any]:
+def _sandboxed(params: dict[str, Any], sandbox: str) -> None:
     """A storage record's directory goes into the sandbox, whatever the fuzz bytes chose."""
-    if "storage_type" not in params and "storage_spec" not in params:
-        return params
     spec = params.setdefault("storage_spec", {})
     kind = params.get("storage_type")
     if not isinstance(spec, dict) or not isinstance(kind, str):
-        return params  # refused by validation before any backend opens
+        return  # refused by validation before any backend opens
     field = _PATH_FIELD.get(kind)
     if field is not None:
         spec[field] = os.path.join(sandbox, "st", str(spec.get(field, ""))[:8].replace("/", "_") or "x")
     spec.pop("root_dir", None)  # relative to the mountpoint, but ".." would climb out
-    return params
 
 
 def structured_request(data: bytes) -> bytes:
     """The request payload ``data`` chooses (deterministic, so saved inputs replay exactly)."""
+    return _structured(data)[0]
+
+
+def _structured(data: bytes) -> tuple[bytes, bool]:
+    """The payload, and whether it names a field its schema lacks (so must be refused)."""
     k = kvcm()
     r = _Reader(data)
     method = r.pick(sorted(k.dispatcher.methods))
-    schema = k.dispatcher.methods[method].request
-    if schema is None:
+    kind = k.dispatcher.methods[method].request
+    if kind is None:
         params = {r.pick(_WORDS): _any(r, k.sandbox, 0) for _ in range(r.byte() % 3)}
     else:
-        params = _struct(r, msgspec.inspect.type_info(schema), k.sandbox, 0)
+        params = _struct(r, msgspec.inspect.type_info(kind), k.sandbox, 0)
     msgid = r.pick(_INTS[:8])
     if r.byte() % 16 == 0:
-        return wire.pack_notification(method, params)
-    return wire.pack_request(msgid, method, params)
+        return wire.pack_notification(method, params), False
+    return wire.pack_request(msgid, method, params), kind is not None and _has_unknown_field(params, kind)
+
+
+def _has_unknown_field(params: dict[str, Any], kind: type) -> bool:
+    try:
+        schema.check_partial(params, kind, "")
+    except InvalidArgument:
+        return True
+    return False
+
+
+#: What a request with an unknown field may get: refused by validation, or by its size first.
+_REFUSALS = (Code.INVALID_ARGUMENT, Code.TOO_MANY_KEYS)
 
 
 def check_rpc_struct(data: bytes) -> None:
     k = kvcm()
-    request = structured_request(data)
+    request, must_refuse = _structured(data)
     reply = k.dispatcher.handle(request)
     _check_reply(request, reply)
+    if must_refuse:
+        _check_refused(request, reply)
     _remember_session(reply)
     k.reseed()
+
+
+def _check_refused(request: bytes, reply: bytes | None) -> None:
+    if reply is None:
+        return  # no reply to judge (the base oracle allows a drop)
+    err = wire.parse_response(reply)[1]
+    if not isinstance(err, dict) or err.get("code") not in _REFUSALS:
+        raise FuzzBug(f"a request with an unknown field was not refused ({err!r}): {request[:200]!r}")
 
 
 def _remember_session(reply: bytes | None) -> None:
@@ -346,6 +374,15 @@ def seeds(target: str) -> dict[str, bytes]:
     if target == "rpc":
         return {f"{i:02d}-{method}": wire.pack_request(i + 1, method, params)
                 for i, (method, params) in enumerate(_VALID_REQUESTS)}
+    if target == "batch":
+        raw = [b"\x01" + wire.pack_request(i + 1, m, p) for i, (m, p) in enumerate(_VALID_REQUESTS)]
+        poison = [b"\x01" + b"\x91" * 5000 + b"\xc0", b"\x01\xdd\xff\xff\xff\xff",
+                  b"\x01\x94\x00\x07\xaccheck_health\x91" + b"\x91" * 3000 + b"\xc0",
+                  b"\x01\x94\x00\x08\xb2finish_write_cache\x91\x81\xa9locations" + b"\x91" * 200_000 + b"\xc0"]
+        out = {f"pair{i:02d}": raw[i] + BATCH_SEPARATOR + raw[(i + 3) % len(raw)] for i in range(len(raw))}
+        out.update({f"poison{i}": p + BATCH_SEPARATOR + raw[0] for i, p in enumerate(poison)})
+        out["structured"] = b"\x00" + bytes(range(64)) + BATCH_SEPARATOR + b"\x02" + bytes(range(64, 128))
+        return out
     # rpc_struct: the first byte picks the method, the rest its field choices
     count = len(kvcm().dispatcher.methods)
     return {f"method{i:02d}-{fill}": bytes([i]) + bytes([fill]) * 63 for i in range(count) for fill in (1, 3)}
@@ -374,4 +411,40 @@ _VALID_REQUESTS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-TARGETS: dict[str, Callable[[bytes], None]] = {"rpc": check_rpc, "rpc_struct": check_rpc_struct, "events": check_events}
+# -- batch: poisoned requests drained together with good ones ----------------------------------------
+
+#: Splits a batch input into its requests.
+BATCH_SEPARATOR = b"\xc1\xc1"
+_SENTINEL_ID = 4_000_000_000  # msgids of the good requests: above any the fuzz input picks
+
+
+def check_batch(data: bytes) -> None:
+    """Several fuzzed requests (raw bytes, or built field by field when a piece starts with an
+    even byte) drained in one batch between known-good ones: every good one gets its own correct
+    reply, and every reply is well formed — one request's failure is never another's."""
+    k = kvcm()
+    pieces = [p for p in data.split(BATCH_SEPARATOR)[:8] if p]
+    requests = [_structured(p[1:])[0] if p[0] % 2 == 0 else p[1:] for p in pieces]
+    requests = [r for r in requests if r and not any(field in r for field in PATH_FIELDS)]
+    batch: list[bytes] = []
+    good: dict[int, int] = {}  # index in the batch -> msgid
+    for i, request in enumerate([*requests, b""]):
+        good[len(batch)] = _SENTINEL_ID + i
+        batch.append(wire.pack_request(_SENTINEL_ID + i, "get_instance_info", {"instance_id": INSTANCE}))
+        if request:
+            batch.append(request)
+    replies = k.dispatcher.handle_batch(batch, [bytes([i % 3]) for i in range(len(batch))])
+    for index, (request, reply) in enumerate(zip(batch, replies)):
+        if index not in good:
+            _check_reply(request, reply)
+            continue
+        if reply is None:
+            raise FuzzBug(f"a good request got no reply in a batch with {requests!r}")
+        msgid, err, result = wire.parse_response(reply)
+        if msgid != good[index] or err is not None or result.get("instance_info", {}).get("instance_id") != INSTANCE:
+            raise FuzzBug(f"a good request was answered {err!r} in a batch with {[r[:80] for r in requests]!r}")
+    k.reseed()
+
+
+TARGETS: dict[str, Callable[[bytes], None]] = {"rpc": check_rpc, "rpc_struct": check_rpc_struct, "events": check_events,
+                                               "batch": check_batch}
