@@ -240,7 +240,8 @@ class Authenticator:
         INSTANCE_NOT_EXIST (another tenant's instance) or :class:`Deferred` (ask again soon)."""
         if not self.enabled:
             return
-        principal = self.authenticate(_auth_of(request), peer, submit=True)
+        auth = _auth_of(request)
+        principal = self.authenticate(auth, _bucket(peer, auth), submit=True)
         if method.admin and not principal.admin:
             raise AccessDenied(f"{method.name} needs the admin role", Code.PERMISSION_DENIED)
         if not principal.all_groups and method.name not in FILTERED_METHODS:
@@ -426,6 +427,13 @@ class Authenticator:
                 raise Conflict(f"instance id {instance_id[:200]!r} is taken", Code.DUPLICATE_ENTITY)
         elif owner is not None and not principal.may_use(owner):
             raise instance_not_found(instance_id)
+
+
+def _bucket(peer: bytes, auth: Any) -> bytes:
+    """The login rate-limit key of a request: its connection, split by the end client a relay
+    names (never merged with another connection's, so naming a client cannot blame someone else)."""
+    client = auth.get("client") if isinstance(auth, dict) else getattr(auth, "client", None)
+    return peer if not isinstance(client, str) or not client else peer + b"|" + client.encode()
 
 
 def _auth_of(request: Any) -> Any:

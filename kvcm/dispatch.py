@@ -125,8 +125,8 @@ class Deferred(Exception):
 
 
 class _Outcome:
-    __slots__ = ("authorized", "error", "hasher", "method", "msgid", "params", "peer", "result", "since",
-                 "tag", "waiting")
+    __slots__ = ("authorized", "carried", "error", "hasher", "method", "msgid", "params", "peer", "result",
+                 "since", "tag", "waiting")
 
     def __init__(self, msgid: int | None, method: Method | None, tag: Any = None, peer: bytes = b"") -> None:
         self.msgid = msgid
@@ -138,6 +138,7 @@ class _Outcome:
         self.params: Any = None  # the validated request
         self.since = time.monotonic()
         self.authorized = False
+        self.carried = False  # kept over from an earlier turn at least once
         self.hasher: ChainHasher | None = None  # token hashing in progress
         self.waiting = False  # carried for a verdict of another thread (not runnable yet)
 
@@ -197,6 +198,8 @@ class Dispatcher:
         self._decoders: dict[type, Callable[[Any], Any]] = {}
         self._fast: dict[str, tuple[Method, Callable[[Any], Any]]] = {}
         self._carried: list[_Outcome] = []
+        self._sized: dict[type, tuple[str, ...]] = {}  # request type -> its list fields under a limit
+        self._hashing_us = 0.0
         for method in self.methods.values():
             if method.request is not None:
                 decoder = msgspec.msgpack.Decoder(tuple[method.request], ext_hook=wire.refuse_ext)  # type: ignore[name-defined]
@@ -339,7 +342,8 @@ class Dispatcher:
         """Admit what runs this turn (small first, then heavy within the budget); carry the rest.
         Returns the finished outcomes (errors included) in the order they are to run."""
         started = time.perf_counter()
-        spent = 0.0  # microseconds of this turn: real hashing time plus estimates of admitted work
+        self._hashing_us = 0.0  # real time this turn spent hashing token_ids
+        spent = 0.0  # estimated microseconds of the heavy work admitted this turn
         small: list[_Outcome] = []
         heavy: list[_Outcome] = []
         blocked: set[bytes] = set()  # peers with a carried request: their later ones wait too
@@ -363,7 +367,6 @@ class Dispatcher:
             except Exception as exc:  # noqa: BLE001 - admission failures are the request's own
                 outcome.error = self._to_error(exc, outcome.method.name if outcome.method else "admit")
             (heavy if outcome.peer in in_heavy else small).append(outcome)
-            spent = max(spent, (time.perf_counter() - started) * 1e6)
         return small + heavy
 
     def _admit(self, outcome: _Outcome, started: float, spent: float, heavy_admitted: bool) -> float | None:
@@ -371,7 +374,7 @@ class Dispatcher:
         Raises :class:`_Carry` to keep it for a later turn, or the request's error."""
         method, params = outcome.method, outcome.params
         assert method is not None  # internal: only called for resolved methods
-        if time.monotonic() - outcome.since > self.limits.defer_timeout_s:
+        if outcome.carried and time.monotonic() - outcome.since > self.limits.defer_timeout_s:
             raise error(Code.TIMEOUT, f"{method.name}: waited over {self.limits.defer_timeout_s:g}s for its turn")
         if not outcome.authorized and self._authorize is not None:
             try:
@@ -389,7 +392,7 @@ class Dispatcher:
         self._check_estimate(method, estimate)
         if estimate.micros <= self._budget_us * _SMALL_SHARE:
             return None
-        if heavy_admitted and spent + estimate.micros > self._budget_us:
+        if heavy_admitted and spent + self._hashing_us + estimate.micros > self._budget_us:
             raise _Carry("budget")
         return estimate.micros
 
@@ -410,11 +413,15 @@ class Dispatcher:
             hasher = outcome.hasher = ChainHasher(work.block_size)
         step = max(1, _HASH_SLICE // work.block_size) * work.block_size  # whole blocks per slice
         fed = len(hasher.keys) * work.block_size
-        while fed < len(work.tokens):
-            if fed and (time.perf_counter() - started) * 1e6 > self._budget_us:
-                return False
-            hasher.feed(work.tokens[fed:fed + step])
-            fed += step
+        began = time.perf_counter()
+        try:
+            while fed < len(work.tokens):
+                if fed and (time.perf_counter() - started) * 1e6 > self._budget_us:
+                    return False
+                hasher.feed(work.tokens[fed:fed + step])
+                fed += step
+        finally:
+            self._hashing_us += (time.perf_counter() - began) * 1e6
         work.done(hasher.keys)
         outcome.hasher = None
         return True
@@ -437,6 +444,7 @@ class Dispatcher:
             outcome.waiting = False
             return
         self.metrics.carried.labels(reason).inc()
+        outcome.carried = True
         self._carried.append(outcome)
 
     # -- run ------------------------------------------------------------------------------------
@@ -515,18 +523,28 @@ class Dispatcher:
             log.info("rpc %s %s %.0fus", method.name, status, elapsed * 1e6)
 
     def _check_sizes(self, params: Any) -> None:
-        raw = isinstance(params, dict)
-        for name in KEY_FIELDS:
-            value = params.get(name) if raw else getattr(params, name, None)
-            if isinstance(value, dict):  # proto-JSON form of a mask: {"values": [...]}
-                value = value.get("values")
-            if isinstance(value, list) and len(value) > self.limits.max_keys:
-                raise error(Code.TOO_MANY_KEYS, f"{name} has {len(value)} entries; the limit is "
-                                                f"{self.limits.max_keys} (server.max_keys)")
-        tokens = params.get("token_ids") if raw else getattr(params, "token_ids", None)
-        if isinstance(tokens, list) and len(tokens) > self.limits.max_tokens:
-            raise error(Code.TOO_MANY_KEYS, f"token_ids has {len(tokens)} entries; the limit is "
-                                            f"{self.limits.max_tokens} (server.max_tokens)")
+        """``max_keys`` / ``max_tokens`` (the schema's ceilings are checked by the decoder)."""
+        if isinstance(params, dict):  # a method without a Struct: its raw map
+            for name in (*KEY_FIELDS, "token_ids"):
+                self._check_size(name, params.get(name))
+            return
+        for name in self._sized_fields(type(params)):
+            self._check_size(name, getattr(params, name))
+
+    def _sized_fields(self, kind: type) -> tuple[str, ...]:
+        fields = self._sized.get(kind)
+        if fields is None:
+            names = getattr(kind, "__struct_fields__", ())
+            fields = self._sized[kind] = tuple(n for n in (*KEY_FIELDS, "token_ids") if n in names)
+        return fields
+
+    def _check_size(self, name: str, value: Any) -> None:
+        if not isinstance(value, list):
+            return
+        limit, key = (self.limits.max_tokens, "server.max_tokens") if name == "token_ids" else \
+            (self.limits.max_keys, "server.max_keys")
+        if len(value) > limit:
+            raise error(Code.TOO_MANY_KEYS, f"{name} has {len(value)} entries; the limit is {limit} ({key})")
 
     def _validate(self, method: Method, params: dict[str, Any]) -> Any:
         self._check_sizes(params)

@@ -578,6 +578,11 @@ def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
                 if bearer is None:
                     raise _unauthenticated('credentials required: Authorization: Bearer <token>, or "auth" in the body')
                 params["auth"] = {"token": bearer}
+            auth = params.get("auth")
+            if isinstance(auth, dict):
+                # Every HTTP user reaches the RPC port through this side's few connections: name
+                # the remote address, so one address's failed logins do not rate-limit the others.
+                auth["client"] = str(self.client_address[0])[:64]
             self._forward(name, params)
 
         def _forward(self, name: str, params: dict[str, Any]) -> None:

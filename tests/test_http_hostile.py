@@ -473,14 +473,8 @@ def test_auth_on_metrics_and_api_need_credentials_probes_stay_open():
         assert refused(server).get("unauthenticated", 0) >= 6
 
 
-def _has_whoami(server: RunningServer) -> bool:
-    return "whoami" in server.app.dispatcher.methods
-
-
 def test_auth_on_metrics_takes_a_valid_bearer_token_only():
     with serve_in_thread(overrides=AUTH_ON) as server:
-        if not _has_whoami(server):
-            pytest.skip("RPC whoami is not in this tree yet: /metrics cannot verify tokens")
         port = server.http_port
         reply = get(port, "/metrics", [("Authorization", "Bearer not-a-real-token")])
         assert reply.status == 401 and reply.header("WWW-Authenticate") is not None
@@ -515,3 +509,28 @@ def test_the_port_survives_resets_and_garbage():
                 except OSError:
                     pass
         assert get(port, "/livez").status == 200
+
+
+def _post_from(source: str, port: int, method: str, params: dict[str, Any]) -> Reply:
+    body = json.dumps(params).encode()
+    head = (f"POST /api/{method} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=20, source_address=(source, 0)) as sock:
+        sock.sendall(head + body)
+        return _read_reply(sock)
+
+
+def test_one_addresses_failed_logins_do_not_rate_limit_other_http_users():
+    """Every HTTP user reaches the RPC port through the side port's few connections; the side
+    port names the remote address, so the login limits count per address, not per connection."""
+    overrides = {"auth": {"enabled": True, "admin_password": ADMIN_PW, "failed_login_limit": 3,
+                          "failed_login_limit_per_user": 1000}}
+    with serve_in_thread(overrides=overrides) as server:
+        port = server.http_port
+        statuses = [_post_from("127.0.0.2", port, "check_health",
+                               {"auth": {"user": "admin", "password": f"wrong-{i}"}}).status for i in range(6)]
+        assert statuses[0] == 401 and statuses[-1] == 429, statuses
+        ok = _post_from("127.0.0.3", port, "check_health", {"auth": {"user": "admin", "password": ADMIN_PW}})
+        assert ok.status == 200, ok
+        assert _post_from("127.0.0.2", port, "check_health",
+                          {"auth": {"user": "admin", "password": "wrong-again"}}).status == 429

@@ -356,7 +356,7 @@ def test_write_estimates_follow_the_storage_packing(tmp_path):
         register(c)  # default storage: one block per file, two specs
         with pytest.raises(KvcmError) as info:
             c.call("start_write_cache", {"instance_id": "inst", "block_keys": list(range(1, 301))})
-        assert info.value.code is Code.TOO_LARGE
+        assert info.value.code is Code.TOO_LARGE and "send at most 153 keys" in info.value.message  # docs/limits.md
         c.call("add_storage", {"storage": {"global_unique_name": "packed", "storage_type": "file",
                                            "storage_spec": {"root_path": str(tmp_path / "packed"),
                                                             "key_count_per_file": 64}}})

@@ -10,6 +10,7 @@ or in proto-JSON form ``{"bool_masks": {"values": [..]}}`` (no other key).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -91,6 +92,7 @@ class TrimCacheRequest(_Request, kw_only=True):
     end_timestamp: int = 0
 
 
+@functools.lru_cache(maxsize=256)  # on every request; the handful of spellings repeat
 def _enum(value: str, prefix: str) -> str:
     """``"QT_PREFIX_MATCH"`` and ``"prefix_match"`` both mean ``"prefix_match"``."""
     lowered = value.lower()

@@ -49,6 +49,10 @@ class Credentials(msgspec.Struct, forbid_unknown_fields=True):
     user: str | None = None
     password: str | None = None
     token: str | None = None
+    #: The end client a relay sends this request for (the HTTP side port puts the remote
+    #: address here). It only splits the sender's login rate-limit bucket, so the users of one
+    #: relay are limited apart; it grants nothing.
+    client: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
 
 class RequestBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
