@@ -213,3 +213,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvcmError as exc:
         print(f"kvcm: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # e.g. `kvcm call ... | head`: the reader left, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0

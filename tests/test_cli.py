@@ -31,3 +31,16 @@ def test_python_dash_m_entry_point():
 def test_unreachable_server_times_out_cleanly(capsys, tmp_path):
     assert main(["call", "check_health", "{}", "--endpoint", f"ipc://{tmp_path}/nobody", "--timeout", "0.2"]) == 1
     assert "TIMEOUT" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_is_no_error():
+    """`kvcm call ... | head`: the reader leaving early ends the command quietly."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvcm", "config", "show"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the child writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(30) == 0 and "Traceback" not in err, err
