@@ -129,7 +129,7 @@ class App:
         from kvcm.registry import Registry
 
         data_dir = None if self.store.path is None else os.path.abspath(self.config.store.data_dir)
-        self.registry = Registry(self.store, data_dir)
+        self.registry = Registry(self.store, data_dir, self.config.storage.allowed_roots)
         self.registry.ensure_defaults(data_dir or os.path.abspath(self.config.store.data_dir))
         self.authorize = Authenticator(self.registry, self.config.auth)
         methods: list[Method] = []
@@ -199,6 +199,10 @@ class App:
             self.event_log = EventLog(self.config.publisher.event_log)
         self.storages = StoragePool(self.registry, data_dir)
         self.cache = CacheManager(self.store, self.registry, self.storages, default_write_timeout=cfg.write_timeout_seconds,
+                                  max_write_timeout=cfg.max_write_timeout_seconds,
+                                  max_open_sessions=cfg.max_open_sessions_per_instance,
+                                  max_writing_bytes=cfg.max_writing_bytes_per_instance,
+                                  metrics_registry=self.metrics.registry,
                                   lock_shards=self.config.store.lock_shards, cache_size=self.config.store.search_cache_size,
                                   runs=cfg.runs)
         self.cache.start()

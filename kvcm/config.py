@@ -75,8 +75,18 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    # Directories storages may live under (config file / env / flag only, never an RPC).
+    # Empty = the data dir, plus /dev/shm for shm storages; the data dir is always allowed.
+    allowed_roots: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     write_timeout_seconds: float = 30.0  # default write-session lifetime
+    max_write_timeout_seconds: float = 600.0  # longest lifetime a request may ask for; more is refused
+    max_open_sessions_per_instance: int = 1024  # open write sessions per instance; more starts are refused
+    max_writing_bytes_per_instance: int = 16 << 30  # bytes in writing per instance; more starts are refused
     session_check_ms: int = 200  # how often expired write sessions are swept
     delete_poll_ms: int = 100  # deleter thread wake-up interval
     storage_health_interval_s: float = 5.0  # how often each storage is probed
@@ -148,6 +158,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     reclaim: ReclaimConfig = field(default_factory=ReclaimConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
@@ -318,6 +329,10 @@ def validate(config: Config) -> None:
         (all(_HOST_ENTRY.fullmatch(h.strip().lower()) for h in config.http.allowed_hosts),
          "http.allowed_hosts: each entry must be a host name, an IP address or [IPv6], with an optional :port"),
         (config.cache.write_timeout_seconds > 0, "cache.write_timeout_seconds must be positive"),
+        (config.cache.write_timeout_seconds <= config.cache.max_write_timeout_seconds <= 7 * 86400,
+         "cache.max_write_timeout_seconds must be in [cache.write_timeout_seconds, 604800]"),
+        (config.cache.max_open_sessions_per_instance > 0, "cache.max_open_sessions_per_instance must be positive"),
+        (config.cache.max_writing_bytes_per_instance > 0, "cache.max_writing_bytes_per_instance must be positive"),
         (0 <= config.reclaim.hysteresis < 1, "reclaim.hysteresis must be in [0, 1)"),
         (config.reclaim.interval_s > 0, "reclaim.interval_s must be positive"),
         (0 < config.reclaim.duty_cycle <= 1, "reclaim.duty_cycle must be in (0, 1]"),
@@ -334,6 +349,8 @@ def validate(config: Config) -> None:
         (config.auth.failed_login_limit_per_user > 0, "auth.failed_login_limit_per_user must be positive"),
         (config.auth.failed_login_window_s > 0, "auth.failed_login_window_s must be positive"),
         (1 <= config.events.max_sources <= 16000, "events.max_sources must be in 1..16000"),
+        (all(os.path.isabs(r) and r.isprintable() for r in config.storage.allowed_roots),
+         "storage.allowed_roots: each entry must be an absolute path without control characters"),
         (config.log.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log.level must be DEBUG, INFO, WARNING or ERROR"),
     ]
     for ok, message in checks:

@@ -40,7 +40,8 @@ from kvcm.records import (
 )
 from kvcm.registry import GROUP, INSTANCE, Registry
 from kvcm.selection import GroupView, InstanceView
-from kvcm.sessions import Sessions
+from kvcm.sessions import DB as SESSIONS
+from kvcm.sessions import InFlightStats, Sessions, decode_session
 from kvcm.usage import Key, Usage
 
 log = logging.getLogger("kvcm.manager")
@@ -60,6 +61,10 @@ class CacheManager:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         default_write_timeout: float = 30.0,
+        max_write_timeout: float = 600.0,
+        max_open_sessions: int = 1024,
+        max_writing_bytes: int = 16 << 30,
+        metrics_registry: Any = None,
         lock_shards: int = 64,
         cache_size: int = 65536,
         batch_size: int = 16,
@@ -70,11 +75,17 @@ class CacheManager:
         self.pool = pool
         self.clock = clock
         self.default_write_timeout = default_write_timeout
+        self.max_write_timeout = max_write_timeout
+        self.max_open_sessions = max_open_sessions
+        self.max_writing_bytes = max_writing_bytes
         self.runs = runs
         self.index = MetaIndex(store, lock_shards, batch_size, cache_size, encode, decode, check_value,
                                tag=_run_of, drop_tag=_drop_run)
         self.usage_book = Usage()
         self.sessions = Sessions(clock, monotonic)
+        self.inflight = self.sessions.inflight
+        if metrics_registry is not None:
+            metrics_registry.register(InFlightStats(self.inflight))
         self.deleter = Deleter(store, self.index, self.usage_book.add, pool.get, clock)
         self._views: dict[str, InstanceView] = {}
         self._groups: dict[str, GroupView] = {}
@@ -90,10 +101,11 @@ class CacheManager:
         holds (the storages rebuild their free space from it), queue purges of instances that
         were removed while blocks remained."""
         self.pool.open_all()
+        owner: dict[str, str] = {}
         with self.store.read() as view:
             self.usage_book.load(view)
-            self.sessions.load(view)
-        self._reserve_all()
+            self.sessions.load(view, owner)
+        self._reserve_all(owner)
         for registered in self.registry.list_instances():
             self._known[registered.instance_id] = registered.instance_group
         for group, instance_id, _ in self.usage_book.snapshot():
@@ -101,12 +113,18 @@ class CacheManager:
             if not self._registered(instance_id) and instance_id not in self._purges:
                 self._purges.append(instance_id)
 
-    def _reserve_all(self) -> None:
+    def _reserve_all(self, owner: dict[str, str]) -> None:
+        """Reserve every recorded URI, sweep the rest, and count ``writing`` bytes per instance
+        (``owner``: session id -> instance; a writing copy always names its live session)."""
         by_storage: dict[str, list[str]] = defaultdict(list)
+        inflight = self.inflight.snapshot()
         for chunk in self._all_chunks():
             for _, value in chunk:
                 for loc in decode(value).locs:
                     by_storage[loc.storage].extend(wire_uris(loc.wire))
+                    if loc.status == Status.WRITING and loc.session in owner:
+                        inflight.setdefault(owner[loc.session], [0, 0])[1] += loc.nbytes
+        self.inflight.reset(inflight)
         for name in self.pool.names():
             backend = self.pool.get(name)
             if backend is None:
@@ -232,7 +250,7 @@ class CacheManager:
                     session = self.sessions.get(txn, sid)
                     if session is None:
                         continue
-                    self.sessions.consume(txn, sid, expired=True)
+                    self.sessions.consume(txn, session, expired=True)
                     writes.settle(self, txn, session, [False] * len(session.keys))
                     expired += 1
         except Exception:
@@ -256,7 +274,7 @@ class CacheManager:
         now = self.clock()
         marked: list[tuple[int, str]] = []
         gone: list[int] = []
-        freed = [0]
+        freed = [0, 0]  # serving bytes, writing bytes
 
         def modify(_: int, key: int, record: Record | None) -> Any:
             if record is None:
@@ -269,6 +287,8 @@ class CacheManager:
                     continue
                 if loc.status == Status.SERVING:
                     freed[0] += loc.nbytes
+                elif loc.status == Status.WRITING:
+                    freed[1] += loc.nbytes
                 loc.status = Status.DELETING
                 marked.append((key, loc.id))
             if had and not any(x.status == Status.SERVING for x in record.locs):
@@ -281,6 +301,7 @@ class CacheManager:
         self.index.read_modify_write(txn, namespace(instance_id), list(dict.fromkeys(keys)), modify)
         for key, loc_id in marked:
             schedule(txn, now + delay, group, instance_id, key, loc_id)
+        self.inflight.release(txn, instance_id, 0, freed[1])
         if gone:
             txn.on_commit(lambda: self._emit("on_removed", instance_id, gone))
         return len(marked), freed[0]
@@ -288,13 +309,16 @@ class CacheManager:
     def _forget_all(self, txn: WriteTxn, inst: InstanceView, items: list[tuple[int, bytes]]) -> int:
         released: dict[str, list[str]] = defaultdict(list)
         deltas: dict[Key, list[int]] = defaultdict(lambda: [0, 0])
+        writing = 0
         for _key, value in items:
             for loc in decode(value).locs:
                 released[loc.storage].extend(wire_uris(loc.wire))
+                writing += loc.nbytes if loc.status == Status.WRITING else 0
                 deltas[(inst.group, inst.instance_id, loc.type)][0] -= loc.nbytes
                 deltas[(inst.group, inst.instance_id, loc.type)][1] -= 1
         self.index.read_modify_write(txn, inst.ns, [k for k, _ in items], lambda i, k, r: None)
         self.usage_book.add(txn, dict(deltas))
+        self.inflight.release(txn, inst.instance_id, 0, writing)
 
         def release() -> None:
             for name, uris in released.items():
@@ -393,6 +417,25 @@ class CacheManager:
     def check(self) -> None:
         """Assert the data plane's invariants on a quiet server (see :mod:`kvcm.cache.consistency`)."""
         consistency.check(self)
+        recounted = self.recount_inflight()
+        assert self.inflight.snapshot() == recounted, \
+            f"in-flight counters {self.inflight.snapshot()} != recount {recounted}"
+
+    def recount_inflight(self) -> dict[str, list[int]]:
+        """``{instance: [open sessions, writing bytes]}`` recomputed from the store (tests, tools)."""
+        owner: dict[str, str] = {}
+        out: dict[str, list[int]] = {}
+        with self.store.read() as view:
+            for _, raw in view.scan(SESSIONS):
+                session = decode_session(raw)
+                owner[session.id] = session.instance
+                out.setdefault(session.instance, [0, 0])[0] += 1
+        for chunk in self._all_chunks():
+            for _, value in chunk:
+                for loc in decode(value).locs:
+                    if loc.status == Status.WRITING:
+                        out.setdefault(owner.get(loc.session, "?"), [0, 0])[1] += loc.nbytes
+        return {k: v for k, v in out.items() if v[0] or v[1]}
 
     def owners(self) -> dict[bytes, tuple[str, str]]:
         """Namespace -> (group, instance) of every instance known since start."""

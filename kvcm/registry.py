@@ -23,6 +23,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import msgspec
 
 from kvcm.backends.base import MetaStore, ReadTxn, WriteTxn
+from kvcm.backends.roots import StorageRoots, check_placement
 from kvcm.errors import Code, Conflict, InvalidArgument, NotFound, error
 from kvcm.model import (
     ALL_GROUPS,
@@ -112,10 +113,17 @@ class _Table(Generic[R]):
 class Registry:
     """CRUD over the registry with Tair's rules (and without its known bugs)."""
 
-    def __init__(self, store: MetaStore, data_dir: str | None = None) -> None:
+    def __init__(
+        self, store: MetaStore, data_dir: str | None = None, allowed_roots: tuple[str, ...] = ()
+    ) -> None:
         self._store = store
         # Resolves relative ``file`` root paths (as the storage backends do); None refuses them.
         self._data_dir = None if data_dir is None else os.path.abspath(data_dir)
+        # Where storages may live (config ``storage.allowed_roots``; empty = the default).
+        self.roots = StorageRoots(self._data_dir, tuple(allowed_roots))
+        # Why a storage is unavailable, for check_health (in memory: a restart re-probes).
+        self.unavailable_reasons: dict[str, str] = {}
+        self._preflights: list[Callable[[Storage], None]] = []
         self._storages = _Table(STORAGE, "storages", Storage, lambda s: s.global_unique_name)
         self._groups = _Table(GROUP, "groups", InstanceGroup, lambda g: g.name)
         self._instances = _Table(INSTANCE, "instances", Instance, lambda i: i.instance_id)
@@ -146,6 +154,8 @@ class Registry:
 
     def ensure_defaults(self, data_dir: str) -> None:
         """On the first start only: a ``file`` storage under ``data_dir`` and a ``default`` group."""
+        if self.roots.data_dir is None:  # a memory store: the defaults still live in data_dir
+            self.roots = StorageRoots(os.path.abspath(data_dir), self.roots.configured)
         with self._store.write() as txn:
             if txn.get("meta", _DEFAULTS_KEY) is not None:
                 return
@@ -252,19 +262,31 @@ class Registry:
 
     # -- storages -----------------------------------------------------------------------------
 
+    def preflight(self, check: Callable[[Storage], None]) -> None:
+        """Run ``check(storage)`` before ``add_storage`` commits (the storage pool opens the
+        backend once there), so a storage that cannot be opened is refused to the admin."""
+        self._preflights.append(check)
+
     def add_storage(self, storage: Storage) -> Storage:
         """:raises Conflict: DUPLICATE_ENTITY if the name is taken (nothing is overwritten)."""
         storage = check_storage(storage, self._data_dir)
         with self._store.write() as txn:
             if self._storages.read(txn, storage.global_unique_name) is not None:
                 raise Conflict(f"storage {storage.global_unique_name!r} already exists", Code.DUPLICATE_ENTITY)
-            return self._put_new_storage(txn, storage)
+            return self._put_new_storage(txn, storage, preflight=True)
 
-    def _put_new_storage(self, txn: WriteTxn, storage: Storage) -> Storage:
+    def _put_new_storage(self, txn: WriteTxn, storage: Storage, preflight: bool = False) -> Storage:
         now = now_ms()
         storage = check_storage(msgspec.structs.replace(storage, create_time=now, update_time=now), self._data_dir)
+        self._check_placement(txn, storage)
+        for check in self._preflights if preflight else ():
+            check(storage)
         self._storages.put(txn, storage, self._changed)
         return storage
+
+    def _check_placement(self, txn: ReadTxn, storage: Storage) -> None:
+        others = [(s.global_unique_name, s.storage_type, s.storage_spec) for s in self._storages.all(txn)]
+        check_placement(storage.storage_type, storage.global_unique_name, storage.storage_spec, others, self.roots)
 
     def update_storage(self, storage: Storage) -> Storage:
         """Replace a storage's spec; its type cannot change, ``enabled``/``available`` are kept."""
@@ -276,6 +298,7 @@ class Registry:
                     f"storage.storage_type: cannot change {old.storage_type!r} to {storage.storage_type!r}; "
                     "add a new storage instead"
                 )
+            self._check_placement(txn, storage)
             new = msgspec.structs.replace(
                 storage, enabled=old.enabled, available=old.available, create_time=old.create_time, update_time=now_ms()
             )
@@ -290,8 +313,12 @@ class Registry:
             self._storages.put(txn, new, self._changed)
             return new
 
-    def set_storage_available(self, name: str, available: bool) -> None:
+    def set_storage_available(self, name: str, available: bool, reason: str = "") -> None:
         """Health verdict; writes only when it changes. Unknown names are ignored (removed meanwhile)."""
+        if available:
+            self.unavailable_reasons.pop(name, None)
+        else:
+            self.unavailable_reasons[name] = reason or self.unavailable_reasons.get(name) or "health probe failed"
         cached = self._storages.cache.get(name)
         if cached is None or cached.available == available:
             return
@@ -566,6 +593,9 @@ class Registry:
         ``caller`` (the admin making the call) as an admin: either would lock people out.
         """
         snapshot = check_snapshot(parse_snapshot(data), self._data_dir)
+        for i, s in enumerate(snapshot.storages):
+            others = [(o.global_unique_name, o.storage_type, o.storage_spec) for o in snapshot.storages[:i]]
+            check_placement(s.storage_type, s.global_unique_name, s.storage_spec, others, self.roots)
         tables: dict[str, list[Any]] = {
             STORAGE: snapshot.storages,
             GROUP: snapshot.instance_groups,

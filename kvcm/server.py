@@ -18,6 +18,7 @@ peers fail fast (counted) instead of vanishing silently or blocking the loop.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -108,6 +109,7 @@ class Server:
         self.draining = False
         self._socket = self._bind(endpoint, sndhwm)
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ipc_file = _ipc_identity(self.endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
 
@@ -150,6 +152,7 @@ class Server:
         finally:
             self.metrics.up.set(0)
             self._socket.close(linger=1000)
+            _unlink_ipc(self._ipc_file)
             self._closed.set()
 
     def _serve_ready(self) -> None:
@@ -248,7 +251,34 @@ class Server:
         """Close the socket of a server whose loop never ran."""
         if not self._closed.is_set():
             self._socket.close(linger=0)
+            _unlink_ipc(self._ipc_file)
             self._closed.set()
+
+
+def _ipc_identity(endpoint: str) -> tuple[str, int, int] | None:
+    """``(path, st_dev, st_ino)`` of the socket file an ``ipc://`` bind made, else None."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):  # "@": abstract, no file
+        return None
+    path = endpoint[len("ipc://"):]
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return path, st.st_dev, st.st_ino
+
+
+def _unlink_ipc(identity: tuple[str, int, int] | None) -> None:
+    """Remove our socket file on stop, but only if it is still ours: another server may have
+    bound the same path since (its bind replaces the file), and its socket must stay."""
+    if identity is None:
+        return
+    path, dev, ino = identity
+    try:
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            os.unlink(path)
+    except OSError:
+        pass  # already gone, or not ours to remove
 
 
 def _split(frames: list[bytes]) -> tuple[list[bytes], bytes] | None:

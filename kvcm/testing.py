@@ -28,6 +28,9 @@ from kvcm.config import Config, load
 from kvcm.errors import AccessDenied, KvcmError
 from kvcm.fake_engine import FakeEnginePublisher
 
+#: Where test servers let storages live: every temp dir a test makes, and the shm tmpfs.
+TEST_ALLOWED_ROOTS = (tempfile.gettempdir(), "/dev/shm")
+
 
 def _short_ipc_dir() -> str:
     # Unix socket paths are capped near 107 bytes, and pytest's tmp_path can be longer.
@@ -50,11 +53,16 @@ class RunningServer:
 
 
 def make_test_config(data_dir: str, endpoint: str, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
-    """A config for tests: private endpoint, temp data dir, HTTP on a free port."""
+    """A config for tests: private endpoint, temp data dir, HTTP on a free port.
+
+    Storages may live under the system temp dir and ``/dev/shm`` (:data:`TEST_ALLOWED_ROOTS`),
+    so tests can add storages in their own temp dirs; override ``storage.allowed_roots`` to
+    test the production default (``[]``)."""
     layer: dict[str, dict[str, Any]] = {
         "server": {"endpoint": endpoint},
         "store": {"data_dir": data_dir},
         "http": {"port": 0},
+        "storage": {"allowed_roots": list(TEST_ALLOWED_ROOTS)},
     }
     for section, values in (overrides or {}).items():
         layer.setdefault(section, {}).update(values)
@@ -98,9 +106,15 @@ def serve_in_subprocess(
 def start_subprocess(
     data_dir: str, endpoint: str, extra_args: list[str] | None = None, ready_timeout: float = 30.0
 ) -> RunningServer:
-    """Start ``kvcm serve`` in a child process and wait until it answers ``check_health``."""
+    """Start ``kvcm serve`` in a child process and wait until it answers ``check_health``.
+
+    Storages may live where :func:`make_test_config` lets them, unless ``extra_args`` set
+    ``storage.allowed_roots`` themselves."""
+    extra = list(extra_args or [])
+    if not any(arg.startswith("storage.allowed_roots=") for arg in extra):
+        extra = ["--set", "storage.allowed_roots=" + ",".join(TEST_ALLOWED_ROOTS), *extra]
     cmd = [sys.executable, "-m", "kvcm", "serve", "--endpoint", endpoint, "--data-dir", data_dir,
-           "--http-port", "0", *(extra_args or [])]
+           "--http-port", "0", *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCM_") or k.startswith("KVCM_TEST_")}
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     server = RunningServer(endpoint, data_dir, process=process)
@@ -147,6 +161,7 @@ def _wait_ready(endpoint: str, timeout: float = 30.0, process: subprocess.Popen[
 
 
 __all__ = [
+    "TEST_ALLOWED_ROOTS",
     "FakeEnginePublisher",
     "RunningServer",
     "make_test_config",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import tempfile
 
 import msgspec
 import pytest
@@ -23,10 +24,13 @@ from kvcm.model import (
 )
 from kvcm.registry import DEFAULT_GROUP, DEFAULT_STORAGE, Registry
 
+# Test storages live under /mnt (never created: these tests open no backend), /dev/shm and temp dirs.
+ROOTS = ("/mnt", "/dev/shm", tempfile.gettempdir())
+
 
 @pytest.fixture
 def reg(store, tmp_path):
-    return Registry(store, str(tmp_path / "data"))
+    return Registry(store, str(tmp_path / "data"), allowed_roots=ROOTS)
 
 
 def nfs(name: str = "nfs1", root: str = "/mnt/nfs/") -> Storage:
@@ -73,15 +77,15 @@ def test_defaults_created_on_first_start(reg, tmp_path):
 
 
 def test_defaults_only_on_first_start(store, tmp_path):
-    reg = Registry(store, str(tmp_path))
+    reg = Registry(store, str(tmp_path), allowed_roots=ROOTS)
     reg.remove_group(DEFAULT_GROUP)
     reg.remove_storage(DEFAULT_STORAGE)
-    again = Registry(store, str(tmp_path))  # a restart must not bring them back
+    again = Registry(store, str(tmp_path), allowed_roots=ROOTS)  # a restart must not bring them back
     assert again.list_groups() == [] and again.list_storages() == []
 
 
 def test_no_defaults_without_data_dir(store):
-    assert Registry(store).list_storages() == []
+    assert Registry(store, allowed_roots=ROOTS).list_storages() == []
 
 
 # -- storages ------------------------------------------------------------------------------------
@@ -162,7 +166,7 @@ def test_relative_root_path_is_resolved_under_the_data_dir(reg, tmp_path):
     assert stored.storage_spec["root_path"] == str(tmp_path / "data" / "kv")
     assert not (tmp_path / "data" / "kv").exists()  # validation creates nothing; the pool does on open
     with pytest.raises(InvalidArgument, match=r"storage_spec\.root_path .*data dir"):
-        Registry(MemoryStore()).add_storage(
+        Registry(MemoryStore(), allowed_roots=ROOTS).add_storage(
             Storage(global_unique_name="rel", storage_type="file", storage_spec={"root_path": "kv"})
         )
 
@@ -214,7 +218,7 @@ def test_set_storage_available_writes_only_on_change(reg, store):
     assert seen == []
     reg.set_storage_available("nfs1", False)
     assert seen == [("storage", "nfs1")] and not reg.get_storage("nfs1").available
-    assert not Registry(store).get_storage("nfs1").available  # persisted
+    assert not Registry(store, allowed_roots=ROOTS).get_storage("nfs1").available  # persisted
     reg.set_storage_available("gone", False)  # ignored
 
 
@@ -487,7 +491,7 @@ def test_salts_differ(reg):
 def test_secret_never_in_store_bytes(tmp_path):
     path = tmp_path / "db"
     store = LmdbStore(str(path), map_size=1 << 20)
-    reg = Registry(store, str(tmp_path))
+    reg = Registry(store, str(tmp_path), allowed_roots=ROOTS)
     reg.add_account("alice", "Very-Secret-Passw0rd", "admin")
     reg.update_account("alice", password="Other-Secret-Passw0rd")
     store.close()
@@ -518,13 +522,13 @@ def registry_state(reg: Registry) -> tuple[list, ...]:
 def test_persists_across_reopen(tmp_path):
     path = str(tmp_path / "db")
     store = LmdbStore(path, map_size=1 << 20)
-    reg = Registry(store, str(tmp_path))
+    reg = Registry(store, str(tmp_path), allowed_roots=ROOTS)
     populate(reg)
     before = registry_state(reg)
     store.close()
     store = LmdbStore(path, map_size=1 << 20)
     try:
-        again = Registry(store, str(tmp_path))
+        again = Registry(store, str(tmp_path), allowed_roots=ROOTS)
         assert registry_state(again) == before
         assert again.get_instance("i1").location_spec_groups == before[2][0].location_spec_groups
     finally:
@@ -535,7 +539,7 @@ def test_snapshot_round_trip_into_fresh_store(reg, tmp_path):
     populate(reg)
     snapshot = reg.gen_config_snapshot()
     assert snapshot["format"] == "kvcm-registry"
-    fresh = Registry(MemoryStore(), str(tmp_path / "elsewhere"))  # has its own defaults
+    fresh = Registry(MemoryStore(), str(tmp_path / "elsewhere"), allowed_roots=ROOTS)  # has its own defaults
     seen: list[tuple[str, str]] = []
     fresh.on_change(lambda kind, name: seen.append((kind, name)))
     loaded = fresh.load_config_snapshot(msgspec.json.decode(msgspec.json.encode(snapshot)))
@@ -549,7 +553,7 @@ def test_snapshot_round_trip_into_fresh_store(reg, tmp_path):
 def test_snapshot_load_accepts_json_text(reg):
     populate(reg)
     text = msgspec.json.encode(reg.gen_config_snapshot()).decode()
-    fresh = Registry(MemoryStore())
+    fresh = Registry(MemoryStore(), allowed_roots=ROOTS)
     fresh.load_config_snapshot(text)
     assert registry_state(fresh) == registry_state(reg)
 
@@ -591,7 +595,7 @@ def test_unknown_schema_refused(store):
     with store.write() as txn:
         txn.put("meta", b"registry.schema", b"99")
     with pytest.raises(KvcmError) as exc:
-        Registry(store)
+        Registry(store, allowed_roots=ROOTS)
     assert exc.value.code == Code.UNSUPPORTED
 
 
@@ -601,7 +605,7 @@ def test_health_thread_writes_alongside_rpc_writes(tmp_path):
 
     store = LmdbStore(str(tmp_path / "db"), map_size=1 << 22)
     try:
-        reg = Registry(store, str(tmp_path))
+        reg = Registry(store, str(tmp_path), allowed_roots=ROOTS)
         reg.add_storage(nfs())
         reg.create_group(group())
         stop = threading.Event()
@@ -623,6 +627,6 @@ def test_health_thread_writes_alongside_rpc_writes(tmp_path):
             stop.set()
             health.join()
         assert len(reg.list_instances("g1")) == 50
-        assert Registry(store).get_storage("nfs1").available == reg.get_storage("nfs1").available
+        assert Registry(store, allowed_roots=ROOTS).get_storage("nfs1").available == reg.get_storage("nfs1").available
     finally:
         store.close()

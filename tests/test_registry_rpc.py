@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import tempfile
 from typing import Any
 
 import pytest
@@ -18,12 +19,15 @@ from kvcm.registry import Registry
 
 INFO = {"node_id": "node-1", "endpoint": "tcp://127.0.0.1:6381"}
 
+# Test storages live under /mnt (never created: these tests open no backend), /dev/shm and temp dirs.
+ROOTS = ("/mnt", "/dev/shm", tempfile.gettempdir())
+
 
 class Rpc:
     """Calls methods through ``Dispatcher.handle`` and unpacks the reply."""
 
     def __init__(self, store: Any, data_dir: str) -> None:
-        self.registry = Registry(store, data_dir)
+        self.registry = Registry(store, data_dir, allowed_roots=ROOTS)
         self.metrics = Metrics()
         table = registry_api.methods(self.registry, INFO) + system_api.methods(self.metrics, lambda: dict(INFO))
         self.dispatcher = Dispatcher(table, metrics=self.metrics, group=store.group)
@@ -299,7 +303,7 @@ def test_in_process_call(ready):
 def test_info_may_be_a_callable(store, tmp_path):
     """The app passes ``App.info`` (a method): facts such as the bound port are read per call."""
     facts = {"endpoint": "tcp://127.0.0.1:0"}
-    registry = Registry(store, str(tmp_path))
+    registry = Registry(store, str(tmp_path), allowed_roots=ROOTS)
     dispatcher = Dispatcher(registry_api.methods(registry, lambda: dict(facts)), group=store.group)
     facts["endpoint"] = "tcp://127.0.0.1:45678"  # bound after the method table was built
     _, error, result = wire.parse_response(dispatcher.handle(wire.pack_request(1, "get_manager_cluster_info", {})))

@@ -157,7 +157,9 @@ def test_tokens_travel_in_snapshots(tmp_path):
     source.add_account("admin", ADMIN_PW, "admin")
     token, _ = source.add_token("admin", "kept")
     snapshot = source.gen_config_snapshot()
-    target = Registry(LmdbStore(str(tmp_path / "b"), map_size=1 << 20), str(tmp_path / "b-data"))
+    # The snapshot's storages live in a-data: the target must allow them (storage.allowed_roots).
+    target = Registry(LmdbStore(str(tmp_path / "b"), map_size=1 << 20), str(tmp_path / "b-data"),
+                      allowed_roots=(str(tmp_path),))
     loaded = target.load_config_snapshot(snapshot)
     assert loaded["token"] == 1
     auth = Authenticator(target, AuthConfig(enabled=True, admin_password=ADMIN_PW))

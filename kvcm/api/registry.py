@@ -213,7 +213,7 @@ class _Handlers:
             "is_leader": True,
             "uptime_s": round(time.time() - self.started, 3),
             "counts": self.registry.counts(),  # read from the store: proves it answers
-            "storages": {s.global_unique_name: {"enabled": s.enabled, "available": s.available} for s in storages},
+            "storages": {s.global_unique_name: _storage_health(s, self.registry.unavailable_reasons) for s in storages},
             "node": self.info(),
         }
 
@@ -285,3 +285,11 @@ def methods(
         Method(name, getattr(handlers, name), request=request, writes=writes, idempotent=idempotent, admin=admin)
         for name, request, writes, idempotent, admin in _TABLE
     ]
+
+
+def _storage_health(storage: Any, reasons: dict[str, str]) -> dict[str, Any]:
+    """``enabled``/``available`` of one storage, and why it is unavailable when it is."""
+    out: dict[str, Any] = {"enabled": storage.enabled, "available": storage.available}
+    if not storage.available:
+        out["unavailable_reason"] = reasons.get(storage.global_unique_name, "unavailable at the last probe")
+    return out

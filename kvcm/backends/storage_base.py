@@ -227,9 +227,11 @@ def hold_lock_file(path: str, owner: str, what: str) -> None:
 
     Re-entrant for the same owner only (a spec update opens the new backend before closing the
     old one); freed by :func:`drop_lock_file` or when the process dies. Where the filesystem
-    has no locks (some NFS setups), kvcm goes on without one and says so."""
-    import fcntl  # POSIX only, like the storages that use it
+    has no locks (some NFS setups), kvcm goes on without one and says so.
 
+    :func:`drop_lock_file` unlinks the file while still holding the lock, so a process that
+    opened it just before may lock an unlinked inode: a lock only counts once the path still
+    names the locked file, else it is taken again on the new one."""
     with _held_guard:
         if path in _held:
             fd, holder, count = _held[path]
@@ -237,15 +239,34 @@ def hold_lock_file(path: str, owner: str, what: str) -> None:
                 raise Conflict(f"{what} is already used by storage {holder!r} in this process")
             _held[path] = (fd, holder, count + 1)
             return
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise Conflict(f"{what} is in use by another process (lock file {path})") from None
-        except OSError as exc:
-            log.warning("%s: cannot lock %s (%s); make sure no other kvcm uses it", what, path, exc)
-        _held[path] = (fd, owner, 1)
+        for _ in range(100):  # each retry means another process just dropped its lock
+            locked = _lock_once(path, what)
+            if locked is not None:
+                _held[path] = (locked, owner, 1)
+                return
+        raise Conflict(f"{what}: lock file {path} keeps being replaced; is another kvcm starting and stopping?")
+
+
+def _lock_once(path: str, what: str) -> int | None:
+    """A descriptor holding the lock on the file ``path`` names now; None if it was replaced."""
+    import fcntl  # POSIX only, like the storages that use it
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise Conflict(f"{what} is in use by another process (lock file {path})") from None
+    except OSError as exc:
+        log.warning("%s: cannot lock %s (%s); make sure no other kvcm uses it", what, path, exc)
+    try:
+        st, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+            return fd
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+    return None
 
 
 def drop_lock_file(path: str) -> None:
@@ -258,6 +279,13 @@ def drop_lock_file(path: str) -> None:
             _held[path] = (fd, owner, count - 1)
             return
         del _held[path]
+        # Unlinked before the lock is released, so no other process can lock this file after
+        # it is gone (see hold_lock_file); a clean stop leaves no lock file behind.
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+                os.unlink(path)
+        except OSError:
+            pass  # already gone or replaced: not ours to remove
         os.close(fd)  # closing the last descriptor releases the flock
 
 

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvcm.errors import InvalidArgument, ServerError
 from kvcm.registry import STORAGE, Registry
 
 log = logging.getLogger("kvcm.storage_pool")
@@ -48,11 +49,24 @@ class StoragePool:
 
     def open_all(self) -> None:
         for storage in self.registry.list_storages():
-            self._open(storage)
+            self._open(storage, persist=True)
         self._rebuild()
         self.registry.on_change(self._on_change)
+        self.registry.preflight(self.try_open)
 
-    def _open(self, storage: Any) -> None:
+    def try_open(self, storage: Any) -> None:
+        """Open and close ``storage`` once; raises why it cannot be opened (``add_storage``
+        refuses it then, instead of storing a storage that only logs a line). A storage that
+        cannot be opened is the caller's bad argument, not a server fault: INVALID_ARGUMENT."""
+        try:
+            backend = self._opener(storage, self.data_dir)
+        except ServerError as exc:
+            raise InvalidArgument(f"storage {storage.global_unique_name!r} cannot be opened: {exc.message}") from None
+        _close(backend)
+
+    def _open(self, storage: Any, persist: bool = False) -> None:
+        """``persist``: record a failure as ``available: false`` in the registry (at start-up;
+        from inside a commit callback only the in-memory reason is set)."""
         name = storage.global_unique_name
         self._types[name] = storage.storage_type
         self._specs[name] = storage.storage_spec
@@ -60,12 +74,23 @@ class StoragePool:
             backend = self._opener(storage, self.data_dir)
         except Exception as exc:  # noqa: BLE001 - one broken storage must not stop the others
             log.error("storage %r (%s) cannot be opened: %s", name, storage.storage_type, exc)
+            reason = f"cannot be opened: {getattr(exc, 'message', None) or exc}"
+            if persist:
+                self._mark_unavailable(name, reason)
+            else:
+                self.registry.unavailable_reasons[name] = reason
             return
         with self._lock:
             old = self._backends.get(name)
             self._backends[name] = backend
         if old is not None and old is not backend:
             _close(old)
+
+    def _mark_unavailable(self, name: str, reason: str) -> None:
+        try:
+            self.registry.set_storage_available(name, False, reason)
+        except Exception:  # the reason is in the log line above either way
+            log.exception("storage %r: cannot record it as unavailable", name)
 
     def _on_change(self, kind: str, name: str) -> None:
         if kind != STORAGE:

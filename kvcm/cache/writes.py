@@ -14,6 +14,11 @@ its changes do not commit: the request fails, or its whole group aborts (``txn.o
 * ``finish_write_cache`` validates instance, session and mask before consuming the session;
   ``writing -> serving`` is a compare-and-set that never resurrects a ``deleting`` copy;
   failed copies become ``deleting`` and are freed by the deleter at once.
+* In-flight writes are bounded per instance (``cache.max_open_sessions_per_instance``,
+  ``cache.max_writing_bytes_per_instance``): a start past either cap is ``QUOTA_EXCEEDED``
+  naming the cap, checked before anything is allocated. Because of it, the ``writing`` bytes
+  that abandoned sessions hold against a group quota can never exceed the cap, whatever the
+  requested lifetime (itself capped by ``cache.max_write_timeout_seconds``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ if TYPE_CHECKING:
     from kvcm.manager import CacheManager
 
 NOTHING_TO_WRITE_TIMEOUT = 10.0  # Tair: a session with no new blocks lives 10 s
-MAX_WRITE_TIMEOUT = 7 * 86400.0
 
 
 def _location_id(taken: set[str]) -> str:
@@ -67,9 +71,11 @@ def start_write_cache(
         new = [i for i, there in enumerate(exists) if not there]
         mask = write_mask(exists)
         if not new:
+            _check_caps(m, instance_id, 0)
             session = m.sessions.create(txn, instance_id, inst.group, [], [], NOTHING_TO_WRITE_TIMEOUT)
             return _reply(session.id, mask, [])
         needed = sum(size for i in new for _, size in specs[i])
+        _check_caps(m, instance_id, needed)
         target, uris = _allocate(m, txn, inst, [specs[i] for i in new], needed)
         # The space is taken now, outside the transaction: give it back if the request fails,
         # and also if the request succeeds but its group never commits (§18.1's leak, batched).
@@ -80,11 +86,33 @@ def start_write_cache(
 
 
 def _timeout(m: CacheManager, timeout: float | None) -> float:
+    """Refused, not clamped, past the cap: a client told its session lives an hour would
+    write for an hour and then find the session gone; the error says so at once."""
     if timeout is None or timeout == 0:
         return m.default_write_timeout
-    if not 0 < timeout <= MAX_WRITE_TIMEOUT:
-        raise InvalidArgument(f"write_timeout_seconds: must be in (0, {MAX_WRITE_TIMEOUT:g}], got {timeout}")
+    if not 0 < timeout <= m.max_write_timeout:
+        raise InvalidArgument(f"write_timeout_seconds: must be in (0, {m.max_write_timeout:g}] "
+                              f"(cache.max_write_timeout_seconds), got {timeout}")
     return float(timeout)
+
+
+def _check_caps(m: CacheManager, instance_id: str, needed: int) -> None:
+    """Refuse a start past the instance's in-flight caps (holds of the uncommitted group
+    commit included, so a batch cannot overshoot them)."""
+    sessions, writing = m.inflight.of(instance_id)
+    if sessions >= m.max_open_sessions:
+        _refuse(m, "cache.max_open_sessions_per_instance",
+                f"instance {instance_id!r} has {sessions} write sessions open, the cap "
+                f"(cache.max_open_sessions_per_instance) is {m.max_open_sessions}")
+    if writing + needed > m.max_writing_bytes:
+        _refuse(m, "cache.max_writing_bytes_per_instance",
+                f"instance {instance_id!r} has {writing} bytes in writing and asks for {needed} more, the cap "
+                f"(cache.max_writing_bytes_per_instance) is {m.max_writing_bytes}")
+
+
+def _refuse(m: CacheManager, cap: str, message: str) -> None:
+    m.inflight.refused[cap] = m.inflight.refused.get(cap, 0) + 1
+    raise CapacityError(message + "; finish the open sessions (or let them expire) first", Code.QUOTA_EXCEEDED)
 
 
 def _existing(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[int]) -> tuple[list[bool], list[Record | None]]:
@@ -188,7 +216,9 @@ def _record_new(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[i
     if len(blind) < len(new):
         rest = [j for j in range(len(new)) if not fresh[j]]
         m.index.read_modify_write(txn, inst.ns, [new_keys[j] for j in rest], lambda n, key, rec: add(rest[n], key, rec))
-    m.usage_book.add(txn, {(inst.group, inst.instance_id, target.type): [sum(x.nbytes for x in locs), len(locs)]})
+    nbytes = sum(x.nbytes for x in locs)
+    m.usage_book.add(txn, {(inst.group, inst.instance_id, target.type): [nbytes, len(locs)]})
+    m.inflight.hold(txn, inst.instance_id, 0, nbytes)
     session = m.sessions.create(txn, inst.instance_id, inst.group, new_keys, [x.id for x in locs], timeout, sid=sid)
     return session, wires
 
@@ -212,7 +242,7 @@ def finish_write_cache(m: CacheManager, instance_id: str, session_id: str, succe
         if session.instance != instance_id:
             raise InvalidArgument(f"write session {session_id[:64]!r} belongs to another instance")
         ok = success_flags(success, len(session.keys))  # validated before the session is consumed
-        m.sessions.consume(txn, session_id)
+        m.sessions.consume(txn, session)
         served = settle(m, txn, session, ok)
     return {"served": served, "failed": len(ok) - served}
 
@@ -227,12 +257,14 @@ def settle(m: CacheManager, txn: WriteTxn, session: Session, ok: list[bool]) -> 
     served: list[tuple[int, Location, int | None]] = []
     failed: list[tuple[int, str]] = []
     members: dict[int, Location] = {}  # session position -> its (only) serving copy
+    settled = [0]  # bytes that leave writing
 
     def modify(j: int, key: int, record: Record | None) -> Any:
         loc = None if record is None else next((x for x in record.locs if x.id == session.loc_ids[j]), None)
         if record is None or loc is None or loc.status != Status.WRITING:
             return KEEP  # removed, trimmed or already deleting meanwhile: never resurrect
         loc.session = ""
+        settled[0] += loc.nbytes
         if ok[j]:
             loc.status, loc.written = Status.SERVING, now
             served.append((key, loc, record.parent))
@@ -247,6 +279,7 @@ def settle(m: CacheManager, txn: WriteTxn, session: Session, ok: list[bool]) -> 
 
     ns = m.namespace_of(session.instance)
     m.index.read_modify_write(txn, ns, session.keys, modify)
+    m.inflight.release(txn, session.instance, 0, settled[0])
     for key, loc_id in failed:
         schedule(txn, now, session.group, session.instance, key, loc_id)
     if members:
