@@ -2,8 +2,8 @@
 
 A record is a compact msgpack *array* (decoded by msgspec into :class:`Record`), preceded by a
 read-path header so that ``get_cache_location`` can splice the wire bytes of the one serving
-location without decoding anything (perf_floors.md §6: splicing is 2-5x cheaper than
-decode + repack)::
+location without decoding anything (splicing pre-packed bytes measured 2-5x cheaper than
+decoding and repacking them)::
 
     value := FAST  u16(len(wire)) wire  record      -- exactly one SERVING location
            | SLOW  record                          -- anything else
