@@ -239,7 +239,7 @@ class MetaIndex:
 
     def chunks(self, ns: bytes, size: int = 1024) -> Iterator[list[tuple[int, bytes]]]:
         """An instance's records in chunks, each from its own short read transaction
-        (a long-lived reader makes LMDB grow: reliability.md §1.5)."""
+        (a long-lived reader makes LMDB grow: its pages cannot be reused while it reads)."""
         start: int | None = None
         while True:
             with self.store.read() as view:

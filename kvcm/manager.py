@@ -1,4 +1,4 @@
-"""CacheManager: the data plane (DESIGN.md §3–§5, Tair §4.3–§4.8, §10).
+"""CacheManager: the data plane (Tair KVCM's cache RPCs, with its known weaknesses fixed).
 
 The RPC operations live in :mod:`kvcm.cache.lookup` (reads) and :mod:`kvcm.cache.writes` (two-phase
 writes); this module holds the shared state and everything that marks blocks ``deleting``

@@ -69,7 +69,7 @@ def unmasked_indices(mask: BlockMask | None, n: int) -> list[int]:
 def success_flags(mask: BlockMask | None, n: int) -> list[bool]:
     """``finish_write_cache``: which of the session's ``n`` blocks were written.
 
-    Validated *before* the session is consumed (Tair consumed it first and leaked, §18.2)."""
+    Validated *before* the session is consumed (Tair consumed it first and leaked)."""
     if mask is None or (mask.offset is None and mask.bool_masks is None):
         raise InvalidArgument("success_blocks: required ({\"offset\": n} or {\"bool_masks\": [...]})")
     check_mask(mask, n, "success_blocks")
@@ -82,8 +82,8 @@ def success_flags(mask: BlockMask | None, n: int) -> list[bool]:
 def write_mask(exists: Sequence[bool]) -> dict[str, Any]:
     """``start_write_cache``'s mask over the request keys (true / ``< offset`` = already there).
 
-    A pure prefix of existing keys becomes ``{"offset": p}``, anything else ``{"bool_masks"}``
-    (Tair §4.5)."""
+    A pure prefix of existing keys becomes ``{"offset": p}``, anything else ``{"bool_masks"}``,
+    as Tair KVCM answers."""
     p = 0
     while p < len(exists) and exists[p]:
         p += 1

@@ -128,7 +128,7 @@ def wire_uris(wire: bytes) -> list[str]:
 
 
 def filter_wire(wire: bytes, names: frozenset[str]) -> bytes:
-    """Keep only the specs named in ``names``; ``spec_size`` follows (Tair forgets it, §18.13)."""
+    """Keep only the specs named in ``names``; ``spec_size`` follows (Tair forgets it)."""
     loc = unpack_wire(wire)
     specs = [s for s in loc["location_specs"] if s["name"] in names]
     return bytes(_packer.pack({"type": loc["type"], "spec_size": len(specs), "location_specs": specs}))
@@ -163,8 +163,8 @@ def check_value(value: bytes) -> None:
 # with the wire bytes of each, pre-concatenated. It lives in the ``access`` database under
 # ``namespace + i64(first key)``; every member's record names it (``Record.run``), and any change
 # to a member deletes the run in the same transaction, so a run that exists is always exact.
-# A prefix_match then costs one get per run instead of one per block (perf_floors.md §6: "one
-# aggregated record per prefix").
+# A prefix_match then costs one get per run instead of one per block (one aggregated
+# record per prefix).
 #
 #   value := u16 len(storage) storage u32 n  n x int64 key (big-endian)  (n+1) x u32 offset  body
 #

@@ -2,7 +2,7 @@
 
 * :class:`InstanceView` / :class:`GroupView` — the registry facts the hot paths need, flattened
   once per registry change (namespace bytes, spec sizes, the empty filler, candidate order).
-* :func:`write_targets` — write targets (Tair §7.2 without its estimate): the first candidate of
+* :func:`write_targets` — write targets (Tair KVCM's rule without its estimate): the first candidate of
   the group, in order, that is enabled, available and opened, and whose storage type still has
   quota for this request; the group's total quota is checked first. Quotas are hard limits:
   ``used + needed <= capacity`` (0 = unlimited).
@@ -45,7 +45,7 @@ class InstanceView:
             return [self.specs] * n
         if len(group_names) != n:
             # Compared with the *derived* keys, so token_ids work too (Tair compared with
-            # block_keys only, §18.15).
+            # block_keys only).
             raise InvalidArgument(f"location_spec_group_names: has {len(group_names)} entries for {n} blocks")
         out = []
         for i, name in enumerate(group_names):

@@ -1,5 +1,5 @@
 """Write sessions of the two-phase write, persisted so they survive a restart (Tair kept them in
-memory only, §18.16).
+memory only).
 
 The ``sessions`` database maps a session id to its :class:`Session` (instance, the new keys and
 the location id created for each, and a wall-clock deadline). Expiry itself runs on a monotonic
@@ -200,7 +200,7 @@ class Sessions:
                 self._expired.popitem(last=False)
 
     def due(self, limit: int = 100000) -> list[str]:
-        """Every live session whose deadline has passed (all of them, not one per tick: §18.16)."""
+        """Every live session whose deadline has passed (all of them, not one per tick)."""
         now = self.monotonic()
         out: list[str] = []
         heap = self._heap

@@ -5,7 +5,7 @@ Persisted in the ``usage`` database, one record per ``group \\0 instance \\0 typ
 once per type). Every change is written in the same transaction as the block change that
 causes it, so counters and blocks can never disagree after a crash; an in-memory copy of the
 committed values follows via ``txn.on_commit`` (Tair kept per-type usage in memory only and
-estimated group usage, §18.6).
+estimated group usage).
 
 Space counts from allocation (``writing``) until the deleter frees it: a ``deleting`` location
 still occupies its storage.

@@ -1,5 +1,5 @@
 """Data-plane RPCs against a real server over ZMQ: one scenario per Tair test fact
-(reference §2 vectors, §4.3–§4.8) and per fixed weakness of §18 that concerns the data plane."""
+(the block-key test vectors included) and per fixed weakness of Tair's that concerns the data plane."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _check(server):
     server.app.cache.check()
 
 
-# -- §2 block keys -------------------------------------------------------------------------------
+# -- block keys -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("tokens", "bs", "expected"), [
@@ -79,7 +79,7 @@ def test_block_keys_win_over_token_ids(c, inst):
     assert len(locate(c, [7, 8], instance=inst, tokens=list(range(1, 9)))) == 2
 
 
-# -- §4.3 get_cache_location ---------------------------------------------------------------------
+# -- get_cache_location -----------------------------------------------------------------------------
 
 
 def test_writing_blocks_are_invisible_until_finished(c, inst):
@@ -145,7 +145,7 @@ def test_reverse_roll_sliding_window(c, inst):
 
 @pytest.mark.parametrize("sw", [0, -1, 4])
 def test_sliding_window_size_is_validated(c, inst, sw):
-    # Tair looped forever on sw_size == 0 (§18.13)
+    # Tair looped forever on sw_size == 0
     assert error_code(locate, c, [1, 2, 3], query="reverse_roll_sw_match", instance=inst, sw_size=sw) == "INVALID_ARGUMENT"
 
 
@@ -164,7 +164,7 @@ def test_cache_hit_after_many_reads_stays_consistent(c, inst, server):
     assert len(locate(c, [1, 2], instance=inst)) == 1  # the search cache was invalidated
 
 
-# -- §4.4 get_cache_meta -------------------------------------------------------------------------
+# -- get_cache_meta ---------------------------------------------------------------------------------
 
 
 def test_get_cache_meta_levels(c, inst):
@@ -174,7 +174,7 @@ def test_get_cache_meta_levels(c, inst):
     base = c.call("get_cache_meta", {"instance_id": inst, "block_keys": [1, 2, 3, 4]})
     assert [m["status"] for m in base["metas"]] in (
         ["serving", "deleting", "writing", "not_found"], ["serving", "not_found", "writing", "not_found"])
-    assert "id" in base["metas"][0] and "id" not in base["metas"][3]  # no leaked id (§18.11)
+    assert "id" in base["metas"][0] and "id" not in base["metas"][3]  # no leaked id
     assert base["locations"][0] == session["locations"][0]
     assert "storage" not in base["metas"][0]
     one = c.call("get_cache_meta", {"instance_id": inst, "block_keys": [1], "detail_level": 1})["metas"][0]
@@ -187,7 +187,7 @@ def test_get_cache_meta_levels(c, inst):
         == "INVALID_ARGUMENT"
 
 
-# -- §4.5 start_write_cache ----------------------------------------------------------------------
+# -- start_write_cache ------------------------------------------------------------------------------
 
 
 def test_start_write_masks_existing_prefix_then_scattered(c, inst):
@@ -247,7 +247,7 @@ def test_spec_groups_for_hybrid_attention(c):
     s = start(c, [1, 2, 3], "hybrid", location_spec_group_names=["F0", "F0", "F0L1"])
     assert [x["spec_size"] for x in s["locations"]] == [2, 2, 4]
     assert [len(x["location_specs"]) for x in s["locations"]] == [2, 2, 4]
-    # counted against the derived keys, so token_ids work too (§18.15)
+    # counted against the derived keys, so token_ids work too
     s = start(c, instance="hybrid", tokens=list(range(8)), location_spec_group_names=["F0", "F0L1"])
     assert [x["spec_size"] for x in s["locations"]] == [2, 4]
     assert error_code(start, c, [7, 8], "hybrid", location_spec_group_names=["F0"]) == "INVALID_ARGUMENT"
@@ -261,7 +261,7 @@ def test_start_write_validation(c, inst):
     assert error_code(start, c, [2**63], inst) == "INVALID_ARGUMENT"
 
 
-# -- §4.6 finish_write_cache ---------------------------------------------------------------------
+# -- finish_write_cache -----------------------------------------------------------------------------
 
 
 def test_finish_with_offset_and_bool_masks(c, inst):
@@ -281,7 +281,7 @@ def test_finish_validates_before_consuming_the_session(c, inst, server):
         == "INVALID_ARGUMENT"
     register(c, inst + "-other", group="g0")
     assert error_code(finish, c, s, instance=inst + "-other") == "INVALID_ARGUMENT"
-    finish(c, s, instance=inst)  # still intact after all the bad attempts (§18.2)
+    finish(c, s, instance=inst)  # still intact after all the bad attempts
     assert len(locate(c, [1, 2], instance=inst)) == 2
     assert error_code(finish, c, s, instance=inst) == "WRITE_SESSION_UNKNOWN"
     _check(server)
@@ -317,12 +317,12 @@ def test_finish_never_resurrects_a_removed_block(c, inst, server):
     s = start(c, [1, 2], inst)
     c.call("remove_cache", {"instance_id": inst, "block_keys": [1]})
     finish(c, s, instance=inst)
-    assert locate(c, [1, 2], instance=inst) == []  # block 1 stays deleting (§18.3)
+    assert locate(c, [1, 2], instance=inst) == []  # block 1 stays deleting
     assert len(locate(c, [2], instance=inst)) == 1
     _check(server)
 
 
-# -- §4.7 remove_cache / §4.8 trim_cache ---------------------------------------------------------
+# -- remove_cache / trim_cache -----------------------------------------------------------------
 
 
 def test_remove_cache_honours_mask_and_frees(c, inst, server):

@@ -1,5 +1,5 @@
 """Write-target selection, quotas, unavailable storages, multi-copy reads, usage and restarts
-(reference §7.2, §7.3, §9.5, §10, and §18.6/§18.16), over ZMQ against a real server."""
+(Tair KVCM's rules, and its estimate and restart weaknesses fixed), over ZMQ against a real server."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def test_usage_sessions_and_deletes_survive_restart(tmp_path):
     with serve_in_thread(data_dir=data, overrides=FAST) as srv, srv.client() as c:
         assert srv.app.cache.usage("slow") == before  # persisted, not recomputed
         assert srv.app.cache.recount() == srv.app.cache.usage_book.snapshot()
-        finish(c, pending, instance="a")  # the session survived the restart (§18.16)
+        finish(c, pending, instance="a")  # the session survived the restart
         assert len(locate(c, [1, 2], instance="a")) == 2 and len(locate(c, [4, 5], instance="a")) == 2
         # the delete pending at shutdown is finished after the restart
         wait_for(lambda: srv.app.cache.usage("slow")["keys"] == 4)
@@ -175,7 +175,7 @@ def test_storage_space_is_freed_after_delete(two_tiers):
 
 
 def test_failed_request_rolls_back_and_releases_space(tmp_path, shm):
-    """Tair left orphan WRITING records and leaked storage when a batch failed half-way (§18.1)."""
+    """Tair left orphan WRITING records and leaked storage when a batch failed half-way."""
     with serve_in_thread(overrides=FAST) as srv, srv.client() as c:
         add_shm_storage(c, "tiny", shm, segment_size=1024)  # smaller than one 2048-byte spec
         add_group(c, "g", ["tiny"])

@@ -1,4 +1,4 @@
-"""Layering: imports point down only (DESIGN.md §2), and the public API stays small."""
+"""Layering: imports point down only, and the public API stays small."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from kvcm.optimizer.spec import (
 from kvcm.optimizer.sweep import capacity_points
 from kvcm.optimizer.traces import read_trace
 
-# A gzipped copy of ../shared/data/traces/mooncake_synthetic_trace.jsonl (Apache-2.0, Mooncake FAST'25),
+# A gzipped copy of Mooncake's synthetic trace (Apache-2.0, Mooncake FAST'25),
 # so the pinned figures never depend on a directory outside the repo.
 TRACES = Path(__file__).resolve().parent / "data"
 MOONCAKE = TRACES / "mooncake_synthetic_trace.jsonl.gz"

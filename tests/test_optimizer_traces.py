@@ -20,7 +20,7 @@ from kvcm.proto.vllm_events import (
     encode_batch,
 )
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "vllm_events.jsonl"  # a copy of shared/data/vllm_events/golden.jsonl
+GOLDEN = Path(__file__).resolve().parent / "golden" / "vllm_events.jsonl"  # captured vLLM event payloads
 
 
 def _write(tmp_path: Path, lines: list, name: str = "t.jsonl") -> Path:

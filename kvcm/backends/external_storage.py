@@ -1,7 +1,7 @@
 """URI-only external stores: ``3fs``, ``mooncake``, ``tairmempool``.
 
 Their space belongs to another system, so kvcm only invents unique URIs in the store's own
-format (Tair KVCM §3.2), accounts their bytes, and on ``delete`` hands the URIs back as
+format, accounts their bytes, and on ``delete`` hands the URIs back as
 *tasks* for the owner to execute (kvcm never talks to these stores). Formats::
 
     3fs          hf3fs://<name><mountpoint>/<root_dir>/<id>?size=S                (key_count_per_file = 1)
@@ -9,7 +9,7 @@ format (Tair KVCM §3.2), accounts their bytes, and on ``delete`` hands the URIs
     mooncake     mooncake://<name>/?key=<key_prefix><id>&size=S
     tairmempool  pace://<name>/<offset>?media_type=M&node_id=N&range_id=R&size=S
 
-3FS tasks fix Tair's collateral delete (§18.8), where deleting one block URI removed the
+3FS tasks fix Tair's collateral delete, where deleting one block URI removed the
 whole shared file: with ``key_count_per_file > 1`` a task with ``blkid`` frees one block's
 range of a file other live blocks still use, and when the last live block of a file goes the
 task is the bare file URI (no query), meaning "remove the whole file". With one block per file

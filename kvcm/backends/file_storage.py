@@ -9,7 +9,7 @@ different block size get their own files (``s<size>/<index>.kv``), so a slot alw
 The path is relative to the storage's ``root_path`` (shown by ``list_storage``), so hosts that
 mount the same NFS export at different places can still resolve it (:func:`resolve_file_uri`).
 
-Unlike Tair's NFS backend (whose deletes never free anything, §18.8), freed slots are reused
+Unlike Tair's NFS backend (whose deletes never free anything), freed slots are reused
 first, a partially freed file gets the freed ranges punched out (``fallocate``), and a fully
 freed file is unlinked, so disk space really returns.
 

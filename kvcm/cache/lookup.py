@@ -1,4 +1,4 @@
-"""Read side of the data plane: ``get_cache_location`` and ``get_cache_meta`` (Tair §4.3, §4.4).
+"""Read side of the data plane: ``get_cache_location`` and ``get_cache_meta``.
 
 Reads are lock-free: one read transaction per request, values through the index's search cache.
 Only ``serving`` copies on usable storages are visible; among several, the group's candidate
@@ -7,7 +7,7 @@ the pre-packed wire bytes stored in each record (:mod:`kvcm.records`), never dec
 repacked on the fast path; a ``prefix_match`` first tries *runs* (the pre-concatenated reply
 of blocks one session wrote together), which cost one read per run instead of one per block.
 
-Mask rules (every query type honours the mask, unlike Tair §18.13):
+Mask rules (every query type honours the mask, unlike Tair KVCM):
 
 * ``prefix_match`` drops masked keys and walks the rest in order (Tair's compaction);
 * ``batch_get`` answers one entry per request key; masked keys are not looked up (empty entry);
@@ -94,7 +94,7 @@ def get_cache_location(
         hits, wires = _batch(m, inst, keys, mask)
     else:
         if not 0 < sw_size <= len(keys):
-            # sw_size == 0 made Tair loop forever (§18.13).
+            # sw_size == 0 made Tair loop forever.
             raise InvalidArgument(f"sw_size: must be in 1..{len(keys)} (the number of blocks), got {sw_size}")
         hits, wires = _window(m, inst, keys, mask, sw_size)
     if spec_names:
@@ -216,7 +216,7 @@ def get_cache_meta(
     mask: BlockMask | None,
     detail_level: int,
 ) -> dict[str, Any]:
-    """One entry per request key (Tair compacted by the mask, §18.11): ``locations[i]`` is the
+    """One entry per request key (Tair compacted by the mask): ``locations[i]`` is the
     copy a reader would get (else the first copy, else an empty location) and ``metas[i]`` says
     what kvcm knows, in more detail as ``detail_level`` grows:
 
@@ -251,7 +251,7 @@ _EMPTY: dict[str, Any] = {"type": "unspecified", "spec_size": 0, "location_specs
 def _describe(key: int, value: bytes | None, level: int, unusable: frozenset[str],
               rank: Callable[[str], int]) -> tuple[dict[str, Any], dict[str, Any]]:
     if value is None:
-        return _EMPTY, {"key": key, "status": "not_found"}  # no "id" here (Tair leaked one, §18.11)
+        return _EMPTY, {"key": key, "status": "not_found"}  # no "id" here (Tair leaked one)
     record = decode(value)
     wire = visible(value, unusable, rank)
     loc = next((x for x in record.locs if x.wire == wire), record.locs[0])

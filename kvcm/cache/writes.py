@@ -1,5 +1,5 @@
-"""Two-phase writes: ``start_write_cache`` / ``finish_write_cache`` and session expiry (Tair §4.5,
-§4.6, §10), without the leaks of §18.1–§18.3.
+"""Two-phase writes: ``start_write_cache`` / ``finish_write_cache`` and session expiry (Tair KVCM's
+semantics), without Tair's leaks: no orphan ``writing`` records or storage space after a failure.
 
 Everything one request changes (block records, usage, the session, scheduled deletes) happens in
 the caller's write transaction; under group commit that is a child of the batch's transaction,
@@ -78,7 +78,7 @@ def start_write_cache(
         _check_caps(m, instance_id, needed)
         target, uris = _allocate(m, txn, inst, [specs[i] for i in new], needed)
         # The space is taken now, outside the transaction: give it back if the request fails,
-        # and also if the request succeeds but its group never commits (§18.1's leak, batched).
+        # and also if the request succeeds but its group never commits (a leak Tair has, in its batched form).
         txn.on_abort(lambda: _release(m, target.storage, uris))
         session, wires = _record_new(m, txn, inst, keys, new, [records[i] is None for i in new], specs, target,
                                      uris, timeout)

@@ -1,7 +1,7 @@
 """kvcm's JSON-lines event log: Tair KVCM's four event types, read by the optimizer.
 
 The format is specified in :mod:`kvcm.optimizer.kvcm_events` (the reader) and follows Tair's
-``LogEventPublisher`` (``reference/tair_kvcm.md`` §11): one JSON object per line with ``id``,
+``LogEventPublisher``: one JSON object per line with ``id``,
 ``source`` (the instance id), ``component``, ``type``, ``trigger_time_us`` and per type:
 
 * ``GetCacheLocation``: ``query_type``, ``keys``, ``tokens``, ``block_mask``, ``sw_size``,

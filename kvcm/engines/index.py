@@ -7,7 +7,7 @@ and storage-tier blocks share one key space and ``match_engines`` takes the same
 block's kvcm keys, the running hash state and token position at its end (the parent seed of its
 children) and a holding count per medium (vLLM can store and remove one hash twice).
 
-Rules (``reference/kv_events.md`` §7(c)):
+Rules:
 
 * a store whose parent is unknown is skipped and counted, never rooted (edge 15);
 * engine block size ``e`` vs instance block size ``b``: re-chunked when one divides the other

@@ -1,7 +1,7 @@
 """The event subscriber: one thread, one ``zmq.Poller`` over every source's SUB, replay DEALER and
 connection monitor, keeping the :class:`~kvcm.engines.index.EngineIndex` in sync.
 
-Per source (``reference/kv_events.md`` §1.5, Appendix B):
+Per source:
 
 * frames ``[topic, seq(8B BE), payload]``; anything else is counted (``bad_frames``) and dropped;
 * on the first connection, replay from 0 (or from ``last_seq + 1`` when the index was restored

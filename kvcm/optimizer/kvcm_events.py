@@ -1,7 +1,7 @@
 """kvcm's event log (JSON lines) and its reader for the optimizer (format ``kvcm_events``).
 
 The server writes one JSON object per line, the four event types of Tair KVCM's
-``LogEventPublisher`` (``tair_kvcm.md`` §11) with the same field names. Every line has:
+``LogEventPublisher`` with the same field names. Every line has:
 
 =================== ========================================================================
 ``id``              str, unique per event

@@ -19,7 +19,7 @@ name           evicts first                                           structure 
 ``leaf_lru``   least recently used among *leaves*: a block is a       lazy-deletion heap over
                candidate only when no tracked block names it as       leaves, O(log n)
                ``parent``, so suffixes go before their prefixes
-``random_lru`` Tair KVCM's RandomLRU (``tair_kvcm.md`` §12.5): the     arrays + swap-pop, O(1);
+``random_lru`` Tair KVCM's RandomLRU: the     arrays + swap-pop, O(1);
                oldest of ``batch_size / sample_rate`` draws, with     victims O(s log s)
                replacement, from a fixed-seed xorshift64
 =============  =====================================================  ==========================

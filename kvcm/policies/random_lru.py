@@ -1,4 +1,4 @@
-"""``random_lru``: Tair KVCM's RandomLRU (``tair_kvcm.md`` §12.5), sampled with replacement from a
+"""``random_lru``: Tair KVCM's RandomLRU, sampled with replacement from a
 fixed-seed xorshift64."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The vLLM / SGLang KV-cache event codec: ``KVEventBatch`` payloads in every shape seen on the wire.
 
 A PUB message is ``[topic, seq (8 bytes big-endian), payload]``; this module handles the payload.
-Three shapes exist (``reference/kv_events.md`` §1.3-1.4):
+Three shapes exist:
 
 * ``map``    — batch ``{ts, events, data_parallel_rank}``, each event a map tagged by ``"type"``,
   fields at their default omitted (current vLLM main);
