@@ -15,10 +15,15 @@ import threading
 import time
 from typing import Any
 
+import lmdb
+import msgspec
+
 from kvcm import __version__
 from kvcm.backends import LmdbStore, MemoryStore, MetaStore
+from kvcm.backends.ownership import leftovers
 from kvcm.config import Config
 from kvcm.dispatch import Dispatcher, Limits, Method
+from kvcm.errors import StartRefused
 from kvcm.http import SideHttp
 from kvcm.metrics import Metrics
 from kvcm.proto.curve import CurveServer
@@ -28,10 +33,18 @@ from kvcm.threads import LoopThread
 log = logging.getLogger("kvcm.app")
 
 
-def open_store(config: Config) -> MetaStore:
-    """The configured metadata store (an LMDB env under the data dir by default)."""
+def open_store(config: Config, orphans: str = "refuse") -> MetaStore:
+    """The configured metadata store (an LMDB env under the data dir by default).
+
+    Refuses (StartRefused) to create a new store while storages still hold blocks the missing
+    one recorded: starting empty would sweep them all as orphans. ``orphans`` ("adopt" or
+    "discard", from ``kvcm serve --adopt-orphans`` / ``--discard-orphans``) lets it go on."""
     if config.store.backend == "memory":
         return MemoryStore()
+    data_dir = os.path.abspath(config.store.data_dir)
+    meta = os.path.join(data_dir, "meta", "data.mdb")
+    if orphans == "refuse" and os.path.isdir(data_dir) and not os.path.exists(meta):
+        _refuse_leftovers(data_dir, meta)
     return LmdbStore(
         os.path.abspath(config.store.data_dir),
         map_size=config.store.map_size,
@@ -41,14 +54,46 @@ def open_store(config: Config) -> MetaStore:
     )
 
 
-class App:
-    """One kvcm process. ``start()`` serves on a thread; ``run()`` serves on the caller's."""
+def _refuse_leftovers(data_dir: str, meta: str) -> None:
+    found = leftovers(data_dir)
+    if not found:
+        return
+    where = "; ".join(
+        f"{f.where} holds {f.files} block file(s)" + (f" of {f.marker.describe()}" if f.marker else "") for f in found
+    )
+    raise StartRefused(
+        f"the metadata {meta} is missing but {where}; nothing was deleted. Restore the metadata, or start with "
+        "--adopt-orphans (keep those files, unindexed) or --discard-orphans (delete the blocks kvcm named)"
+    )
 
-    def __init__(self, config: Config) -> None:
+
+def _store_error(config: Config, exc: Exception) -> StartRefused:
+    meta = os.path.join(os.path.abspath(config.store.data_dir), "meta", "data.mdb")
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return StartRefused(
+        f"the metadata {meta} cannot be read ({type(exc).__name__}: {reason}); nothing was changed or deleted. "
+        "Restore it from a backup (or move it away to start empty)"
+    )
+
+
+class App:
+    """One kvcm process. ``start()`` serves on a thread; ``run()`` serves on the caller's.
+
+    ``orphans``: what to do with storages holding blocks of a data dir whose metadata is gone
+    (``refuse`` to start, ``adopt`` them unindexed, or ``discard`` them)."""
+
+    def __init__(self, config: Config, orphans: str = "refuse") -> None:
+        try:
+            self._build(config, orphans)
+        except (lmdb.Error, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise _store_error(config, exc) from None
+
+    def _build(self, config: Config, orphans: str) -> None:
         self.config = config
+        self.orphans = orphans
         self.metrics = Metrics()
         self.started_at = time.time()
-        self.store = open_store(config)
+        self.store = open_store(config, orphans)
         self.threads: list[Any] = []
         self.publisher: Any = None  # kvcm's own vLLM-format event publisher, when enabled
         self.event_log: Any = None  # the JSON-lines event log, when configured
@@ -197,12 +242,12 @@ class App:
             from kvcm.engines.eventlog import EventLog
 
             self.event_log = EventLog(self.config.publisher.event_log)
-        self.storages = StoragePool(self.registry, data_dir)
+        self.storages = StoragePool(self.registry, data_dir, orphans=self.orphans)
         self.cache = CacheManager(self.store, self.registry, self.storages, default_write_timeout=cfg.write_timeout_seconds,
                                   max_write_timeout=cfg.max_write_timeout_seconds,
                                   max_open_sessions=cfg.max_open_sessions_per_instance,
                                   max_writing_bytes=cfg.max_writing_bytes_per_instance,
-                                  metrics_registry=self.metrics.registry,
+                                  metrics_registry=self.metrics.registry, lost_scan_s=cfg.lost_scan_s,
                                   lock_shards=self.config.store.lock_shards, cache_size=self.config.store.search_cache_size,
                                   runs=cfg.runs)
         self.cache.start()

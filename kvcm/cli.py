@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvcm.config import Config, ConfigError, load, overrides_from_pairs, to_toml
-from kvcm.errors import KvcmError
+from kvcm.errors import KvcmError, StartRefused
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:6381"
 
@@ -31,6 +31,11 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--data-dir", help="data directory (LMDB metadata, file storage)")
     p.add_argument("--http-port", type=int, help="side HTTP port for /metrics, /livez, /readyz (0 = any)")
     p.add_argument("--memory", action="store_true", help="keep metadata in memory only (nothing persisted)")
+    orphans = p.add_mutually_exclusive_group()
+    orphans.add_argument("--adopt-orphans", dest="orphans", action="store_const", const="adopt", default="refuse",
+                         help="storages hold blocks of lost metadata: keep the files (unindexed) and start")
+    orphans.add_argument("--discard-orphans", dest="orphans", action="store_const", const="discard",
+                         help="storages hold blocks of lost metadata: delete the blocks kvcm named, then start")
 
 
 def _call_parser(sub: Any) -> None:
@@ -105,7 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = effective_config(args)
     logging.basicConfig(level=config.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = App(config)
+    app = App(config, orphans=args.orphans)
     signal.signal(signal.SIGTERM, lambda *_: app.request_stop())
     signal.signal(signal.SIGINT, lambda *_: app.request_stop())
     http = f", http on port {app.http.port}" if app.http is not None else ""
@@ -209,6 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(handler(args))
     except ConfigError as exc:
         print(f"kvcm: config error: {exc}", file=sys.stderr)
+        return 2
+    except StartRefused as exc:
+        print(f"kvcm: {exc.message}", file=sys.stderr)
         return 2
     except KvcmError as exc:
         print(f"kvcm: {exc}", file=sys.stderr)

@@ -90,6 +90,7 @@ class CacheConfig:
     session_check_ms: int = 200  # how often expired write sessions are swept
     delete_poll_ms: int = 100  # deleter thread wake-up interval
     storage_health_interval_s: float = 5.0  # how often each storage is probed
+    lost_scan_s: float = 60.0  # how often file/shm containers are checked for vanished bytes (0 = never)
     runs: bool = True  # keep run records: prefix lookups read one record per written sequence
 
 
@@ -331,6 +332,7 @@ def validate(config: Config) -> None:
         (config.cache.write_timeout_seconds > 0, "cache.write_timeout_seconds must be positive"),
         (config.cache.write_timeout_seconds <= config.cache.max_write_timeout_seconds <= 7 * 86400,
          "cache.max_write_timeout_seconds must be in [cache.write_timeout_seconds, 604800]"),
+        (config.cache.lost_scan_s >= 0, "cache.lost_scan_s must not be negative"),
         (config.cache.max_open_sessions_per_instance > 0, "cache.max_open_sessions_per_instance must be positive"),
         (config.cache.max_writing_bytes_per_instance > 0, "cache.max_writing_bytes_per_instance must be positive"),
         (0 <= config.reclaim.hysteresis < 1, "reclaim.hysteresis must be in [0, 1)"),

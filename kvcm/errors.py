@@ -18,6 +18,7 @@ Hierarchy::
     ├── AccessDenied           (UNAUTHENTICATED, PERMISSION_DENIED)
     ├── Unavailable            (SERVICE_NOT_READY, SERVER_NOT_LEADER, SHUTTING_DOWN, TIMEOUT, RATE_LIMITED)
     └── ServerError            (INTERNAL_ERROR, UNSUPPORTED, IO_ERROR)
+        └── StartRefused       (IO_ERROR: the data dir cannot be served as it is; exit code 2)
 """
 
 from __future__ import annotations
@@ -105,6 +106,14 @@ class Unavailable(KvcmError):
 
 class ServerError(KvcmError):
     default_code = Code.INTERNAL_ERROR
+
+
+class StartRefused(ServerError):
+    """kvcm will not start on this data dir as it is: its metadata is unreadable, or missing
+    while storages still hold blocks it recorded. Nothing was changed or deleted; ``kvcm
+    serve`` prints the one-line reason and exits with code 2."""
+
+    default_code = Code.IO_ERROR
 
 
 _FAMILY: dict[Code, type[KvcmError]] = {

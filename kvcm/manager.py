@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from kvcm.backends.base import MetaStore, ReadTxn, WriteTxn, i64
+from kvcm.backends.base import MetaStore, ReadTxn, WriteTxn, from_i64, i64
 from kvcm.cache import consistency, lookup, writes
 from kvcm.cache.storage_pool import StoragePool
 from kvcm.deleter import Deleter, schedule
@@ -31,6 +31,7 @@ from kvcm.masks import BlockMask, check_mask, derive_keys, unmasked_indices
 from kvcm.proto.wire import Raw
 from kvcm.records import (
     RUNS_DB,
+    Location,
     Record,
     Status,
     check_value,
@@ -45,6 +46,25 @@ from kvcm.sessions import InFlightStats, Sessions, decode_session
 from kvcm.usage import Key, Usage
 
 log = logging.getLogger("kvcm.manager")
+
+
+class LostCounter:
+    """``kvcm_blocks_lost_total{source}``: copies found without their bytes (startup scan,
+    periodic scan, client report). Kept in memory too, for tools and tests."""
+
+    def __init__(self, registry: Any = None) -> None:
+        self.counts: dict[str, int] = defaultdict(int)
+        self._metric: Any = None
+        if registry is not None:
+            from prometheus_client import Counter
+
+            self._metric = Counter("kvcm_blocks_lost", "Block copies whose bytes were found gone (no longer served)",
+                                   ["source"], registry=registry)
+
+    def add(self, source: str, n: int) -> None:
+        self.counts[source] += n
+        if self._metric is not None:
+            self._metric.labels(source=source).inc(n)
 
 TRIM_STRATEGIES = ("remove_all_cache", "remove_all_meta", "timestamp")
 
@@ -65,6 +85,7 @@ class CacheManager:
         max_open_sessions: int = 1024,
         max_writing_bytes: int = 16 << 30,
         metrics_registry: Any = None,
+        lost_scan_s: float = 60.0,
         lock_shards: int = 64,
         cache_size: int = 65536,
         batch_size: int = 16,
@@ -86,6 +107,10 @@ class CacheManager:
         self.inflight = self.sessions.inflight
         if metrics_registry is not None:
             metrics_registry.register(InFlightStats(self.inflight))
+        self.lost = LostCounter(metrics_registry)
+        self.lost_scan_s = lost_scan_s
+        self._next_lost_scan = monotonic() + lost_scan_s
+        self._monotonic = monotonic
         self.deleter = Deleter(store, self.index, self.usage_book.add, pool.get, clock)
         self._views: dict[str, InstanceView] = {}
         self._groups: dict[str, GroupView] = {}
@@ -131,6 +156,8 @@ class CacheManager:
                 continue
             try:
                 backend.reserve(by_storage.get(name, []))
+                if getattr(backend, "damaged", lambda: False)():
+                    self.mark_lost(name, backend.lost(by_storage.get(name, [])), "startup")
                 removed = backend.sweep()
                 if removed:
                     log.info("storage %r: removed %d container(s) no block refers to", name, removed)
@@ -267,10 +294,12 @@ class CacheManager:
             return 0.0
 
     def _mark_deleting(self, txn: WriteTxn, instance_id: str, group: str, keys: Sequence[int], delay: float,
-                       serving_only: bool = False, storage_type: str | None = None) -> tuple[int, int]:
+                       serving_only: bool = False, storage_type: str | None = None,
+                       only: Callable[[int, Location], bool] | None = None) -> tuple[int, int]:
         """CAS copies to ``deleting`` and schedule their free; ``(copies marked, serving bytes)``.
 
-        ``serving_only`` (eviction) never touches ``writing`` copies."""
+        ``serving_only`` (eviction) never touches ``writing`` copies; ``only(key, location)``
+        picks the copies to mark (lost ones)."""
         now = self.clock()
         marked: list[tuple[int, str]] = []
         gone: list[int] = []
@@ -284,6 +313,8 @@ class CacheManager:
                 if loc.status == Status.DELETING or (serving_only and loc.status != Status.SERVING):
                     continue
                 if storage_type is not None and loc.type != storage_type:
+                    continue
+                if only is not None and not only(key, loc):
                     continue
                 if loc.status == Status.SERVING:
                     freed[0] += loc.nbytes
@@ -330,10 +361,74 @@ class CacheManager:
         txn.on_commit(release)
         return sum(-d[1] for d in deltas.values())
 
+    # -- lost blocks ------------------------------------------------------------------------------
+
+    def mark_lost(self, storage: str, uris: set[str], source: str) -> int:
+        """Every copy on ``storage`` naming one of ``uris`` (whose bytes are gone) becomes
+        ``deleting`` at once: no query returns it again, its key is writable again, and the
+        deleter releases its slots and usage. Reads every record (rare: only when a storage
+        reports damage). Returns the copies marked, counted in ``kvcm_blocks_lost_total``."""
+        if not uris:
+            return 0
+        hits: dict[bytes, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+        for chunk in self._all_chunks():
+            for dbkey, value in chunk:
+                for loc in decode(value).locs:
+                    if loc.storage == storage and loc.status != Status.DELETING and uris.intersection(wire_uris(loc.wire)):
+                        hits[dbkey[:8]][from_i64(dbkey[8:])].add(loc.id)
+        owners = self.owners()
+        marked = 0
+        for ns, by_key in hits.items():
+            group, instance_id = owners.get(ns, ("", ""))
+            if not instance_id:
+                continue
+            with self.store.write() as txn:
+                marked += self._mark_deleting(txn, instance_id, group, list(by_key), 0.0, only=_picked(by_key))[0]
+        if marked:
+            log.warning("storage %r: %d cop(ies) lost their bytes (%s); no longer served", storage, marked, source)
+            self.lost.add(source, marked)
+        return marked
+
+    def report_lost(self, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
+                    mask: BlockMask | None) -> dict[str, Any]:
+        """A client could not read these blocks (``report_lost``): their serving copies become
+        ``deleting`` now (no grace delay: the bytes are bad for every reader) and count as lost."""
+        inst = self.instance(instance_id)
+        keys = derive_keys(block_keys, token_ids, inst.block_size)
+        mask = check_mask(mask, len(keys), destructive=True)
+        keys = [keys[i] for i in unmasked_indices(mask, len(keys))]
+        with self.store.write() as txn:
+            marked, _ = self._mark_deleting(txn, inst.instance_id, inst.group, keys, 0.0, serving_only=True)
+            if marked:
+                txn.on_commit(lambda: self.lost.add("client", marked))
+        return {"lost": marked}
+
+    def scan_lost(self) -> int:
+        """Ask every storage that can look (``rescan``) whether containers vanished or shrank,
+        and mark the copies in them lost. Deleter thread, every ``cache.lost_scan_s``."""
+        marked = 0
+        for name in self.pool.names():
+            backend = self.pool.get(name)
+            if backend is None or not hasattr(backend, "rescan") or not backend.rescan():
+                continue
+            uris: list[str] = []
+            for chunk in self._all_chunks():
+                for _, value in chunk:
+                    uris.extend(u for loc in decode(value).locs if loc.storage == name for u in wire_uris(loc.wire))
+            marked += self.mark_lost(name, backend.lost(uris), "scan")
+        return marked
+
     # -- background (deleter thread) ------------------------------------------------------------
 
     def background_once(self) -> int:
-        """Deleter thread body: purge removed instances, then free due deletes."""
+        """Deleter thread body: purge removed instances, look for lost blocks when due, then
+        free due deletes."""
+        if self.lost_scan_s > 0 and self._monotonic() >= self._next_lost_scan:
+            self._next_lost_scan = self._monotonic() + self.lost_scan_s
+            try:
+                self.scan_lost()
+            except Exception:
+                log.exception("looking for lost blocks failed")
         while self._purges:
             instance_id = self._purges[0]
             self.purge_instance(instance_id)
@@ -447,6 +542,11 @@ class CacheManager:
     def all_chunks(self, size: int = 4096) -> Iterator[list[tuple[bytes, bytes]]]:
         """Every block record, ``(db key, value)``, in chunks of short read transactions."""
         return self._all_chunks(size)
+
+
+def _picked(by_key: dict[int, set[str]]) -> Callable[[int, Location], bool]:
+    """A ``_mark_deleting`` filter: the copies whose ids ``by_key`` lists for their key."""
+    return lambda key, loc: loc.id in by_key.get(key, ())
 
 
 def _run_of(record: Record) -> int | None:

@@ -79,6 +79,10 @@ class Storage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     available: bool = True
     create_time: int = 0
     update_time: int = 0
+    # Assigned by kvcm when the storage is added (8 hex digits, never reused): written in the
+    # ownership marker of its directory and in every container name it generates. "" only on
+    # records from before ownership markers, until their first open assigns one.
+    storage_id: str = ""
 
     @property
     def usable(self) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -61,6 +62,14 @@ R = TypeVar("R", bound=msgspec.Struct)
 STORAGE, GROUP, INSTANCE, ACCOUNT, TOKEN = "storage", "instance_group", "instance", "account", "token"
 DEFAULT_STORAGE, DEFAULT_GROUP = "default-file", "default"
 _SCHEMA_KEY, _SCHEMA = b"registry.schema", b"1"
+# The id of this data dir's metadata, named by the ownership marker of every storage it records
+# (kvcm.backends.ownership): a store made anew gets a new id, so its storages can tell.
+_DATA_DIR_ID_KEY = b"data_dir.id"
+
+
+def new_id() -> str:
+    """A fresh storage or data-dir id: 8 hex digits (32 random bits)."""
+    return secrets.token_hex(4)
 _DEFAULTS_KEY = b"registry.defaults_created"
 
 Observer = Callable[[str, str], None]
@@ -123,7 +132,7 @@ class Registry:
         self.roots = StorageRoots(self._data_dir, tuple(allowed_roots))
         # Why a storage is unavailable, for check_health (in memory: a restart re-probes).
         self.unavailable_reasons: dict[str, str] = {}
-        self._preflights: list[Callable[[Storage], None]] = []
+        self._preflights: list[Callable[[Storage, str], None]] = []
         self._storages = _Table(STORAGE, "storages", Storage, lambda s: s.global_unique_name)
         self._groups = _Table(GROUP, "groups", InstanceGroup, lambda g: g.name)
         self._instances = _Table(INSTANCE, "instances", Instance, lambda i: i.instance_id)
@@ -142,6 +151,10 @@ class Registry:
     def _open(self) -> None:
         with self._store.write() as txn:
             schema = txn.get("meta", _SCHEMA_KEY)
+            self.data_dir_id = (txn.get("meta", _DATA_DIR_ID_KEY) or b"").decode()
+            if not self.data_dir_id:
+                self.data_dir_id = new_id()
+                txn.put("meta", _DATA_DIR_ID_KEY, self.data_dir_id.encode())
             if schema is None:
                 txn.put("meta", _SCHEMA_KEY, _SCHEMA)
             elif schema != _SCHEMA:
@@ -163,7 +176,7 @@ class Registry:
             if self._storages.read(txn, DEFAULT_STORAGE) is None:
                 # Absolute already; the spec is normalized like any other (backend defaults filled
                 # in) and the directory is created when the storage pool opens it, not here.
-                spec = {"root_path": root, "key_count_per_file": 1}
+                spec = {"root_path": root}  # packed files of file_size bytes
                 self._put_new_storage(
                     txn, Storage(global_unique_name=DEFAULT_STORAGE, storage_type="file", storage_spec=spec)
                 )
@@ -262,25 +275,34 @@ class Registry:
 
     # -- storages -----------------------------------------------------------------------------
 
-    def preflight(self, check: Callable[[Storage], None]) -> None:
-        """Run ``check(storage)`` before ``add_storage`` commits (the storage pool opens the
-        backend once there), so a storage that cannot be opened is refused to the admin."""
+    def preflight(self, check: Callable[[Storage, str], None]) -> None:
+        """Run ``check(storage, on_foreign)`` before ``add_storage`` commits (the storage pool
+        opens the backend once there), so a storage that cannot be opened is refused to the
+        admin. ``on_foreign`` is "adopt" when the admin asked to take over a directory that
+        carries no (or another) ownership marker, else "refuse"."""
         self._preflights.append(check)
 
-    def add_storage(self, storage: Storage) -> Storage:
-        """:raises Conflict: DUPLICATE_ENTITY if the name is taken (nothing is overwritten)."""
+    def add_storage(self, storage: Storage, adopt: bool = False) -> Storage:
+        """:raises Conflict: DUPLICATE_ENTITY if the name is taken (nothing is overwritten).
+
+        ``adopt``: take over a directory that is not empty and carries no ownership marker of
+        this kvcm (see :mod:`kvcm.backends.ownership`); refused otherwise."""
+        if storage.storage_id:
+            raise InvalidArgument("storage.storage_id: assigned by kvcm when the storage is added; leave it out")
         storage = check_storage(storage, self._data_dir)
         with self._store.write() as txn:
             if self._storages.read(txn, storage.global_unique_name) is not None:
                 raise Conflict(f"storage {storage.global_unique_name!r} already exists", Code.DUPLICATE_ENTITY)
-            return self._put_new_storage(txn, storage, preflight=True)
+            return self._put_new_storage(txn, storage, preflight="adopt" if adopt else "refuse")
 
-    def _put_new_storage(self, txn: WriteTxn, storage: Storage, preflight: bool = False) -> Storage:
+    def _put_new_storage(self, txn: WriteTxn, storage: Storage, preflight: str = "") -> Storage:
         now = now_ms()
-        storage = check_storage(msgspec.structs.replace(storage, create_time=now, update_time=now), self._data_dir)
+        storage = check_storage(
+            msgspec.structs.replace(storage, create_time=now, update_time=now, storage_id=new_id()), self._data_dir
+        )
         self._check_placement(txn, storage)
         for check in self._preflights if preflight else ():
-            check(storage)
+            check(storage, preflight)
         self._storages.put(txn, storage, self._changed)
         return storage
 
@@ -298,9 +320,12 @@ class Registry:
                     f"storage.storage_type: cannot change {old.storage_type!r} to {storage.storage_type!r}; "
                     "add a new storage instead"
                 )
+            if storage.storage_id not in ("", old.storage_id):
+                raise InvalidArgument("storage.storage_id: cannot change (kvcm assigned it); leave it out")
             self._check_placement(txn, storage)
             new = msgspec.structs.replace(
-                storage, enabled=old.enabled, available=old.available, create_time=old.create_time, update_time=now_ms()
+                storage, enabled=old.enabled, available=old.available, create_time=old.create_time, update_time=now_ms(),
+                storage_id=old.storage_id,
             )
             self._storages.put(txn, new, self._changed)
             return new
@@ -310,6 +335,17 @@ class Registry:
         with self._store.write() as txn:
             old = self._must(txn, self._storages, name)
             new = msgspec.structs.replace(old, enabled=enabled, update_time=now_ms())
+            self._storages.put(txn, new, self._changed)
+            return new
+
+    def assign_storage_id(self, name: str, storage_id: str) -> Storage:
+        """Record the id of a storage from before ownership markers (its first open under this
+        kvcm wrote the marker); a storage that has an id keeps it."""
+        with self._store.write() as txn:
+            old = self._must(txn, self._storages, name)
+            if old.storage_id:
+                return old
+            new = msgspec.structs.replace(old, storage_id=storage_id)
             self._storages.put(txn, new, self._changed)
             return new
 
@@ -605,6 +641,7 @@ class Registry:
         }
         with self._store.write() as txn:
             self._check_snapshot_admins(txn, snapshot.accounts, caller)
+            snapshot.storages = [self._keep_storage_id(txn, s) for s in snapshot.storages]
             for kind, records in tables.items():
                 table = self._tables[kind]
                 # Delete only what the snapshot lacks: a delete-then-put of a kept record would tell
@@ -616,6 +653,13 @@ class Registry:
                 for record in records:
                     table.put(txn, record, self._changed)
         return {kind: len(records) for kind, records in tables.items()}
+
+    def _keep_storage_id(self, txn: ReadTxn, storage: Storage) -> Storage:
+        """A loaded storage keeps the id this registry gave it (its marker names it), else the
+        snapshot's, else a new one."""
+        current = self._storages.read(txn, storage.global_unique_name)
+        sid = (current.storage_id if current is not None else "") or storage.storage_id or new_id()
+        return msgspec.structs.replace(storage, storage_id=sid)
 
     def _check_snapshot_admins(self, txn: ReadTxn, accounts: list[Account], caller: str | None) -> None:
         admins = {a.user_name for a in accounts if a.role == "admin"}

@@ -350,20 +350,20 @@ def test_max_reply_bytes_is_checked_before_the_lookup():
 
 
 def test_write_estimates_follow_the_storage_packing(tmp_path):
-    """One block per file costs a file per spec: a write of 300 blocks is over the budget; the same
-    write to a storage packing 64 blocks per file is not."""
+    """One block per file costs a file per spec: a write of 300 blocks to such a storage is over the
+    budget; the same write to the default storage (packed files of 64 MiB) is not."""
     with serve_in_thread(overrides={"reclaim": {"enabled": False}}) as server, server.client() as c:
-        register(c)  # default storage: one block per file, two specs
-        with pytest.raises(KvcmError) as info:
-            c.call("start_write_cache", {"instance_id": "inst", "block_keys": list(range(1, 301))})
-        assert info.value.code is Code.TOO_LARGE and "send at most 153 keys" in info.value.message  # docs/limits.md
-        c.call("add_storage", {"storage": {"global_unique_name": "packed", "storage_type": "file",
-                                           "storage_spec": {"root_path": str(tmp_path / "packed"),
-                                                            "key_count_per_file": 64}}})
-        c.call("create_instance_group", {"instance_group": {"name": "pg", "storage_candidates": ["packed"]}})
-        register(c, instance_id="packed-inst", group="pg")
-        session = c.call("start_write_cache", {"instance_id": "packed-inst", "block_keys": list(range(1, 1001))})
+        register(c)  # default storage: packed files, two specs
+        session = c.call("start_write_cache", {"instance_id": "inst", "block_keys": list(range(1, 1001))})
         assert len(session["locations"]) == 1000
+        c.call("add_storage", {"storage": {"global_unique_name": "one-per-file", "storage_type": "file",
+                                           "storage_spec": {"root_path": str(tmp_path / "single"),
+                                                            "key_count_per_file": 1}}})
+        c.call("create_instance_group", {"instance_group": {"name": "pg", "storage_candidates": ["one-per-file"]}})
+        register(c, instance_id="single-inst", group="pg")
+        with pytest.raises(KvcmError) as info:
+            c.call("start_write_cache", {"instance_id": "single-inst", "block_keys": list(range(1, 301))})
+        assert info.value.code is Code.TOO_LARGE and "send at most 153 keys" in info.value.message  # docs/limits.md
 
 
 def test_the_clients_retry_list_names_only_idempotent_methods():

@@ -140,7 +140,7 @@ def test_storage_spec_defaults_and_aliases(reg):
     )
     assert nfs1.storage_type == "file"
     assert nfs1.storage_spec == {
-        "root_path": "/mnt/nfs", "key_count_per_file": 64, "capacity_bytes": 0, "create_root": True
+        "root_path": "/mnt/nfs", "key_count_per_file": 0, "file_size": 64 << 20, "capacity_bytes": 0, "create_root": True
     }
 
 
@@ -176,7 +176,6 @@ def test_relative_root_path_is_resolved_under_the_data_dir(reg, tmp_path):
     [
         ("file", {}, "storage_spec.root_path"),
         ("file", {"root_path": "/x", "key_count_per_file": -1}, "storage_spec.key_count_per_file"),
-        ("file", {"root_path": "/x", "key_count_per_file": 0}, "storage_spec.key_count_per_file"),
         ("file", {"root_path": "/x", "root_pth": "/y"}, "storage_spec.root_pth"),
         ("file", {"root_path": 5}, "storage_spec.root_path"),
         ("file", {"root_path": "/x", "create_root": "no"}, "storage_spec.create_root"),

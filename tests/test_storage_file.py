@@ -12,10 +12,13 @@ from types import SimpleNamespace
 import pytest
 
 from kvcm.backends.file_storage import FileStorage, resolve_file_uri
+from kvcm.backends.ownership import standalone_owner
 from kvcm.backends.storage_base import parse_uri
 from kvcm.backends.storages import open_backend
 from kvcm.errors import CapacityError, Code, Conflict, InvalidArgument
 
+SID = standalone_owner("file", "f1").storage_id  # the id in every container name
+SID_DEFAULT = standalone_owner("file", "default-file").storage_id
 BLOCK = 64 * 1024  # several filesystem blocks, so punched holes show up in st_blocks
 
 
@@ -57,10 +60,10 @@ def test_uri_format_and_relative_root(tmp_path):
     backend = make(tmp_path)
     uris = backend.allocate(5, 4096)
     assert backend.root == str(tmp_path / "store")
-    assert uris[0] == "file://f1/s4096/00000000.kv?blkid=0&size=4096"
+    assert uris[0] == f"file://f1/s4096/{SID}-00000000.kv?blkid=0&size=4096"
     assert {parse_uri(u).params["blkid"] for u in uris[:4]} == {"0", "1", "2", "3"}
-    assert uris[4] == "file://f1/s4096/00000001.kv?blkid=0&size=4096"
-    assert files(backend) == ["s4096/00000000.kv", "s4096/00000001.kv"]
+    assert uris[4] == f"file://f1/s4096/{SID}-00000001.kv?blkid=0&size=4096"
+    assert files(backend) == [f"s4096/{SID}-00000000.kv", f"s4096/{SID}-00000001.kv"]
     assert os.path.getsize(backend.file_path(uris[0])) == 4 * 4096  # sparse, full length
 
 
@@ -81,7 +84,7 @@ def test_size_classes_get_their_own_files(tmp_path):
     backend = make(tmp_path)
     a, b = backend.allocate(1, 4096)[0], backend.allocate(1, 8192)[0]
     assert parse_uri(a).path != parse_uri(b).path
-    assert files(backend) == ["s4096/00000000.kv", "s8192/00000001.kv"]
+    assert files(backend) == [f"s4096/{SID}-00000000.kv", f"s8192/{SID}-00000001.kv"]
 
 
 def test_freed_slots_are_reused_first(tmp_path):
@@ -100,15 +103,15 @@ def test_fully_freed_file_is_unlinked(tmp_path):
     first, second = backend.allocate(4, 4096), backend.allocate(2, 4096)
     backend.delete(first[:3])
     backend.release(first[3:])
-    assert files(backend) == ["s4096/00000001.kv"]
+    assert files(backend) == [f"s4096/{SID}-00000001.kv"]
     backend.delete(second)
     assert files(backend) == []
     assert backend.usage() | {} == {
         "bytes_used": 0, "bytes_capacity": 0, "slots_used": 0, "bytes_allocated": 0,
-        "files": 0, "orphans": 0, "lost": 0,
+        "files": 0, "orphans": 0, "foreign": 0, "lost": 0,
     }
     # names are never reused: a late delete of an old URI cannot hit a new file
-    assert backend.allocate(1, 4096) == ["file://f1/s4096/00000002.kv?blkid=0&size=4096"]
+    assert backend.allocate(1, 4096) == [f"file://f1/s4096/{SID}-00000002.kv?blkid=0&size=4096"]
 
 
 def test_delete_really_returns_disk_space(tmp_path):
@@ -178,7 +181,7 @@ def test_failed_allocation_rolls_back(tmp_path, monkeypatch):
     with pytest.raises(CapacityError):
         backend.allocate(10, 4096)  # 1 reused slot + a new file + a failing one
     assert backend.usage()["slots_used"] == 3
-    assert files(backend) == ["s4096/00000000.kv"]
+    assert files(backend) == [f"s4096/{SID}-00000000.kv"]
 
 
 def test_reserve_recovers_after_restart(tmp_path):
@@ -193,14 +196,14 @@ def test_reserve_recovers_after_restart(tmp_path):
     again.reserve(uris[:2] + uris[4:5])
     again.reserve(uris[:1])  # idempotent
     assert again.sweep() == 1  # only the 8192 file had no reserved URI
-    assert files(again) == ["s4096/00000000.kv", "s4096/00000001.kv"]
+    assert files(again) == [f"s4096/{SID}-00000000.kv", f"s4096/{SID}-00000001.kv"]
     assert again.usage()["slots_used"] == 3 and again.usage()["files"] == 2
     assert read_block(again, uris[0]) == b"k" * 4096
     assert not again.exists(orphan[0]) and again.exists(uris[4]) and not again.exists(uris[5])
     reused = again.allocate(5, 4096)  # the free slots of adopted files come first
-    assert {parse_uri(u).path for u in reused} == {"/s4096/00000000.kv", "/s4096/00000001.kv"}
+    assert {parse_uri(u).path for u in reused} == {f"/s4096/{SID}-00000000.kv", f"/s4096/{SID}-00000001.kv"}
     assert set(uris[2:4] + uris[5:6]) <= set(reused)
-    assert again.allocate(1, 4096)[0].startswith("file://f1/s4096/00000003.kv")  # past every old name
+    assert again.allocate(1, 4096)[0].startswith(f"file://f1/s4096/{SID}-00000003.kv")  # past every old name
 
 
 def test_reserve_of_missing_file_is_accounted_but_lost(tmp_path):
@@ -243,7 +246,7 @@ def test_concurrent_allocate_and_delete(tmp_path):
 def test_health_probe(tmp_path):
     backend = make(tmp_path)
     assert backend.health()
-    assert os.listdir(backend.root) == [".kvcm-lock"]  # the probe cleans up after itself
+    assert sorted(os.listdir(backend.root)) == [".kvcm-lock", ".kvcm-storage"]  # the probe cleans up
     shutil.rmtree(backend.root)
     assert not backend.health()  # and does not recreate a vanished root
     assert not os.path.exists(backend.root)
@@ -275,14 +278,16 @@ def test_spec_validation(tmp_path):
     with pytest.raises(InvalidArgument, match="root_path"):
         open_backend("file", "f1", {}, str(tmp_path))
     with pytest.raises(InvalidArgument, match="key_count_per_file"):
-        open_backend("file", "f1", {"root_path": "x", "key_count_per_file": 0}, str(tmp_path))
+        open_backend("file", "f1", {"root_path": "x", "key_count_per_file": -1}, str(tmp_path))
     with pytest.raises(InvalidArgument, match="key_count_perfile"):
         open_backend("file", "f1", {"root_path": "x", "key_count_perfile": 8}, str(tmp_path))
     with pytest.raises(InvalidArgument, match="data dir"):
         open_backend("file", "f1", {"root_path": "x"}, None)
     absolute = open_backend("file", "f1", {"root_path": str(tmp_path / "abs")}, None)
     assert isinstance(absolute, FileStorage) and absolute.root == str(tmp_path / "abs")
-    assert absolute.key_count_per_file == 64
+    # Packed by default: as many blocks per file as fit in 64 MiB.
+    assert absolute.key_count_per_file == 0 and absolute.file_size == 64 << 20
+    assert absolute.slots_per_container(4096) == 16384 and absolute.slots_per_container(1 << 30) == 1
     with pytest.raises(Exception, match="not a directory"):
         open_backend("file", "f1", {"root_path": str(tmp_path / "nfs"), "create_root": False}, None)
 
@@ -318,7 +323,7 @@ def test_reserve_keeps_every_valid_uri_when_some_are_bad(tmp_path):
     backend.close()
     again = make(tmp_path)
     with pytest.raises(InvalidArgument, match="1 uri"):
-        again.reserve([uris[0], "file://f1/s4096/00000000.kv?blkid=9&size=4096", uris[2]])
+        again.reserve([uris[0], f"file://f1/s4096/{SID}-00000000.kv?blkid=9&size=4096", uris[2]])
     assert again.exists(uris[0]) and again.exists(uris[2]) and not again.exists(uris[1])
 
 
@@ -327,4 +332,4 @@ def test_registry_shaped_spec_and_record(tmp_path):
     record = SimpleNamespace(global_unique_name="default-file", storage_type="file", storage_spec=spec)
     backend = open_backend(record, str(tmp_path))  # the registry's form: open_backend(storage, data_dir)
     assert backend.name == "default-file" and backend.spec_source == spec
-    assert backend.allocate(1, 10) == ["file://default-file/s10/00000000.kv?blkid=0&size=10"]
+    assert backend.allocate(1, 10) == [f"file://default-file/s10/{SID_DEFAULT}-00000000.kv?blkid=0&size=10"]

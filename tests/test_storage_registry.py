@@ -37,7 +37,7 @@ def test_normalize_spec_is_the_backends_spec_and_touches_nothing(tmp_path):
     data_dir = str(tmp_path / "data")
     file_spec = normalize_spec("file", "f", {"root_path": "blocks/"}, data_dir)
     assert file_spec == {
-        "root_path": str(tmp_path / "data" / "blocks"), "key_count_per_file": 64, "capacity_bytes": 0,
+        "root_path": str(tmp_path / "data" / "blocks"), "key_count_per_file": 0, "file_size": 64 << 20, "capacity_bytes": 0,
         "create_root": True,
     }
     shm_spec = normalize_spec("shm", "side", {}, None)

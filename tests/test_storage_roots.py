@@ -135,7 +135,7 @@ def test_unopenable_storage_refused_then_reported(tmp_path: Any) -> None:
         (tmp_path / "later").mkdir()
         _add(kv, "later", "file", {"root_path": str(tmp_path / "later"), "create_root": False})
         assert kv.call("check_health")["storages"]["later"] == {"enabled": True, "available": True}
-    os.rmdir(tmp_path / "later")  # the mount went away between runs
+    shutil.rmtree(tmp_path / "later")  # the mount went away between runs
     with serve_in_thread(data_dir=data) as server, server.client() as kv:
         health = kv.call("check_health")["storages"]["later"]
         assert health["available"] is False

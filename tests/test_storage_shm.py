@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from kvcm.backends.ownership import standalone_owner
 from kvcm.backends.shm_storage import ShmStorage, resolve_shm_uri
 from kvcm.backends.storage_base import parse_uri
 from kvcm.backends.storages import open_backend
@@ -18,6 +19,8 @@ from kvcm.errors import CapacityError, Conflict, InvalidArgument
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 
 BLOCK = 64 * 1024
+S = standalone_owner("shm", "sidecar").storage_id  # the storage id in its segment names
+S2 = standalone_owner("shm", "s").storage_id
 
 
 @pytest.fixture
@@ -37,7 +40,7 @@ def make(prefix: str, **spec) -> ShmStorage:
 
 
 def segments(prefix: str) -> list[str]:
-    return sorted(os.path.basename(p) for p in glob.glob(f"/dev/shm/{prefix}[0-9]*"))
+    return sorted(os.path.basename(p) for p in glob.glob(f"/dev/shm/{prefix}[0-9a-f]*"))
 
 
 CHILD = r"""
@@ -55,7 +58,7 @@ for uri in sys.argv[1:]:
 def test_another_process_maps_and_writes_blocks(prefix):
     backend = make(prefix)
     uris = backend.allocate(3, BLOCK)
-    assert uris[1] == f"shm://sidecar/{prefix}0?offset={BLOCK}&size={BLOCK}"
+    assert uris[1] == f"shm://sidecar/{prefix}{S}-0?offset={BLOCK}&size={BLOCK}"
     subprocess.run([sys.executable, "-c", CHILD, *uris], check=True, timeout=30)
     for i, uri in enumerate(uris):
         path, offset, size = resolve_shm_uri(uri)
@@ -72,7 +75,7 @@ def test_slots_reused_segments_unlinked_and_memory_returned(prefix):
     backend = make(prefix)
     first = backend.allocate(4, BLOCK)
     second = backend.allocate(1, BLOCK)
-    assert segments(prefix) == [f"{prefix}0", f"{prefix}1"]
+    assert segments(prefix) == [f"{prefix}{S}-0", f"{prefix}{S}-1"]
     subprocess.run([sys.executable, "-c", CHILD, *first], check=True, timeout=30)
     path = backend.segment_path(first[0])
     full = os.stat(path).st_blocks
@@ -80,7 +83,7 @@ def test_slots_reused_segments_unlinked_and_memory_returned(prefix):
     assert (full - os.stat(path).st_blocks) * 512 >= 2 * BLOCK  # tmpfs gave the memory back
     assert backend.allocate(1, BLOCK)[0] in first[1:3]  # a freed slot, not a new segment
     backend.delete(second)
-    assert segments(prefix) == [f"{prefix}0"]
+    assert segments(prefix) == [f"{prefix}{S}-0"]
     assert backend.usage()["segments"] == 1 and backend.usage()["slots_used"] == 3
 
 
@@ -90,18 +93,18 @@ def test_close_keeps_segments_and_restart_recovers(prefix):
     backend.allocate(1, 2 * BLOCK)  # an orphan: its metadata never committed
     subprocess.run([sys.executable, "-c", CHILD, *kept], check=True, timeout=30)
     backend.close()
-    assert segments(prefix) == [f"{prefix}0", f"{prefix}1"]
+    assert segments(prefix) == [f"{prefix}{S}-0", f"{prefix}{S}-1"]
 
     again = make(prefix)
     again.reserve(kept)
     assert again.sweep() == 1
-    assert segments(prefix) == [f"{prefix}0"]
+    assert segments(prefix) == [f"{prefix}{S}-0"]
     path, offset, size = resolve_shm_uri(kept[1])
     with open(path, "rb") as f:
         f.seek(offset)
         assert f.read(size) == b"b" * size
-    assert again.allocate(1, BLOCK)[0] == f"shm://sidecar/{prefix}0?offset={2 * BLOCK}&size={BLOCK}"
-    assert again.allocate(3, BLOCK)[-1].startswith(f"shm://sidecar/{prefix}2?")  # past old names
+    assert again.allocate(1, BLOCK)[0] == f"shm://sidecar/{prefix}{S}-0?offset={2 * BLOCK}&size={BLOCK}"
+    assert again.allocate(3, BLOCK)[-1].startswith(f"shm://sidecar/{prefix}{S}-2?")  # past old names
     assert again.destroy() == 2
     assert segments(prefix) == []
 
@@ -124,7 +127,7 @@ def test_health_and_validation(prefix):
     with pytest.raises(CapacityError, match="segment_size"):
         backend.allocate(1, 8 * BLOCK)
     with pytest.raises(InvalidArgument):
-        backend.delete([f"shm://sidecar/{prefix}0?offset=7&size={BLOCK}"])
+        backend.delete([f"shm://sidecar/{prefix}{S}-0?offset=7&size={BLOCK}"])
     with pytest.raises(InvalidArgument):
         backend.delete(["shm://sidecar/other.0?offset=0&size=8"])
     with pytest.raises(InvalidArgument, match="prefix"):
@@ -139,8 +142,8 @@ def test_health_and_validation(prefix):
 def test_registry_shaped_spec_and_lock(prefix):
     backend = open_backend("shm", "s", {"prefix": prefix, "segment_size": 1 << 30}, None)
     assert os.path.exists(f"/dev/shm/{prefix}lock")
-    assert backend.allocate(1, 4096)[0] == f"shm://s/{prefix}0?offset=0&size=4096"
-    assert os.stat(f"/dev/shm/{prefix}0").st_blocks == 0  # a 1 GiB segment costs nothing until written
+    assert backend.allocate(1, 4096)[0] == f"shm://s/{prefix}{S2}-0?offset=0&size=4096"
+    assert os.stat(f"/dev/shm/{prefix}{S2}-0").st_blocks == 0  # a 1 GiB segment costs nothing until written
     backend.destroy()
     assert not os.path.exists(f"/dev/shm/{prefix}lock")
 

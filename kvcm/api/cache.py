@@ -1,5 +1,6 @@
 """Data-plane RPCs: ``get_cache_location``, ``get_cache_meta``, ``start_write_cache``,
-``finish_write_cache``, ``remove_cache``, ``trim_cache`` (the README's "Data plane" section has an example of each).
+``finish_write_cache``, ``remove_cache``, ``trim_cache`` (the README's "Data plane" section has an example of each),
+and ``report_lost`` (a client could not read blocks kvcm handed out: they stop being served).
 
 Request schemas use Tair's proto field names; every request may carry ``trace_id`` and ``auth``;
 an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.proto.schema`). Enum values are
@@ -86,6 +87,10 @@ class RemoveCacheRequest(_Keys, kw_only=True):
     block_mask: WireMask | None = None
 
 
+class ReportLostRequest(_Keys, kw_only=True):
+    block_mask: WireMask | None = None
+
+
 class TrimCacheRequest(_Request, kw_only=True):
     strategy: str
     begin_timestamp: int = 0  # wall-clock microseconds (Tair's __lru_time__ unit)
@@ -159,6 +164,9 @@ class CacheApi:
     def remove_cache(self, r: RemoveCacheRequest) -> Any:
         return self.m.remove_cache(r.instance_id, r.block_keys, r.token_ids, _mask(r.block_mask))
 
+    def report_lost(self, r: ReportLostRequest) -> Any:
+        return self.m.report_lost(r.instance_id, r.block_keys, r.token_ids, _mask(r.block_mask))
+
     def trim_cache(self, r: TrimCacheRequest) -> Any:
         return self.m.trim_cache(r.instance_id, _enum(r.strategy, "ts_"), r.begin_timestamp, r.end_timestamp)
 
@@ -228,7 +236,7 @@ class CacheCosts:
         slots = slots_of(size) if slots_of is not None else 0
         return _US_PER_SLOT + (_US_PER_CONTAINER / slots if slots > 0 else 0.0)
 
-    def remove_cache(self, r: RemoveCacheRequest) -> Estimate:
+    def remove_cache(self, r: RemoveCacheRequest | ReportLostRequest) -> Estimate:
         return self._per_key(r, _US_PER_KEY["remove"], reply=False)
 
 
@@ -246,6 +254,8 @@ def methods(manager: CacheManager, engines: EngineService | None = None,
         Method("finish_write_cache", api.finish_write_cache, request=FinishWriteCacheRequest, writes=True,
                idempotent=False),
         Method("remove_cache", api.remove_cache, request=RemoveCacheRequest, writes=True, cost=costs.remove_cache,
+               tokens=costs.tokens),
+        Method("report_lost", api.report_lost, request=ReportLostRequest, writes=True, cost=costs.remove_cache,
                tokens=costs.tokens),
         Method("trim_cache", api.trim_cache, request=TrimCacheRequest, writes=True),
     ]

@@ -32,6 +32,9 @@ class Empty(_Request):
 
 class AddStorageRequest(_Request):
     storage: Storage
+    # Take over a directory that is not empty and carries no ownership marker of this kvcm
+    # (files kvcm did not name are still never swept or deleted).
+    adopt_directory: bool = False
 
 
 class UpdateStorageRequest(_Request):
@@ -114,7 +117,7 @@ class _Handlers:
 
     # storages
     def add_storage(self, req: AddStorageRequest) -> dict[str, Any]:
-        return {"storage": to_wire(self.registry.add_storage(req.storage))}
+        return {"storage": to_wire(self.registry.add_storage(req.storage, adopt=req.adopt_directory))}
 
     def update_storage(self, req: UpdateStorageRequest) -> dict[str, Any]:
         return {"storage": to_wire(self.registry.update_storage(req.storage))}

@@ -51,7 +51,10 @@ class ExternalStorage(ABC):
     scheme = ""
     spec_source: Mapping[str, Any] | None = None  # the spec it was opened with (set by open_backend)
 
-    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> None:
+    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None,
+                 owner: Any = None) -> None:
+        # ``owner`` (kvcm.backends.ownership.Owner) is unused: kvcm creates no files here, the
+        # external system owns the space, so there is nothing a marker would protect.
         self.name = name
         self.spec = self.read_spec(name, spec, data_dir)
         self.capacity_bytes: int = self.spec["capacity_bytes"]
@@ -224,8 +227,9 @@ class ThreeFsStorage(ExternalStorage):
     type_name = "3fs"
     scheme = "hf3fs"  # what Tair's code emits (its proto comment says 3fs://)
 
-    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> None:
-        super().__init__(name, spec, data_dir)
+    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None,
+                 owner: Any = None) -> None:
+        super().__init__(name, spec, data_dir, owner)
         self.directory = posixpath.normpath(posixpath.join(self.spec["mountpoint"], self.spec["root_dir"].strip("/")))
         self.key_count_per_file: int = self.spec["key_count_per_file"]
         self.touch_file_when_create: bool = self.spec["touch_file_when_create"]
@@ -305,8 +309,9 @@ class MooncakeStorage(ExternalStorage):
     type_name = "mooncake"
     scheme = "mooncake"
 
-    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> None:
-        super().__init__(name, spec, data_dir)
+    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None,
+                 owner: Any = None) -> None:
+        super().__init__(name, spec, data_dir, owner)
         self.local_hostname: str = self.spec["local_hostname"]
         self.metadata_connstring: str = self.spec["metadata_connstring"]
         self.protocol: str = self.spec["protocol"]
@@ -345,8 +350,9 @@ class TairMemPoolStorage(ExternalStorage):
     type_name = "tairmempool"
     scheme = "pace"
 
-    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> None:
-        super().__init__(name, spec, data_dir)
+    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None,
+                 owner: Any = None) -> None:
+        super().__init__(name, spec, data_dir, owner)
         self.domain: str = self.spec["domain"]
         self.timeout_ms: int = self.spec["timeout"]
         self.service_discovery_url: str | None = self.spec["service_discovery_url"] or None

@@ -29,6 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from kvcm.backends.ownership import Marker, Owner, claim, standalone_owner
 from kvcm.backends.storage_base import (
     Container,
     SlotPool,
@@ -62,13 +63,23 @@ class DirectoryStorage(ABC):
     spec_source: Mapping[str, Any] | None = None  # the spec it was opened with (set by open_backend)
     spec: dict[str, Any]  # the normalized spec (``read_spec``), set by the subclass
 
-    def __init__(self, name: str, directory: str, capacity_bytes: int) -> None:
+    def __init__(self, name: str, directory: str, capacity_bytes: int, owner: Owner | None = None) -> None:
         self.name = name
         self.directory = directory
         self.capacity_bytes = capacity_bytes
+        self.owner = owner or standalone_owner(self.type_name, name)
+        self.storage_id = self.owner.storage_id  # part of every container name this storage makes
+        self.previous_owner: Marker | None = None  # the foreign marker this open adopted or discarded
         self._lock = threading.Lock()
         self._pool = SlotPool()
-        self._unclaimed: dict[str, int] = {}  # found on disk at open, no reserved URI yet: name -> bytes
+        # Found on disk at open, no reserved URI yet: name -> bytes. Ours (named with our id) are
+        # swept after recovery; the others (older names, other ids) are served if the metadata
+        # names them and otherwise left alone: kvcm cannot prove it created them.
+        self._unclaimed: dict[str, int] = {}
+        self._foreign: dict[str, int] = {}
+        # Containers whose bytes are (partly) gone: name -> bytes still on disk (0 = missing).
+        # Their slots past that size are lost; nothing new is allocated in them.
+        self._damaged: dict[str, int] = {}
         self._next_index = 0
         self._opened = False
         self._free_seen, self._free_at = 0, -1.0  # the last statvfs reading (_free_disk_bytes)
@@ -92,8 +103,15 @@ class DirectoryStorage(ABC):
         ...
 
     @abstractmethod
-    def _scan(self) -> Iterator[tuple[str, int]]:
-        """``(container name, index)`` of every container already in the directory."""
+    def _scan(self) -> Iterator[tuple[str, int, str]]:
+        """``(container name, index, storage id or "")`` of every entry in the directory named
+        the way a kvcm storage names its containers (never following a symlink)."""
+        ...
+
+    @abstractmethod
+    def _entries(self) -> Iterator[str]:
+        """Names in the directory that belong to this storage's namespace (for shm: those
+        starting with its prefix), kvcm's own control files included."""
         ...
 
     @abstractmethod
@@ -119,6 +137,13 @@ class DirectoryStorage(ABC):
     def _lock_name(self) -> str:
         return ".kvcm-lock"
 
+    def _marker_name(self) -> str:
+        return ".kvcm-storage"
+
+    def _is_control(self, name: str) -> bool:
+        """kvcm's own lock, marker, probe and marker-temp files (not data)."""
+        return name.startswith(".kvcm-")
+
     # ----------------------------------------------------------------------------- lifecycle
 
     def path_of(self, container_name: str) -> str:
@@ -132,17 +157,46 @@ class DirectoryStorage(ABC):
             lock = self.path_of(self._lock_name())
             hold_lock_file(lock, self.name, f"{self.type_name} storage {self.name!r} ({lock})")
             try:
+                self._claim()
                 self._find_existing()
             except BaseException:
                 drop_lock_file(lock)
                 raise
             self._opened = True
 
+    def _claim(self) -> None:
+        """Prove the directory is this storage's (ownership marker), or refuse to touch it."""
+        where = f"{self.type_name} storage {self.name!r}: {self._namespace_label()}"
+        data = sum(1 for entry in self._entries() if not self._is_control(entry))
+        previous = claim(self.path_of(self._marker_name()), self.owner, self.name, where, data)
+        self.previous_owner = previous
+        if previous is not None and self.owner.on_foreign == "discard":
+            self._discard(previous.ids())
+
+    def _namespace_label(self) -> str:
+        return self.directory
+
+    def _discard(self, storage_ids: set[str]) -> None:
+        """Delete the containers previous owners named with their ids: provably kvcm's (marker
+        and name agree); anything else in the directory stays."""
+        removed = 0
+        for name, _, sid in list(self._scan()):
+            if sid and sid in storage_ids:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path_of(name))
+                    removed += 1
+        log.warning("storage %s: discarded %d container(s) of storage id(s) %s", self.name, removed,
+                    ", ".join(sorted(storage_ids)))
+
     def _find_existing(self) -> None:
-        """Note containers left by an earlier run; ``reserve`` adopts them, ``sweep`` drops the rest."""
-        for name, index in self._scan():
-            self._unclaimed[name] = os.stat(self.path_of(name)).st_size
-            self._next_index = max(self._next_index, index + 1)
+        """Note containers left by an earlier run; ``reserve`` adopts them, ``sweep`` drops ours."""
+        for name, index, sid in self._scan():
+            size = os.stat(self.path_of(name), follow_symlinks=False).st_size
+            if sid == self.storage_id:
+                self._unclaimed[name] = size
+                self._next_index = max(self._next_index, index + 1)
+            else:
+                self._foreign[name] = size
 
     def close(self) -> None:
         """Stop allocating. Files stay: they hold data a restarted kvcm will serve again."""
@@ -209,8 +263,8 @@ class DirectoryStorage(ABC):
             if self._pool.get(name) is not None:
                 continue  # a lost container keeps its name until its URIs are deleted
             try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+                self._make_parent(path)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
             except FileExistsError:
                 continue  # someone left a file with this name; skip it, sweep() decides its fate
             except OSError as exc:
@@ -227,6 +281,14 @@ class DirectoryStorage(ABC):
         container = Container(name, size, slots)
         self._pool.add(container)
         return container
+
+    def _make_parent(self, path: str) -> None:
+        """The container's directory, never a symlink leading out of the storage."""
+        parent = os.path.dirname(path)
+        if parent != self.directory:
+            os.makedirs(parent, exist_ok=True)
+            if os.path.islink(parent):
+                raise OSError(40, "is a symbolic link; kvcm does not follow links out of its storage", parent)
 
     def _io_error(self, what: str, path: str, exc: OSError) -> KvcmError:
         if exc.errno in _NO_SPACE:
@@ -261,6 +323,7 @@ class DirectoryStorage(ABC):
 
     def _drop(self, container: Container) -> None:
         self._pool.remove(container)
+        self._damaged.pop(container.name, None)
         try:
             os.unlink(self.path_of(container.name))
         except FileNotFoundError:
@@ -270,7 +333,7 @@ class DirectoryStorage(ABC):
 
     def _punch(self, container: Container, slots: list[int]) -> None:
         try:
-            fd = os.open(self.path_of(container.name), os.O_WRONLY)
+            fd = os.open(self.path_of(container.name), os.O_WRONLY | os.O_NOFOLLOW)
         except OSError as exc:
             log.warning("storage %s: cannot open %s to free slots: %s", self.name, container.name, exc)
             return
@@ -311,12 +374,19 @@ class DirectoryStorage(ABC):
     def _adopt(self, name: str, slot: int, size: int) -> Container:
         on_disk = self._unclaimed.pop(name, None)
         if on_disk is None:
+            on_disk = self._foreign.pop(name, None)
+        if on_disk is None:
             # The metadata outlived the data (e.g. shm after a reboot). Account the slots so
-            # deletes balance, but never hand out space in it and report its URIs as absent.
+            # deletes balance, but never hand out space in it and report its URIs as lost.
             log.warning("storage %s: %s is referenced by metadata but missing", self.name, name)
             container = Container(name, size, max(self._slots_per_container(size), slot + 1), lost=True)
+            self._damaged[name] = 0
         else:
             container = Container(name, size, max(on_disk // size, slot + 1))
+            if on_disk < (slot + 1) * size:
+                log.warning("storage %s: %s is shorter (%d bytes) than its blocks need", self.name, name, on_disk)
+                container.lost = True
+                self._damaged[name] = on_disk
         self._pool.add(container)
         self._next_index = max(self._next_index, self._index_of(name) + 1)
         return container
@@ -343,6 +413,56 @@ class DirectoryStorage(ABC):
             reserved = container is not None and not container.lost and container.holds(slot)
         return reserved and os.path.exists(self.path_of(name))
 
+    # -------------------------------------------------------------------------- lost blocks
+
+    def damaged(self) -> bool:
+        """Whether any container is known to have lost bytes (then :meth:`lost` may say yes)."""
+        return bool(self._damaged)
+
+    def lost(self, uris: Iterable[str]) -> set[str]:
+        """The URIs among ``uris`` whose bytes are gone: their container vanished, or is too
+        short to hold their slot. Malformed or foreign URIs are not ours to judge."""
+        if not self._damaged:
+            return set()
+        out: set[str] = set()
+        with self._lock:
+            for uri in uris:
+                try:
+                    name, slot, size = self._locate(uri)
+                except KvcmError:
+                    continue
+                present = self._damaged.get(name)
+                if present is not None and (slot + 1) * size > present:
+                    out.add(uri)
+        return out
+
+    def rescan(self) -> int:
+        """Look at every container on disk; note those that vanished or shrank since. Returns
+        how many became damaged. Stats run outside the lock (a slow mount must not stall
+        allocation); a container dropped meanwhile is skipped."""
+        with self._lock:
+            expected = [(c.name, c.slots * c.size) for c in self._pool if c.name not in self._damaged]
+        newly = 0
+        for name, need in expected:
+            try:
+                present = os.stat(self.path_of(name), follow_symlinks=False).st_size
+            except FileNotFoundError:
+                present = 0
+            except OSError:
+                continue  # an unreadable mount is the health probe's to report
+            if present >= need:
+                continue
+            with self._lock:
+                container = self._pool.get(name)
+                if container is None or name in self._damaged:
+                    continue
+                log.warning("storage %s: %s %s", self.name, name, "vanished" if not present else f"shrank to {present} bytes")
+                self._damaged[name] = present
+                container.lost = True
+                self._pool.withdraw(container)
+                newly += 1
+        return newly
+
     def usage(self) -> dict[str, int]:
         with self._lock:
             return {
@@ -352,7 +472,8 @@ class DirectoryStorage(ABC):
                 "bytes_allocated": self._pool.bytes_allocated,
                 self.container_label: len(self._pool),
                 "orphans": len(self._unclaimed),
-                "lost": sum(1 for c in self._pool if c.lost),
+                "foreign": len(self._foreign),
+                "lost": len(self._damaged),
             }
 
     def health(self) -> bool:
@@ -375,23 +496,30 @@ class DirectoryStorage(ABC):
         return ok
 
 
-_FILE_PATH = re.compile(r"s([1-9][0-9]*)/([0-9]{8,})\.kv")
+# ``s<size>/<storage id>-<index>.kv``; files from before storage ids lack the ``<id>-`` part.
+_FILE_PATH = re.compile(r"s([1-9][0-9]*)/(?:([0-9a-f]{8})-)?([0-9]{8,})\.kv")
+
+#: Default ``file_size``: how big a packed file grows (its block count is file_size // block size).
+DEFAULT_FILE_SIZE = 64 << 20
 
 
 class FileStorage(DirectoryStorage):
     """``file`` storage: spec ``root_path`` (required; a relative path is resolved under the
-    data dir, and normalized to the absolute path), ``key_count_per_file`` (64),
+    data dir, and normalized to the absolute path), ``file_size`` (64 MiB) and
+    ``key_count_per_file`` (0 = as many blocks as fit in ``file_size``, at least one),
     ``capacity_bytes`` (0 = limited by the filesystem only), ``create_root`` (true; set false on
     NFS so a missing mount fails instead of filling the local disk)."""
 
     type_name = "file"
     container_label = "files"
 
-    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> None:
+    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None,
+                 owner: Owner | None = None) -> None:
         self.spec = self.read_spec(name, spec, data_dir)
         self.key_count_per_file: int = self.spec["key_count_per_file"]
+        self.file_size: int = self.spec["file_size"]
         self.create_root: bool = self.spec["create_root"]
-        super().__init__(name, self.spec["root_path"], self.spec["capacity_bytes"])
+        super().__init__(name, self.spec["root_path"], self.spec["capacity_bytes"], owner)
         self.root = self.directory
 
     @classmethod
@@ -399,7 +527,8 @@ class FileStorage(DirectoryStorage):
         """The normalized spec (defaults filled, ``root_path`` absolute). Touches nothing on disk."""
         reader = SpecReader(cls.type_name, name, spec)
         root = reader.text("root_path")
-        reader.integer("key_count_per_file", 64, minimum=1)
+        reader.integer("key_count_per_file", 0)
+        reader.integer("file_size", DEFAULT_FILE_SIZE, minimum=1)
         reader.integer("capacity_bytes", 0)
         reader.boolean("create_root", True)
         out = reader.finish()
@@ -416,22 +545,26 @@ class FileStorage(DirectoryStorage):
         super()._prepare_directory()
 
     def _slots_per_container(self, size: int) -> int:
-        return self.key_count_per_file
+        return self.key_count_per_file or max(1, self.file_size // size)
 
     def _container_name(self, size: int, index: int) -> str:
-        return f"s{size}/{index:08d}.kv"
+        return f"s{size}/{self.storage_id}-{index:08d}.kv"
 
-    def _scan(self) -> Iterator[tuple[str, int]]:
+    def _entries(self) -> Iterator[str]:
         for entry in os.scandir(self.root):
-            if entry.is_dir() and entry.name[:1] == "s" and entry.name[1:].isdigit():
+            yield entry.name
+
+    def _scan(self) -> Iterator[tuple[str, int, str]]:
+        for entry in os.scandir(self.root):
+            if entry.is_dir(follow_symlinks=False) and entry.name[:1] == "s" and entry.name[1:].isdigit():
                 for child in os.scandir(entry.path):
                     match = _FILE_PATH.fullmatch(f"{entry.name}/{child.name}")
-                    if match and child.is_file():
-                        yield match.group(0), int(match.group(2))
+                    if match and child.is_file(follow_symlinks=False):
+                        yield match.group(0), int(match.group(3)), match.group(2) or ""
 
     def _index_of(self, container_name: str) -> int:
         match = _FILE_PATH.fullmatch(container_name)
-        return int(match.group(2)) if match else 0
+        return int(match.group(3)) if match and match.group(2) == self.storage_id else 0
 
     def _uri(self, container: Container, slot: int) -> str:
         return f"file://{self.name}/{container.name}?blkid={slot}&size={container.size}"

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from kvcm.backends.file_storage import DirectoryStorage
+from kvcm.backends.ownership import Owner
 from kvcm.backends.storage_base import Container, SpecReader, check_component, parse_uri
 from kvcm.errors import CapacityError, Code, InvalidArgument
 
@@ -41,12 +42,14 @@ class ShmStorage(DirectoryStorage):
     type_name = "shm"
     container_label = "segments"
 
-    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> None:
+    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None,
+                 owner: Owner | None = None) -> None:
         self.spec = self.read_spec(name, spec, data_dir)
         self.segment_size: int = self.spec["segment_size"]
         self.prefix: str = self.spec["prefix"]
-        super().__init__(name, self.spec["shm_dir"], self.spec["capacity_bytes"])
-        self._segment = re.compile(re.escape(self.prefix) + r"([0-9]+)")
+        super().__init__(name, self.spec["shm_dir"], self.spec["capacity_bytes"], owner)
+        # ``<prefix><storage id>-<n>``; segments from before storage ids are ``<prefix><n>``.
+        self._segment = re.compile(re.escape(self.prefix) + r"(?:([0-9a-f]{8})-)?([0-9]+)")
 
     @classmethod
     def read_spec(cls, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> dict[str, Any]:
@@ -72,7 +75,22 @@ class ShmStorage(DirectoryStorage):
         return slots
 
     def _container_name(self, size: int, index: int) -> str:
-        return f"{self.prefix}{index}"
+        return f"{self.prefix}{self.storage_id}-{index}"
+
+    def _marker_name(self) -> str:
+        return f"{self.prefix}kvcm-storage"
+
+    def _is_control(self, name: str) -> bool:
+        rest = name[len(self.prefix):]
+        return rest == "lock" or rest.startswith(("kvcm-storage", "probe."))
+
+    def _namespace_label(self) -> str:
+        return f"{self.directory}/{self.prefix}*"
+
+    def _entries(self) -> Iterator[str]:
+        for entry in os.scandir(self.directory):
+            if entry.name.startswith(self.prefix):
+                yield entry.name
 
     def _probe_name(self) -> str:
         return f"{self.prefix}probe.{os.getpid()}"
@@ -80,15 +98,15 @@ class ShmStorage(DirectoryStorage):
     def _lock_name(self) -> str:
         return f"{self.prefix}lock"
 
-    def _scan(self) -> Iterator[tuple[str, int]]:
+    def _scan(self) -> Iterator[tuple[str, int, str]]:
         for entry in os.scandir(self.directory):
             match = self._segment.fullmatch(entry.name)
-            if match and entry.is_file():
-                yield entry.name, int(match.group(1))
+            if match and entry.is_file(follow_symlinks=False):
+                yield entry.name, int(match.group(2)), match.group(1) or ""
 
     def _index_of(self, container_name: str) -> int:
         match = self._segment.fullmatch(container_name)
-        return int(match.group(1)) if match else 0
+        return int(match.group(2)) if match and match.group(1) == self.storage_id else 0
 
     def _uri(self, container: Container, slot: int) -> str:
         return f"shm://{self.name}/{container.name}?offset={slot * container.size}&size={container.size}"
@@ -115,7 +133,7 @@ class ShmStorage(DirectoryStorage):
             for container in self._pool:
                 self._pool.remove(container)
             self._unclaimed.clear()
-        for name in [*names, self._lock_name()]:
+        for name in [*names, self._lock_name(), self._marker_name()]:
             try:
                 os.unlink(self.path_of(name))
             except FileNotFoundError:

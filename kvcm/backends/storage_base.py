@@ -77,6 +77,10 @@ class StorageBackend(Protocol):
     def sweep(self) -> int:
         """After recovery (``reserve``): remove containers no reserved URI points at; count removed."""
 
+    # Optional (``file``, ``shm``): ``damaged() -> bool``, ``lost(uris) -> set[str]`` (the URIs
+    # whose bytes are gone) and ``rescan() -> int`` (look again; count newly damaged containers).
+    # Storages kvcm cannot look into (external ones) only learn of lost blocks from clients.
+
 
 # --------------------------------------------------------------------------------------- URIs
 
@@ -460,6 +464,10 @@ class SlotPool:
         self._count(container, -1)
         self._offer(container)
         return True
+
+    def withdraw(self, container: Container) -> None:
+        """Hand out no more slots of ``container`` (it lost its bytes); accounting stays."""
+        self._with_free.get(container.size, {}).pop(container.name, None)
 
     def _offer(self, container: Container) -> None:
         if container.free and not container.lost:

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvcm.backends.external_storage import MooncakeStorage, TairMemPoolStorage, ThreeFsStorage
 from kvcm.backends.file_storage import FileStorage, resolve_file_uri
+from kvcm.backends.ownership import Owner
 from kvcm.backends.shm_storage import ShmStorage, resolve_shm_uri
 from kvcm.backends.storage_base import ParsedUri, StorageBackend, format_uri, parse_uri
 from kvcm.errors import Code, InvalidArgument, ServerError
@@ -89,7 +90,8 @@ def normalize_spec(
 
 
 def open_backend(
-    storage_type: Any, name: str | None = None, spec: Mapping[str, Any] | None = None, data_dir: str | None = None
+    storage_type: Any, name: str | None = None, spec: Mapping[str, Any] | None = None, data_dir: str | None = None,
+    owner: Owner | None = None,
 ) -> StorageBackend:
     """Build and open one storage. InvalidArgument for an unknown type (listing the valid ones),
     a bad name, or a bad spec (naming the field); ServerError(IO_ERROR) if it cannot open;
@@ -97,12 +99,15 @@ def open_backend(
 
     Also takes a registry ``Storage`` record, the way the storage pool calls it:
     ``open_backend(storage, data_dir)``. The backend remembers the spec it was opened with as
-    ``spec_source`` so the pool can tell when ``update_storage`` changed it."""
+    ``spec_source`` so the pool can tell when ``update_storage`` changed it.
+
+    ``owner`` proves which directory is whose (:mod:`kvcm.backends.ownership`); without one a
+    stable standalone id is derived from type and name (tools, tests)."""
     if not isinstance(storage_type, str):
         record = storage_type
-        return open_backend(record.storage_type, record.global_unique_name, record.storage_spec, name)
+        return open_backend(record.storage_type, record.global_unique_name, record.storage_spec, name, owner)
     cls = _backend_class(storage_type, name)
-    backend: StorageBackend = cls(name, spec, data_dir)
+    backend: StorageBackend = cls(name, spec, data_dir, owner)
     try:
         backend.open()
     except OSError as exc:

@@ -18,27 +18,35 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from kvcm.backends.ownership import ForeignDirectory, Owner
 from kvcm.errors import InvalidArgument, ServerError
-from kvcm.registry import STORAGE, Registry
+from kvcm.registry import STORAGE, Registry, new_id
 
 log = logging.getLogger("kvcm.storage_pool")
 
-Opener = Callable[[Any, "str | None"], Any]
+Opener = Callable[[Any, "str | None", Owner], Any]
 
 
-def default_opener(storage: Any, data_dir: str | None) -> Any:
+def default_opener(storage: Any, data_dir: str | None, owner: Owner) -> Any:
     """Open a backend through the storage registry (``kvcm.backends.storages``)."""
     from kvcm.backends.storages import open_backend
 
-    return open_backend(storage.storage_type, storage.global_unique_name, storage.storage_spec, data_dir)
+    return open_backend(storage.storage_type, storage.global_unique_name, storage.storage_spec, data_dir, owner)
 
 
 class StoragePool:
     """Backends of every registered storage; see the module docstring."""
 
-    def __init__(self, registry: Registry, data_dir: str | None, opener: Opener | None = None) -> None:
+    def __init__(self, registry: Registry, data_dir: str | None, opener: Opener | None = None,
+                 orphans: str = "refuse") -> None:
         self.registry = registry
         self.data_dir = data_dir
+        # At start-up only: what to do with a storage directory another data dir's marker names
+        # (``kvcm serve --adopt-orphans`` / ``--discard-orphans``); later opens always refuse.
+        self.orphans = orphans
+        self.foreign: dict[str, ForeignDirectory] = {}  # storages refused at start-up, and why
         self._opener = opener or default_opener
         self._backends: dict[str, Any] = {}
         self._types: dict[str, str] = {}
@@ -49,30 +57,49 @@ class StoragePool:
 
     def open_all(self) -> None:
         for storage in self.registry.list_storages():
-            self._open(storage, persist=True)
+            self._open(storage, persist=True, on_foreign=self.orphans)
         self._rebuild()
         self.registry.on_change(self._on_change)
         self.registry.preflight(self.try_open)
 
-    def try_open(self, storage: Any) -> None:
+    def owner(self, storage: Any, on_foreign: str = "refuse") -> Owner:
+        taken = frozenset(s.storage_id for s in self.registry.list_storages()
+                          if s.global_unique_name != storage.global_unique_name and s.storage_id)
+        return Owner(storage.storage_id, self.registry.data_dir_id, self.data_dir or "", on_foreign, taken)
+
+    def try_open(self, storage: Any, on_foreign: str = "refuse") -> None:
         """Open and close ``storage`` once; raises why it cannot be opened (``add_storage``
         refuses it then, instead of storing a storage that only logs a line). A storage that
-        cannot be opened is the caller's bad argument, not a server fault: INVALID_ARGUMENT."""
+        cannot be opened is the caller's bad argument, not a server fault: INVALID_ARGUMENT.
+        The open writes the ownership marker, so the open after the commit finds its own."""
         try:
-            backend = self._opener(storage, self.data_dir)
+            backend = self._opener(storage, self.data_dir, self.owner(storage, on_foreign))
         except ServerError as exc:
             raise InvalidArgument(f"storage {storage.global_unique_name!r} cannot be opened: {exc.message}") from None
         _close(backend)
 
-    def _open(self, storage: Any, persist: bool = False) -> None:
+    def _open(self, storage: Any, persist: bool = False, on_foreign: str = "refuse") -> None:
         """``persist``: record a failure as ``available: false`` in the registry (at start-up;
-        from inside a commit callback only the in-memory reason is set)."""
+        from inside a commit callback only the in-memory reason is set).
+
+        A storage from before ownership markers (no ``storage_id``) is opened with a fresh id,
+        adopting its directory: the registry shows kvcm made it, and files named the old way are
+        only ever deleted through the URIs the metadata records, never swept. The id is
+        recorded once that open succeeded."""
         name = storage.global_unique_name
         self._types[name] = storage.storage_type
         self._specs[name] = storage.storage_spec
+        legacy = not storage.storage_id
+        if legacy:
+            storage = msgspec.structs.replace(storage, storage_id=new_id())
+            on_foreign = "adopt"
         try:
-            backend = self._opener(storage, self.data_dir)
+            backend = self._opener(storage, self.data_dir, self.owner(storage, on_foreign))
+            if legacy and persist:
+                self.registry.assign_storage_id(name, storage.storage_id)
         except Exception as exc:  # noqa: BLE001 - one broken storage must not stop the others
+            if isinstance(exc, ForeignDirectory):
+                self.foreign[name] = exc
             log.error("storage %r (%s) cannot be opened: %s", name, storage.storage_type, exc)
             reason = f"cannot be opened: {getattr(exc, 'message', None) or exc}"
             if persist:

@@ -1,0 +1,246 @@
+"""Ownership a storage can prove: the marker kvcm writes in every directory it manages.
+
+kvcm creates, sweeps and deletes container files. Before it touches a directory it must know
+the directory is its own, so each ``file`` root and each ``shm`` prefix carries a *marker*
+(``.kvcm-storage``, or ``<prefix>kvcm-storage`` for shm) naming:
+
+* ``storage_id`` — the storage's unique id (8 hex digits, assigned by the registry when the
+  storage is added, never reused); it is also part of every container name kvcm generates
+  (``s4096/<id>-00000012.kv``, ``<prefix><id>-12``), so a name alone tells whose file it is;
+* ``data_dir_id`` — the id of the kvcm data dir whose metadata records the storage's blocks
+  (kept in the metadata store; a new store means a new id).
+
+Opening a storage (:func:`claim`) compares the marker with the :class:`Owner` the caller
+brings:
+
+* marker names this storage → proceed;
+* no marker and the directory holds nothing of interest → write the marker, proceed;
+* no marker but files there → refused (:class:`ForeignDirectory`), unless the owner
+  says ``adopt`` (the admin asked for it, or a storage from before markers existed): then the
+  marker is written; files kvcm did not name are never swept or deleted anyway;
+* a marker of another storage or another data dir → refused, unless ``adopt`` (keep the old
+  files, untouched, under the new marker) or ``discard`` (the caller may then delete the
+  containers named with the old storage id: provably kvcm's).
+
+The sweep only ever removes names carrying the storage's own id (see the backends).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvcm.errors import InvalidArgument
+
+MARKER_VERSION = 1
+
+#: What ``Owner.on_foreign`` may say: refuse (the default), adopt, discard.
+FOREIGN_CHOICES = ("refuse", "adopt", "discard")
+
+
+class ForeignDirectory(InvalidArgument):
+    """A directory (or shm prefix) kvcm cannot prove it owns; nothing in it was touched."""
+
+    def __init__(self, message: str, marker: Marker | None = None, files: int = 0) -> None:
+        super().__init__(message)
+        self.marker = marker
+        self.files = files
+
+
+@dataclass(frozen=True)
+class Marker:
+    storage_id: str
+    storage: str  # the storage's name when the marker was written
+    data_dir_id: str
+    data_dir: str  # for messages: where that data dir was
+    # Ids of earlier owners whose containers were adopted (kept, unindexed): still provably
+    # kvcm's, so a later ``discard`` may delete them.
+    adopted: tuple[str, ...] = ()
+
+    def ids(self) -> set[str]:
+        """Every storage id whose containers this marker vouches for."""
+        return {self.storage_id, *self.adopted}
+
+    def describe(self) -> str:
+        where = f" at {self.data_dir}" if self.data_dir else ""
+        return f"storage {self.storage!r} (id {self.storage_id}) of kvcm data dir {self.data_dir_id}{where}"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who opens a storage: its id, the data dir's id, and what to do with a foreign directory."""
+
+    storage_id: str
+    data_dir_id: str = ""
+    data_dir: str = ""
+    on_foreign: str = "refuse"
+    # Ids of the *other* storages this data dir records. A marker of this data dir naming none of
+    # them is stale (a storage since removed, or an open that failed before its id was kept).
+    taken: frozenset[str] = frozenset()
+
+    def marker(self, storage: str, adopted: tuple[str, ...] = ()) -> Marker:
+        return Marker(self.storage_id, storage, self.data_dir_id, self.data_dir, adopted)
+
+    def owns(self, marker: Marker) -> bool:
+        if marker.data_dir_id != self.data_dir_id:
+            return False
+        return marker.storage_id == self.storage_id or (bool(self.data_dir_id) and marker.storage_id not in self.taken)
+
+
+def standalone_owner(storage_type: str, name: str) -> Owner:
+    """The owner of a backend opened outside a kvcm registry (tools, tests): a stable id derived
+    from type and name, no data dir."""
+    return Owner(hashlib.sha256(f"{storage_type}:{name}".encode()).hexdigest()[:8])
+
+
+def read_marker(path: str) -> Marker | None:
+    """The marker at ``path``; None if there is none. A marker that cannot be parsed is a foreign
+    one (never silently replaced)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4096)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ForeignDirectory(f"cannot read the ownership marker {path}: {exc.strerror}") from None
+    try:
+        data: Any = json.loads(raw)
+        adopted = tuple(str(i) for i in data.get("adopted", ()))
+        return Marker(str(data["storage_id"]), str(data.get("storage", "")), str(data["data_dir_id"]),
+                      str(data.get("data_dir", "")), adopted)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ForeignDirectory(f"the ownership marker {path} is not one kvcm wrote; move it away to go on") from None
+
+
+def write_marker(path: str, marker: Marker) -> None:
+    """Write ``marker`` atomically (a crash leaves the old one or the new one, never half)."""
+    body = json.dumps({"kvcm_marker": MARKER_VERSION, "storage_id": marker.storage_id, "storage": marker.storage,
+                       "data_dir_id": marker.data_dir_id, "data_dir": marker.data_dir,
+                       "adopted": list(marker.adopted)}, sort_keys=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, body.encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def claim(path: str, owner: Owner, storage: str, where: str, files: int) -> Marker | None:
+    """Check (and write if needed) the marker at ``path`` for ``owner``; see the module docstring.
+
+    ``files``: how many entries of interest the directory holds besides kvcm's own control
+    files. Returns the *previous* foreign marker when ``owner`` adopts or discards one (the
+    caller deletes that id's containers on ``discard``), else None. Raises ForeignDirectory."""
+    found = read_marker(path)
+    if found is not None and owner.owns(found):
+        if found.storage_id != owner.storage_id:  # a stale marker of this data dir
+            write_marker(path, owner.marker(storage, _kept(found)))
+        return None
+    if found is None:
+        if files and owner.on_foreign == "refuse":
+            raise ForeignDirectory(
+                f"{where} is not empty ({files} entries) and carries no kvcm ownership marker; "
+                "kvcm refuses to manage a directory it did not create (adopt it explicitly to go on; "
+                "kvcm never deletes files it did not name)",
+                None, files,
+            )
+    elif owner.on_foreign == "refuse":
+        raise ForeignDirectory(f"{where} belongs to {found.describe()}; nothing there was touched", found, files)
+    kept = _kept(found) if found is not None and owner.on_foreign == "adopt" else ()
+    write_marker(path, owner.marker(storage, kept))
+    return found
+
+
+def _kept(marker: Marker) -> tuple[str, ...]:
+    return tuple(sorted(marker.ids()))
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A directory (or shm prefix) holding containers of a data dir whose metadata is gone."""
+
+    where: str
+    files: int
+    marker: Marker | None
+
+
+#: Where the default ``file`` storage lives, under the data dir.
+DEFAULT_ROOT = "blocks"
+FILE_MARKER = ".kvcm-storage"
+SHM_MARKER_SUFFIX = "kvcm-storage"
+
+
+def leftovers(data_dir: str, shm_dir: str = "/dev/shm") -> list[Leftover]:
+    """Storages that still hold blocks recorded by the metadata of ``data_dir``: the default
+    root (marked or not: it is kvcm's own place), any marked directory up to two levels under
+    the data dir, and shm prefixes whose marker names this data dir. Reads only."""
+    data_dir = os.path.abspath(data_dir)
+    found: list[Leftover] = []
+    default = os.path.join(data_dir, DEFAULT_ROOT)
+    for directory in _marked_dirs(data_dir, default):
+        files = sum(1 for _ in _data_files(directory))
+        marker = _safe_marker(os.path.join(directory, FILE_MARKER))
+        if files:
+            found.append(Leftover(directory, files, marker))
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(shm_dir):
+            if not entry.name.endswith(SHM_MARKER_SUFFIX):
+                continue
+            marker = _safe_marker(entry.path)
+            if marker is None or os.path.abspath(marker.data_dir or "/nowhere") != data_dir:
+                continue
+            prefix = entry.name[: -len(SHM_MARKER_SUFFIX)]
+            files = sum(1 for e in os.scandir(shm_dir)
+                        if e.name.startswith(prefix) and e.name[len(prefix):].split("-")[0] == marker.storage_id)
+            if files:
+                found.append(Leftover(f"{shm_dir}/{prefix}*", files, marker))
+    return found
+
+
+def _marked_dirs(data_dir: str, default: str) -> list[str]:
+    dirs = [default] if os.path.isdir(default) else []
+    for depth1 in _subdirs(data_dir):
+        for directory in [depth1, *_subdirs(depth1)]:
+            if directory != default and os.path.exists(os.path.join(directory, FILE_MARKER)):
+                dirs.append(directory)
+    return dirs
+
+
+def _subdirs(directory: str) -> list[str]:
+    try:
+        return [e.path for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def _data_files(directory: str) -> list[str]:
+    """Block files of a ``file`` root: regular files in its ``s<size>`` subdirectories."""
+    out: list[str] = []
+    for sub in _subdirs(directory):
+        name = os.path.basename(sub)
+        if name[:1] == "s" and name[1:].isdigit():
+            with contextlib.suppress(OSError):
+                out.extend(e.path for e in os.scandir(sub) if e.is_file(follow_symlinks=False))
+    return out
+
+
+def _safe_marker(path: str) -> Marker | None:
+    try:
+        return read_marker(path)
+    except ForeignDirectory:
+        return None
+
+
+__all__ = ["FOREIGN_CHOICES", "ForeignDirectory", "Leftover", "Marker", "Owner", "claim", "leftovers",
+           "read_marker", "standalone_owner", "write_marker"]
