@@ -322,9 +322,12 @@ def test_reserve_keeps_every_valid_uri_when_some_are_bad(tmp_path):
     uris = backend.allocate(3, 4096)
     backend.close()
     again = make(tmp_path)
+    past_the_end = f"file://f1/s4096/{SID}-00000000.kv?blkid=9&size=4096"  # the file holds 4 slots
     with pytest.raises(InvalidArgument, match="1 uri"):
-        again.reserve([uris[0], f"file://f1/s4096/{SID}-00000000.kv?blkid=9&size=4096", uris[2]])
+        again.reserve([uris[0], f"file://f1/s4096/{SID}-00000000.kv?blkid=0&size=8192", past_the_end, uris[2]])
     assert again.exists(uris[0]) and again.exists(uris[2]) and not again.exists(uris[1])
+    # A slot past the end of its file has no bytes: reserved (deletes balance) but lost.
+    assert again.lost([uris[0], past_the_end, uris[2]]) == {past_the_end} and not again.exists(past_the_end)
 
 
 def test_registry_shaped_spec_and_record(tmp_path):

@@ -80,6 +80,7 @@ class DirectoryStorage(ABC):
         # Containers whose bytes are (partly) gone: name -> bytes still on disk (0 = missing).
         # Their slots past that size are lost; nothing new is allocated in them.
         self._damaged: dict[str, int] = {}
+        self._found_size: dict[str, int] = {}  # bytes on disk of containers adopted at start-up
         self._next_index = 0
         self._opened = False
         self._free_seen, self._free_at = 0, -1.0  # the last statvfs reading (_free_disk_bytes)
@@ -364,12 +365,18 @@ class DirectoryStorage(ABC):
     def _reserve_one(self, uri: str) -> None:
         name, slot, size = self._locate(uri)
         container = self._pool.get(name) or self._adopt(name, slot, size)
+        if container.size == size and slot >= container.slots and name in self._found_size:
+            self._pool.grow(container, slot + 1)  # the file is shorter than its blocks: damaged below
         if container.size != size or slot >= container.slots:
             raise InvalidArgument(
                 f"{uri!r}: slot {slot} of size {size} does not fit {name} "
                 f"({container.slots} slots of {container.size} bytes)"
             )
         self._pool.claim(container, slot)
+        present = self._found_size.get(name)
+        if present is not None and (slot + 1) * size > present and name not in self._damaged:
+            log.warning("storage %s: %s is shorter (%d bytes) than its blocks need", self.name, name, present)
+            self._damage(container, present)
 
     def _adopt(self, name: str, slot: int, size: int) -> Container:
         on_disk = self._unclaimed.pop(name, None)
@@ -383,10 +390,7 @@ class DirectoryStorage(ABC):
             self._damaged[name] = 0
         else:
             container = Container(name, size, max(on_disk // size, slot + 1))
-            if on_disk < (slot + 1) * size:
-                log.warning("storage %s: %s is shorter (%d bytes) than its blocks need", self.name, name, on_disk)
-                container.lost = True
-                self._damaged[name] = on_disk
+            self._found_size[name] = on_disk  # checked against every slot reserve() claims in it
         self._pool.add(container)
         self._next_index = max(self._next_index, self._index_of(name) + 1)
         return container
@@ -395,6 +399,7 @@ class DirectoryStorage(ABC):
         """Remove files found at open() that no reserved URI claimed (a crash between allocate
         and the metadata commit leaves such orphans). Call once, after recovery."""
         with self._lock:
+            self._found_size.clear()
             orphans = list(self._unclaimed)
             self._unclaimed.clear()
             for name in orphans:
@@ -407,11 +412,13 @@ class DirectoryStorage(ABC):
     # ------------------------------------------------------------------------- observation
 
     def exists(self, uri: str) -> bool:
-        name, slot, _ = self._locate(uri)
+        name, slot, size = self._locate(uri)
         with self._lock:
             container = self._pool.get(name)
-            reserved = container is not None and not container.lost and container.holds(slot)
-        return reserved and os.path.exists(self.path_of(name))
+            present = self._damaged.get(name)
+            reserved = container is not None and container.holds(slot)
+            intact = present is None or (slot + 1) * size <= present
+        return reserved and intact and os.path.exists(self.path_of(name))
 
     # -------------------------------------------------------------------------- lost blocks
 
@@ -457,11 +464,16 @@ class DirectoryStorage(ABC):
                 if container is None or name in self._damaged:
                     continue
                 log.warning("storage %s: %s %s", self.name, name, "vanished" if not present else f"shrank to {present} bytes")
-                self._damaged[name] = present
-                container.lost = True
-                self._pool.withdraw(container)
+                self._damage(container, present)
                 newly += 1
         return newly
+
+    def _damage(self, container: Container, present: int) -> None:
+        """Only ``present`` bytes of ``container`` remain: its later slots are lost, and no new
+        block goes into it (under the lock)."""
+        self._damaged[container.name] = present
+        container.lost = True
+        self._pool.withdraw(container)
 
     def usage(self) -> dict[str, int]:
         with self._lock:

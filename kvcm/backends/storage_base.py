@@ -465,6 +465,18 @@ class SlotPool:
         self._offer(container)
         return True
 
+    def grow(self, container: Container, slots: int) -> None:
+        """Give ``container`` ``slots`` slots (recovery: the metadata knows of more slots than
+        a truncated file still holds)."""
+        extra = slots - container.slots
+        if extra <= 0:
+            return
+        container.bits.extend(bytes(extra))
+        container.slots = slots
+        container.free += extra
+        self.bytes_allocated += extra * container.size
+        self._offer(container)
+
     def withdraw(self, container: Container) -> None:
         """Hand out no more slots of ``container`` (it lost its bytes); accounting stays."""
         self._with_free.get(container.size, {}).pop(container.name, None)
