@@ -327,6 +327,9 @@ class Registry:
                 storage, enabled=old.enabled, available=old.available, create_time=old.create_time, update_time=now_ms(),
                 storage_id=old.storage_id,
             )
+            if new.storage_spec != old.storage_spec and new.storage_id:
+                for check in self._preflights:  # the new spec must open too, or the next start fails
+                    check(new, "refuse")
             self._storages.put(txn, new, self._changed)
             return new
 

@@ -466,3 +466,23 @@ def test_unopenable_storage_files_are_not_swept_on_a_fresh_shm_prefix(shm_prefix
     assert _read(f"/dev/shm/{shm_prefix}7") == b"not kvcm's"
     assert not os.path.exists(f"/dev/shm/{shm_prefix}kvcm-storage")
     shutil.rmtree(str(tmp_path / "data"), ignore_errors=True)
+
+
+def test_update_storage_refuses_a_spec_that_would_not_open(tmp_path: Any) -> None:
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "theirs.txt").write_text("keep")
+    (tmp_path / "a-file").write_text("x")
+    with serve_in_thread(data_dir=str(tmp_path / "data"), overrides=QUIET) as server, server.client() as c:
+        c.call("add_storage", {"storage": {"global_unique_name": "f", "storage_type": "file",
+                                           "storage_spec": {"root_path": str(tmp_path / "mine")}}})
+        for root, why in ((foreign, "no kvcm ownership marker"), (tmp_path / "a-file", "cannot be opened")):
+            with pytest.raises(KvcmError, match=why):
+                c.call("update_storage", {"storage": {"global_unique_name": "f", "storage_type": "file",
+                                                      "storage_spec": {"root_path": str(root)}}})
+        listed = next(s for s in c.call("list_storage")["storage"] if s["global_unique_name"] == "f")
+        assert listed["storage_spec"]["root_path"] == str(tmp_path / "mine")
+        moved = c.call("update_storage", {"storage": {"global_unique_name": "f", "storage_type": "file",
+                                                      "storage_spec": {"root_path": str(tmp_path / "new")}}})
+        assert moved["storage"]["storage_id"] == listed["storage_id"]
+    assert sorted(os.listdir(foreign)) == ["theirs.txt"]
