@@ -22,7 +22,6 @@ import pytest
 from cache_helpers import add_group, finish, locate, register, start, wait_for
 
 from kvcm.backends.file_storage import resolve_file_uri
-from kvcm.backends.ownership import Owner
 from kvcm.backends.shm_storage import resolve_shm_uri
 from kvcm.errors import Code, KvcmError
 from kvcm.testing import serve_in_thread
@@ -174,6 +173,7 @@ def test_another_kvcms_blocks_are_never_touched(tmp_path: Any) -> None:
 def test_overlapping_shm_prefixes_never_sweep_each_other(tmp_path: Any, shm_prefix: str) -> None:
     """``seg1`` holds live segments; a storage with prefix ``seg`` (a prefix of it) is refused by
     placement, and even opened directly its sweep leaves ``seg1``'s segments alone."""
+    from kvcm.backends.ownership import Owner
     from kvcm.backends.storages import open_backend
 
     data = str(tmp_path / "data")
@@ -486,3 +486,16 @@ def test_update_storage_refuses_a_spec_that_would_not_open(tmp_path: Any) -> Non
                                                       "storage_spec": {"root_path": str(tmp_path / "new")}}})
         assert moved["storage"]["storage_id"] == listed["storage_id"]
     assert sorted(os.listdir(foreign)) == ["theirs.txt"]
+
+
+def test_the_default_storage_packs_blocks_into_few_files(tmp_path: Any) -> None:
+    """A 6-block, 2-rank prompt was 12 files with one block per file; packed, it is one file, and
+    a thousand more blocks still fit in it."""
+    with serve_in_thread(data_dir=str(tmp_path / "data"), overrides=QUIET) as server, server.client() as c:
+        register(c, specs=SPECS)
+        root = _root(c)
+        _write_blocks(c, list(range(1, 7)), root=root)
+        assert len(glob.glob(os.path.join(root, "s4096", "*.kv"))) == 1
+        _write_blocks(c, list(range(100, 1100)), root=root)
+        assert len(glob.glob(os.path.join(root, "s4096", "*.kv"))) == 1
+        assert server.app.storages.get("default-file").usage()["slots_used"] == 2 * 1006
