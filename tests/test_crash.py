@@ -1,8 +1,9 @@
 """Crash tests with a real ``kvcm serve`` subprocess killed with SIGKILL (reliability.md F1-F3).
 
 After every restart: no acknowledged write is missing, no ``writing`` location outlives its
-session, and the persisted usage equals a recount from the block records (checked in-process
-with ``CacheManager.check`` on the same data dir once the subprocess is gone).
+session, the persisted usage equals a recount from the block records, and every storage agrees
+with the metadata both ways (checked in-process with ``CacheManager.check`` on the same data dir
+once the subprocess is gone). ``test_crash_packed`` does the same with real bytes.
 """
 
 from __future__ import annotations
@@ -147,8 +148,8 @@ def test_kill_during_write_bursts(tmp_path, sock_dir):
             t.join(10)
         with writers.lock:
             acked |= writers.acked
+        _check_offline(data, "burst", acked)  # after every kill, storages compared with the metadata too
     assert acked  # the bursts did write something
-    _check_offline(data, "burst", acked)
 
 
 def test_kill_during_eviction(tmp_path, sock_dir):
@@ -180,7 +181,7 @@ def test_kill_during_eviction(tmp_path, sock_dir):
         for t in writers.threads:
             t.join(10)
         assert writers.acked  # each cycle wrote, so the group went over its watermark
-    _check_offline(data)
+        _check_offline(data)
     with serve_in_thread(data_dir=data, overrides={"reclaim": {"interval_s": 0.02}}) as srv:
         assert wait_for(lambda: srv.app.cache.usage("ev")["bytes"] <= 0.5 * capacity, timeout=30)
 

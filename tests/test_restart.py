@@ -1,5 +1,6 @@
-"""Registry state survives a clean restart and a kill -9 (real subprocesses), and the data dir
-is exclusive to one kvcm."""
+"""Registry state and blocks written with real bytes survive a clean restart and a kill -9 (real
+subprocesses), with every storage in agreement with the metadata after it; the data dir is
+exclusive to one kvcm."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import sys
 import tempfile
 
 import pytest
+from block_bytes import read_problems, storage_roots, write_session
 
 from kvcm.client import Client
 from kvcm.errors import NotFound
-from kvcm.testing import start_subprocess, stop_subprocess
+from kvcm.testing import serve_in_thread, start_subprocess, stop_subprocess
+
+KEYS = list(range(1, 101))  # blocks written with real bytes before the restart
 
 
 @pytest.fixture
@@ -33,6 +37,10 @@ def _populate(endpoint: str) -> None:
             "instance_group": "g1", "instance_id": "inst-a", "block_size": 64,
             "location_spec_infos": [{"name": "tp0", "size": 4096}, {"name": "tp1", "size": 4096}],
         })
+        session = c.call("start_write_cache", {"instance_id": "inst-a", "block_keys": KEYS})
+        write_session(session, "inst-a", KEYS, storage_roots(c))
+        c.call("finish_write_cache", {"instance_id": "inst-a", "write_session_id": session["write_session_id"],
+                                      "success_blocks": {"offset": len(KEYS)}})
 
 
 def _check(endpoint: str) -> None:
@@ -43,6 +51,13 @@ def _check(endpoint: str) -> None:
         assert c.call("get_instance_group", {"name": "g1"})["instance_group"]["name"] == "g1"
         with pytest.raises(NotFound):
             c.call("get_instance_info", {"instance_id": "never"})
+        assert read_problems(c, "inst-a", KEYS, storage_roots(c)) == []
+
+
+def _check_offline(data: str) -> None:
+    """The storages agree with the metadata after the restart (check() compares them)."""
+    with serve_in_thread(data_dir=data, overrides={"reclaim": {"enabled": False}}) as srv:
+        srv.app.cache.check()
 
 
 @pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "kill9"])
@@ -58,6 +73,7 @@ def test_registry_survives_restart(sock_dir, kill):
         _check(endpoint)
     finally:
         assert stop_subprocess(server) == 0
+    _check_offline(data)
 
 
 def test_second_kvcm_on_same_dir_refused(sock_dir):

@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvcm.backends.storage_base import ParsedUri, SpecReader, format_uri, parse_uri
+from kvcm.backends.storage_base import Inventory, ParsedUri, Slot, SpecReader, format_uri, parse_uri
 from kvcm.errors import CapacityError, Code, InvalidArgument, ServerError
 
 log = logging.getLogger("kvcm.storage")
@@ -161,6 +161,12 @@ class ExternalStorage(ABC):
     def exists(self, uri: str) -> bool:
         with self._lock:
             return uri in self._live
+
+    def inventory(self) -> Inventory:
+        """The live URIs; no containers and no disk listing: the space is the owner's."""
+        with self._lock:
+            reserved = {uri: Slot("", 0, size) for uri, size in self._live.items()}
+            return Inventory(reserved, {}, None, frozenset(), len(self._live), self._bytes_used)
 
     def usage(self) -> dict[str, int]:
         with self._lock:

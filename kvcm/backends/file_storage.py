@@ -32,6 +32,8 @@ from typing import Any
 from kvcm.backends.ownership import Marker, Owner, claim, standalone_owner
 from kvcm.backends.storage_base import (
     Container,
+    Inventory,
+    Slot,
     SlotPool,
     SpecReader,
     drop_lock_file,
@@ -474,6 +476,27 @@ class DirectoryStorage(ABC):
         self._damaged[container.name] = present
         container.lost = True
         self._pool.withdraw(container)
+
+    def inventory(self) -> Inventory:
+        """Every reserved slot as its URI, and the kvcm-named containers on disk, read under the
+        lock so no allocation or free lands between the two."""
+        with self._lock:
+            reserved: dict[str, Slot] = {}
+            containers: dict[str, int] = {}
+            for container in self._pool:
+                containers[container.name] = container.used
+                slot = container.bits.find(1)
+                while slot >= 0:  # one step per used slot: a big, mostly free segment costs little
+                    reserved[self._uri(container, slot)] = Slot(container.name, slot * container.size, container.size)
+                    slot = container.bits.find(1, slot + 1)
+            on_disk: dict[str, int] = {}
+            for name, _, sid in self._scan():
+                if sid != self.storage_id and self._pool.get(name) is None:
+                    continue  # not this storage's name, and no recorded block lives in it: left alone
+                with contextlib.suppress(FileNotFoundError):
+                    on_disk[name] = os.stat(self.path_of(name)).st_size
+            return Inventory(reserved, containers, on_disk, frozenset(self._unclaimed),
+                             self._pool.slots_used, self._pool.bytes_used)
 
     def usage(self) -> dict[str, int]:
         with self._lock:

@@ -2,7 +2,8 @@
 
 kvcm never moves KV bytes. A storage backend only *allocates* URIs (and the space behind them
 when kvcm owns that space, as for ``file`` and ``shm``), accounts usage, frees space on delete
-and probes health. Clients read and write the block bytes at the URIs themselves.
+and probes health; its ``inventory`` lets ``CacheManager.check`` compare what it holds with the
+metadata. Clients read and write the block bytes at the URIs themselves.
 
 Every backend implements :class:`StorageBackend`; :mod:`kvcm.backends.storages` keeps the
 registry keyed by type name. This module also holds what several backends share: the URI
@@ -77,9 +78,44 @@ class StorageBackend(Protocol):
     def sweep(self) -> int:
         """After recovery (``reserve``): remove containers no reserved URI points at; count removed."""
 
+    def inventory(self) -> Inventory:
+        """Everything this storage holds reserved, and what lies on disk: what
+        ``CacheManager.check`` compares with the metadata. Costs a pass over every reserved slot."""
+
     # Optional (``file``, ``shm``): ``damaged() -> bool``, ``lost(uris) -> set[str]`` (the URIs
     # whose bytes are gone) and ``rescan() -> int`` (look again; count newly damaged containers).
     # Storages kvcm cannot look into (external ones) only learn of lost blocks from clients.
+
+
+# ---------------------------------------------------------------------------------- inventory
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one reserved URI's bytes live: ``container`` ("" for a store kvcm does not own),
+    the byte range ``[offset, offset + size)`` in it."""
+
+    container: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """One storage's own view of what it holds, for comparing it with the metadata.
+
+    ``reserved`` lists every reserved URI; ``containers`` the containers it accounts, with the
+    number of slots used in each; ``on_disk`` the containers present with the names kvcm gives
+    them, and their sizes in bytes (None where the space belongs to another system, so there
+    is nothing to list); ``orphans`` the containers found at open that no reserved URI
+    claimed and no sweep removed yet."""
+
+    reserved: Mapping[str, Slot]
+    containers: Mapping[str, int]
+    on_disk: Mapping[str, int] | None
+    orphans: frozenset[str]
+    slots_used: int
+    bytes_used: int
 
 
 # --------------------------------------------------------------------------------------- URIs
