@@ -238,7 +238,7 @@ def _hold_a_reader(path, ready):
 
 
 def test_lmdb_reader_slots_of_killed_processes_are_reclaimed_when_full(tmp_path):
-    """reliability.md F8: other processes (an inspection tool) die holding every reader slot;
+    """Other processes (an inspection tool) die holding every reader slot;
     the next read clears them instead of failing with MDB_READERS_FULL."""
     import multiprocessing as mp
     import os
@@ -264,7 +264,7 @@ def test_lmdb_reader_slots_of_killed_processes_are_reclaimed_when_full(tmp_path)
 
 
 def test_lmdb_store_refuses_use_in_a_forked_child(tmp_path):
-    """reliability.md F10: LMDB must not be used across fork(); the child gets a clear error
+    """LMDB must not be used across fork(); the child gets a clear error
     instead of undefined behaviour, and the parent is unaffected."""
     import os
 

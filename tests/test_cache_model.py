@@ -1,4 +1,4 @@
-"""Model-based test of the data plane (reliability.md B5): hypothesis drives random sequences of
+"""Model-based test of the data plane: hypothesis drives random sequences of
 start / finish / remove / lookups / meta / restart against a real server over ZMQ and checks
 every reply against a small in-memory model.
 
@@ -210,5 +210,5 @@ def test_data_plane_against_a_model():
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_data_plane_against_a_model_long():
-    """reliability.md's budget: 2,000 examples (13 minutes here, passed; ``scripts/soak``)."""
+    """The full budget: 2,000 examples (13 minutes here, passed; ``scripts/soak``)."""
     _run(examples=2000, steps=50)

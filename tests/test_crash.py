@@ -1,4 +1,4 @@
-"""Crash tests with a real ``kvcm serve`` subprocess killed with SIGKILL (reliability.md F1-F3).
+"""Crash tests with a real ``kvcm serve`` subprocess killed with SIGKILL.
 
 After every restart: no acknowledged write is missing, no ``writing`` location outlives its
 session, the persisted usage equals a recount from the block records, and every storage agrees

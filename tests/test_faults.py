@@ -1,4 +1,4 @@
-"""Faults from reliability.md's plan that the other suites do not cover: a paused server (F5)
+"""Faults the other suites do not cover: a paused server (F5)
 and a full disk under the metadata store (F7). Real subprocesses, a real tmpfs mount."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fuzzing (reliability.md B6): the saved corpus and crashes replay cleanly, and a short
+"""Fuzzing: the saved corpus and crashes replay cleanly, and a short
 coverage-guided run of every target finds nothing.
 
 The long runs (5 minutes a target) are ``scripts/fuzz``; this keeps what they found as

@@ -1,7 +1,6 @@
 """Hostile input against a real kvcm: every malformed category plus random byte flips.
 
-The server must answer or count every message, stay up, and serve a valid request afterwards
-(reliability.md B1-B4).
+The server must answer or count every message, stay up, and serve a valid request afterwards.
 """
 
 from __future__ import annotations

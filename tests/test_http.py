@@ -75,7 +75,7 @@ def test_readyz_fails_while_draining():
 
 
 def test_livez_fails_while_the_rpc_loop_is_wedged():
-    """reliability.md H1: the loop stuck in one request (here: waiting for the LMDB writer lock,
+    """The loop stuck in one request (here: waiting for the LMDB writer lock,
     which the test holds) turns /livez and /readyz to 503; once it moves again they recover."""
     with serve_in_thread(overrides={"server": {"live_after_s": 1.0}}) as server:
         port = server.http_port

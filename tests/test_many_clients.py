@@ -1,4 +1,4 @@
-"""Many concurrent clients (reliability.md C3): processes x DEALER sockets x mixed data-plane
+"""Many concurrent clients: processes x DEALER sockets x mixed data-plane
 operations against one server subprocess. Every request gets exactly one reply with its own
 msgid and no error; once the clients are gone the server holds no more descriptors than before."""
 
@@ -105,5 +105,5 @@ def test_many_clients():
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_many_clients_full_size():
-    """reliability.md's size: 4 processes x 50 DEALERs x 500 operations."""
+    """The full size: 4 processes x 50 DEALERs x 500 operations."""
     _run(processes=4, sockets=50, ops=500)

@@ -171,7 +171,7 @@ def test_vanished_client_does_not_break_loop(running):
 
 
 def test_client_that_never_reads_loses_replies_not_the_server(tmp_path):
-    """reliability.md C1: a peer that sends and never reads fills its reply queue; the loop never
+    """A peer that sends and never reads fills its reply queue; the loop never
     blocks on it, its replies over the HWM are dropped and counted, and other clients are served."""
     dispatcher = Dispatcher(_methods(MemoryStore()))
     server = Server(f"ipc://{tmp_path}/s", dispatcher.handle_batch, sndhwm=50, poll_ms=20)

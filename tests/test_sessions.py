@@ -1,4 +1,4 @@
-"""Write-session expiry under clock jumps (reliability.md T1), with injected clocks: deadlines run
+"""Write-session expiry under clock jumps, with injected clocks: deadlines run
 on the monotonic clock, and the persisted wall-clock deadline only matters across a restart."""
 
 from __future__ import annotations

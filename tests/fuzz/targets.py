@@ -1,4 +1,4 @@
-"""Fuzz targets (reliability.md B6): each takes arbitrary bytes and fails only on a real bug.
+"""Fuzz targets: each takes arbitrary bytes and fails only on a real bug.
 
 * ``rpc`` — the bytes are one request payload, handled by the dispatcher of a real kvcm (LMDB in
   a temp dir, an instance with written blocks). Every payload must get a well-formed reply (or
