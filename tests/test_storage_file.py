@@ -336,3 +336,33 @@ def test_registry_shaped_spec_and_record(tmp_path):
     backend = open_backend(record, str(tmp_path))  # the registry's form: open_backend(storage, data_dir)
     assert backend.name == "default-file" and backend.spec_source == spec
     assert backend.allocate(1, 10) == [f"file://default-file/s10/{SID_DEFAULT}-00000000.kv?blkid=0&size=10"]
+
+
+def test_a_lock_taken_on_a_file_unlinked_meanwhile_is_taken_again(tmp_path, monkeypatch):
+    """Another kvcm dropping its lock unlinks the lock file while holding it; a process that
+    opened the file just before then locks an inode no path names. The lock only counts once
+    the path still names the locked file (the race is replayed by unlinking and recreating the
+    file between open and flock, as the other process would)."""
+    import fcntl
+
+    from kvcm.backends import storage_base
+
+    path = str(tmp_path / "lockfile")
+    real_flock = fcntl.flock
+    raced = []
+
+    def flock_after_the_other_process_dropped_it(fd, op):
+        if not raced:
+            raced.append(os.fstat(fd).st_ino)
+            os.unlink(path)
+            with open(path, "w"):
+                pass  # the next kvcm's fresh lock file at the same path
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_the_other_process_dropped_it)
+    storage_base.hold_lock_file(path, "owner", "test storage")
+    try:
+        held_fd = storage_base._held[path][0]
+        assert os.fstat(held_fd).st_ino == os.stat(path).st_ino != raced[0]  # locked what the path names
+    finally:
+        storage_base.drop_lock_file(path)
