@@ -236,6 +236,7 @@ class App:
         from kvcm.backends.storages import StorageHealth
         from kvcm.cache.storage_pool import StoragePool
         from kvcm.manager import CacheManager
+        from kvcm.records import set_cache_bytes as set_wire_cache_bytes
 
         cfg = self.config.cache
         if self.config.publisher.event_log:
@@ -250,6 +251,7 @@ class App:
                                   metrics_registry=self.metrics.registry, lost_scan_s=cfg.lost_scan_s,
                                   lock_shards=self.config.store.lock_shards, cache_size=self.config.store.search_cache_size,
                                   runs=cfg.runs)
+        set_wire_cache_bytes(cfg.wire_cache_bytes)
         self.cache.start()
         self.timers.append(Timer("write-session-expiry", cfg.session_check_ms / 1000.0, self.cache.expire_sessions))
         self.threads.append(LoopThread("deleter", self.cache.background_once, cfg.delete_poll_ms / 1000.0))

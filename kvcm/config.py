@@ -92,6 +92,7 @@ class CacheConfig:
     storage_health_interval_s: float = 5.0  # how often each storage is probed
     lost_scan_s: float = 60.0  # how often file/shm containers are checked for vanished bytes (0 = never)
     runs: bool = True  # keep run records: prefix lookups read one record per written sequence
+    wire_cache_bytes: int = 256 << 20  # memory for location bytes rebuilt from compact records; 0 disables
 
 
 @dataclass(frozen=True)

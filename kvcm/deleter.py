@@ -29,7 +29,7 @@ import msgpack
 
 from kvcm.backends.base import MetaStore, WriteTxn, u64
 from kvcm.index import KEEP, MetaIndex, namespace
-from kvcm.records import Location, Record, Status, wire_uris
+from kvcm.records import Location, Record, Status
 
 log = logging.getLogger("kvcm.deleter")
 
@@ -112,7 +112,7 @@ class Deleter:
             if not gone:
                 return KEEP
             for loc in gone:
-                doomed[loc.storage].extend(wire_uris(loc.wire))
+                doomed[loc.storage].extend(loc.uris())
                 delta = deltas[(group, instance, loc.type)]
                 delta[0] -= loc.nbytes
                 delta[1] -= 1

@@ -27,6 +27,7 @@ from kvcm.deleter import Deleter, schedule
 from kvcm.errors import InvalidArgument, NotFound
 from kvcm.index import DB as BLOCKS
 from kvcm.index import KEEP, MetaIndex, namespace
+from kvcm.locations import load as load_skeletons
 from kvcm.masks import BlockMask, check_mask, derive_keys, unmasked_indices
 from kvcm.proto.wire import Raw
 from kvcm.records import (
@@ -37,7 +38,6 @@ from kvcm.records import (
     check_value,
     decode,
     encode,
-    wire_uris,
 )
 from kvcm.registry import GROUP, INSTANCE, Registry
 from kvcm.selection import GroupView, InstanceView
@@ -102,6 +102,7 @@ class CacheManager:
         self.runs = runs
         self.index = MetaIndex(store, lock_shards, batch_size, cache_size, encode, decode, check_value,
                                tag=_run_of, drop_tag=_drop_run)
+        load_skeletons(store)  # before any record is read: their locations name skeletons
         self.usage_book = Usage()
         self.sessions = Sessions(clock, monotonic)
         self.inflight = self.sessions.inflight
@@ -146,7 +147,7 @@ class CacheManager:
         for chunk in self._all_chunks():
             for _, value in chunk:
                 for loc in decode(value).locs:
-                    by_storage[loc.storage].extend(wire_uris(loc.wire))
+                    by_storage[loc.storage].extend(loc.uris())
                     if loc.status == Status.WRITING and loc.session in owner:
                         inflight.setdefault(owner[loc.session], [0, 0])[1] += loc.nbytes
         self.inflight.reset(inflight)
@@ -343,7 +344,7 @@ class CacheManager:
         writing = 0
         for _key, value in items:
             for loc in decode(value).locs:
-                released[loc.storage].extend(wire_uris(loc.wire))
+                released[loc.storage].extend(loc.uris())
                 writing += loc.nbytes if loc.status == Status.WRITING else 0
                 deltas[(inst.group, inst.instance_id, loc.type)][0] -= loc.nbytes
                 deltas[(inst.group, inst.instance_id, loc.type)][1] -= 1
@@ -374,7 +375,7 @@ class CacheManager:
         for chunk in self._all_chunks():
             for dbkey, value in chunk:
                 for loc in decode(value).locs:
-                    if loc.storage == storage and loc.status != Status.DELETING and uris.intersection(wire_uris(loc.wire)):
+                    if loc.storage == storage and loc.status != Status.DELETING and uris.intersection(loc.uris()):
                         hits[dbkey[:8]][from_i64(dbkey[8:])].add(loc.id)
         owners = self.owners()
         marked = 0
@@ -414,7 +415,7 @@ class CacheManager:
             uris: list[str] = []
             for chunk in self._all_chunks():
                 for _, value in chunk:
-                    uris.extend(u for loc in decode(value).locs if loc.storage == name for u in wire_uris(loc.wire))
+                    uris.extend(u for loc in decode(value).locs if loc.storage == name for u in loc.uris())
             marked += self.mark_lost(name, backend.lost(uris), "scan")
         return marked
 

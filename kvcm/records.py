@@ -1,23 +1,30 @@
 """Block records: the value stored per (instance, block key) in the ``blocks`` database.
 
-A record is a compact msgpack *array* (decoded by msgspec into :class:`Record`), preceded by a
-read-path header so that ``get_cache_location`` can splice the wire bytes of the one serving
-location without decoding anything (splicing pre-packed bytes measured 2-5x cheaper than
-decoding and repacking them)::
+A record's locations are stored as *addresses* (:mod:`kvcm.locations`): a skeleton id plus the
+integers of its URIs, never the URIs as text. Times are integer milliseconds, stored as one
+absolute value and small deltas. The value (format 2)::
 
-    value := FAST  u16(len(wire)) wire  record      -- exactly one SERVING location
-           | SLOW  record                          -- anything else
+    value := ONE  u8(len(addr)) addr  body     -- exactly one SERVING location, addr < 256 B
+           | ANY  body                         -- anything else
+    body  := msgpack [parent, created_ms, updated_ms - created_ms, [loc], run]
+    loc   := [id, status, created_ms - record created_ms, written_ms - created_ms | nil,
+              session, addr]                                      -- compact address
+           | [..., addr, storage, type, nbytes]                   -- verbatim address (a wire)
 
-``wire`` is the pre-packed msgpack map a client receives for that location:
-``{"type", "spec_size", "location_specs": [{"name", "uri"}]}``. In a FAST value that location's
-``wire`` field in ``record`` is left empty and :func:`decode` puts the header's bytes back: the
-wire is most of a record, and storing it twice made records 1.7x bigger (more LMDB leaf and
-branch pages per commit, a bigger file).
+``storage``, ``type`` and ``nbytes`` of a compact address live in its skeleton. In a ONE value
+the serving location's ``addr`` in ``body`` is nil and :func:`decode` puts the header's back:
+a lookup finds the address without decoding anything and turns it into wire bytes through a
+cache (:func:`kvcm.locations.wire`). With two specs a serving record takes about 60 B
+(format 1 took about 300 B: the whole wire, float times, storage name and type per location).
+
+Format 1 (``FAST``/``SLOW``: the pre-packed wire in a header, float seconds) is still read;
+every write stores format 2, so a data dir converts record by record as blocks change.
 """
 
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any
@@ -26,9 +33,15 @@ import msgpack
 import msgspec
 
 from kvcm.backends.base import i64
+from kvcm.locations import BuiltCache, address, facts, set_wire_cache_bytes
+from kvcm.locations import pack_wire as pack_wire
+from kvcm.locations import uris as location_uris
+from kvcm.locations import wire as location_wire
 
-FAST = 1
-SLOW = 0
+SLOW = 0  # format 1, any record
+FAST = 1  # format 1, one serving location (its wire in a header)
+ANY = 3  # format 2, any record
+ONE = 2  # format 2, one serving location (its address in a header)
 _U16 = struct.Struct(">H")
 _packer = msgpack.Packer(use_bin_type=True)
 
@@ -46,7 +59,7 @@ STATUS_NAMES = {Status.NOT_FOUND: "not_found", Status.WRITING: "writing",
                 Status.SERVING: "serving", Status.DELETING: "deleting"}
 
 
-class Location(msgspec.Struct, array_like=True):
+class Location(msgspec.Struct):
     """One copy of a block on one storage."""
 
     id: str  # 8 chars, unique within the block
@@ -54,13 +67,21 @@ class Location(msgspec.Struct, array_like=True):
     storage: str  # storage name (URI host)
     type: str  # storage type, e.g. "file"
     nbytes: int  # sum of the spec sizes actually allocated
-    created: float  # wall clock, seconds
+    created: float  # wall clock, seconds (stored in ms)
     written: float  # wall clock when it became serving (0 while writing)
     session: str  # write session that created it ("" once finished)
-    wire: bytes  # pre-packed wire form (see module docstring)
+    addr: bytes  # compact address or verbatim wire (kvcm.locations)
+
+    @property
+    def wire(self) -> bytes:
+        """The client-facing location map."""
+        return location_wire(self.addr)
+
+    def uris(self) -> list[str]:
+        return location_uris(self.addr)
 
 
-class Record(msgspec.Struct, array_like=True):
+class Record(msgspec.Struct):
     """Everything kvcm knows about one block key of one instance."""
 
     parent: int | None  # previous key of the request that first created the block
@@ -70,52 +91,95 @@ class Record(msgspec.Struct, array_like=True):
     run: int | None = None  # first key of the run record that includes this block (see below)
 
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Record)
+def new_location(loc_id: str, status: int, storage: str, storage_type: str, specs: Sequence[tuple[str, str]],
+                 nbytes: int, created: float) -> Location:
+    """A location whose URIs are ``specs`` (``(spec name, uri)``), addressed compactly."""
+    addr = address(storage_type, storage, nbytes, specs)
+    return Location(loc_id, status, storage, storage_type, nbytes, created, 0.0, "", addr)
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
 
 
 def encode(record: Record) -> bytes:
-    """Header + record bytes (the header is derived, never stored twice by callers)."""
-    serving = [loc for loc in record.locs if loc.status == Status.SERVING]
-    if len(serving) != 1:
-        return bytes((SLOW,)) + _encoder.encode(record)
-    loc = serving[0]
-    wire = loc.wire
-    loc.wire = b""  # stored once, in the header
-    try:
-        body = _encoder.encode(record)
-    finally:
-        loc.wire = wire
-    return b"".join((bytes((FAST,)), _U16.pack(len(wire)), wire, body))
+    """Format 2 bytes of a record."""
+    base = round(record.created * 1000)
+    head = None
+    serving = 0
+    for loc in record.locs:
+        if loc.status == Status.SERVING:
+            serving += 1
+            head = loc
+    if serving != 1 or len(head.addr) > 255:  # type: ignore[union-attr]
+        head = None
+    items: list[list[Any]] = []
+    for loc in record.locs:
+        created = round(loc.created * 1000)
+        item = [loc.id, loc.status, created - base, round(loc.written * 1000) - created if loc.written else None,
+                loc.session, None if loc is head else loc.addr]
+        if loc.addr[0] >= 0x80:
+            item += (loc.storage, loc.type, loc.nbytes)
+        items.append(item)
+    body = _encode([record.parent, base, round(record.updated * 1000) - base, items, record.run])
+    if head is None:
+        return b"\x03" + body
+    return b"".join((bytes((ONE, len(head.addr))), head.addr, body))
 
 
 def decode(value: bytes) -> Record:
-    if value[0] != FAST:
-        return _decoder.decode(value[1:])
-    end = 3 + _U16.unpack_from(value, 1)[0]
-    record = _decoder.decode(value[end:])
-    for loc in record.locs:
-        if loc.status == Status.SERVING:
-            loc.wire = value[3:end]
-    return record
+    kind = value[0]
+    if kind == ONE:
+        end = 2 + value[1]
+        return _from_body(_decode(value[end:]), value[2:end])
+    if kind == ANY:
+        return _from_body(_decode(value[1:]), b"")
+    return _decode_v1(value)
+
+
+def _from_body(body: list[Any], head: bytes) -> Record:
+    parent, base, updated, items, run = body
+    locs = []
+    for item in items:
+        addr = item[5] or head
+        if len(item) > 6:
+            storage, storage_type, nbytes = item[6:9]
+        else:
+            storage, storage_type, nbytes = facts(addr)
+        created = base + item[2]
+        written = item[3]
+        locs.append(Location(item[0], item[1], storage, storage_type, nbytes, created / 1000,
+                             0.0 if written is None else (created + written) / 1000, item[4], addr))
+    return Record(parent, base / 1000, (base + updated) / 1000, locs, run)
+
+
+def _decode_v1(value: bytes) -> Record:
+    """Format 1: ``FAST u16(len(wire)) wire body | SLOW body``, ``body`` a msgpack array
+    ``[parent, created, updated, [[id, status, storage, type, nbytes, created, written, session,
+    wire]], run?]`` with float seconds; in a FAST value the serving location's wire is the
+    header's (its own is empty, or a copy in the oldest values)."""
+    head = None
+    if value[0] == FAST:
+        end = 3 + _U16.unpack_from(value, 1)[0]
+        head, body = value[3:end], _decode(value[end:])
+    else:
+        body = _decode(value[1:])
+    locs = []
+    for lid, status, storage, storage_type, nbytes, created, written, session, wire in body[3]:
+        if head is not None and status == Status.SERVING:
+            wire = head
+        locs.append(Location(lid, status, storage, storage_type, nbytes, float(created), float(written), session, wire))
+    return Record(body[0], float(body[1]), float(body[2]), locs, body[4] if len(body) > 4 else None)
 
 
 def fast_wire(value: bytes) -> bytes | None:
     """The wire bytes of the single serving location, or None (decode the record instead)."""
-    if value[0] != FAST:
-        return None
-    return value[3 : 3 + (value[1] << 8 | value[2])]
-
-
-def pack_wire(storage_type: str, specs: Sequence[tuple[str, str]]) -> bytes:
-    """The client-facing location map, packed once when the location is created."""
-    return bytes(_packer.pack(
-        {
-            "type": storage_type,
-            "spec_size": len(specs),
-            "location_specs": [{"name": name, "uri": uri} for name, uri in specs],
-        }
-    ))
+    kind = value[0]
+    if kind == ONE:
+        return location_wire(value[2 : 2 + value[1]])
+    if kind == FAST:
+        return value[3 : 3 + (value[1] << 8 | value[2])]
+    return None
 
 
 def unpack_wire(wire: bytes) -> dict[str, Any]:
@@ -144,9 +208,16 @@ def block_db_key(namespace: bytes, key: int) -> bytes:
     return namespace + i64(key)
 
 
+def is_current(value: bytes) -> bool:
+    """Written in the current format (older ones are read, never written)."""
+    return value[0] in (ONE, ANY)
+
+
 def check_value(value: bytes) -> None:
     """A stored block value's own invariants (``MetaIndex.check``)."""
     record = decode(value)
+    if is_current(value):
+        assert encode(record) == value, "value does not round-trip"
     assert record.locs, "record without locations"
     ids = [loc.id for loc in record.locs]
     assert len(ids) == len(set(ids)), f"duplicate location ids {ids}"
@@ -160,20 +231,33 @@ def check_value(value: bytes) -> None:
 # -- runs -----------------------------------------------------------------------------------------
 #
 # A *run* caches the reply of a prefix lookup: the keys one write session made serving, in order,
-# with the wire bytes of each, pre-concatenated. It lives in the ``access`` database under
+# with the wire bytes of each. It lives in the ``access`` database under
 # ``namespace + i64(first key)``; every member's record names it (``Record.run``), and any change
 # to a member deletes the run in the same transaction, so a run that exists is always exact.
-# A prefix_match then costs one get per run instead of one per block (one aggregated
-# record per prefix).
+# A prefix_match then costs one get per run instead of one per block.
 #
-#   value := u16 len(storage) storage u32 n  n x int64 key (big-endian)  (n+1) x u32 offset  body
+#   value := 0xFF u16 len(storage) storage u32 n  n x int64 key (big-endian)
+#            deflate((n+1) x u32 offset  body)
 #
-# Keys are plain big-endian int64 (:func:`pack_keys`, one C call for a whole request), so a
-# request compares bytewise with a run; ``body[:offset[m]]`` is the msgpack array body of the
-# first ``m`` locations.
+# ``body`` is the members' wires concatenated; raw-deflated with the offsets it takes a few bytes
+# per member (the wires differ in a few digits). ``body[:offset[m]]`` is the msgpack array body
+# of the first ``m`` locations.
+# Inflated bodies are cached (keyed by the run's db key, checked against the stored value, so
+# never stale). Keys are plain big-endian int64 (:func:`pack_keys`, one C call for a whole
+# request), so a request compares bytewise with a run. Format 1 (no 0xFF, the body not
+# deflated) is still read.
 
 RUNS_DB = "access"
+_RUN2 = 0xFF
 _U32 = struct.Struct(">I")
+_WBITS = -12  # raw deflate, 4 KiB window: a small state to set up per run
+bodies = BuiltCache(192 << 20)
+
+
+def set_cache_bytes(total: int) -> None:
+    """``cache.wire_cache_bytes``: a quarter for single wires, the rest for run bodies."""
+    set_wire_cache_bytes(total // 4)
+    bodies.resize(total - total // 4)
 
 
 def pack_keys(keys: Sequence[int]) -> bytes:
@@ -186,34 +270,58 @@ def encode_run(storage: str, keys: Sequence[int], wires: Sequence[bytes]) -> byt
     for wire in wires:
         total += len(wire)
         offsets.append(total)
-    return b"".join((_U16.pack(len(name)), name, _U32.pack(len(wires)), pack_keys(keys),
-                     struct.pack(f">{len(offsets)}I", *offsets), *wires))
+    deflate = zlib.compressobj(1, zlib.DEFLATED, _WBITS, 4)
+    body = deflate.compress(struct.pack(f">{len(offsets)}I", *offsets) + b"".join(wires)) + deflate.flush()
+    return b"".join((bytes((_RUN2,)), _U16.pack(len(name)), name, _U32.pack(len(wires)), pack_keys(keys), body))
 
 
-def run_match(value: bytes, request: bytes) -> tuple[str, int, bytes]:
+def _layout(value: bytes) -> tuple[str, int, int]:
+    """``(storage, n, position of the keys)`` of a run value of either format."""
+    start = 1 if value[0] == _RUN2 else 0
+    name_len = _U16.unpack_from(value, start)[0]
+    pos = start + 2 + name_len
+    return value[start + 2 : pos].decode(), _U32.unpack_from(value, pos)[0], pos + 4
+
+
+def _inflated(value: bytes, pos: int, key: bytes | None) -> bytes:
+    """Offsets + body of a format 2 run (``pos``: where its deflated part starts); cached under
+    ``key`` when one is given."""
+    if key is None:
+        return zlib.decompress(value[pos:], _WBITS)
+    hit = bodies.get(key)
+    if hit is not None and hit[0] == value:  # the same run, not an older one under that key
+        body: bytes = hit[1]
+        return body
+    body = zlib.decompress(value[pos:], _WBITS)
+    bodies.put(key, (value, body), len(value) + len(body) + BuiltCache.ENTRY)
+    return body
+
+
+def _offsets_and_body(value: bytes, n: int, pos: int, key: bytes | None) -> tuple[bytes, int]:
+    """``(bytes holding the offsets then the body, where the body starts)``; ``pos``: the end
+    of the keys."""
+    if value[0] != _RUN2:
+        return value, pos + 4 * (n + 1)  # format 1: offsets and body stored as they are
+    return _inflated(value, pos, key), 4 * (n + 1)
+
+
+def run_match(value: bytes, request: bytes, key: bytes | None = None) -> tuple[str, int, bytes]:
     """``(storage, m, body of the first m locations)`` where ``m`` is the number of leading
-    8-byte keys ``request`` shares with the run."""
-    name_len = _U16.unpack_from(value, 0)[0]
-    storage = value[2 : 2 + name_len].decode()
-    pos = 2 + name_len
-    n = _U32.unpack_from(value, pos)[0]
-    keys = value[pos + 4 : pos + 4 + 8 * n]
+    8-byte keys ``request`` shares with the run. ``key``: the run's db key (its cache slot)."""
+    storage, n, pos = _layout(value)
+    keys = value[pos : pos + 8 * n]
     m = min(n, len(request) // 8)
     if keys[: 8 * m] != request[: 8 * m]:
         m = next(i for i in range(m) if keys[8 * i : 8 * i + 8] != request[8 * i : 8 * i + 8])
-    offsets = pos + 4 + 8 * n
-    body = offsets + 4 * (n + 1)
-    end = _U32.unpack_from(value, offsets + 4 * m)[0]
-    return storage, m, value[body : body + end]
+    data, body = _offsets_and_body(value, n, pos + 8 * n, key)
+    end = _U32.unpack_from(data, body - 4 * (n + 1) + 4 * m)[0]
+    return storage, m, data[body : body + end]
 
 
 def run_members(value: bytes) -> tuple[str, list[int], list[bytes]]:
     """``(storage, keys, wires)`` of a run (checks and tools; not the hot path)."""
-    name_len = _U16.unpack_from(value, 0)[0]
-    pos = 2 + name_len
-    n = _U32.unpack_from(value, pos)[0]
-    keys = list(struct.unpack_from(f">{n}q", value, pos + 4))
-    offsets = struct.unpack_from(f">{n + 1}I", value, pos + 4 + 8 * n)
-    body = pos + 4 + 8 * n + 4 * (n + 1)
-    wires = [value[body + offsets[i] : body + offsets[i + 1]] for i in range(n)]
-    return value[2:pos].decode(), keys, wires
+    storage, n, pos = _layout(value)
+    keys = list(struct.unpack_from(f">{n}q", value, pos))
+    data, body = _offsets_and_body(value, n, pos + 8 * n, None)
+    offsets = struct.unpack_from(f">{n + 1}I", data, body - 4 * (n + 1))
+    return storage, keys, [data[body + offsets[i] : body + offsets[i + 1]] for i in range(n)]

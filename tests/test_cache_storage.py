@@ -218,15 +218,15 @@ def test_full_map_that_can_grow_fails_no_request(tmp_path):
     """A request too big for the map's headroom while the map is under its growth threshold:
     the map grows and the batch runs again, instead of failing with CAPACITY_EXHAUSTED."""
     # One request of 3000 keys is more than the default per-request budget allows: raised here.
-    overrides = {**FAST, "store": {"map_size": 1 << 20, "map_size_max": 256 << 20},
+    overrides = {**FAST, "store": {"map_size": 1 << 18, "map_size_max": 256 << 20},
                  "server": {"turn_budget_ms": 60_000}}
     with serve_in_thread(overrides=overrides) as srv, srv.client() as c:
         add_file_storage(c, "disk", tmp_path / "disk")
         add_group(c, "g", ["disk"])
         register(c, "a", group="g")
-        session = start(c, list(range(1, 3001)), "a")  # about 1.3 MB of records
+        session = start(c, list(range(1, 3001)), "a")  # about 400 kB of records
         assert len(session["locations"]) == 3000
-        assert srv.app.store.stats()["map_size"] == 2 << 20
+        assert srv.app.store.stats()["map_size"] == 2 << 18
         assert srv.app.storages.get("disk").usage()["slots_used"] == 3000 * 2  # no leftovers of the failed run
         finish(c, session, instance="a")
         assert len(locate(c, list(range(1, 3001)), instance="a")) == 3000

@@ -11,12 +11,12 @@ ROOT = pathlib.Path(kvcm.__file__).parent
 
 # Lowest first. A module may import from its own layer or any layer below, never above.
 LAYERS: list[tuple[str, ...]] = [
-    ("kvcm.errors", "kvcm.blockkeys", "kvcm.proto", "kvcm.metrics", "kvcm.threads", "kvcm.config"),
+    ("kvcm.errors", "kvcm.blockkeys", "kvcm.proto", "kvcm.metrics", "kvcm.threads", "kvcm.config", "kvcm.uricodec"),
     ("kvcm.backends",),
     ("kvcm.locks", "kvcm.model", "kvcm.policies"),
     ("kvcm.index", "kvcm.registry"),
     ("kvcm.manager", "kvcm.masks", "kvcm.sessions", "kvcm.deleter", "kvcm.selection", "kvcm.usage",
-     "kvcm.records", "kvcm.cache"),
+     "kvcm.records", "kvcm.locations", "kvcm.cache"),
     ("kvcm.reclaimer", "kvcm.engines"),
     ("kvcm.dispatch", "kvcm.auth", "kvcm.api"),
     ("kvcm.server", "kvcm.client", "kvcm.http"),

@@ -46,6 +46,7 @@ DATABASES: tuple[str, ...] = (
     "accounts",  # user name -> record
     "tokens",  # API token id -> record (the token's digest, never the token)
     "blocks",  # (instance, block key) -> block record with its locations
+    "skeletons",  # location skeleton id -> skeleton (what block records' locations share)
     "sessions",  # write session id -> session record
     "deletes",  # pending asynchronous deletes
     "usage",  # usage counters per group / storage / instance

@@ -3,6 +3,7 @@
 * usage persisted in the store == usage recounted from the block records == usage in memory;
 * no ``writing`` copy outlives its write session;
 * every run is exact: each member names it and has exactly that one serving copy;
+* every location skeleton a record names is stored (:mod:`kvcm.locations`);
 * the index's own invariants (:meth:`kvcm.index.MetaIndex.check`);
 * every storage agrees with the metadata, both ways (:func:`check_storages`).
 """
@@ -17,7 +18,8 @@ from typing import TYPE_CHECKING
 from kvcm.backends.base import from_i64, i64
 from kvcm.backends.storage_base import Inventory
 from kvcm.index import DB as BLOCKS
-from kvcm.records import RUNS_DB, STATUS_NAMES, Status, decode, run_members, wire_uris
+from kvcm.locations import check as check_skeletons
+from kvcm.records import RUNS_DB, STATUS_NAMES, Status, decode, run_members
 from kvcm.usage import Key, Usage, tally
 
 if TYPE_CHECKING:
@@ -44,10 +46,14 @@ def check(m: CacheManager) -> None:
     assert counted == persisted, f"usage {persisted} != recount {counted}"
     assert persisted == m.usage_book.snapshot(), "in-memory usage differs from the store"
     for chunk in m.all_chunks():
+        addrs = []
         for dbkey, value in chunk:
             for loc in decode(value).locs:
+                addrs.append(loc.addr)
                 if loc.status == Status.WRITING:
                     assert loc.session in live, f"writing copy of {from_i64(dbkey[8:])} outlived its session"
+        with m.store.read() as view:
+            check_skeletons(view, addrs)
     check_runs(m)
     check_storages(m)
 
@@ -97,7 +103,7 @@ def recorded_by_storage(m: CacheManager) -> dict[str, Recorded]:
             for loc in decode(value).locs:
                 rec = out.get(loc.storage) or out.setdefault(loc.storage, Recorded())
                 rec.nbytes += loc.nbytes
-                for uri in wire_uris(loc.wire):
+                for uri in loc.uris():
                     rec.uris[uri] += 1
                     if uri not in rec.first:
                         rec.first[uri] = (instance, from_i64(dbkey[8:]), loc.status)

@@ -7,6 +7,10 @@ the pre-packed wire bytes stored in each record (:mod:`kvcm.records`), never dec
 repacked on the fast path; a ``prefix_match`` first tries *runs* (the pre-concatenated reply
 of blocks one session wrote together), which cost one read per run instead of one per block.
 
+Records hold compact location addresses (:mod:`kvcm.locations`); their wire bytes come from a
+bounded cache of built wires, and run bodies are inflated once and cached
+(``cache.wire_cache_bytes``).
+
 Mask rules (every query type honours the mask, unlike Tair KVCM):
 
 * ``prefix_match`` drops masked keys and walks the rest in order (Tair's compaction);
@@ -25,6 +29,8 @@ import msgpack
 
 from kvcm.errors import InvalidArgument
 from kvcm.index import Snapshot
+from kvcm.locations import wire as wire_of
+from kvcm.locations import wires as wire_cache
 from kvcm.masks import (
     BlockMask,
     check_mask,
@@ -35,6 +41,7 @@ from kvcm.masks import (
 from kvcm.proto.wire import Raw, pack_array_raw
 from kvcm.records import (
     FAST,
+    ONE,
     RUNS_DB,
     STATUS_NAMES,
     Location,
@@ -60,8 +67,12 @@ DETAIL_LEVELS = (0, 1, 2)
 
 def visible(value: bytes, unusable: frozenset[str], rank: Callable[[str], int]) -> bytes | None:
     """Wire bytes of the copy a reader should use, or None."""
-    if value[0] == FAST and not unusable:
-        return value[3 : 3 + (value[1] << 8 | value[2])]
+    if not unusable:
+        kind = value[0]
+        if kind == ONE:
+            return wire_of(value[2 : 2 + value[1]])
+        if kind == FAST:
+            return value[3 : 3 + (value[1] << 8 | value[2])]
     best: Location | None = None
     for loc in decode(value).locs:
         usable = loc.status == Status.SERVING and loc.storage not in unusable
@@ -132,10 +143,11 @@ def _runs(view: Any, ns: bytes, wanted: list[int], unusable: frozenset[str], par
     packed = pack_keys(wanted)
     done = 0
     while done < len(wanted):
-        value = view.get(RUNS_DB, ns + _U64.pack(wanted[done] + _SIGN))
+        key = ns + _U64.pack(wanted[done] + _SIGN)
+        value = view.get(RUNS_DB, key)
         if value is None:
             break
-        storage, matched, body = run_match(value, packed[8 * done :])
+        storage, matched, body = run_match(value, packed[8 * done :], key)
         if storage in unusable:
             break
         parts.append(body)
@@ -151,10 +163,10 @@ def _blocks(m: CacheManager, snap: Any, inst: InstanceView, wanted: list[int], u
         return []
     values = m.index.get_values(snap, inst.ns, wanted, stop_at_missing=True)
     if not unusable:
-        # The common case, inlined: every block has exactly one serving copy (records.FAST).
-        fast = [v[3 : 3 + (v[1] << 8 | v[2])] if v[0] == FAST else None for v in values]  # type: ignore[index]
-        if None not in fast:
-            return fast  # type: ignore[return-value]
+        # The common case, inlined: every block has exactly one serving copy (records.ONE).
+        fast = _fast_wires(values)  # type: ignore[arg-type]
+        if fast is not None:
+            return fast
     wires: list[bytes] = []
     for value in values:
         wire = visible(value, unusable, rank)  # type: ignore[arg-type]
@@ -162,6 +174,24 @@ def _blocks(m: CacheManager, snap: Any, inst: InstanceView, wanted: list[int], u
             break
         wires.append(wire)
     return wires
+
+
+def _fast_wires(values: list[bytes]) -> list[bytes] | None:
+    """Wires of values that each hold one serving copy in their header, or None."""
+    young = wire_cache.young()  # hits in the young generation inline; the rest via wire_of
+    out: list[bytes] = []
+    append = out.append
+    for v in values:
+        kind = v[0]
+        if kind == ONE:
+            addr = v[2 : 2 + v[1]]
+            entry = young.get(addr)
+            append(entry[0] if entry is not None else wire_of(addr))
+        elif kind == FAST:
+            append(v[3 : 3 + (v[1] << 8 | v[2])])
+        else:
+            return None
+    return out
 
 
 def _usable(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMask | None) -> list[bytes | None]:

@@ -31,9 +31,10 @@ from kvcm.backends.base import WriteTxn, i64
 from kvcm.deleter import schedule
 from kvcm.errors import CapacityError, Code, InvalidArgument, NotFound
 from kvcm.index import KEEP
+from kvcm.locations import address, addresses, pack_wire, persist, remember
 from kvcm.masks import BlockMask, derive_keys, success_flags, write_mask
 from kvcm.proto.wire import Raw, pack_array_raw, pack_map_raw
-from kvcm.records import RUNS_DB, Location, Record, Status, encode_run, pack_wire
+from kvcm.records import RUNS_DB, Location, Record, Status, encode_run
 from kvcm.selection import InstanceView, Target, write_targets
 from kvcm.sessions import Session, new_session_id, random_id
 from kvcm.usage import Usage
@@ -190,13 +191,16 @@ def _record_new(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[i
     # Records name their session and the session names their location ids: take the id first.
     sid = new_session_id()
     new_keys = [keys[i] for i in new]
+    addrs = _addresses(target, [specs[i] for i in new], uris)
     wires, locs = [], []
     for j, i in enumerate(new):
         block_specs = specs[i]
         wire = pack_wire(target.type, [(name, uri) for (name, _), uri in zip(block_specs, uris[j])])
         wires.append(wire)
+        remember(addrs[j], wire)  # the finish and the first lookups need it again
         locs.append(Location("", Status.WRITING, target.storage, target.type, sum(s for _, s in block_specs),
-                             now, 0.0, "", wire))
+                             now, 0.0, "", addrs[j]))
+    persist(txn, m.store, addrs)
 
     def add(j: int, key: int, record: Record | None) -> Record:
         loc = locs[j]
@@ -221,6 +225,17 @@ def _record_new(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[i
     m.inflight.hold(txn, inst.instance_id, 0, nbytes)
     session = m.sessions.create(txn, inst.instance_id, inst.group, new_keys, [x.id for x in locs], timeout, sid=sid)
     return session, wires
+
+
+def _addresses(target: Target, specs: list[tuple[tuple[str, int], ...]], uris: list[list[str]]) -> list[bytes]:
+    """Compact addresses of new locations (:mod:`kvcm.locations`), in one batch when every
+    block has the same specs (the usual request)."""
+    if specs and all(s == specs[0] for s in specs):
+        names = [name for name, _ in specs[0]]
+        return addresses(target.type, target.storage, sum(s for _, s in specs[0]), names, uris)
+    return [address(target.type, target.storage, sum(s for _, s in block_specs),
+                              [(name, uri) for (name, _), uri in zip(block_specs, block_uris)])
+            for block_specs, block_uris in zip(specs, uris)]
 
 
 def _reply(session_id: str, mask: dict[str, Any], wires: list[bytes]) -> Raw:
