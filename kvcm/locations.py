@@ -35,6 +35,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from functools import lru_cache, partial
+from operator import add
 from typing import Any, NamedTuple
 
 import msgpack
@@ -166,7 +167,9 @@ def address(storage_type: str, storage: str, nbytes: int, specs: Sequence[tuple[
         _last[context] = sid
     deltas = [v - r for v, r in zip(ints, _by_id[sid].ref)]
     if deltas and min(deltas) < -_HALF:
-        deltas = [((d + _HALF) & _MASK) - _HALF for d in deltas]  # uris() adds back mod 2**64
+        # msgpack holds no int below -2**63: rare enough to store the wire itself, which keeps
+        # every compact address's sums in range (so building a wire needs no range check).
+        return pack_wire(storage_type, specs)
     return sid.to_bytes(4, "big") + bytes(_packer.pack(deltas))
 
 
@@ -185,8 +188,8 @@ def addresses(storage_type: str, storage: str, nbytes: int, names: Sequence[str]
         return [address(storage_type, storage, nbytes, list(zip(names, u))) for u in uri_lists]
     per = len(skeleton.ref)
     deltas = list(map(int.__sub__, ints, skeleton.ref * len(uri_lists)))
-    if min(deltas) < -_HALF:
-        deltas = [((d + _HALF) & _MASK) - _HALF for d in deltas]
+    if min(deltas) < -_HALF:  # some location needs its wire stored as is (see address)
+        return [address(storage_type, storage, nbytes, list(zip(names, u))) for u in uri_lists]
     head, pack = sid.to_bytes(4, "big"), _packer.pack
     return [head + bytes(pack(deltas[i : i + per])) for i in range(0, len(deltas), per)]
 
@@ -322,22 +325,60 @@ def _wire_pieces(skeleton: Skeleton) -> tuple[bytes, ...]:
     return pieces if len(pieces) == len(skeleton.names) + 1 else ()  # (): a name holds the marker
 
 
+class _Builder(NamedTuple):
+    """What building one skeleton's wire needs, prepared once: the constant pieces around the
+    URIs, each URI's skeleton as a *bytes* format with the slice of ints it takes, and the
+    reference ints. Building is then one unpack, one add, and one ``%`` per URI, at C speed."""
+
+    pieces: tuple[bytes, ...]
+    fmts: tuple[tuple[bytes, int, int], ...]
+    ref: tuple[int, ...]
+
+
+_builders: dict[bytes, _Builder | None] = {}  # addr[:4] -> builder (None: build the slow way)
+_HEADERS = [_str_header(n) for n in range(256)]
+
+
+def _builder(head: bytes) -> _Builder | None:
+    found = _builders.get(head, False)
+    if found is not False:
+        return found  # type: ignore[return-value]
+    skeleton = skeleton_of(head)
+    pieces = _wire_pieces(skeleton)
+    built: _Builder | None = None
+    if pieces and all(fmt.isascii() for fmt in skeleton.fmts):
+        fmts, pos = [], 0
+        for fmt, n in zip(skeleton.fmts, skeleton.counts):
+            fmts.append((fmt.encode(), pos, pos + n))
+            pos += n
+        built = _Builder(pieces, tuple(fmts), skeleton.ref)
+    _builders[head] = built
+    return built
+
+
+def _build(addr: bytes) -> bytes:
+    head = addr[:4]
+    builder = _builder(head)
+    if builder is None:
+        skeleton = skeleton_of(head)
+        return pack_wire(skeleton.type, list(zip(skeleton.names, _uris(skeleton, addr))))
+    ints = list(map(add, builder.ref, msgpack.unpackb(addr[4:])))  # in range: see address()
+    pieces = builder.pieces
+    parts = [pieces[0]]
+    for i, (fmt, lo, hi) in enumerate(builder.fmts):
+        raw = fmt % tuple(ints[lo:hi])
+        n = len(raw)
+        parts += (_HEADERS[n] if n < 256 else _str_header(n), raw, pieces[i + 1])
+    return b"".join(parts)
+
+
 def wire(addr: bytes) -> bytes:
     """The wire form of a location, from the cache when it was built before."""
     if addr[0] >= 0x80:
         return addr
     built: bytes | None = wires.get(addr)
     if built is None:
-        skeleton = skeleton_of(addr)
-        pieces = _wire_pieces(skeleton)
-        if not pieces:
-            built = pack_wire(skeleton.type, list(zip(skeleton.names, _uris(skeleton, addr))))
-        else:
-            parts = [pieces[0]]
-            for uri, piece in zip(_uris(skeleton, addr), pieces[1:]):
-                raw = uri.encode()
-                parts += (_str_header(len(raw)), raw, piece)
-            built = b"".join(parts)
+        built = _build(addr)
         wires.put(addr, built, len(addr) + len(built) + BuiltCache.ENTRY)
     return built
 

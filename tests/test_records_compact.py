@@ -79,7 +79,9 @@ def test_deltas_wrap_modulo_2_64(x, y):
     first = [("tp0", f"mc://m/?key={x:016x}{y:016x}")]
     address("mooncake", "m", 1, first)
     other = [("tp0", f"mc://m/?key={y:016x}{x:016x}")]
-    assert uris(address("mooncake", "m", 1, other)) == [other[0][1]]
+    addr = address("mooncake", "m", 1, other)
+    assert uris(addr) == [other[0][1]]
+    assert wire(addr) == pack_wire("mooncake", other)  # a delta below -2**63 keeps the wire itself
 
 
 def test_matcher_refuses_what_it_could_not_write_back():
