@@ -66,6 +66,7 @@ class LostCounter:
         if self._metric is not None:
             self._metric.labels(source=source).inc(n)
 
+
 TRIM_STRATEGIES = ("remove_all_cache", "remove_all_meta", "timestamp")
 
 
