@@ -159,7 +159,7 @@ class CacheManager:
             try:
                 backend.reserve(by_storage.get(name, []))
                 if getattr(backend, "damaged", lambda: False)():
-                    self.mark_lost(name, backend.lost(by_storage.get(name, [])), "startup")
+                    self.mark_lost(name, backend.lost, "startup")
                 removed = backend.sweep()
                 if removed:
                     log.info("storage %r: removed %d container(s) no block refers to", name, removed)
@@ -365,18 +365,16 @@ class CacheManager:
 
     # -- lost blocks ------------------------------------------------------------------------------
 
-    def mark_lost(self, storage: str, uris: set[str], source: str) -> int:
-        """Every copy on ``storage`` naming one of ``uris`` (whose bytes are gone) becomes
+    def mark_lost(self, storage: str, lost: Callable[[list[str]], set[str]], source: str) -> int:
+        """Every copy on ``storage`` with a URI ``lost(uris)`` names (its bytes are gone) becomes
         ``deleting`` at once: no query returns it again, its key is writable again, and the
-        deleter releases its slots and usage. Reads every record (rare: only when a storage
-        reports damage). Returns the copies marked, counted in ``kvcm_blocks_lost_total``."""
-        if not uris:
-            return 0
+        deleter releases its slots and usage. One pass over every record (rare: only when a
+        storage reports damage). Returns the copies marked, counted in ``kvcm_blocks_lost_total``."""
         hits: dict[bytes, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
         for chunk in self._all_chunks():
             for dbkey, value in chunk:
                 for loc in decode(value).locs:
-                    if loc.storage == storage and loc.status != Status.DELETING and uris.intersection(loc.uris()):
+                    if loc.storage == storage and loc.status != Status.DELETING and lost(loc.uris()):
                         hits[dbkey[:8]][from_i64(dbkey[8:])].add(loc.id)
         owners = self.owners()
         marked = 0
@@ -413,11 +411,7 @@ class CacheManager:
             backend = self.pool.get(name)
             if backend is None or not hasattr(backend, "rescan") or not backend.rescan():
                 continue
-            uris: list[str] = []
-            for chunk in self._all_chunks():
-                for _, value in chunk:
-                    uris.extend(u for loc in decode(value).locs if loc.storage == name for u in loc.uris())
-            marked += self.mark_lost(name, backend.lost(uris), "scan")
+            marked += self.mark_lost(name, backend.lost, "scan")
         return marked
 
     # -- background (deleter thread) ------------------------------------------------------------
