@@ -5,8 +5,6 @@ The public API is small on purpose: the client, the config, and the error types.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from kvcm.client import Client
 from kvcm.config import Config, ConfigError
 from kvcm.errors import (
@@ -20,6 +18,7 @@ from kvcm.errors import (
     ServerError,
     Unavailable,
 )
+from kvcm.version import __version__
 
 __all__ = [
     "AccessDenied",

@@ -18,17 +18,17 @@ from typing import Any
 import lmdb
 import msgspec
 
-from kvcm import __version__
-from kvcm.backends import LmdbStore, MemoryStore, MetaStore
-from kvcm.backends.ownership import leftovers
 from kvcm.config import Config
-from kvcm.dispatch import Dispatcher, Limits, Method
 from kvcm.errors import StartRefused
-from kvcm.http import SideHttp
 from kvcm.metrics import Metrics
-from kvcm.proto.curve import CurveServer
-from kvcm.server import Server, Timer
+from kvcm.rpc.curve import CurveServer
+from kvcm.rpc.dispatch import Dispatcher, Limits, Method
+from kvcm.rpc.http import SideHttp
+from kvcm.rpc.server import Server, Timer
+from kvcm.storage.ownership import leftovers
+from kvcm.store import LmdbStore, MemoryStore, MetaStore
 from kvcm.threads import LoopThread
+from kvcm.version import __version__
 
 log = logging.getLogger("kvcm.app")
 
@@ -155,7 +155,7 @@ class App:
             return None
         from prometheus_client import Counter
 
-        from kvcm.proto.curve import load_keypair
+        from kvcm.rpc.curve import load_keypair
 
         rejected = Counter("kvcm_curve_rejected_clients", "CURVE connection attempts refused by client key",
                            registry=self.metrics.registry)
@@ -167,11 +167,11 @@ class App:
 
     def _build_services(self) -> list[Method]:
         """Every service of the process; returns the RPC method table."""
-        from kvcm.api import auth as auth_api
-        from kvcm.api import registry as registry_api
+        from kvcm.api import control as registry_api
         from kvcm.api import system as system_api
-        from kvcm.auth import Authenticator
-        from kvcm.registry import Registry
+        from kvcm.api import tokens as auth_api
+        from kvcm.control.registry import Registry
+        from kvcm.rpc.auth import Authenticator
 
         data_dir = None if self.store.path is None else os.path.abspath(self.config.store.data_dir)
         self.registry = Registry(self.store, data_dir, self.config.storage.allowed_roots)
@@ -189,8 +189,8 @@ class App:
 
     def _build_storage_events(self) -> None:
         """kvcm's own storage-tier events: vLLM-format publisher and JSON-lines event log."""
-        from kvcm.engines.bridge import StorageEvents
-        from kvcm.engines.publisher import EventPublisher
+        from kvcm.publish.bridge import StorageEvents
+        from kvcm.publish.publisher import EventPublisher
 
         cfg = self.config.publisher
         if cfg.enabled:
@@ -208,7 +208,7 @@ class App:
         return {"context": self.curve.context, "socket_setup": self.curve.setup}
 
     def _build_engines(self, data_dir: str | None) -> list[Method]:
-        """The engine tier (issue 5): event subscriber, engine index, kvcm's own publisher."""
+        """The engine tier: event subscriber, engine index, kvcm's own publisher."""
         from kvcm.api import engines as engines_api
         from kvcm.engines.service import EngineService
         from kvcm.engines.sources import SubscriberSettings
@@ -231,16 +231,16 @@ class App:
         return engines_api.methods(self.engines, self.authorize)
 
     def _build_cache(self, data_dir: str | None) -> list[Method]:
-        """The data plane (issue 3): storages, block index, write sessions, deleter, health."""
-        from kvcm.api import cache as cache_api
-        from kvcm.backends.storages import StorageHealth
+        """The data plane: storages, block index, write sessions, deleter, health."""
+        from kvcm.api import data as cache_api
+        from kvcm.cache.blocks import set_cache_bytes as set_wire_cache_bytes
+        from kvcm.cache.manager import CacheManager
         from kvcm.cache.storage_pool import StoragePool
-        from kvcm.manager import CacheManager
-        from kvcm.records import set_cache_bytes as set_wire_cache_bytes
+        from kvcm.storage.backends import StorageHealth
 
         cfg = self.config.cache
         if self.config.publisher.event_log:
-            from kvcm.engines.eventlog import EventLog
+            from kvcm.publish.eventlog import EventLog
 
             self.event_log = EventLog(self.config.publisher.event_log)
         self.storages = StoragePool(self.registry, data_dir, orphans=self.orphans)
@@ -257,10 +257,10 @@ class App:
         self.threads.append(LoopThread("deleter", self.cache.background_once, cfg.delete_poll_ms / 1000.0))
         health = StorageHealth(self.storages.backends, self.registry.set_storage_available)
         self.threads.append(LoopThread("storage-health", health.run_once, cfg.storage_health_interval_s))
-        return cache_api.methods(self.cache, self.engines, self.event_log)
+        return cache_api.methods(self.cache, self.engines)
 
     def _build_reclaimer(self) -> None:
-        """Capacity management (issue 4): the reclaimer thread, fed by the cache manager's hooks."""
+        """Capacity management: the reclaimer thread, fed by the cache manager's hooks."""
         from kvcm.reclaimer import Reclaimer, duty_pacer, limits_from_registry
 
         cfg = self.config.reclaim

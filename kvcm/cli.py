@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _plugin_parsers(sub: Any) -> None:
     """Subcommands owned by other packages (optimizer, engine events, CURVE keys)."""
     for module_name, adder in (("kvcm.optimizer.cli", "add_optimize_parser"), ("kvcm.engines.cli", "add_events_parser"),
-                               ("kvcm.keys_cli", "add_keys_parser")):
+                               ("kvcm.rpc.keygen", "add_keys_parser")):
         try:
             module = __import__(module_name, fromlist=[adder])
         except ImportError:
@@ -86,7 +86,7 @@ def _plugin_parsers(sub: Any) -> None:
 
 
 def _version() -> str:
-    from kvcm import __version__
+    from kvcm.version import __version__
 
     return __version__
 

@@ -28,8 +28,8 @@ from typing import Any
 import zmq
 
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, Unavailable, error_from_wire
-from kvcm.proto import wire
-from kvcm.proto.curve import KeyPair, apply_client, client_keypair, load_public_key
+from kvcm.rpc import wire
+from kvcm.rpc.curve import KeyPair, apply_client, client_keypair, load_public_key
 
 CurveClientKeys = str | os.PathLike[str] | tuple[str | bytes, str | bytes] | KeyPair
 

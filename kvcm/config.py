@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm.proto.schema import KEYS_CEILING, TOKENS_CEILING
+from kvcm.schema import KEYS_CEILING, TOKENS_CEILING
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -372,7 +372,7 @@ def _check_curve(config: Config) -> None:
             raise ConfigError("publisher.curve uses the server's keys: set server.curve_secret_key_file")
         return
     from kvcm.errors import InvalidArgument
-    from kvcm.proto.curve import allowed_keys, load_keypair
+    from kvcm.rpc.curve import allowed_keys, load_keypair
 
     try:
         load_keypair(server.curve_secret_key_file)

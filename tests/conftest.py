@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kvcm.backends import LmdbStore, MemoryStore
+from kvcm.store import LmdbStore, MemoryStore
 
 TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvcm.blockkeys import mix
+from kvcm.cache.keys import mix
 from kvcm.optimizer.radix import RadixTree
 
 ACTIONS: list[tuple[int, Callable[[State], None]]] = []

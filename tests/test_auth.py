@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from kvcm import model
-from kvcm.api import registry as registry_api
-from kvcm.auth import Authenticator
+from kvcm.api import control as registry_api
 from kvcm.client import Client
 from kvcm.config import AuthConfig, ConfigError
-from kvcm.dispatch import Deferred, Dispatcher, Method
+from kvcm.control import records as model
+from kvcm.control.registry import Registry
 from kvcm.errors import AccessDenied, Code, Conflict, InvalidArgument, KvcmError, Unavailable
-from kvcm.proto import wire
-from kvcm.proto.schema import Credentials, RequestBase
-from kvcm.registry import Registry
+from kvcm.rpc import wire
+from kvcm.rpc.auth import Authenticator
+from kvcm.rpc.dispatch import Deferred, Dispatcher, Method
+from kvcm.schema import Credentials, RequestBase
 from kvcm.testing import serve_in_thread
 
 ADMIN_PW = "b00tstrap-Admin-pw"
@@ -76,7 +76,7 @@ def scrypt_runs(monkeypatch):
         runs.append(threading.current_thread().name)
         return real(password, encoded)
 
-    monkeypatch.setattr("kvcm.auth.verify_password", counting)
+    monkeypatch.setattr("kvcm.rpc.auth.verify_password", counting)
     return runs
 
 
@@ -90,7 +90,7 @@ def gate(monkeypatch):
         event.wait(10)
         return real(password, encoded)
 
-    monkeypatch.setattr("kvcm.auth.verify_password", held)
+    monkeypatch.setattr("kvcm.rpc.auth.verify_password", held)
     yield event
     event.set()
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcm.backends import DataDirLocked, LmdbStore, from_i64, i64, u64
-from kvcm.backends.base import MAX_KEY
 from kvcm.errors import CapacityError, Code, InvalidArgument
+from kvcm.store import DataDirLocked, LmdbStore, from_i64, i64, u64
+from kvcm.store.base import MAX_KEY
 
 
 def test_put_get_delete(store):
@@ -168,13 +168,13 @@ def test_write_join_reuses_the_open_block(store):
 
 def test_drop_and_sample(store):
     with store.write() as txn:
-        txn.put_many("access", [(u64(i), b"v") for i in range(100)])
-    picked = store.sample("access", 10)
+        txn.put_many("runs", [(u64(i), b"v") for i in range(100)])
+    picked = store.sample("runs", 10)
     assert len(picked) == 10 and len({k for k, _ in picked}) == 10
     with store.write() as txn:
-        txn.drop("access")
+        txn.drop("runs")
     with store.read() as view:
-        assert view.count("access") == 0
+        assert view.count("runs") == 0
 
 
 def test_lmdb_second_process_lock_refused(tmp_path):
@@ -300,3 +300,26 @@ def test_lmdb_survives_reopen(tmp_path):
     with s.read() as view:
         assert view.get("instances", b"i1") == b"rec"
     s.close()
+
+
+def test_lmdb_moves_the_runs_table_out_of_its_old_name(tmp_path):
+    """A data dir written when the runs table was named ``access`` (and an ``engine_hashes``
+    database existed) opens with its runs in ``runs`` and the old names gone."""
+    import lmdb
+
+    env = lmdb.open(str(tmp_path / "meta"), max_dbs=32, subdir=True)
+    with env.begin(write=True) as txn:
+        txn.put(b"run-key", b"run-value", db=env.open_db(b"access", txn=txn))
+        env.open_db(b"engine_hashes", txn=txn)
+    env.close()
+    store = LmdbStore(str(tmp_path))
+    try:
+        with store.read() as view:
+            assert view.get("runs", b"run-key") == b"run-value"
+    finally:
+        store.close()
+    env = lmdb.open(str(tmp_path / "meta"), max_dbs=32, subdir=True, readonly=True)
+    with env.begin() as txn:
+        names = {bytes(k) for k, _ in txn.cursor()}
+    env.close()
+    assert b"runs" in names and b"access" not in names and b"engine_hashes" not in names

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcm.blockkeys import ChainHasher, mix, token_ids_to_block_keys
+from kvcm.cache.keys import ChainHasher, mix, token_ids_to_block_keys
 
 INT64 = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
 

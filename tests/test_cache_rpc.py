@@ -20,7 +20,8 @@ from cache_helpers import (
     write,
 )
 
-from kvcm.blockkeys import token_ids_to_block_keys
+from kvcm.cache.keys import token_ids_to_block_keys
+from kvcm.cache.listeners import CacheListener
 from kvcm.testing import serve_in_thread
 
 _ids = itertools.count()
@@ -222,7 +223,7 @@ def test_concurrent_writers_in_one_group_commit(server, inst):
     """Two clients' start_write of the same key drained in one wake-up: one allocation."""
     import zmq
 
-    from kvcm.proto import wire
+    from kvcm.rpc import wire
 
     ctx = zmq.Context.instance()
     socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
@@ -395,7 +396,7 @@ def test_trim_validation(c, inst):
 
 def _runs(server):
     with server.app.store.read() as view:
-        return view.count("access")
+        return view.count("runs")
 
 
 def test_runs_answer_prefixes_and_follow_every_change(c, inst, server):
@@ -446,7 +447,7 @@ def test_kvcm_call_covers_the_data_plane(server, inst, capsys):
 # -- hooks for the reclaimer and the event publisher --------------------------------------------------
 
 
-class Recorder:
+class Recorder(CacheListener):
     def __init__(self):
         self.calls = []
 
@@ -464,6 +465,39 @@ class Recorder:
 
     def on_cleared(self, instance_id):
         self.calls.append(("cleared", instance_id))
+
+
+class Broken(CacheListener):
+    def on_read(self, instance_id, keys, now):
+        raise RuntimeError("a listener bug")
+
+    def on_stored(self, instance_id, keys, parent, token_ids):
+        raise RuntimeError("a listener bug")
+
+
+def test_a_failing_listener_fails_neither_the_request_nor_other_listeners(c, inst, server):
+    cache = server.app.cache
+    broken, rec = Broken(), Recorder()
+    cache.add_listener(broken)
+    cache.add_listener(rec)
+    try:
+        write(c, [11, 12], inst)
+        assert len(locate(c, [11, 12], instance=inst)) == 2
+        assert ("stored", inst, (11, 12), None) in rec.calls
+        assert ("read", inst, (11, 12)) in rec.calls
+    finally:
+        cache.remove_listener(broken)
+        cache.remove_listener(rec)
+    _check(server)
+
+
+def test_only_typed_listeners_are_accepted(server):
+    class Untyped:
+        def on_read(self, instance_id, keys, now):
+            pass
+
+    with pytest.raises(TypeError, match="Untyped is not a CacheListener"):
+        server.app.cache.add_listener(Untyped())
 
 
 def test_listeners_and_reclaimer_hooks(c, inst, server):
@@ -488,5 +522,5 @@ def test_listeners_and_reclaimer_hooks(c, inst, server):
         c.call("trim_cache", {"instance_id": inst, "strategy": "remove_all_cache"})
         assert ("cleared", inst) in rec.calls
     finally:
-        cache._listeners.remove(rec)
+        cache.remove_listener(rec)
     _check(server)

@@ -28,7 +28,8 @@ from kvcm.cli import main
 from kvcm.client import Client
 from kvcm.config import ConfigError, load
 from kvcm.errors import Code, InvalidArgument, Unavailable
-from kvcm.proto.curve import (
+from kvcm.kv_events import decode_batch
+from kvcm.rpc.curve import (
     CurveServer,
     KeyPair,
     apply_client,
@@ -37,7 +38,6 @@ from kvcm.proto.curve import (
     load_keypair,
     load_public_key,
 )
-from kvcm.proto.vllm_events import decode_batch
 from kvcm.testing import serve_in_thread
 
 CURVE_MESSAGE = "CURVE handshake failed or server unreachable"

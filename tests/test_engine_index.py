@@ -10,17 +10,12 @@ import msgpack
 import msgspec
 import pytest
 
-from kvcm.backends import MemoryStore
-from kvcm.blockkeys import token_ids_to_block_keys
+from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.hashing import chain_states, chain_states_many, to_signed
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
-from kvcm.proto.vllm_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    DecodedBatch,
-)
+from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
+from kvcm.store import MemoryStore
 
 TOKENS = [random.Random(7).randrange(50_000) for _ in range(256)]
 

@@ -14,16 +14,16 @@ import pytest
 import zmq
 
 from kvcm.api.engines import AddEventSourceRequest, MatchEnginesRequest, methods
-from kvcm.backends import MemoryStore
-from kvcm.blockkeys import token_ids_to_block_keys
+from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.cli import add_events_parser, run_events
-from kvcm.engines.eventlog import EventLog
-from kvcm.engines.publisher import EventPublisher
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SubscriberSettings
 from kvcm.errors import InvalidArgument, NotFound
-from kvcm.fake_engine import FakeEnginePublisher
-from kvcm.proto.vllm_events import BlockRemoved, BlockStored, decode_batch
+from kvcm.kv_events import BlockRemoved, BlockStored, decode_batch
+from kvcm.publish.eventlog import EventLog
+from kvcm.publish.publisher import EventPublisher
+from kvcm.store import MemoryStore
+from kvcm.testing.fake_engine import FakeEnginePublisher
 
 TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 FAST = SubscriberSettings(backoff_initial_s=0.05, backoff_max_s=0.2, replay_timeout_s=0.5, poll_ms=20)

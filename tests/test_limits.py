@@ -16,10 +16,10 @@ import msgpack
 import msgspec
 import pytest
 
-from kvcm.blockkeys import token_ids_to_block_keys
-from kvcm.dispatch import Deferred, Dispatcher, Estimate, Limits, Method, TokenWork
+from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.errors import Code, KvcmError
-from kvcm.proto import wire
+from kvcm.rpc import wire
+from kvcm.rpc.dispatch import Deferred, Dispatcher, Estimate, Limits, Method, TokenWork
 from kvcm.testing import serve_in_thread
 from tests.cache_helpers import register
 
@@ -206,7 +206,7 @@ def test_the_reply_size_estimate_refuses_before_the_work():
 def test_the_loop_turns_at_once_while_work_is_carried(tmp_path):
     """Carried work runs in the next turn, not after a poll timeout (here 60 s)."""
     from kvcm.client import Client
-    from kvcm.server import Server
+    from kvcm.rpc.server import Server
 
     ran: list[str] = []
     d = Dispatcher(_methods(ran), limits=Limits(turn_budget_ms=1, max_keys=1 << 20, max_tokens=1 << 20))

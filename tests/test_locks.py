@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvcm.locks import ShardedLocks, check_shard_count, make_batches
+from kvcm.cache.locks import ShardedLocks, check_shard_count, make_batches
 
 
 def _keys(keys, batches):

@@ -165,7 +165,7 @@ def test_kvcm_main_cli_dispatches_optimize(capsys, tmp_path):
 
 
 def test_the_servers_event_log_replays(capsys, tmp_path):
-    eventlog = pytest.importorskip("kvcm.engines.eventlog")
+    eventlog = pytest.importorskip("kvcm.publish.eventlog")
     path = tmp_path / "events.jsonl"
     log = eventlog.EventLog(str(path))
     log.get_cache_location("inst", "prefix_match", [1, 2], block_mask={"offset": 0})

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from kvcm.optimizer.records import Record
 from kvcm.optimizer.replay import Replayer, replay
 from kvcm.optimizer.spec import (
     Capacity,
@@ -20,6 +19,7 @@ from kvcm.optimizer.spec import (
     TierSpec,
 )
 from kvcm.optimizer.sweep import capacity_points
+from kvcm.optimizer.trace import Record
 from kvcm.optimizer.traces import read_trace
 
 # A gzipped copy of Mooncake's synthetic trace (Apache-2.0, Mooncake FAST'25),

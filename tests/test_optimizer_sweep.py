@@ -10,11 +10,11 @@ import pytest
 
 from kvcm.optimizer import plot, report
 from kvcm.optimizer.cost import CostModel, marginal
-from kvcm.optimizer.records import Record
 from kvcm.optimizer.replay import replay
 from kvcm.optimizer.spec import ReplaySpec
 from kvcm.optimizer.stats import HitStats
 from kvcm.optimizer.sweep import capacity_points, run_sweep, unbounded_run, working_set
+from kvcm.optimizer.trace import Record
 
 
 def _records(n=150):

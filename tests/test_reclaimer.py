@@ -357,7 +357,7 @@ def test_leaf_lru_rebuild_uses_parents_when_the_store_gives_them():
 
 
 class _Deleter:
-    """Stand-in for kvcm.deleter.Deleter's queue head, driven by the test."""
+    """Stand-in for kvcm.cache.deleter.Deleter's queue head, driven by the test."""
 
     def __init__(self) -> None:
         self.head: float | None = None
@@ -479,7 +479,7 @@ def _marker(key: int) -> bytes:
 
 
 def _slot(root: str, location: dict) -> tuple[str, int]:
-    from kvcm.backends.file_storage import resolve_file_uri
+    from kvcm.storage.file import resolve_file_uri
 
     path, offset, _ = resolve_file_uri(location["location_specs"][0]["uri"], root)
     return path, offset

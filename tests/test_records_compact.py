@@ -11,12 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcm import locations, records
 from kvcm.app import App
-from kvcm.backends import LmdbStore
-from kvcm.index import DB as BLOCKS
-from kvcm.locations import address, addresses, pack_wire, uris, wire
-from kvcm.records import (
+from kvcm.cache import blocks as records
+from kvcm.cache import locations
+from kvcm.cache.blocks import (
     RUNS_DB,
     Record,
     Status,
@@ -29,8 +27,11 @@ from kvcm.records import (
     run_match,
     run_members,
 )
+from kvcm.cache.locations import address, addresses, pack_wire, uris, wire
+from kvcm.cache.meta_index import DB as BLOCKS
+from kvcm.cache.uricodec import join, matcher, split
+from kvcm.store import LmdbStore, i64
 from kvcm.testing import make_test_config
-from kvcm.uricodec import join, matcher, split
 
 # -- URIs -----------------------------------------------------------------------------------------
 
@@ -330,7 +331,7 @@ def test_a_data_dir_written_in_format_1_keeps_working(tmp_path):
         assert app.dispatcher.call("remove_cache", {"instance_id": "i", "block_keys": [1, 2]})["removed"] == 2
         app.cache.background_once()
         with app.store.read() as view:
-            assert records.is_current(view.get(BLOCKS, records.block_db_key(app.cache.namespace_of("i"), 41)))
+            assert records.is_current(view.get(BLOCKS, app.cache.namespace_of("i") + i64(41)))
         assert len(_locate(app, [3, 4, 5], "batch_get")["locations"]) == 3
         app.cache.check()
     finally:

@@ -8,9 +8,7 @@ import tempfile
 import msgspec
 import pytest
 
-from kvcm.backends import LmdbStore, MemoryStore
-from kvcm.errors import Code, Conflict, InvalidArgument, KvcmError, NotFound
-from kvcm.model import (
+from kvcm.control.records import (
     Instance,
     InstanceGroup,
     LocationSpecGroup,
@@ -22,7 +20,9 @@ from kvcm.model import (
     Storage,
     verify_password,
 )
-from kvcm.registry import DEFAULT_GROUP, DEFAULT_STORAGE, Registry
+from kvcm.control.registry import DEFAULT_GROUP, DEFAULT_STORAGE, Registry
+from kvcm.errors import Code, Conflict, InvalidArgument, KvcmError, NotFound
+from kvcm.store import LmdbStore, MemoryStore
 
 # Test storages live under /mnt (never created: these tests open no backend), /dev/shm and temp dirs.
 ROOTS = ("/mnt", "/dev/shm", tempfile.gettempdir())

@@ -7,10 +7,10 @@ import socket
 
 import pytest
 
-from kvcm.backends.external_storage import MooncakeStorage, TairMemPoolStorage, ThreeFsStorage
-from kvcm.backends.storage_base import parse_uri
-from kvcm.backends.storages import open_backend
 from kvcm.errors import CapacityError, Code, InvalidArgument
+from kvcm.storage.backends import open_backend
+from kvcm.storage.base import parse_uri
+from kvcm.storage.external import MooncakeStorage, TairMemPoolStorage, ThreeFsStorage
 
 HEX = "[0-9a-f]{32}"
 

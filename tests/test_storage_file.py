@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcm.backends.file_storage import FileStorage, resolve_file_uri
-from kvcm.backends.ownership import standalone_owner
-from kvcm.backends.storage_base import parse_uri
-from kvcm.backends.storages import open_backend
 from kvcm.errors import CapacityError, Code, Conflict, InvalidArgument
+from kvcm.storage.backends import open_backend
+from kvcm.storage.base import parse_uri
+from kvcm.storage.file import FileStorage, resolve_file_uri
+from kvcm.storage.ownership import standalone_owner
 
 SID = standalone_owner("file", "f1").storage_id  # the id in every container name
 SID_DEFAULT = standalone_owner("file", "default-file").storage_id
@@ -294,7 +294,7 @@ def test_spec_validation(tmp_path):
 
 LOCKER = r"""
 import sys, time
-from kvcm.backends.storages import open_backend
+from kvcm.storage.backends import open_backend
 open_backend("file", "f1", {"root_path": sys.argv[1]}, None)
 print("locked", flush=True)
 time.sleep(30)
@@ -345,7 +345,7 @@ def test_a_lock_taken_on_a_file_unlinked_meanwhile_is_taken_again(tmp_path, monk
     file between open and flock, as the other process would)."""
     import fcntl
 
-    from kvcm.backends import storage_base
+    from kvcm.storage import base as storage_base
 
     path = str(tmp_path / "lockfile")
     real_flock = fcntl.flock

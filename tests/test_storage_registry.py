@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from kvcm.backends.storage_base import StorageBackend, format_uri, slot_runs
-from kvcm.backends.storages import STORAGE_BACKENDS, StorageHealth, normalize_spec, open_backend, parse_uri
 from kvcm.errors import InvalidArgument
+from kvcm.storage.backends import STORAGE_BACKENDS, StorageHealth, normalize_spec, open_backend, parse_uri
+from kvcm.storage.base import StorageBackend, format_uri, slot_runs
 
 
 def test_registry_and_unknown_type(tmp_path):

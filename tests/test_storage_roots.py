@@ -174,7 +174,7 @@ def test_sigterm_leaves_no_socket_or_lock(tmp_path: Any) -> None:
 
 def test_socket_of_another_server_is_kept(tmp_path: Any) -> None:
     """A server whose path was re-bound by another one leaves that one's socket file alone."""
-    from kvcm.server import Server
+    from kvcm.rpc.server import Server
 
     sock = tempfile.mkdtemp(prefix="kvcm-", dir="/tmp") + "/rpc"
     try:

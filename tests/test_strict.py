@@ -17,8 +17,9 @@ import pytest
 import zmq
 from cache_helpers import register, start, write
 
+from kvcm import schema
 from kvcm.errors import InvalidArgument, KvcmError
-from kvcm.proto import schema, wire
+from kvcm.rpc import wire
 from kvcm.testing import serve_in_thread
 
 KEYS = [11, 12, 13, 14]

@@ -12,9 +12,9 @@ import msgspec
 import pytest
 
 from kvcm.client import Client
+from kvcm.control.records import Account, check_snapshot, parse_snapshot
+from kvcm.control.registry import Registry
 from kvcm.errors import Code, InvalidArgument, KvcmError
-from kvcm.model import Account, check_snapshot, parse_snapshot
-from kvcm.registry import Registry
 from kvcm.testing import RunningServer, serve_in_thread
 
 ADMIN_PW = "tenant-Admin-pw"

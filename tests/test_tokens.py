@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from kvcm.auth import Authenticator
-from kvcm.backends import LmdbStore
 from kvcm.cli import main
 from kvcm.config import CLIENT_ENV, AuthConfig, load
-from kvcm.dispatch import Method
+from kvcm.control.records import token_digest
+from kvcm.control.registry import Registry
 from kvcm.errors import AccessDenied, Code, InvalidArgument, KvcmError, NotFound
-from kvcm.model import token_digest
-from kvcm.proto.schema import Credentials, RequestBase
-from kvcm.registry import Registry
+from kvcm.rpc.auth import Authenticator
+from kvcm.rpc.dispatch import Method
+from kvcm.schema import Credentials, RequestBase
+from kvcm.store import LmdbStore
 from kvcm.testing import serve_in_thread
 
 ADMIN_PW = "t0ken-Admin-pw"
@@ -121,7 +121,7 @@ def test_malformed_tokens_are_refused_cheaply(store, tmp_path, bad, monkeypatch)
     reg = Registry(store, str(tmp_path / "data"))
     auth = Authenticator(reg, AuthConfig(enabled=True, admin_password=ADMIN_PW))
     hashed: list[int] = []
-    monkeypatch.setattr("kvcm.auth.token_digest", lambda token: hashed.append(len(token)) or token_digest(token))
+    monkeypatch.setattr("kvcm.rpc.auth.token_digest", lambda token: hashed.append(len(token)) or token_digest(token))
     with pytest.raises(AccessDenied) as exc:
         auth(USER_METHOD, with_token(bad), b"p")
     assert exc.value.code == Code.UNAUTHENTICATED

@@ -15,12 +15,12 @@ from typing import Any
 
 import msgspec
 
-from kvcm.auth import Authenticator
-from kvcm.dispatch import Estimate, Method, TokenWork
 from kvcm.engines.service import EngineService
 from kvcm.errors import InvalidArgument
-from kvcm.proto.schema import Keys, RequestBase, Tokens
-from kvcm.proto.wire import Raw
+from kvcm.rpc.auth import Authenticator
+from kvcm.rpc.dispatch import Estimate, Method, TokenWork
+from kvcm.rpc.wire import Raw
+from kvcm.schema import Keys, RequestBase, Tokens
 
 
 # msgspec.Struct named again only so that linters see a Struct (its defaults are copied, not shared).

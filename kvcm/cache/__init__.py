@@ -1,2 +1,2 @@
-"""The data plane's operations, split out of :mod:`kvcm.manager`: reads (:mod:`.lookup`),
+"""The data plane's operations, split out of :mod:`kvcm.cache.manager`: reads (:mod:`.lookup`),
 two-phase writes (:mod:`.writes`) and the opened storage backends (:mod:`.storage_pool`)."""

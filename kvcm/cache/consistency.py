@@ -3,8 +3,8 @@
 * usage persisted in the store == usage recounted from the block records == usage in memory;
 * no ``writing`` copy outlives its write session;
 * every run is exact: each member names it and has exactly that one serving copy;
-* every location skeleton a record names is stored (:mod:`kvcm.locations`);
-* the index's own invariants (:meth:`kvcm.index.MetaIndex.check`);
+* every location skeleton a record names is stored (:mod:`kvcm.cache.locations`);
+* the index's own invariants (:meth:`kvcm.cache.meta_index.MetaIndex.check`);
 * every storage agrees with the metadata, both ways (:func:`check_storages`).
 """
 
@@ -13,53 +13,50 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from kvcm.backends.base import from_i64, i64
-from kvcm.backends.storage_base import Inventory
-from kvcm.index import DB as BLOCKS
-from kvcm.locations import check as check_skeletons
-from kvcm.records import RUNS_DB, STATUS_NAMES, Status, decode, run_members
-from kvcm.usage import Key, Usage, tally
-
-if TYPE_CHECKING:
-    from kvcm.manager import CacheManager
+from kvcm.cache.blocks import RUNS_DB, STATUS_NAMES, Status, decode, run_members
+from kvcm.cache.locations import check as check_skeletons
+from kvcm.cache.meta_index import DB as BLOCKS
+from kvcm.cache.state import CacheState
+from kvcm.cache.usage import Key, Usage, tally
+from kvcm.storage.base import Inventory
+from kvcm.store.base import from_i64, i64
 
 
-def recount(m: CacheManager) -> dict[Key, list[int]]:
+def recount(s: CacheState) -> dict[Key, list[int]]:
     """Usage from the block records: ``{(group, instance, type): [bytes, copies]}``."""
-    owners = m.owners()
+    owners = s.owners()
     rows: list[tuple[Key, int]] = []
-    for chunk in m.all_chunks():
+    for chunk in s.all_chunks():
         for dbkey, value in chunk:
             group, instance = owners.get(dbkey[:8], ("?", dbkey[:8].hex()))
             rows.extend(((group, instance, loc.type), loc.nbytes) for loc in decode(value).locs)
     return tally(rows)
 
 
-def check(m: CacheManager) -> None:
-    m.index.check()
-    counted = recount(m)
-    with m.store.read() as view:
+def check(s: CacheState) -> None:
+    s.index.check()
+    counted = recount(s)
+    with s.store.read() as view:
         persisted = Usage.persisted(view)
         live = {k.decode() for k, _ in view.scan("sessions")}
     assert counted == persisted, f"usage {persisted} != recount {counted}"
-    assert persisted == m.usage_book.snapshot(), "in-memory usage differs from the store"
-    for chunk in m.all_chunks():
+    assert persisted == s.usage_book.snapshot(), "in-memory usage differs from the store"
+    for chunk in s.all_chunks():
         addrs = []
         for dbkey, value in chunk:
             for loc in decode(value).locs:
                 addrs.append(loc.addr)
                 if loc.status == Status.WRITING:
                     assert loc.session in live, f"writing copy of {from_i64(dbkey[8:])} outlived its session"
-        with m.store.read() as view:
+        with s.store.read() as view:
             check_skeletons(view, addrs)
-    check_runs(m)
-    check_storages(m)
+    check_runs(s)
+    check_storages(s)
 
 
-def check_runs(m: CacheManager) -> None:
-    with m.store.read() as view:
+def check_runs(s: CacheState) -> None:
+    with s.store.read() as view:
         for run_key, value in view.scan(RUNS_DB):
             storage, keys, wires = run_members(value)
             assert i64(keys[0]) == run_key[8:], "run stored under another key than its first block"
@@ -93,11 +90,11 @@ class Recorded:
         return f"block {key} of {instance!r} ({_status(status)})"
 
 
-def recorded_by_storage(m: CacheManager) -> dict[str, Recorded]:
+def recorded_by_storage(s: CacheState) -> dict[str, Recorded]:
     """Every URI of every copy in the block records (any status), by storage name."""
-    owners = m.owners()
+    owners = s.owners()
     out: dict[str, Recorded] = {}
-    for chunk in m.all_chunks():
+    for chunk in s.all_chunks():
         for dbkey, value in chunk:
             instance = owners.get(dbkey[:8], ("?", dbkey[:8].hex()))[1]
             for loc in decode(value).locs:
@@ -112,7 +109,7 @@ def recorded_by_storage(m: CacheManager) -> dict[str, Recorded]:
     return out
 
 
-def check_storages(m: CacheManager) -> None:
+def check_storages(s: CacheState) -> None:
     """Compare every opened storage with the block records, both ways:
 
     * every recorded URI names its storage, is reserved there and is named by no other copy;
@@ -124,11 +121,11 @@ def check_storages(m: CacheManager) -> None:
 
     Storages removed from the pool are skipped: their records are being dropped, nothing is
     left to compare them with. Raises AssertionError listing the mismatches."""
-    recorded = recorded_by_storage(m)
+    recorded = recorded_by_storage(s)
     problems = [f"storage {name!r}: uri {uri} of {rec.who(uri)} names storage {_host(uri)!r}"
                 for name, rec in sorted(recorded.items()) for uri in rec.foreign]
-    for name in m.pool.names():
-        backend = m.pool.get(name)
+    for name in s.pool.names():
+        backend = s.pool.get(name)
         if backend is not None:
             problems.extend(compare_storage(name, backend.inventory(), recorded.get(name, Recorded())))
     if problems:

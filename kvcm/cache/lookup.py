@@ -3,11 +3,11 @@
 Reads are lock-free: one read transaction per request, values through the index's search cache.
 Only ``serving`` copies on usable storages are visible; among several, the group's candidate
 order decides (deterministic, unlike Tair's weighted random pick). Replies are assembled from
-the pre-packed wire bytes stored in each record (:mod:`kvcm.records`), never decoded and
+the pre-packed wire bytes stored in each record (:mod:`kvcm.cache.blocks`), never decoded and
 repacked on the fast path; a ``prefix_match`` first tries *runs* (the pre-concatenated reply
 of blocks one session wrote together), which cost one read per run instead of one per block.
 
-Records hold compact location addresses (:mod:`kvcm.locations`); their wire bytes come from a
+Records hold compact location addresses (:mod:`kvcm.cache.locations`); their wire bytes come from a
 bounded cache of built wires, and run bodies are inflated once and cached
 (``cache.wire_cache_bytes``).
 
@@ -23,23 +23,11 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 
-from kvcm.errors import InvalidArgument
-from kvcm.index import Snapshot
-from kvcm.locations import wire as wire_of
-from kvcm.locations import wires as wire_cache
-from kvcm.masks import (
-    BlockMask,
-    check_mask,
-    derive_keys,
-    masked_flags,
-    unmasked_indices,
-)
-from kvcm.proto.wire import Raw, pack_array_raw
-from kvcm.records import (
+from kvcm.cache.blocks import (
     FAST,
     ONE,
     RUNS_DB,
@@ -52,10 +40,14 @@ from kvcm.records import (
     run_match,
     unpack_wire,
 )
-
-if TYPE_CHECKING:
-    from kvcm.manager import CacheManager
-    from kvcm.selection import InstanceView
+from kvcm.cache.locations import wire as wire_of
+from kvcm.cache.locations import wires as wire_cache
+from kvcm.cache.masks import BlockMask, check_mask, derive_keys, masked_flags, unmasked_indices
+from kvcm.cache.meta_index import Snapshot
+from kvcm.cache.placement import InstanceView
+from kvcm.cache.state import CacheState
+from kvcm.errors import InvalidArgument
+from kvcm.rpc.wire import Raw, pack_array_raw
 
 _packer = msgpack.Packer(use_bin_type=True)
 _LOCATIONS_MAP = _packer.pack_map_header(1) + _packer.pack("locations")  # {"locations": <spliced array>}
@@ -82,7 +74,7 @@ def visible(value: bytes, unusable: frozenset[str], rank: Callable[[str], int]) 
 
 
 def get_cache_location(
-    m: CacheManager,
+    s: CacheState,
     instance_id: str,
     query_type: str,
     block_keys: Sequence[int] | None,
@@ -91,44 +83,46 @@ def get_cache_location(
     sw_size: int,
     spec_names: Sequence[str] | None,
 ) -> Raw:
-    inst = m.instance(instance_id)
+    inst = s.instance(instance_id)
     if query_type not in QUERY_TYPES:
         raise InvalidArgument(f"query_type: {query_type!r} is not one of {', '.join(QUERY_TYPES)}")
     keys = derive_keys(block_keys, token_ids, inst.block_size)
-    mask = check_mask(mask, len(keys))
+    checked = check_mask(mask, len(keys))
     if query_type == "prefix_match":
-        hits, chunks = _prefix(m, inst, keys, mask, spec_names)
-        if hits:
-            m.notify_read(instance_id, hits)
-        return Raw(b"".join(chunks))  # one copy of a reply that may be tens of kB
-    if query_type == "batch_get":
-        hits, wires = _batch(m, inst, keys, mask)
+        hits, chunks = _prefix(s, inst, keys, checked, spec_names)
+        reply = Raw(b"".join(chunks))  # one copy of a reply that may be tens of kB
     else:
-        if not 0 < sw_size <= len(keys):
-            # sw_size == 0 made Tair loop forever.
-            raise InvalidArgument(f"sw_size: must be in 1..{len(keys)} (the number of blocks), got {sw_size}")
-        hits, wires = _window(m, inst, keys, mask, sw_size)
-    if spec_names:
-        names = frozenset(spec_names)
-        wires = [filter_wire(w, names) for w in wires]
-    if hits:
-        m.notify_read(instance_id, hits)
-    return Raw(_LOCATIONS_MAP + pack_array_raw(wires).data)
+        if query_type == "batch_get":
+            hits, wires = _batch(s, inst, keys, checked)
+        else:
+            if not 0 < sw_size <= len(keys):
+                # sw_size == 0 made Tair loop forever.
+                raise InvalidArgument(f"sw_size: must be in 1..{len(keys)} (the number of blocks), got {sw_size}")
+            hits, wires = _window(s, inst, keys, checked, sw_size)
+        if spec_names:
+            names = frozenset(spec_names)
+            wires = [filter_wire(w, names) for w in wires]
+        reply = Raw(_LOCATIONS_MAP + pack_array_raw(wires).data)
+    if s.listeners:
+        if hits:
+            s.listeners.read(instance_id, hits, s.clock())
+        s.listeners.lookup(instance_id, query_type, keys, token_ids, mask, sw_size, spec_names)
+    return reply
 
 
-def _prefix(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMask | None,
+def _prefix(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None,
             spec_names: Sequence[str] | None) -> tuple[list[int], list[bytes]]:
     """Matched keys and the reply's chunks (``{"locations": [...]}``): runs first, then block
     by block."""
     wanted = keys if mask is None else [keys[i] for i in unmasked_indices(mask, len(keys))]
-    unusable = m.pool.unusable
+    unusable = s.pool.unusable
     parts: list[bytes] = []
-    epoch = m.index.cache.epoch  # before the snapshot begins: see MetaIndex.read
-    with m.store.read() as view:
-        done = _runs(view, inst.ns, wanted, unusable, parts) if m.runs and not spec_names else 0
+    epoch = s.index.cache.epoch  # before the snapshot begins: see MetaIndex.read
+    with s.store.read() as view:
+        done = _runs(view, inst.ns, wanted, unusable, parts) if s.runs and not spec_names else 0
         if done < len(wanted):
-            rank = m.group_view(inst.group).rank
-            wires = _blocks(m, Snapshot(view, epoch), inst, wanted[done:], unusable, rank)
+            rank = s.group_view(inst.group).rank
+            wires = _blocks(s, Snapshot(view, epoch), inst, wanted[done:], unusable, rank)
             if spec_names:
                 names = frozenset(spec_names)
                 wires = [filter_wire(w, names) for w in wires]
@@ -157,11 +151,11 @@ def _runs(view: Any, ns: bytes, wanted: list[int], unusable: frozenset[str], par
     return done
 
 
-def _blocks(m: CacheManager, snap: Any, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
+def _blocks(s: CacheState, snap: Any, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
             rank: Callable[[str], int]) -> list[bytes]:
     if not wanted:
         return []
-    values = m.index.get_values(snap, inst.ns, wanted, stop_at_missing=True)
+    values = s.index.get_values(snap, inst.ns, wanted, stop_at_missing=True)
     if not unusable:
         # The common case, inlined: every block has exactly one serving copy (records.ONE).
         fast = _fast_wires(values)  # type: ignore[arg-type]
@@ -194,13 +188,13 @@ def _fast_wires(values: list[bytes]) -> list[bytes] | None:
     return out
 
 
-def _usable(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMask | None) -> list[bytes | None]:
+def _usable(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None) -> list[bytes | None]:
     """Visible wire per request key (None: missing, invisible or masked)."""
     flags = masked_flags(mask, len(keys))
     look = keys if flags is None else [k for k, masked in zip(keys, flags) if not masked]
-    unusable, rank = m.pool.unusable, m.group_view(inst.group).rank
-    with m.index.read() as snap:
-        values = iter(m.index.get_values(snap, inst.ns, look))
+    unusable, rank = s.pool.unusable, s.group_view(inst.group).rank
+    with s.index.read() as snap:
+        values = iter(s.index.get_values(snap, inst.ns, look))
     out: list[bytes | None] = []
     for i in range(len(keys)):
         if flags is not None and flags[i]:
@@ -211,17 +205,17 @@ def _usable(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMas
     return out
 
 
-def _batch(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMask | None) -> tuple[list[int], list[bytes]]:
-    found = _usable(m, inst, keys, mask)
+def _batch(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None) -> tuple[list[int], list[bytes]]:
+    found = _usable(s, inst, keys, mask)
     hits = [k for k, w in zip(keys, found) if w is not None]
     return hits, [inst.empty_wire if w is None else w for w in found]
 
 
-def _window(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMask | None,
+def _window(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None,
             sw: int) -> tuple[list[int], list[bytes]]:
     """The right-most window of ``sw`` consecutive keys that all have a visible copy (Tair's
     reverse roll: on a miss at window offset j, the next window ends right before it)."""
-    found = _usable(m, inst, keys, mask)
+    found = _usable(s, inst, keys, mask)
     out = [inst.empty_wire] * len(keys)
     base = len(keys) - sw
     while base >= 0:
@@ -239,7 +233,7 @@ def _window(m: CacheManager, inst: InstanceView, keys: list[int], mask: BlockMas
 
 
 def get_cache_meta(
-    m: CacheManager,
+    s: CacheState,
     instance_id: str,
     block_keys: Sequence[int] | None,
     token_ids: Sequence[int] | None,
@@ -255,14 +249,14 @@ def get_cache_meta(
       ``parent``, ``location_count``;
     * 2 — plus ``all``: every location with its own status, storage, size, times and URIs.
     """
-    inst = m.instance(instance_id)
+    inst = s.instance(instance_id)
     if detail_level not in DETAIL_LEVELS:
         raise InvalidArgument(f"detail_level: must be one of {DETAIL_LEVELS}, got {detail_level}")
     keys = derive_keys(block_keys, token_ids, inst.block_size)
     flags = masked_flags(check_mask(mask, len(keys)), len(keys))
-    unusable, rank = m.pool.unusable, m.group_view(inst.group).rank
-    with m.index.read() as snap:
-        values = m.index.get_values(snap, inst.ns, keys)
+    unusable, rank = s.pool.unusable, s.group_view(inst.group).rank
+    with s.index.read() as snap:
+        values = s.index.get_values(snap, inst.ns, keys)
     locations, metas = [], []
     for i, (key, value) in enumerate(zip(keys, values)):
         if flags is not None and flags[i]:

@@ -20,9 +20,9 @@ from typing import Any
 
 import msgspec
 
-from kvcm.backends.ownership import ForeignDirectory, Owner
+from kvcm.control.registry import STORAGE, Registry, new_id
 from kvcm.errors import InvalidArgument, ServerError
-from kvcm.registry import STORAGE, Registry, new_id
+from kvcm.storage.ownership import ForeignDirectory, Owner
 
 log = logging.getLogger("kvcm.storage_pool")
 
@@ -30,8 +30,8 @@ Opener = Callable[[Any, "str | None", Owner], Any]
 
 
 def default_opener(storage: Any, data_dir: str | None, owner: Owner) -> Any:
-    """Open a backend through the storage registry (``kvcm.backends.storages``)."""
-    from kvcm.backends.storages import open_backend
+    """Open a backend through the storage registry (``kvcm.storage.backends``)."""
+    from kvcm.storage.backends import open_backend
 
     return open_backend(storage.storage_type, storage.global_unique_name, storage.storage_spec, data_dir, owner)
 

@@ -25,22 +25,20 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvcm.backends.base import WriteTxn, i64
-from kvcm.deleter import schedule
+from kvcm.cache.blocks import RUNS_DB, Location, Record, Status, encode_run
+from kvcm.cache.deleter import schedule
+from kvcm.cache.locations import address, addresses, pack_wire, persist, remember
+from kvcm.cache.masks import BlockMask, derive_keys, success_flags, write_mask
+from kvcm.cache.meta_index import KEEP
+from kvcm.cache.placement import InstanceView, Target, write_targets
+from kvcm.cache.sessions import Session, new_session_id, random_id
+from kvcm.cache.state import CacheState
+from kvcm.cache.usage import Usage
 from kvcm.errors import CapacityError, Code, InvalidArgument, NotFound
-from kvcm.index import KEEP
-from kvcm.locations import address, addresses, pack_wire, persist, remember
-from kvcm.masks import BlockMask, derive_keys, success_flags, write_mask
-from kvcm.proto.wire import Raw, pack_array_raw, pack_map_raw
-from kvcm.records import RUNS_DB, Location, Record, Status, encode_run
-from kvcm.selection import InstanceView, Target, write_targets
-from kvcm.sessions import Session, new_session_id, random_id
-from kvcm.usage import Usage
-
-if TYPE_CHECKING:
-    from kvcm.manager import CacheManager
+from kvcm.rpc.wire import Raw, pack_array_raw, pack_map_raw
+from kvcm.store.base import WriteTxn, i64
 
 NOTHING_TO_WRITE_TIMEOUT = 10.0  # Tair: a session with no new blocks lives 10 s
 
@@ -54,75 +52,85 @@ def _location_id(taken: set[str]) -> str:
 
 
 def start_write_cache(
-    m: CacheManager,
+    s: CacheState,
     instance_id: str,
     block_keys: Sequence[int] | None,
     token_ids: Sequence[int] | None,
     spec_group_names: Sequence[str] | None,
     timeout: float | None,
 ) -> Raw:
-    inst = m.instance(instance_id)
+    inst = s.instance(instance_id)
     keys = derive_keys(block_keys, token_ids, inst.block_size)
     specs = inst.specs_for(spec_group_names, len(keys))
-    timeout = _timeout(m, timeout)
+    lifetime = _timeout(s, timeout)
     # join: under the dispatcher each request already runs in its own savepoint, and every
     # error here propagates out of it.
-    with m.store.write(join=True) as txn:
-        exists, records = _existing(m, txn, inst, keys)
+    with s.store.write(join=True) as txn:
+        exists, records = _existing(s, txn, inst, keys)
         new = [i for i, there in enumerate(exists) if not there]
         mask = write_mask(exists)
         if not new:
-            _check_caps(m, instance_id, 0)
-            session = m.sessions.create(txn, instance_id, inst.group, [], [], NOTHING_TO_WRITE_TIMEOUT)
+            _check_caps(s, instance_id, 0)
+            session = s.sessions.create(txn, instance_id, inst.group, [], [], NOTHING_TO_WRITE_TIMEOUT)
+            _tell_started(s, txn, instance_id, session.id, keys, token_ids, mask, spec_group_names, timeout)
             return _reply(session.id, mask, [])
         needed = sum(size for i in new for _, size in specs[i])
-        _check_caps(m, instance_id, needed)
-        target, uris = _allocate(m, txn, inst, [specs[i] for i in new], needed)
+        _check_caps(s, instance_id, needed)
+        target, uris = _allocate(s, txn, inst, [specs[i] for i in new], needed)
         # The space is taken now, outside the transaction: give it back if the request fails,
         # and also if the request succeeds but its group never commits (a leak Tair has, in its batched form).
-        txn.on_abort(lambda: _release(m, target.storage, uris))
-        session, wires = _record_new(m, txn, inst, keys, new, [records[i] is None for i in new], specs, target,
-                                     uris, timeout)
+        txn.on_abort(lambda: _release(s, target.storage, uris))
+        session, wires = _record_new(s, txn, inst, keys, new, [records[i] is None for i in new], specs, target,
+                                     uris, lifetime)
+        _tell_started(s, txn, instance_id, session.id, keys, token_ids, mask, spec_group_names, timeout)
     return _reply(session.id, mask, wires)
 
 
-def _timeout(m: CacheManager, timeout: float | None) -> float:
+def _tell_started(s: CacheState, txn: WriteTxn, instance_id: str, session_id: str, keys: list[int],
+                  token_ids: Sequence[int] | None, mask: dict[str, Any], spec_group_names: Sequence[str] | None,
+                  timeout: float | None) -> None:
+    if s.listeners:
+        txn.on_commit(lambda: s.listeners.write_started(instance_id, session_id, keys, token_ids, mask,
+                                                        spec_group_names, timeout))
+
+
+def _timeout(s: CacheState, timeout: float | None) -> float:
     """Refused, not clamped, past the cap: a client told its session lives an hour would
     write for an hour and then find the session gone; the error says so at once."""
     if timeout is None or timeout == 0:
-        return m.default_write_timeout
-    if not 0 < timeout <= m.max_write_timeout:
-        raise InvalidArgument(f"write_timeout_seconds: must be in (0, {m.max_write_timeout:g}] "
+        return s.default_write_timeout
+    if not 0 < timeout <= s.max_write_timeout:
+        raise InvalidArgument(f"write_timeout_seconds: must be in (0, {s.max_write_timeout:g}] "
                               f"(cache.max_write_timeout_seconds), got {timeout}")
     return float(timeout)
 
 
-def _check_caps(m: CacheManager, instance_id: str, needed: int) -> None:
+def _check_caps(s: CacheState, instance_id: str, needed: int) -> None:
     """Refuse a start past the instance's in-flight caps (holds of the uncommitted group
     commit included, so a batch cannot overshoot them)."""
-    sessions, writing = m.inflight.of(instance_id)
-    if sessions >= m.max_open_sessions:
-        _refuse(m, "cache.max_open_sessions_per_instance",
+    sessions, writing = s.inflight.of(instance_id)
+    if sessions >= s.max_open_sessions:
+        _refuse(s, "cache.max_open_sessions_per_instance",
                 f"instance {instance_id!r} has {sessions} write sessions open, the cap "
-                f"(cache.max_open_sessions_per_instance) is {m.max_open_sessions}")
-    if writing + needed > m.max_writing_bytes:
-        _refuse(m, "cache.max_writing_bytes_per_instance",
+                f"(cache.max_open_sessions_per_instance) is {s.max_open_sessions}")
+    if writing + needed > s.max_writing_bytes:
+        _refuse(s, "cache.max_writing_bytes_per_instance",
                 f"instance {instance_id!r} has {writing} bytes in writing and asks for {needed} more, the cap "
-                f"(cache.max_writing_bytes_per_instance) is {m.max_writing_bytes}")
+                f"(cache.max_writing_bytes_per_instance) is {s.max_writing_bytes}")
 
 
-def _refuse(m: CacheManager, cap: str, message: str) -> None:
-    m.inflight.refused[cap] = m.inflight.refused.get(cap, 0) + 1
+def _refuse(s: CacheState, cap: str, message: str) -> None:
+    s.inflight.refused[cap] = s.inflight.refused.get(cap, 0) + 1
     raise CapacityError(message + "; finish the open sessions (or let them expire) first", Code.QUOTA_EXCEEDED)
 
 
-def _existing(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[int]) -> tuple[list[bool], list[Record | None]]:
+def _existing(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int]) -> tuple[list[bool], list[Record | None]]:
     """Per request key: already present (any live copy on a usable storage) or a repeat; and
     the record each key has in ``txn`` (None: no record at all)."""
-    unusable = m.pool.unusable
+    unusable = s.pool.unusable
     seen: set[int] = set()
     out: list[bool] = []
-    records = m.records_in(txn, inst.ns, keys)
+    records = s.records_in(txn, inst.ns, keys)
     for record, key in zip(records, keys):
         there = key in seen or (record is not None and any(loc.storage not in unusable for loc in record.locs))
         seen.add(key)
@@ -130,27 +138,27 @@ def _existing(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[int
     return out, records
 
 
-def _allocate(m: CacheManager, txn: WriteTxn, inst: InstanceView, specs: list[tuple[tuple[str, int], ...]],
+def _allocate(s: CacheState, txn: WriteTxn, inst: InstanceView, specs: list[tuple[tuple[str, int], ...]],
               needed: int) -> tuple[Target, list[list[str]]]:
     """URIs per new block (one per spec of that block), on the first target that can take them."""
-    group = m.group_view(inst.group)
+    group = s.group_view(inst.group)
     # Usage only matters to a group with a quota (the scan is a fifth of an unlimited write).
     used_total, used_by_type = Usage.group_used(txn, group.name) if group.capacity or group.type_capacity else (0, {})
-    targets = write_targets(group, needed, used_total, used_by_type, m.pool.storage_type, m.pool.usable)
+    targets = write_targets(group, needed, used_total, used_by_type, s.pool.storage_type, s.pool.usable)
     last: CapacityError | None = None
     for target in targets:
         try:
-            return target, _allocate_on(m, target, specs)
+            return target, _allocate_on(s, target, specs)
         except CapacityError as exc:  # full or closed: fall over to the next candidate
             last = exc
     assert last is not None
     raise last
 
 
-def _allocate_on(m: CacheManager, target: Target, specs: list[tuple[tuple[str, int], ...]]) -> list[list[str]]:
+def _allocate_on(s: CacheState, target: Target, specs: list[tuple[tuple[str, int], ...]]) -> list[list[str]]:
     """One backend call per distinct spec size (Tair's "merge" mode when all sizes are equal),
     spec-major order; all or nothing."""
-    backend = m.pool.get(target.storage)
+    backend = s.pool.get(target.storage)
     if backend is None:
         raise CapacityError(f"storage {target.storage!r} is not open", Code.NO_STORAGE_AVAILABLE)
     slots: dict[int, list[tuple[int, int]]] = defaultdict(list)  # size -> [(block, spec position)]
@@ -168,26 +176,26 @@ def _allocate_on(m: CacheManager, target: Target, specs: list[tuple[tuple[str, i
             for (block, pos), uri in zip(places, uris):
                 out[block][pos] = uri
     except BaseException:
-        _release(m, target.storage, done)
+        _release(s, target.storage, done)
         raise
     return out
 
 
-def _release(m: CacheManager, storage: str, uris: Sequence[Any]) -> None:
+def _release(s: CacheState, storage: str, uris: Sequence[Any]) -> None:
     flat = [u for item in uris for u in (item if isinstance(item, list) else [item])]
-    backend = m.pool.get(storage)
+    backend = s.pool.get(storage)
     if backend is not None and flat:
         backend.release(flat)
 
 
-def _record_new(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[int], new: list[int],
+def _record_new(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int], new: list[int],
                 fresh: list[bool], specs: list[tuple[tuple[str, int], ...]], target: Target, uris: list[list[str]],
                 timeout: float) -> tuple[Session, list[bytes]]:
     """Records, usage and the session of the new keys. ``fresh[j]``: ``keys[new[j]]`` has no
     record in ``txn`` (read by :func:`_existing` in this same block), so its record is written
     blind; a key whose record holds only copies on unusable storages gets one more location by
     read-modify-write."""
-    now = m.clock()
+    now = s.clock()
     # Records name their session and the session names their location ids: take the id first.
     sid = new_session_id()
     new_keys = [keys[i] for i in new]
@@ -200,7 +208,7 @@ def _record_new(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[i
         remember(addrs[j], wire)  # the finish and the first lookups need it again
         locs.append(Location("", Status.WRITING, target.storage, target.type, sum(s for _, s in block_specs),
                              now, 0.0, "", addrs[j]))
-    persist(txn, m.store, addrs)
+    persist(txn, s.store, addrs)
 
     def add(j: int, key: int, record: Record | None) -> Record:
         loc = locs[j]
@@ -216,19 +224,19 @@ def _record_new(m: CacheManager, txn: WriteTxn, inst: InstanceView, keys: list[i
 
     blind = [(new_keys[j], add(j, new_keys[j], None)) for j in range(len(new)) if fresh[j]]
     if blind:
-        m.index.put_records(txn, inst.ns, blind, absent=True)
+        s.index.put_records(txn, inst.ns, blind, absent=True)
     if len(blind) < len(new):
         rest = [j for j in range(len(new)) if not fresh[j]]
-        m.index.read_modify_write(txn, inst.ns, [new_keys[j] for j in rest], lambda n, key, rec: add(rest[n], key, rec))
+        s.index.read_modify_write(txn, inst.ns, [new_keys[j] for j in rest], lambda n, key, rec: add(rest[n], key, rec))
     nbytes = sum(x.nbytes for x in locs)
-    m.usage_book.add(txn, {(inst.group, inst.instance_id, target.type): [nbytes, len(locs)]})
-    m.inflight.hold(txn, inst.instance_id, 0, nbytes)
-    session = m.sessions.create(txn, inst.instance_id, inst.group, new_keys, [x.id for x in locs], timeout, sid=sid)
+    s.usage_book.add(txn, {(inst.group, inst.instance_id, target.type): [nbytes, len(locs)]})
+    s.inflight.hold(txn, inst.instance_id, 0, nbytes)
+    session = s.sessions.create(txn, inst.instance_id, inst.group, new_keys, [x.id for x in locs], timeout, sid=sid)
     return session, wires
 
 
 def _addresses(target: Target, specs: list[tuple[tuple[str, int], ...]], uris: list[list[str]]) -> list[bytes]:
-    """Compact addresses of new locations (:mod:`kvcm.locations`), in one batch when every
+    """Compact addresses of new locations (:mod:`kvcm.cache.locations`), in one batch when every
     block has the same specs (the usual request)."""
     if specs and all(s == specs[0] for s in specs):
         names = [name for name, _ in specs[0]]
@@ -245,30 +253,32 @@ def _reply(session_id: str, mask: dict[str, Any], wires: list[bytes]) -> Raw:
 # -- finish ---------------------------------------------------------------------------------------
 
 
-def finish_write_cache(m: CacheManager, instance_id: str, session_id: str, success: BlockMask | None) -> dict[str, Any]:
-    m.instance(instance_id)
-    with m.store.write(join=True) as txn:
-        session = m.sessions.get(txn, session_id)
-        if session is None or m.sessions.is_due(session_id):
-            if session is not None or m.sessions.was_expired(session_id):
+def finish_write_cache(s: CacheState, instance_id: str, session_id: str, success: BlockMask | None) -> dict[str, Any]:
+    s.instance(instance_id)
+    with s.store.write(join=True) as txn:
+        session = s.sessions.get(txn, session_id)
+        if session is None or s.sessions.is_due(session_id):
+            if session is not None or s.sessions.was_expired(session_id):
                 raise NotFound(f"write session {session_id[:64]!r} has expired", Code.WRITE_SESSION_EXPIRED)
             raise NotFound(f"write session {session_id[:64]!r} is unknown (never started, or already finished)",
                            Code.WRITE_SESSION_UNKNOWN)
         if session.instance != instance_id:
             raise InvalidArgument(f"write session {session_id[:64]!r} belongs to another instance")
         ok = success_flags(success, len(session.keys))  # validated before the session is consumed
-        m.sessions.consume(txn, session)
-        served = settle(m, txn, session, ok)
+        s.sessions.consume(txn, session)
+        served = settle(s, txn, session, ok)
+        if s.listeners:
+            txn.on_commit(lambda: s.listeners.write_finished(instance_id, session_id, success))
     return {"served": served, "failed": len(ok) - served}
 
 
-def settle(m: CacheManager, txn: WriteTxn, session: Session, ok: list[bool]) -> int:
+def settle(s: CacheState, txn: WriteTxn, session: Session, ok: list[bool]) -> int:
     """Successes ``writing -> serving`` (CAS), failures ``writing -> deleting`` (freed at once).
 
-    Consecutive successes become a run (:mod:`kvcm.records`) so later prefix lookups of them
+    Consecutive successes become a run (:mod:`kvcm.cache.blocks`) so later prefix lookups of them
     cost one read."""
-    now = m.clock()
-    first: list[int | None] = _segments(session.keys, ok) if m.runs else [None] * len(ok)
+    now = s.clock()
+    first: list[int | None] = _segments(session.keys, ok) if s.runs else [None] * len(ok)
     served: list[tuple[int, Location, int | None]] = []
     failed: list[tuple[int, str]] = []
     members: dict[int, Location] = {}  # session position -> its (only) serving copy
@@ -292,15 +302,15 @@ def settle(m: CacheManager, txn: WriteTxn, session: Session, ok: list[bool]) -> 
         record.updated = now
         return record
 
-    ns = m.namespace_of(session.instance)
-    m.index.read_modify_write(txn, ns, session.keys, modify)
-    m.inflight.release(txn, session.instance, 0, settled[0])
+    ns = s.namespace_of(session.instance)
+    s.index.read_modify_write(txn, ns, session.keys, modify)
+    s.inflight.release(txn, session.instance, 0, settled[0])
     for key, loc_id in failed:
         schedule(txn, now, session.group, session.instance, key, loc_id)
     if members:
         _store_runs(txn, ns, session.keys, first, members)
-    if served:
-        txn.on_commit(lambda: m.notify_served(session.instance, served, now))
+    if served and s.listeners:
+        txn.on_commit(lambda: s.listeners.served(session.instance, served, now))
     return len(served)
 
 

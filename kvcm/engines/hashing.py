@@ -1,6 +1,6 @@
 """Re-hashing engine token ids into kvcm's key space, fast.
 
-kvcm's block key is Tair's chained mix (:mod:`kvcm.blockkeys`) carried token by token, so the
+kvcm's block key is Tair's chained mix (:mod:`kvcm.cache.keys`) carried token by token, so the
 running state after *any* token is a valid seed for the rest of the prefix. That lets an engine
 block of a different size than the instance's be chained through its parent: the index keeps
 each engine block's end state and token position, and emits a kvcm key whenever the position
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvcm.proto.vllm_events import BlockStored
+    from kvcm.kv_events import BlockStored
 
 _M64 = (1 << 64) - 1
 _M52 = (1 << 52) - 1
@@ -30,10 +30,6 @@ _TWO64 = 1 << 64
 def to_signed(u: int) -> int:
     """Unsigned 64-bit state -> the signed int64 kvcm key."""
     return u - _TWO64 if u >= _TOP else u
-
-
-def to_unsigned(h: int) -> int:
-    return h & _M64
 
 
 def chain_states(u: int, tokens: Sequence[int], step: int) -> list[int]:

@@ -1,7 +1,7 @@
 """The engine index: which engine (source, DP rank, medium, group) holds which kvcm block.
 
 Engine events name blocks by the engine's own hashes; kvcm re-hashes their ``token_ids`` with the
-instance's block hash (:mod:`kvcm.blockkeys`), chained through the parent block, so engine blocks
+instance's block hash (:mod:`kvcm.cache.keys`), chained through the parent block, so engine blocks
 and storage-tier blocks share one key space and ``match_engines`` takes the same ``token_ids`` as
 ``get_cache_location``. Per source the index keeps ``(group, engine hash) -> EngineBlock``: the
 block's kvcm keys, the running hash state and token position at its end (the parent seed of its
@@ -37,8 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
 from typing import Any
 
-from kvcm.backends.base import MetaStore
-from kvcm.engines.blocks import (
+from kvcm.engines.entries import (
     BLOCK_KEY,
     BLOCKS_DB,
     DEC,
@@ -62,13 +61,8 @@ from kvcm.engines.hashing import Chain, chain_states, hash_chains
 from kvcm.engines.sources import SourceSpec
 from kvcm.engines.table import MAIN_KINDS, HolderTable
 from kvcm.errors import Conflict, KvcmError, NotFound
-from kvcm.proto.vllm_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    DecodedBatch,
-    hash_to_u64,
-)
+from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, hash_to_u64
+from kvcm.store.base import MetaStore
 
 
 class EngineIndex:

@@ -22,10 +22,9 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from kvcm.backends.base import MetaStore
-from kvcm.blockkeys import token_ids_to_block_keys
+from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.config import ConfigError
-from kvcm.engines.blocks import SourceMatch, SourceState
+from kvcm.engines.entries import SourceMatch, SourceState
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.sources import (
@@ -36,6 +35,7 @@ from kvcm.engines.sources import (
 )
 from kvcm.engines.subscriber import EventSubscriber
 from kvcm.errors import Code, InvalidArgument, error
+from kvcm.store.base import MetaStore
 
 log = logging.getLogger("kvcm.engines")
 _ENCODER = msgspec.msgpack.Encoder()

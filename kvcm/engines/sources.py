@@ -20,7 +20,7 @@ from typing import Any
 
 from kvcm.config import ConfigError
 from kvcm.errors import InvalidArgument
-from kvcm.proto.schema import suggest
+from kvcm.schema import suggest
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 _ID = re.compile(r"^[A-Za-z0-9._:@/\-\[\]]{1,200}$")
@@ -83,18 +83,6 @@ def tcp_endpoint(host: str, port: int) -> str:
     except ValueError:
         pass  # a DNS name
     return f"tcp://{host}:{port}"
-
-
-def offset_endpoint(endpoint: str, rank: int) -> str:
-    """vLLM's per-rank endpoint: tcp port + rank, ``_dp{rank}`` suffix for ipc/inproc."""
-    if rank == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        base, _, port = endpoint.rpartition(":")
-        if not port.isdigit():
-            raise InvalidArgument(f"endpoint {endpoint!r} has no port to offset by dp_rank")
-        return f"{base}:{int(port) + rank}"
-    return f"{endpoint}_dp{rank}"
 
 
 def is_ipv6(endpoint: str) -> bool:

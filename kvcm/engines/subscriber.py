@@ -47,11 +47,11 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvcm.config import ConfigError
-from kvcm.engines.blocks import Item
+from kvcm.engines.entries import Item
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.sources import SourceSpec, SubscriberSettings, is_ipv6
-from kvcm.proto.vllm_events import DecodedBatch, EventDecodeError, decode_batch
+from kvcm.kv_events import DecodedBatch, EventDecodeError, decode_batch
 
 log = logging.getLogger("kvcm.engines.subscriber")
 

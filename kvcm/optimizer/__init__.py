@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from kvcm.optimizer.cost import CostModel, Value
 from kvcm.optimizer.radix import RadixTree
-from kvcm.optimizer.records import Record, TraceError
 from kvcm.optimizer.replay import Replayer, replay
 from kvcm.optimizer.spec import (
     Capacity,
@@ -31,6 +30,7 @@ from kvcm.optimizer.spec import (
 )
 from kvcm.optimizer.stats import HitStats, ReplayResult
 from kvcm.optimizer.sweep import SweepPoint, capacity_points, run_sweep, unbounded_run
+from kvcm.optimizer.trace import Record, TraceError
 from kvcm.optimizer.traces import READERS, Trace, dump_schema, read_trace
 
 __all__ = [

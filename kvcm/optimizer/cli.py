@@ -18,7 +18,6 @@ from typing import Any
 
 from kvcm.optimizer import plot, report
 from kvcm.optimizer.cost import CostModel
-from kvcm.optimizer.records import Record, TraceError
 from kvcm.optimizer.replay import Replayer
 from kvcm.optimizer.spec import (
     ReplaySpec,
@@ -36,6 +35,7 @@ from kvcm.optimizer.sweep import (
     with_first_tiers,
     working_set,
 )
+from kvcm.optimizer.trace import Record, TraceError
 from kvcm.optimizer.traces import READERS, Trace, dump_schema, parse_options, read_trace
 from kvcm.policies import POLICIES
 

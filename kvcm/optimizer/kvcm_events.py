@@ -54,12 +54,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from kvcm.optimizer.records import LineContext, Mask, Record, json_lines
-
-if TYPE_CHECKING:
-    from kvcm.optimizer.traces import Trace
+from kvcm.optimizer.trace import LineContext, Mask, Record, Trace, json_lines
 
 EVENT_TYPES = ("GetCacheLocation", "StartWriteCache", "FinishWriteCache", "CacheReclaimSubmit")
 _RECENT_READS = 64  # lookups remembered per instance for pairing; a turn's write follows soon

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from kvcm.optimizer.records import Mask
+from kvcm.optimizer.trace import Mask
 
 
 class _Node:

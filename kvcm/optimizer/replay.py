@@ -1,6 +1,6 @@
 """Replay a trace through groups of tiered caches and count hits per instance.
 
-What one record does (see :mod:`kvcm.optimizer.records` for the ops):
+What one record does (see :mod:`kvcm.optimizer.trace` for the ops):
 
 * a lookup (``turn`` or ``read``) skips the masked blocks (already on the device: *internal*
   hits, as kvcm's ``prefix_match`` does), then counts the leading blocks some tier holds
@@ -29,9 +29,9 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any, cast
 
 from kvcm.optimizer.radix import RadixTree
-from kvcm.optimizer.records import Record
 from kvcm.optimizer.spec import GroupSpec, InstanceSpec, ReplaySpec, TierSpec
 from kvcm.optimizer.stats import GroupResult, HitStats, ReplayResult
+from kvcm.optimizer.trace import Record
 from kvcm.policies import BasePolicy, make_policy
 
 _SHIFT = 66  # namespacing stride: keys are int64 or uint64, so they fit below 2**65 - 2**63

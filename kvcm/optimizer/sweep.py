@@ -18,10 +18,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvcm.optimizer.records import Record
 from kvcm.optimizer.replay import Replayer
 from kvcm.optimizer.spec import Capacity, ReplaySpec
 from kvcm.optimizer.stats import HitStats, ReplayResult
+from kvcm.optimizer.trace import Record
 
 UNBOUNDED = 1 << 62  # "no limit" that keeps the capacity's unit (blocks or bytes)
 

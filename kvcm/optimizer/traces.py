@@ -13,16 +13,16 @@ format              input
 ==================  ==========================================================================
 
 ``hash_ids`` are per-block ids where equal ids at the same position mean an equal prefix; they
-are chained with Tair's ``ApplyPrefixHash`` (:func:`kvcm.blockkeys.chain_hash_ids`) into
+are chained with Tair's ``ApplyPrefixHash`` (:func:`kvcm.cache.keys.chain_hash_ids`) into
 prefix-dependent keys, so two requests share a key only if they share the whole prefix.
 
 ``kvcm_schema`` is JSON lines: an optional header ``{"kvcm_schema": 1, "block_size": 16,
-"instances": {"<id>": {"block_size": 512}}}`` then one :class:`~kvcm.optimizer.records.Record`
+"instances": {"<id>": {"block_size": 512}}}`` then one :class:`~kvcm.optimizer.trace.Record`
 per line: ``{"ts": s, "instance": str, "op": "turn|read|write|remove|clear", "keys": [int],
 "parent": int, "mask": int | [bool], "tokens": int, "output_tokens": int}`` (all but ``ts``,
 ``instance`` and ``op`` optional).
 
-Every reader raises :class:`~kvcm.optimizer.records.TraceError` with ``path:line:`` on a bad
+Every reader raises :class:`~kvcm.optimizer.trace.TraceError` with ``path:line:`` on a bad
 line, and counts what it skipped in :attr:`Trace.counts`.
 """
 
@@ -31,36 +31,16 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO, Any
 
-from kvcm.blockkeys import chain_hash_ids
+from kvcm.cache.keys import chain_hash_ids
 from kvcm.optimizer import kvcm_events, vllm_capture
-from kvcm.optimizer.records import OPS, LineContext, Record, TraceError, json_lines
+from kvcm.optimizer.trace import OPS, LineContext, Record, Trace, TraceError, json_lines
 
 SCHEMA_VERSION = 1
 Progress = Callable[[int], object]
-
-
-@dataclass
-class Trace:
-    """A trace being read: its records (an iterator, consumed once) and what was learnt."""
-
-    path: str
-    format: str
-    block_size: int
-    records: Iterator[Record] = field(default_factory=lambda: iter(()))
-    block_sizes: dict[str, int] = field(default_factory=dict)
-    counts: Counter[str] = field(default_factory=Counter)
-
-    def __iter__(self) -> Iterator[Record]:
-        return self.records
-
-    def block_size_of(self, instance: str) -> int:
-        """Tokens per block for ``instance`` (the trace's default if not stated per instance)."""
-        return self.block_sizes.get(instance, self.block_size)
 
 
 ReadFn = Callable[..., Iterator[Record]]

@@ -11,7 +11,7 @@
 =============== ============================================================================
 
 :func:`capture_line` builds such a line. Payloads are decoded by
-:func:`kvcm.proto.vllm_events.decode_batch` (map, array and mixed layouts; int or bytes hashes,
+:func:`kvcm.kv_events.decode_batch` (map, array and mixed layouts; int or bytes hashes,
 normalised to unsigned 64-bit with vLLM's own rule).
 
 Replay: a ``BlockStored`` is a ``turn`` for its source — the engine just computed these blocks,
@@ -30,10 +30,8 @@ import base64
 import binascii
 import json
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
-from kvcm.optimizer.records import LineContext, Record, json_lines
-from kvcm.proto.vllm_events import (
+from kvcm.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -42,9 +40,7 @@ from kvcm.proto.vllm_events import (
     decode_batch,
     hash_to_u64,
 )
-
-if TYPE_CHECKING:
-    from kvcm.optimizer.traces import Trace
+from kvcm.optimizer.trace import LineContext, Record, Trace, json_lines
 
 
 def capture_line(ts: float, source: str, seq: int, topic: str, payload: bytes) -> str:

@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
+from kvcm.cache.listeners import CacheListener
 from kvcm.config import ReclaimConfig
 from kvcm.policies import BasePolicy
 from kvcm.reclaimer.state import ALL_TYPES, GroupState, IKey, Limits, ReclaimMetrics, deleter_head
@@ -59,11 +60,11 @@ _SERVE, _READ, _REMOVE = 0, 1, 2
 
 
 class CacheHooks(Protocol):
-    """The part of ``kvcm.manager.CacheManager`` the reclaimer uses."""
+    """The part of ``kvcm.cache.manager.CacheManager`` the reclaimer uses."""
 
     clock: Callable[[], float]
 
-    def add_listener(self, listener: object) -> None: ...
+    def add_listener(self, listener: CacheListener) -> None: ...
     def usage(self, group: str) -> Mapping[str, Any]: ...
     def evict(self, instance_id: str, keys: list[int], storage_type: str | None = None) -> int: ...
     def instances_of_group(self, group: str) -> list[str]: ...
@@ -97,7 +98,7 @@ class _Job:
         return self.state.policies[self.stype]
 
 
-class Reclaimer:
+class Reclaimer(CacheListener):
     """Keeps usage of every instance group under its watermark (see the module docstring).
 
     Threads: the listener hooks (:meth:`on_serving`, :meth:`on_read`, :meth:`on_removed`) run on

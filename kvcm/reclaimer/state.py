@@ -16,8 +16,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvcm.backends.base import from_u64
 from kvcm.policies import POLICIES, TTL, BasePolicy, make_policy
+from kvcm.store.base import from_u64
 
 IKey = tuple[str, int]  # (instance_id, block_key): block keys are per-instance namespaces
 _COUNTS_EVERY_READ = frozenset({"lfu"})  # policies for which two reads differ from one
@@ -48,7 +48,7 @@ def _access(policy: BasePolicy, iid: str, keys: Iterable[int], now: float) -> No
 
 
 def limits_of(group: Any) -> Limits:
-    """:class:`Limits` of a registry ``InstanceGroup`` (``kvcm.model``)."""
+    """:class:`Limits` of a registry ``InstanceGroup`` (``kvcm.control.records``)."""
     strategy, quota = group.reclaim_strategy, group.quota
     return Limits(
         policy=strategy.reclaim_policy,
@@ -61,7 +61,7 @@ def limits_of(group: Any) -> Limits:
 
 
 def limits_from_registry(registry: Any) -> Callable[[], dict[str, Limits]]:
-    """The ``limits`` callable for a :class:`~kvcm.registry.Registry`: every group, read afresh
+    """The ``limits`` callable for a :class:`~kvcm.control.registry.Registry`: every group, read afresh
     (the registry's reads are in-memory and thread-safe), so updates apply on the next tick."""
 
     def read() -> dict[str, Limits]:
@@ -252,14 +252,14 @@ def deleter_head(manager: Any) -> Callable[[], float | None] | None:
     The deleter frees in due order, so every delete due *before* the head is done: that tells
     the reclaimer exactly when bytes it evicted stop counting in usage, however far the deleter
     lags. Uses ``manager.deleter.next_due()`` when there is one, else reads the head of
-    :mod:`kvcm.deleter`'s queue (keys ``u64(due_ms) + u64(seq)``, in due order).
+    :mod:`kvcm.cache.deleter`'s queue (keys ``u64(due_ms) + u64(seq)``, in due order).
     """
     deleter, store = getattr(manager, "deleter", None), getattr(manager, "store", None)
     if deleter is not None and callable(getattr(deleter, "next_due", None)):
         return deleter.next_due  # type: ignore[no-any-return]
     if deleter is None or store is None:
         return None
-    from kvcm.deleter import DB
+    from kvcm.cache.deleter import DB
 
     def head() -> float | None:
         with store.read() as view:

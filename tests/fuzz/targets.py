@@ -33,12 +33,13 @@ from typing import Any
 import msgpack
 import msgspec
 
-from kvcm.blockkeys import token_ids_to_block_keys
+from kvcm import schema
+from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
 from kvcm.errors import Code, InvalidArgument
-from kvcm.proto import schema, wire
-from kvcm.proto.vllm_events import EventDecodeError, decode_batch, event_to_meaning, hash_to_u64
+from kvcm.kv_events import EventDecodeError, decode_batch, event_to_meaning, hash_to_u64
+from kvcm.rpc import wire
 
 INSTANCE = "fuzz-inst"
 BLOCK_SIZE = 4

@@ -1,0 +1,306 @@
+"""Control-plane RPCs: storages, instance groups, instances, accounts, snapshots, health.
+
+Request schemas use Tair's proto field names; every request may carry ``trace_id`` and ``auth``;
+an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.schema`). Replies are plain maps; lists keep Tair's (singular) field names
+(``storage``, ``instance_group``, ``instance_info``, ``accounts``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from kvcm.control.records import (
+    Instance,
+    InstanceGroup,
+    LocationSpecGroup,
+    LocationSpecInfo,
+    ModelDeployment,
+    Storage,
+    to_wire,
+)
+from kvcm.control.registry import Registry
+from kvcm.errors import InvalidArgument
+from kvcm.rpc.auth import Authenticator
+from kvcm.rpc.dispatch import Method
+from kvcm.schema import RequestBase
+
+
+# msgspec.Struct named again only so that linters see a Struct (its defaults are copied, not shared).
+class _Request(RequestBase, msgspec.Struct, kw_only=True):
+    pass
+
+
+class Empty(_Request):
+    pass
+
+
+class AddStorageRequest(_Request):
+    storage: Storage
+    # Take over a directory that is not empty and carries no ownership marker of this kvcm
+    # (files kvcm did not name are still never swept or deleted).
+    adopt_directory: bool = False
+
+
+class UpdateStorageRequest(_Request):
+    storage: Storage
+    force_update: bool = False  # accepted for Tair compatibility; updates are always in place
+
+
+class StorageNameRequest(_Request):
+    storage_unique_name: str
+
+
+class CreateInstanceGroupRequest(_Request):
+    instance_group: InstanceGroup
+
+
+class UpdateInstanceGroupRequest(_Request):
+    instance_group: dict[str, Any]  # partial: the fields given replace the stored ones
+    current_version: int | None = None
+    expected_version: int | None = None  # alias of current_version
+
+
+class GroupNameRequest(_Request):
+    name: str
+
+
+class RegisterInstanceRequest(_Request):
+    instance_group: str
+    instance_id: str
+    block_size: int
+    location_spec_infos: list[LocationSpecInfo]
+    model_deployment: ModelDeployment = msgspec.field(default_factory=ModelDeployment)
+    location_spec_groups: list[LocationSpecGroup] = []
+
+
+class InstanceIdRequest(_Request):
+    instance_id: str
+    instance_group: str = ""  # accepted and ignored, as in Tair
+
+
+class ListInstanceInfoRequest(_Request):
+    instance_group_name: str = ""  # "" = all groups
+
+
+class AddAccountRequest(_Request):
+    user_name: str
+    password: str
+    role: str = "user"
+    groups: list[str] = []  # instance groups the account may use; none by default, ["*"] = all
+
+
+class UpdateAccountRequest(_Request):
+    user_name: str
+    password: str | None = None
+    role: str | None = None
+    groups: list[str] | None = None  # replaces the account's groups when given
+
+
+class UserNameRequest(_Request):
+    user_name: str
+
+
+class LoadConfigSnapshotRequest(_Request):
+    config_snapshot: dict[str, Any] | str  # a gen_config_snapshot map, or its JSON text
+
+
+class _Handlers:
+    """Thin adapters from request Structs to :class:`Registry` calls and reply maps."""
+
+    def __init__(
+        self, registry: Registry, info: Callable[[], dict[str, Any]], auth: Authenticator | None = None
+    ) -> None:
+        self.registry = registry
+        self.info = info
+        self.auth = auth
+        self.started = time.time()
+
+    def _caller(self, req: Any) -> str | None:
+        """The calling account when auth is on: guards refuse to let it lock itself out."""
+        return None if self.auth is None else self.auth.caller(req)
+
+    # storages
+    def add_storage(self, req: AddStorageRequest) -> dict[str, Any]:
+        return {"storage": to_wire(self.registry.add_storage(req.storage, adopt=req.adopt_directory))}
+
+    def update_storage(self, req: UpdateStorageRequest) -> dict[str, Any]:
+        return {"storage": to_wire(self.registry.update_storage(req.storage))}
+
+    def enable_storage(self, req: StorageNameRequest) -> dict[str, Any]:
+        return {"storage": to_wire(self.registry.set_storage_enabled(req.storage_unique_name, True))}
+
+    def disable_storage(self, req: StorageNameRequest) -> dict[str, Any]:
+        return {"storage": to_wire(self.registry.set_storage_enabled(req.storage_unique_name, False))}
+
+    def remove_storage(self, req: StorageNameRequest) -> dict[str, Any]:
+        self.registry.remove_storage(req.storage_unique_name)
+        return {}
+
+    def list_storage(self, req: Empty) -> dict[str, Any]:
+        return {"storage": [to_wire(s) for s in self.registry.list_storages()]}
+
+    # instance groups
+    def create_instance_group(self, req: CreateInstanceGroupRequest) -> dict[str, Any]:
+        return {"instance_group": to_wire(self.registry.create_group(req.instance_group))}
+
+    def update_instance_group(self, req: UpdateInstanceGroupRequest) -> dict[str, Any]:
+        version = req.current_version if req.current_version is not None else req.expected_version
+        if version is None:
+            raise InvalidArgument("current_version: required (the version you read; see get_instance_group)")
+        return {"instance_group": to_wire(self.registry.update_group(req.instance_group, version))}
+
+    def remove_instance_group(self, req: GroupNameRequest) -> dict[str, Any]:
+        self.registry.remove_group(req.name)
+        return {}
+
+    def get_instance_group(self, req: GroupNameRequest) -> dict[str, Any]:
+        return {"instance_group": to_wire(self.registry.get_group(req.name))}
+
+    def list_instance_groups(self, req: Empty) -> dict[str, Any]:
+        return {"instance_group": [to_wire(g) for g in self.registry.list_groups()]}
+
+    # instances
+    def register_instance(self, req: RegisterInstanceRequest) -> dict[str, Any]:
+        instance = Instance(
+            instance_id=req.instance_id,
+            instance_group=req.instance_group,
+            block_size=req.block_size,
+            location_spec_infos=req.location_spec_infos,
+            location_spec_groups=req.location_spec_groups,
+            model_deployment=req.model_deployment,
+        )
+        done = self.registry.register_instance(instance)
+        return {"storage_configs": [to_wire(s) for s in done.storages], "created": done.created}
+
+    def get_instance_info(self, req: InstanceIdRequest) -> dict[str, Any]:
+        instance = self.registry.get_instance(req.instance_id)
+        return {"instance_group": instance.instance_group, "instance_info": to_wire(instance)}
+
+    def list_instance_info(self, req: ListInstanceInfoRequest) -> dict[str, Any]:
+        instances = self.registry.list_instances(req.instance_group_name)
+        visible = None if self.auth is None else self.auth.visible(req)
+        if visible is not None:  # a non-admin sees the instances of its own groups only
+            instances = [i for i in instances if visible(i.instance_id)]
+        return {"instance_info": [to_wire(i) for i in instances]}
+
+    def remove_instance(self, req: InstanceIdRequest) -> dict[str, Any]:
+        self.registry.remove_instance(req.instance_id)
+        return {}
+
+    # accounts
+    def add_account(self, req: AddAccountRequest) -> dict[str, Any]:
+        return {"account": _account(self.registry.add_account(req.user_name, req.password, req.role, req.groups))}
+
+    def update_account(self, req: UpdateAccountRequest) -> dict[str, Any]:
+        account = self.registry.update_account(
+            req.user_name, req.password, req.role, req.groups, caller=self._caller(req)
+        )
+        return {"account": _account(account)}
+
+    def delete_account(self, req: UserNameRequest) -> dict[str, Any]:
+        self.registry.delete_account(req.user_name, caller=self._caller(req))
+        return {}
+
+    def list_account(self, req: Empty) -> dict[str, Any]:
+        return {"accounts": [_account(a) for a in self.registry.list_accounts()]}
+
+    # snapshots
+    def gen_config_snapshot(self, req: Empty) -> dict[str, Any]:
+        return {"config_snapshot": self.registry.gen_config_snapshot()}
+
+    def load_config_snapshot(self, req: LoadConfigSnapshotRequest) -> dict[str, Any]:
+        return {"loaded": self.registry.load_config_snapshot(req.config_snapshot, caller=self._caller(req))}
+
+    # health
+    def check_health(self, req: Empty) -> dict[str, Any]:
+        storages = self.registry.list_storages()
+        return {
+            "status": "ok",
+            "is_health": True,
+            "is_leader": True,
+            "uptime_s": round(time.time() - self.started, 3),
+            "counts": self.registry.counts(),  # read from the store: proves it answers
+            "storages": {s.global_unique_name: _storage_health(s, self.registry.unavailable_reasons) for s in storages},
+            "node": self.info(),
+        }
+
+    def get_manager_cluster_info(self, req: Empty) -> dict[str, Any]:
+        info = self.info()
+        node_id = str(info.get("node_id") or info.get("endpoint") or "local")
+        me = {**info, "node_id": node_id, "leader": True}
+        return {
+            "leader": True,
+            "self": me,
+            "nodes": [me],
+            "self_node_id": node_id,
+            "leader_node_id": node_id,
+            "leader_endpoint": me,
+            "info_updated_time": int(self.started * 1000),
+            "self_leader_expiration_time": 0,  # single node: the lease never expires
+        }
+
+
+def _account(account: Any) -> dict[str, Any]:
+    """Never the hash: an account on the wire is its name, role and instance groups."""
+    return {"user_name": account.user_name, "role": account.role, "groups": list(account.groups)}
+
+
+# name, request type, writes, idempotent, admin
+_TABLE: tuple[tuple[str, type, bool, bool, bool], ...] = (
+    ("add_storage", AddStorageRequest, True, False, True),
+    ("update_storage", UpdateStorageRequest, True, True, True),
+    ("enable_storage", StorageNameRequest, True, True, True),
+    ("disable_storage", StorageNameRequest, True, True, True),
+    ("remove_storage", StorageNameRequest, True, False, True),
+    ("list_storage", Empty, False, True, True),
+    ("create_instance_group", CreateInstanceGroupRequest, True, False, True),
+    ("update_instance_group", UpdateInstanceGroupRequest, True, False, True),
+    ("remove_instance_group", GroupNameRequest, True, False, True),
+    ("get_instance_group", GroupNameRequest, False, True, True),
+    ("list_instance_groups", Empty, False, True, True),
+    ("register_instance", RegisterInstanceRequest, True, True, False),
+    ("get_instance_info", InstanceIdRequest, False, True, False),
+    ("list_instance_info", ListInstanceInfoRequest, False, True, False),  # filtered to the caller's groups
+    ("remove_instance", InstanceIdRequest, True, False, True),
+    ("add_account", AddAccountRequest, True, False, True),
+    ("update_account", UpdateAccountRequest, True, True, True),
+    ("delete_account", UserNameRequest, True, False, True),
+    ("list_account", Empty, False, True, True),
+    ("gen_config_snapshot", Empty, False, True, True),
+    ("load_config_snapshot", LoadConfigSnapshotRequest, True, True, True),
+    ("check_health", Empty, False, True, False),
+    ("get_manager_cluster_info", Empty, False, True, False),
+)
+
+
+def methods(
+    registry: Registry,
+    info: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+    auth: Authenticator | None = None,
+) -> list[Method]:
+    """Every control-plane method. ``info``: facts about this node (e.g. ``node_id``, ``endpoint``,
+    ``version``) for ``check_health`` and ``get_manager_cluster_info``; a callable is asked on
+    every call, so facts known only after start (the bound port) show up. ``auth`` (when on)
+    filters ``list_instance_info`` to the caller's groups and keeps admins from locking
+    themselves out."""
+    if callable(info):
+        handlers = _Handlers(registry, info, auth)
+    else:
+        facts = dict(info or {})
+        handlers = _Handlers(registry, lambda: dict(facts), auth)
+    return [
+        Method(name, getattr(handlers, name), request=request, writes=writes, idempotent=idempotent, admin=admin)
+        for name, request, writes, idempotent, admin in _TABLE
+    ]
+
+
+def _storage_health(storage: Any, reasons: dict[str, str]) -> dict[str, Any]:
+    """``enabled``/``available`` of one storage, and why it is unavailable when it is."""
+    out: dict[str, Any] = {"enabled": storage.enabled, "available": storage.available}
+    if not storage.available:
+        out["unavailable_reason"] = reasons.get(storage.global_unique_name, "unavailable at the last probe")
+    return out

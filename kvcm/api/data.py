@@ -1,0 +1,227 @@
+"""Data-plane RPCs: ``get_cache_location``, ``get_cache_meta``, ``start_write_cache``,
+``finish_write_cache``, ``remove_cache``, ``trim_cache`` (the README's "Data plane" section has an example of each),
+and ``report_lost`` (a client could not read blocks kvcm handed out: they stop being served).
+
+Request schemas use Tair's proto field names; every request may carry ``trace_id`` and ``auth``;
+an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.schema`). Enum values are
+lower-case names (``"prefix_match"``); Tair's spellings (``"QT_PREFIX_MATCH"``,
+``"TS_REMOVE_ALL_CACHE"``) are accepted too. A bool mask may be sent as ``{"bool_masks": [..]}``
+or in proto-JSON form ``{"bool_masks": {"values": [..]}}`` (no other key).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Any
+
+import msgspec
+
+from kvcm.cache.manager import CacheManager
+from kvcm.cache.masks import BlockMask, derive_keys
+from kvcm.engines.service import EngineService
+from kvcm.errors import InvalidArgument
+from kvcm.rpc import wire
+from kvcm.rpc.dispatch import Estimate, Method, TokenWork
+from kvcm.schema import Flags, Keys, RequestBase, Tokens
+
+InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class BoolMasks(msgspec.Struct, forbid_unknown_fields=True):
+    """Tair's proto-JSON form of a bool mask, ``{"values": [..]}``."""
+
+    values: Flags = []
+
+
+class WireMask(msgspec.Struct, forbid_unknown_fields=True):
+    offset: int | None = None
+    bool_masks: Flags | BoolMasks | None = None
+
+    def to_mask(self) -> BlockMask:
+        values = self.bool_masks
+        return BlockMask(self.offset, values.values if isinstance(values, BoolMasks) else values)
+
+
+def _mask(mask: WireMask | None) -> BlockMask | None:
+    return None if mask is None else mask.to_mask()
+
+
+# msgspec.Struct named again only so that linters see a Struct (its defaults are copied, not shared).
+class _Request(RequestBase, msgspec.Struct, kw_only=True):
+    instance_id: InstanceId
+
+
+class _Keys(_Request, kw_only=True):
+    block_keys: Keys = []
+    token_ids: Tokens = []
+
+
+class GetCacheLocationRequest(_Keys, kw_only=True):
+    query_type: str
+    block_mask: WireMask | None = None
+    sw_size: int = 0
+    location_spec_names: list[str] = []
+    include_engines: bool = False  # add "engine_locations": per key, the engines holding it
+    lora_name: str | None = None  # engine blocks of this LoRA adapter (with include_engines)
+
+
+class GetCacheMetaRequest(_Keys, kw_only=True):
+    block_mask: WireMask | None = None
+    detail_level: int = 0
+
+
+class StartWriteCacheRequest(_Keys, kw_only=True):
+    location_spec_group_names: list[str] = []
+    write_timeout_seconds: float = 0.0  # 0 = the server's cache.write_timeout_seconds
+
+
+class FinishWriteCacheRequest(_Request, kw_only=True):
+    write_session_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    success_blocks: WireMask | None = None
+    locations: list[Any] = []  # accepted and ignored, as in Tair
+
+
+class RemoveCacheRequest(_Keys, kw_only=True):
+    block_mask: WireMask | None = None
+
+
+class ReportLostRequest(_Keys, kw_only=True):
+    block_mask: WireMask | None = None
+
+
+class TrimCacheRequest(_Request, kw_only=True):
+    strategy: str
+    begin_timestamp: int = 0  # wall-clock microseconds (Tair's __lru_time__ unit)
+    end_timestamp: int = 0
+
+
+@functools.lru_cache(maxsize=256)  # on every request; the handful of spellings repeat
+def _enum(value: str, prefix: str) -> str:
+    """``"QT_PREFIX_MATCH"`` and ``"prefix_match"`` both mean ``"prefix_match"``."""
+    lowered = value.lower()
+    return lowered.removeprefix(prefix)
+
+
+class CacheApi:
+    """Thin adapters from request Structs to :class:`CacheManager` (RPC thread). What the event
+    log records of each call comes from the data plane's listeners
+    (:class:`kvcm.publish.bridge.StorageEvents`), once the call's changes committed."""
+
+    def __init__(self, manager: CacheManager, engines: EngineService | None = None) -> None:
+        self.m = manager
+        self.engines = engines
+
+    def get_cache_location(self, r: GetCacheLocationRequest) -> Any:
+        reply = self.m.get_cache_location(r.instance_id, _enum(r.query_type, "qt_"), r.block_keys, r.token_ids,
+                                          _mask(r.block_mask), r.sw_size, r.location_spec_names)
+        if not r.include_engines:
+            return reply
+        if self.engines is None:
+            raise InvalidArgument("include_engines: the engine tier is disabled on this server")
+        # Rare path: decode the spliced reply once to add the engine holders of each key.
+        result = wire.unpack(reply.data)
+        result["engine_locations"] = self.engines.engine_locations(r.instance_id, self._keys(r), r.lora_name)
+        return result
+
+    def get_cache_meta(self, r: GetCacheMetaRequest) -> Any:
+        return self.m.get_cache_meta(r.instance_id, r.block_keys, r.token_ids, _mask(r.block_mask), r.detail_level)
+
+    def start_write_cache(self, r: StartWriteCacheRequest) -> Any:
+        return self.m.start_write_cache(r.instance_id, r.block_keys, r.token_ids, r.location_spec_group_names,
+                                        r.write_timeout_seconds)
+
+    def finish_write_cache(self, r: FinishWriteCacheRequest) -> Any:
+        return self.m.finish_write_cache(r.instance_id, r.write_session_id, _mask(r.success_blocks))
+
+    def remove_cache(self, r: RemoveCacheRequest) -> Any:
+        return self.m.remove_cache(r.instance_id, r.block_keys, r.token_ids, _mask(r.block_mask))
+
+    def report_lost(self, r: ReportLostRequest) -> Any:
+        return self.m.report_lost(r.instance_id, r.block_keys, r.token_ids, _mask(r.block_mask))
+
+    def trim_cache(self, r: TrimCacheRequest) -> Any:
+        return self.m.trim_cache(r.instance_id, _enum(r.strategy, "ts_"), r.begin_timestamp, r.end_timestamp)
+
+    def _keys(self, r: _Keys) -> list[int]:
+        return derive_keys(r.block_keys, r.token_ids, self.m.instance(r.instance_id).block_size)
+
+
+# Work on the RPC thread, in microseconds, measured on the 2-core reference VM (docs/limits.md has
+# the figures and the command): what the dispatcher refuses a request by before running it. A
+# write pays per key, per spec (a slot), and for each container file or segment it must create.
+_US_PER_KEY = {"prefix_match": 3.0, "batch_get": 6.0, "reverse_roll_sw_match": 6.0, "meta": 14.0,
+               "remove": 20.0, "write": 15.0}
+_US_PER_SLOT = 5.0
+_US_PER_CONTAINER = 150.0
+# Reply bytes of one location spec (its name and URI), for the reply-size check before the work.
+_REPLY_BYTES_PER_SPEC = 96
+
+
+class CacheCosts:
+    """The dispatcher's pre-run hooks of the data plane: keys from ``token_ids`` and estimates."""
+
+    def __init__(self, manager: CacheManager) -> None:
+        self.m = manager
+
+    def tokens(self, r: _Keys) -> TokenWork | None:
+        if r.block_keys or not r.token_ids:
+            return None
+        block_size = self.m.instance(r.instance_id).block_size
+
+        def done(keys: list[int]) -> None:
+            r.block_keys = keys
+
+        return TokenWork(r.token_ids, block_size, done)
+
+    def _specs(self, r: _Request) -> int:
+        return len(self.m.instance(r.instance_id).specs)
+
+    def _per_key(self, r: _Keys, per_key: float, reply: bool = True) -> Estimate:
+        keys = len(r.block_keys)
+        reply_bytes = keys * self._specs(r) * _REPLY_BYTES_PER_SPEC if reply and keys else 0
+        return Estimate(keys * per_key, reply_bytes, per_key)
+
+    def get_cache_location(self, r: GetCacheLocationRequest) -> Estimate:
+        return self._per_key(r, _US_PER_KEY.get(_enum(r.query_type, "qt_"), _US_PER_KEY["batch_get"]))
+
+    def get_cache_meta(self, r: GetCacheMetaRequest) -> Estimate:
+        return self._per_key(r, _US_PER_KEY["meta"])
+
+    def start_write_cache(self, r: StartWriteCacheRequest) -> Estimate:
+        if not r.block_keys:
+            return Estimate(0.0)
+        inst = self.m.instance(r.instance_id)
+        per_key = _US_PER_KEY["write"] + sum(self._per_slot(inst.group, size) for _, size in inst.specs)
+        return self._per_key(r, per_key)
+
+    def _per_slot(self, group: str, size: int) -> float:
+        """One spec of one block on the group's first storage: its slot, and its share of a new
+        container (a storage with one block per file creates a file for every slot)."""
+        candidates = self.m.group_view(group).candidates
+        backend = self.m.pool.get(candidates[0]) if candidates else None
+        slots_of = getattr(backend, "slots_per_container", None)
+        slots = slots_of(size) if slots_of is not None else 0
+        return _US_PER_SLOT + (_US_PER_CONTAINER / slots if slots > 0 else 0.0)
+
+    def remove_cache(self, r: RemoveCacheRequest | ReportLostRequest) -> Estimate:
+        return self._per_key(r, _US_PER_KEY["remove"], reply=False)
+
+
+def methods(manager: CacheManager, engines: EngineService | None = None) -> list[Method]:
+    api = CacheApi(manager, engines)
+    costs = CacheCosts(manager)
+    return [
+        Method("get_cache_location", api.get_cache_location, request=GetCacheLocationRequest,
+               cost=costs.get_cache_location, tokens=costs.tokens),
+        Method("get_cache_meta", api.get_cache_meta, request=GetCacheMetaRequest, cost=costs.get_cache_meta,
+               tokens=costs.tokens),
+        Method("start_write_cache", api.start_write_cache, request=StartWriteCacheRequest, writes=True,
+               idempotent=False, cost=costs.start_write_cache, tokens=costs.tokens),
+        Method("finish_write_cache", api.finish_write_cache, request=FinishWriteCacheRequest, writes=True,
+               idempotent=False),
+        Method("remove_cache", api.remove_cache, request=RemoveCacheRequest, writes=True, cost=costs.remove_cache,
+               tokens=costs.tokens),
+        Method("report_lost", api.report_lost, request=ReportLostRequest, writes=True, cost=costs.remove_cache,
+               tokens=costs.tokens),
+        Method("trim_cache", api.trim_cache, request=TrimCacheRequest, writes=True),
+    ]

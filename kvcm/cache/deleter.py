@@ -1,0 +1,135 @@
+"""Asynchronous deletes: locations marked ``deleting`` are freed on their storage, then dropped.
+
+A delete is *scheduled* in the same transaction that marks the location ``deleting``: one entry
+in the ``deletes`` database keyed ``u64(due_ms) + u64(seq)``, so entries come out in due order
+and a crash can never lose one (deletes pending at a crash finish after the restart).
+
+The deleter (a :class:`~kvcm.threads.LoopThread`) takes due entries in chunks. For each chunk,
+inside one write transaction: the block records are updated (location removed if it is still
+``deleting`` — a compare-and-delete, Tair's CAD), usage is decreased, the entries are removed,
+then the storage frees the data, then the transaction commits. Freeing inside the transaction
+means a freed slot cannot be handed out again before its metadata is gone (allocation happens
+in write transactions too); a crash after the free and before the commit only repeats the free
+after restart, where the metadata still reserves the slot.
+
+Thread ownership: :meth:`Deleter.run_once` on the deleter thread; :func:`schedule` on whichever
+thread owns the write transaction.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from kvcm.cache.blocks import Location, Record, Status
+from kvcm.cache.meta_index import KEEP, MetaIndex, namespace
+from kvcm.store.base import MetaStore, WriteTxn, u64
+
+log = logging.getLogger("kvcm.cache.deleter")
+
+DB = "deletes"
+_seq = itertools.count(int(time.time() * 1e6))
+
+
+def schedule(txn: WriteTxn, due: float, group: str, instance: str, key: int, loc_id: str) -> None:
+    """Queue the free of one ``deleting`` location at wall time ``due``."""
+    entry = u64(max(0, int(due * 1000))) + u64(next(_seq) & 0xFFFFFFFFFFFFFFFF)
+    txn.put(DB, entry, msgpack.packb([group, instance, key, loc_id]))
+
+
+class Deleter:
+    """Frees due deletes. ``storage(name)`` returns the opened backend or None."""
+
+    def __init__(
+        self,
+        store: MetaStore,
+        index: MetaIndex,
+        usage_add: Callable[[WriteTxn, dict[tuple[str, str, str], list[int]]], None],
+        storage: Callable[[str], Any],
+        clock: Callable[[], float] = time.time,
+        chunk: int = 256,
+    ) -> None:
+        self.store = store
+        self.index = index
+        self.usage_add = usage_add
+        self.storage = storage
+        self.clock = clock
+        self.chunk = chunk
+        self.freed = 0  # locations freed since start (metrics, tests)
+        self.external_tasks: list[str] = []  # URIs an external owner must delete (last chunk)
+
+    def pending(self) -> int:
+        with self.store.read() as view:
+            return view.count(DB)
+
+    def run_once(self, now: float | None = None) -> int:
+        """Free every entry due at ``now``; returns how many locations were freed."""
+        limit = u64(int((self.clock() if now is None else now) * 1000) + 1)
+        total = 0
+        while True:
+            with self.store.read() as view:
+                due = [(k, v) for k, v in view.scan(DB, limit=self.chunk) if k[:8] < limit]
+            if not due:
+                return total
+            total += self._free_chunk(due)
+            if len(due) < self.chunk:
+                return total
+
+    def _free_chunk(self, entries: list[tuple[bytes, bytes]]) -> int:
+        by_instance: dict[tuple[str, str], dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+        for _, value in entries:
+            group, instance, key, loc_id = msgpack.unpackb(value)
+            by_instance[(group, instance)][key].add(loc_id)
+        with self.store.write() as txn:
+            doomed: dict[str, list[str]] = defaultdict(list)  # storage -> uris
+            deltas: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+            for (group, instance), wanted in by_instance.items():
+                self._drop(txn, group, instance, wanted, doomed, deltas)
+            txn.delete_many(DB, [k for k, _ in entries])
+            self.usage_add(txn, dict(deltas))
+            freed = sum(len(uris) for uris in doomed.values())
+            for name, uris in doomed.items():
+                self._free_storage(name, uris)  # last: a failure rolls the whole chunk back
+        self.freed += sum(-d[1] for d in deltas.values())
+        return freed
+
+    def _drop(self, txn: WriteTxn, group: str, instance: str, wanted: dict[int, set[str]],
+              doomed: dict[str, list[str]], deltas: dict[tuple[str, str, str], list[int]]) -> None:
+        def modify(_: int, key: int, record: Record | None) -> Any:
+            if record is None:
+                return KEEP
+            keep: list[Location] = []
+            gone: list[Location] = []
+            for loc in record.locs:
+                # Compare-and-delete: a location that is no longer "deleting" is not ours to free.
+                (gone if loc.id in wanted[key] and loc.status == Status.DELETING else keep).append(loc)
+            if not gone:
+                return KEEP
+            for loc in gone:
+                doomed[loc.storage].extend(loc.uris())
+                delta = deltas[(group, instance, loc.type)]
+                delta[0] -= loc.nbytes
+                delta[1] -= 1
+            if not keep:
+                return None
+            record.locs = keep
+            return record
+
+        self.index.read_modify_write(txn, namespace(instance), list(wanted), modify)
+
+    def _free_storage(self, name: str, uris: list[str]) -> None:
+        backend = self.storage(name)
+        if backend is None:
+            # The storage was removed or never opened: nothing of ours to free there any more.
+            log.warning("dropping %d location(s) of storage %r without freeing: storage not open", len(uris), name)
+            return
+        tasks = backend.delete(uris)
+        if tasks:
+            self.external_tasks = list(tasks)
+            log.info("storage %r: %d deletion task(s) for the external owner", name, len(tasks))

@@ -1,0 +1,125 @@
+"""Where blocks go and which copies may be read: the data plane's view of storages and groups.
+
+* :class:`InstanceView` / :class:`GroupView` — the registry facts the hot paths need, flattened
+  once per registry change (namespace bytes, spec sizes, the empty filler, candidate order).
+* :func:`write_targets` — write targets (Tair KVCM's rule without its estimate): the first candidate of
+  the group, in order, that is enabled, available and opened, and whose storage type still has
+  quota for this request; the group's total quota is checked first. Quotas are hard limits:
+  ``used + needed <= capacity`` (0 = unlimited).
+* reads skip copies on storages that are not usable, and prefer copies in candidate order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcm.cache.blocks import empty_wire
+from kvcm.cache.meta_index import namespace
+from kvcm.errors import CapacityError, Code, InvalidArgument
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """An instance as the data plane uses it."""
+
+    instance_id: str
+    group: str
+    ns: bytes
+    block_size: int
+    specs: tuple[tuple[str, int], ...]  # (name, bytes per block) in registered order
+    spec_groups: dict[str, frozenset[str]]
+    empty_wire: bytes  # Tair's filler entry for batch_get / sw match misses
+
+    @classmethod
+    def of(cls, instance: Any) -> InstanceView:
+        specs = tuple((s.name, int(s.size)) for s in instance.location_spec_infos)
+        groups = {g.name: frozenset(g.spec_names) for g in instance.location_spec_groups}
+        return cls(instance.instance_id, instance.instance_group, namespace(instance.instance_id),
+                   int(instance.block_size), specs, groups, empty_wire([name for name, _ in specs]))
+
+    def specs_for(self, group_names: Sequence[str] | None, n: int) -> list[tuple[tuple[str, int], ...]]:
+        """Specs to allocate for each of ``n`` blocks (hybrid attention: a spec group per block)."""
+        if not group_names:
+            return [self.specs] * n
+        if len(group_names) != n:
+            # Compared with the *derived* keys, so token_ids work too (Tair compared with
+            # block_keys only).
+            raise InvalidArgument(f"location_spec_group_names: has {len(group_names)} entries for {n} blocks")
+        out = []
+        for i, name in enumerate(group_names):
+            members = self.spec_groups.get(name)
+            if members is None:
+                raise InvalidArgument(f"location_spec_group_names[{i}]: unknown spec group {name!r}")
+            out.append(tuple(s for s in self.specs if s[0] in members))
+        return out
+
+
+@dataclass(frozen=True)
+class GroupView:
+    name: str
+    candidates: tuple[str, ...]
+    capacity: int  # bytes, 0 = unlimited
+    type_capacity: dict[str, int] = field(default_factory=dict)  # 0 = unlimited
+    delay_ms: int = 0
+
+    @classmethod
+    def of(cls, group: Any) -> GroupView:
+        quota = group.quota
+        per_type = {q.storage_type: int(q.capacity) for q in quota.quota_config}
+        delay = int(group.reclaim_strategy.delay_before_delete_ms)
+        return cls(group.name, tuple(group.storage_candidates), int(quota.capacity), per_type, delay)
+
+    def rank(self, storage: str) -> int:
+        """Read preference: candidate order first, then anything else."""
+        try:
+            return self.candidates.index(storage)
+        except ValueError:
+            return len(self.candidates)
+
+
+@dataclass(frozen=True)
+class Target:
+    storage: str
+    type: str
+
+
+def write_targets(
+    group: GroupView,
+    needed: int,
+    used_total: int,
+    used_by_type: dict[str, int],
+    storage_type: Callable[[str], str | None],
+    usable: Callable[[str], bool],
+) -> list[Target]:
+    """Write targets for ``needed`` bytes in preference order (the caller tries them in turn, so
+    a storage that turns out full at allocation falls over to the next), or why there is none.
+
+    :raises CapacityError: QUOTA_EXCEEDED (group total, or every usable candidate's type is
+        full) or NO_STORAGE_AVAILABLE (no candidate is usable).
+    """
+    if group.capacity and used_total + needed > group.capacity:
+        raise CapacityError(
+            f"instance group {group.name!r} quota exceeded: {used_total} of {group.capacity} bytes used, "
+            f"{needed} more requested", Code.QUOTA_EXCEEDED)
+    full: list[str] = []
+    targets: list[Target] = []
+    for name in group.candidates:
+        kind = storage_type(name)
+        if kind is None or not usable(name):
+            continue
+        cap = group.type_capacity.get(kind, 0)
+        if cap and used_by_type.get(kind, 0) + needed > cap:
+            full.append(f"{name} ({kind}: {used_by_type.get(kind, 0)} of {cap} bytes used)")
+            continue
+        targets.append(Target(name, kind))
+    if targets:
+        return targets
+    if full:
+        raise CapacityError(
+            f"instance group {group.name!r}: storage type quota exceeded on every usable candidate: "
+            f"{', '.join(full)}; {needed} more bytes requested", Code.QUOTA_EXCEEDED)
+    raise CapacityError(
+        f"instance group {group.name!r}: no usable storage among candidates {list(group.candidates)} "
+        "(disabled, unavailable or not opened)", Code.NO_STORAGE_AVAILABLE)

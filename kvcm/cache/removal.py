@@ -1,0 +1,239 @@
+"""Everything that takes copies out of service: ``remove_cache``, ``trim_cache``, eviction, lost
+blocks (found by a storage or reported by a client) and purges of removed instances.
+
+A copy leaves service by one CAS, :func:`mark_deleting`: it becomes ``deleting`` (no query returns
+it again) and its free is scheduled on the deleter after the group's grace delay, so a reader that
+already holds its URIs still finds the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvcm.cache.blocks import Location, Record, Status, decode
+from kvcm.cache.deleter import schedule
+from kvcm.cache.masks import BlockMask, check_mask, derive_keys, unmasked_indices
+from kvcm.cache.meta_index import KEEP, namespace
+from kvcm.cache.placement import InstanceView
+from kvcm.cache.state import CacheState
+from kvcm.cache.usage import Key
+from kvcm.errors import InvalidArgument
+from kvcm.store.base import WriteTxn, from_i64
+
+log = logging.getLogger("kvcm.cache.removal")
+
+TRIM_STRATEGIES = ("remove_all_cache", "remove_all_meta", "timestamp")
+
+
+def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: Sequence[int], delay: float,
+                  serving_only: bool = False, storage_type: str | None = None,
+                  only: Callable[[int, Location], bool] | None = None) -> tuple[int, int]:
+    """CAS copies to ``deleting`` and schedule their free; ``(copies marked, serving bytes)``.
+
+    ``serving_only`` (eviction) never touches ``writing`` copies; ``only(key, location)``
+    picks the copies to mark (lost ones)."""
+    now = s.clock()
+    marked: list[tuple[int, str]] = []
+    gone: list[int] = []
+    freed = [0, 0]  # serving bytes, writing bytes
+
+    def modify(_: int, key: int, record: Record | None) -> Any:
+        if record is None:
+            return KEEP
+        had = any(x.status == Status.SERVING for x in record.locs)
+        for loc in record.locs:
+            if loc.status == Status.DELETING or (serving_only and loc.status != Status.SERVING):
+                continue
+            if storage_type is not None and loc.type != storage_type:
+                continue
+            if only is not None and not only(key, loc):
+                continue
+            if loc.status == Status.SERVING:
+                freed[0] += loc.nbytes
+            elif loc.status == Status.WRITING:
+                freed[1] += loc.nbytes
+            loc.status = Status.DELETING
+            marked.append((key, loc.id))
+        if had and not any(x.status == Status.SERVING for x in record.locs):
+            gone.append(key)
+        if not marked or marked[-1][0] != key:
+            return KEEP
+        record.updated = now
+        return record
+
+    s.index.read_modify_write(txn, namespace(instance_id), list(dict.fromkeys(keys)), modify)
+    for key, loc_id in marked:
+        schedule(txn, now + delay, group, instance_id, key, loc_id)
+    s.inflight.release(txn, instance_id, 0, freed[1])
+    if gone:
+        txn.on_commit(lambda: s.listeners.removed(instance_id, gone))
+    return len(marked), freed[0]
+
+
+def _request_keys(s: CacheState, instance_id: str, block_keys: Sequence[int] | None,
+                  token_ids: Sequence[int] | None, mask: BlockMask | None) -> tuple[InstanceView, list[int]]:
+    """The instance and the unmasked keys of a destructive request."""
+    inst = s.instance(instance_id)
+    keys = derive_keys(block_keys, token_ids, inst.block_size)
+    mask = check_mask(mask, len(keys), destructive=True)
+    return inst, [keys[i] for i in unmasked_indices(mask, len(keys))]
+
+
+def remove_cache(s: CacheState, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
+                 mask: BlockMask | None) -> dict[str, Any]:
+    """Mark every copy of the unmasked keys ``deleting`` now; the deleter frees them after
+    the group's ``delay_before_delete_ms`` (readers that already hold URIs get that grace)."""
+    inst, keys = _request_keys(s, instance_id, block_keys, token_ids, mask)
+    with s.store.write() as txn:
+        marked, _ = mark_deleting(s, txn, inst.instance_id, inst.group, keys, s.delay(inst.group))
+    return {"removed": marked}
+
+
+def trim_cache(s: CacheState, instance_id: str, strategy: str, begin_us: int = 0, end_us: int = 0) -> dict[str, Any]:
+    """``remove_all_cache``: every block, freed after the delay; ``remove_all_meta``: forget
+    the metadata now (space is released, data left as is); ``timestamp``: blocks last
+    modified in ``[begin_timestamp, end_timestamp)`` (wall-clock µs, end 0 = no bound)."""
+    inst = s.instance(instance_id)
+    if strategy not in TRIM_STRATEGIES:
+        raise InvalidArgument(f"strategy: {strategy!r} is not one of {', '.join(TRIM_STRATEGIES)}")
+    _check_trim_range(strategy, begin_us, end_us)
+    with s.store.write() as txn:
+        items = list(s.index.scan(txn, inst.ns))
+        if strategy == "remove_all_meta":
+            return {"removed": _forget_all(s, txn, inst, items)}
+        keys = [k for k, v in items if strategy == "remove_all_cache" or _in_range(v, begin_us, end_us)]
+        marked, _ = mark_deleting(s, txn, inst.instance_id, inst.group, keys, s.delay(inst.group))
+        if strategy == "remove_all_cache":
+            txn.on_commit(lambda: s.listeners.cleared(inst.instance_id))
+    return {"removed": marked}
+
+
+def _forget_all(s: CacheState, txn: WriteTxn, inst: InstanceView, items: list[tuple[int, bytes]]) -> int:
+    released: dict[str, list[str]] = defaultdict(list)
+    deltas: dict[Key, list[int]] = defaultdict(lambda: [0, 0])
+    writing = 0
+    for _key, value in items:
+        for loc in decode(value).locs:
+            released[loc.storage].extend(loc.uris())
+            writing += loc.nbytes if loc.status == Status.WRITING else 0
+            deltas[(inst.group, inst.instance_id, loc.type)][0] -= loc.nbytes
+            deltas[(inst.group, inst.instance_id, loc.type)][1] -= 1
+    s.index.read_modify_write(txn, inst.ns, [k for k, _ in items], lambda i, k, r: None)
+    s.usage_book.add(txn, dict(deltas))
+    s.inflight.release(txn, inst.instance_id, 0, writing)
+
+    def release() -> None:
+        for name, uris in released.items():
+            backend = s.pool.get(name)
+            if backend is not None:
+                backend.release(uris)
+        s.listeners.cleared(inst.instance_id)
+
+    txn.on_commit(release)
+    return sum(-d[1] for d in deltas.values())
+
+
+def evict(s: CacheState, instance_id: str, keys: list[int], storage_type: str | None = None) -> int:
+    """Reclaimer: ``serving -> deleting`` by CAS (never ``writing``), freed after the group's
+    delay. Returns the bytes reclaimed."""
+    group = s.known.get(instance_id) or s.instance(instance_id).group
+    delay = s.delay(group)
+    with s.store.write() as txn:
+        _, freed = mark_deleting(s, txn, instance_id, group, keys, delay, serving_only=True, storage_type=storage_type)
+        if freed and s.listeners:
+            txn.on_commit(lambda: s.listeners.evicted(instance_id, list(keys), delay))
+    return freed
+
+
+def purge_instance(s: CacheState, instance_id: str) -> int:
+    """Schedule the free of every copy of a removed instance (no delay: nobody can read them)."""
+    group = s.known.get(instance_id, "")
+    ns = namespace(instance_id)
+    marked = 0
+    for chunk in s.index.chunks(ns):
+        with s.store.write() as txn:
+            marked += mark_deleting(s, txn, instance_id, group, [k for k, _ in chunk], 0.0)[0]
+    s.listeners.cleared(instance_id)
+    return marked
+
+
+# -- lost blocks ----------------------------------------------------------------------------------
+
+
+def mark_lost(s: CacheState, storage: str, lost: Callable[[list[str]], set[str]], source: str) -> int:
+    """Every copy on ``storage`` with a URI ``lost(uris)`` names (its bytes are gone) becomes
+    ``deleting`` at once: no query returns it again, its key is writable again, and the
+    deleter releases its slots and usage. One pass over every record (rare: only when a
+    storage reports damage). Returns the copies marked, counted in ``kvcm_blocks_lost_total``."""
+    hits: dict[bytes, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for chunk in s.all_chunks():
+        for dbkey, value in chunk:
+            for loc in decode(value).locs:
+                if loc.storage == storage and loc.status != Status.DELETING and lost(loc.uris()):
+                    hits[dbkey[:8]][from_i64(dbkey[8:])].add(loc.id)
+    owners = s.owners()
+    marked = 0
+    for ns, by_key in hits.items():
+        group, instance_id = owners.get(ns, ("", ""))
+        if not instance_id:
+            continue
+        with s.store.write() as txn:
+            marked += mark_deleting(s, txn, instance_id, group, list(by_key), 0.0, only=_picked(by_key))[0]
+    if marked:
+        log.warning("storage %r: %d cop(ies) lost their bytes (%s); no longer served", storage, marked, source)
+        s.lost.add(source, marked)
+    return marked
+
+
+def report_lost(s: CacheState, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
+                mask: BlockMask | None) -> dict[str, Any]:
+    """A client could not read these blocks (``report_lost``): their serving copies become
+    ``deleting`` now (no grace delay: the bytes are bad for every reader) and count as lost."""
+    inst, keys = _request_keys(s, instance_id, block_keys, token_ids, mask)
+    with s.store.write() as txn:
+        marked, _ = mark_deleting(s, txn, inst.instance_id, inst.group, keys, 0.0, serving_only=True)
+        if marked:
+            txn.on_commit(lambda: s.lost.add("client", marked))
+    return {"lost": marked}
+
+
+def scan_lost(s: CacheState) -> int:
+    """Ask every storage that can look (``rescan``) whether containers vanished or shrank,
+    and mark the copies in them lost. Deleter thread, every ``cache.lost_scan_s``."""
+    marked = 0
+    for name in s.pool.names():
+        backend = s.pool.get(name)
+        if backend is None or not hasattr(backend, "rescan") or not backend.rescan():
+            continue
+        marked += mark_lost(s, name, backend.lost, "scan")
+    return marked
+
+
+def _picked(by_key: dict[int, set[str]]) -> Callable[[int, Location], bool]:
+    """A :func:`mark_deleting` filter: the copies whose ids ``by_key`` lists for their key."""
+    return lambda key, loc: loc.id in by_key.get(key, ())
+
+
+def _check_trim_range(strategy: str, begin_us: int, end_us: int) -> None:
+    """A trim's range only ever narrows it: a range that is inverted, negative, empty for
+    ``timestamp`` or given to another strategy (which would ignore it) is refused, never read
+    as "every block"."""
+    if begin_us < 0 or end_us < 0:
+        raise InvalidArgument("begin_timestamp/end_timestamp: must not be negative")
+    if strategy != "timestamp":
+        if begin_us or end_us:
+            raise InvalidArgument(f"begin_timestamp/end_timestamp: only for strategy 'timestamp', not {strategy!r}")
+        return
+    if not begin_us and not end_us:
+        raise InvalidArgument("begin_timestamp/end_timestamp: strategy 'timestamp' needs at least one of them "
+                              "(remove_all_cache removes every block)")
+    if end_us and end_us <= begin_us:
+        raise InvalidArgument("begin_timestamp/end_timestamp: need begin < end (end 0 = open)")
+
+
+def _in_range(value: bytes, begin_us: int, end_us: int) -> bool:
+    updated_us = int(decode(value).updated * 1e6)
+    return updated_us >= begin_us and (not end_us or updated_us < end_us)

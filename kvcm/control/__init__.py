@@ -1,0 +1,1 @@
+"""The control plane: storages, instance groups, instances and accounts, persisted in the store."""

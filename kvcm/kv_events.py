@@ -1,0 +1,321 @@
+"""The vLLM / SGLang KV-cache event codec: ``KVEventBatch`` payloads in every shape seen on the wire.
+
+A PUB message is ``[topic, seq (8 bytes big-endian), payload]``; this module handles the payload.
+Three shapes exist:
+
+* ``map``    — batch ``{ts, events, data_parallel_rank}``, each event a map tagged by ``"type"``,
+  fields at their default omitted (current vLLM main);
+* ``array``  — batch ``[ts, events, dp_rank?]``, each event an array whose element 0 is the tag,
+  every field positional (vLLM before PR #42892, SGLang, AIBrix's encoder);
+* ``mixed``  — an array batch carrying map-tagged events (vLLM v0.26).
+
+Each event is decoded on its own (the batch is first split into ``msgspec.Raw`` pieces): one
+unknown tag or malformed event is reported in :attr:`DecodedBatch.errors` and skipped, never the
+whole batch. Unknown map keys and extra trailing array elements are ignored, missing optional
+fields default to ``None``, so older (5-element) and newer engines both decode.
+
+Block hashes are kept as sent (``int`` up to 2**64-1, negative SGLang int64, or ``bytes``);
+:func:`hash_to_u64` is the one normalisation consumers use (vLLM's own int mode: the last 8 bytes).
+
+Payloads are untrusted (any pod can publish): msgspec is used with typed schemas and every error,
+including ``RecursionError``, surfaces as :class:`EventDecodeError` or as a per-event error kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+import msgspec
+
+ExternalBlockHash: TypeAlias = int | bytes
+Encoding = Literal["map", "array", "mixed"]
+ENCODINGS: tuple[str, ...] = ("map", "array", "mixed")
+
+_M64 = (1 << 64) - 1
+
+#: Error kinds reported per event in :attr:`DecodedBatch.errors`.
+UNKNOWN_EVENT = "unknown_event"
+BAD_EVENT = "bad_event"
+
+
+class EventDecodeError(ValueError):
+    """The payload is not a KVEventBatch at all (the whole message is skipped and counted)."""
+
+
+# --- decoded events (what consumers see) ------------------------------------------------------
+
+
+class BlockStored(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Consecutive full blocks of one request; block *i*'s parent is block *i-1*."""
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Blocks evicted from one medium of the publishing engine."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """The engine dropped its whole prefix cache (every medium, every group)."""
+
+
+Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+# The map-shaped twins share field names with the array-shaped classes above; msgspec needs one
+# Struct per layout, so decoding goes through these and is converted (cheaply, field by field).
+class _BlockStoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _BlockRemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _AllBlocksClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
+    pass
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _MapBatch(msgspec.Struct, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_ARRAY_BATCH = msgspec.msgpack.Decoder(_ArrayBatch)
+_MAP_BATCH = msgspec.msgpack.Decoder(_MapBatch)
+_ARRAY_EVENT = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
+_MAP_EVENT = msgspec.msgpack.Decoder(_BlockStoredMap | _BlockRemovedMap | _AllBlocksClearedMap)
+_ANY = msgspec.msgpack.Decoder()
+_ENCODER = msgspec.msgpack.Encoder()
+_KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+
+
+@dataclass
+class DecodedBatch:
+    """One decoded ``KVEventBatch``: the events that decoded, and an error kind per one that did not."""
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+    errors: list[str] = field(default_factory=list)
+    shape: str = "array"
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """Decode one payload; raises :class:`EventDecodeError` only if it is not a batch at all."""
+    batch, shape = _decode_envelope(payload)
+    events: list[Event] = []
+    errors: list[str] = []
+    for raw in batch.events:
+        event = _decode_event(raw)
+        if isinstance(event, str):
+            errors.append(event)
+        else:
+            events.append(event)
+    return DecodedBatch(batch.ts, events, batch.data_parallel_rank, errors, shape)
+
+
+def _decode_envelope(payload: bytes) -> tuple[_ArrayBatch | _MapBatch, str]:
+    first = payload[:1]
+    try:
+        if first and _is_map_header(first[0]):
+            return _MAP_BATCH.decode(payload), "map"
+        return _ARRAY_BATCH.decode(payload), "array"
+    except (msgspec.DecodeError, RecursionError, ValueError, TypeError) as exc:
+        raise EventDecodeError(f"not a KVEventBatch: {exc}") from None
+
+
+def _is_map_header(b: int) -> bool:
+    return 0x80 <= b <= 0x8F or b in (0xDE, 0xDF)
+
+
+def _decode_event(raw: msgspec.Raw) -> Event | str:
+    """The event, or the error kind if it cannot be decoded."""
+    data = memoryview(raw)  # Raw supports the buffer protocol: no copy
+    try:
+        if len(data) and _is_map_header(data[0]):
+            return _from_map(_MAP_EVENT.decode(data))
+        event: Event = _ARRAY_EVENT.decode(data)
+        return event
+    except (msgspec.DecodeError, RecursionError, ValueError, TypeError):
+        return _classify_failure(data)
+
+
+def _from_map(ev: _BlockStoredMap | _BlockRemovedMap | _AllBlocksClearedMap) -> Event:
+    if type(ev) is _BlockStoredMap:
+        return BlockStored(
+            ev.block_hashes,
+            ev.parent_block_hash,
+            ev.token_ids,
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+            ev.lora_name,
+            ev.extra_keys,
+            ev.group_idx,
+            ev.kv_cache_spec_kind,
+            ev.kv_cache_spec_sliding_window,
+        )
+    if type(ev) is _BlockRemovedMap:
+        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx)
+    return AllBlocksCleared()
+
+
+def _classify_failure(data: Any) -> str:
+    """Tell an unknown tag (a newer engine) from a broken event, for the error metric."""
+    try:
+        obj = _ANY.decode(data)
+    except Exception:  # noqa: BLE001 - any failure here just means "broken"
+        return BAD_EVENT
+    if isinstance(obj, dict):
+        tag = obj.get("type")
+    elif isinstance(obj, list) and obj:
+        tag = obj[0]
+    else:
+        return BAD_EVENT
+    return UNKNOWN_EVENT if isinstance(tag, str) and tag not in _KNOWN_TAGS else BAD_EVENT
+
+
+def hash_to_u64(h: ExternalBlockHash) -> int:
+    """Normalise an engine block hash to an unsigned 64-bit int.
+
+    Ints are masked (SGLang sends signed int64); bytes keep their **last** 8 bytes, big-endian,
+    which is exactly what vLLM itself sends in its default int mode, so a source switching
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` keeps the same identities.
+    """
+    if type(h) is int:
+        return h & _M64
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        return int.from_bytes(bytes(h)[-8:], "big")
+    raise TypeError(f"block hash must be int or bytes, got {type(h).__name__}")
+
+
+# --- encoder ----------------------------------------------------------------------------------
+
+
+def encode_batch(
+    events: Sequence[Event],
+    ts: float,
+    data_parallel_rank: int | None = None,
+    encoding: str = "map",
+    extras: Sequence[dict[str, Any] | None] | None = None,
+) -> bytes:
+    """Encode a batch in one of :data:`ENCODINGS`, byte-compatible with vLLM's own encoder.
+
+    ``map``: map batch (``data_parallel_rank`` omitted when ``None``) + map events;
+    ``array``: array batch + positional events; ``mixed``: array batch + map events.
+    ``extras``: per event, additional map fields (map shapes only; consumers ignore unknown keys).
+    """
+    if encoding not in ENCODINGS:
+        raise ValueError(f"unknown encoding {encoding!r}, expected one of {ENCODINGS}")
+    as_map = encoding != "array"
+    body: list[Any] = [_event_map(e) if as_map else _event_array(e) for e in events]
+    if extras is not None and as_map:
+        for item, extra in zip(body, extras):
+            if extra:
+                item.update(extra)
+    if encoding == "map":
+        batch: Any = {"ts": float(ts), "events": body}
+        if data_parallel_rank is not None:
+            batch["data_parallel_rank"] = data_parallel_rank
+    else:
+        batch = [float(ts), body, data_parallel_rank]
+    return _ENCODER.encode(batch)
+
+
+_OPTIONAL_STORED = ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+
+
+def _event_map(e: Event) -> dict[str, Any]:
+    if type(e) is BlockStored:
+        out: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": e.block_hashes,
+            "parent_block_hash": e.parent_block_hash,
+            "token_ids": e.token_ids,
+            "block_size": e.block_size,
+            "lora_id": e.lora_id,
+            "medium": e.medium,
+            "lora_name": e.lora_name,
+        }
+        # vLLM's structs have no default for the fields above, but omit these when None.
+        for name in _OPTIONAL_STORED:
+            value = getattr(e, name)
+            if value is not None:
+                out[name] = value
+        return out
+    if type(e) is BlockRemoved:
+        out = {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": e.medium}
+        if e.group_idx is not None:
+            out["group_idx"] = e.group_idx
+        return out
+    return {"type": "AllBlocksCleared"}
+
+
+def _event_array(e: Event) -> list[Any]:
+    if type(e) is BlockStored:
+        out = [
+            "BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size,
+            e.lora_id, e.medium, e.lora_name, e.extra_keys, e.group_idx,
+        ]  # fmt: skip
+        # Positions 10-11 (spec kind, window) exist only in builds that know them; the
+        # golden legacy payloads stop at group_idx, so emit them only when set.
+        if e.kv_cache_spec_kind is not None or e.kv_cache_spec_sliding_window is not None:
+            out += [e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window]
+        return out
+    if type(e) is BlockRemoved:
+        return ["BlockRemoved", e.block_hashes, e.medium, e.group_idx]
+    return ["AllBlocksCleared"]
+
+
+def event_to_meaning(e: Event) -> dict[str, Any]:
+    """A JSON-able view of an event (hashes as ``{"int": n}`` / ``{"bytes_hex": s}``), as in
+    ``data/vllm_events/golden.jsonl`` and ``kvcm events record``."""
+    out: dict[str, Any] = {"type": type(e).__name__}
+    for name in e.__struct_fields__:
+        value = getattr(e, name)
+        if name == "block_hashes":
+            value = [_hash_meaning(h) for h in value]
+        elif name == "parent_block_hash" and value is not None:
+            value = _hash_meaning(value)
+        out[name] = value
+    return out
+
+
+def _hash_meaning(h: ExternalBlockHash) -> dict[str, Any]:
+    return {"bytes_hex": h.hex()} if isinstance(h, bytes) else {"int": h}

@@ -1,0 +1,704 @@
+"""The side HTTP port: ``/metrics`` (Prometheus), ``/livez``, ``/readyz`` and ``POST /api/<method>``.
+
+``/api`` calls are forwarded to the RPC front door through pooled :class:`~kvcm.client.Client`\\ s,
+so every method still runs on the RPC thread, with the same validation, auth and group commit.
+Replies are JSON: ``{"result": {...}}`` with status 200, or ``{"error": {"code", "name",
+"message"}}`` with the status below.
+
+The port is for programs (Prometheus, probes, scripts), never for browsers. Any web page a user
+visits can make the browser send requests to a loopback port, so the port refuses what only a
+browser would send: a foreign ``Origin`` or ``Sec-Fetch-Site``, a ``Host`` that is not this
+server's own address (DNS rebinding), and ``/api`` bodies that are not ``application/json`` (a
+page can post ``text/plain`` without a CORS preflight). No CORS header is ever sent.
+
+Each connection has one thread, at most ``http.max_connections`` of them; a connection past the
+cap gets a canned 503 and is closed on the accept thread. A request (line, headers and body) must
+arrive within ``http.read_timeout_s`` of its first byte (of the connection, for the first
+request), however slowly it trickles in; a kept-alive connection idle for ``http.idle_timeout_s``
+is closed.
+
+======  ============================================================================================
+Status  When
+======  ============================================================================================
+200     the call succeeded (``/livez``, ``/readyz``: the probe passed)
+204     ``OPTIONS`` of a known path (an ``Allow`` header, no CORS headers)
+400     bad request line or headers, two ``Content-Length``, ``Content-Length`` with
+        ``Transfer-Encoding``, a body that is not a JSON object; INVALID_ARGUMENT from the call
+401     auth on and no or bad credentials (``WWW-Authenticate: Bearer``); UNAUTHENTICATED
+403     a foreign ``Origin`` or a cross-site ``Sec-Fetch-Site``; PERMISSION_DENIED
+404     unknown path; METHOD_NOT_FOUND, NOT_FOUND, INSTANCE_NOT_EXIST, WRITE_SESSION_*
+405     a method other than GET (probes, metrics), POST (``/api``) or OPTIONS
+409     DUPLICATE_ENTITY, VERSION_CONFLICT, STILL_REFERENCED
+411     ``/api`` POST without ``Content-Length``, or with ``Transfer-Encoding`` (chunked)
+413     body larger than ``server.max_message_bytes``; MESSAGE_TOO_LARGE, TOO_MANY_KEYS, TOO_LARGE
+415     ``/api`` body not sent as ``Content-Type: application/json``
+421     ``Host`` is not an address of this server nor in ``http.allowed_hosts``
+429     RATE_LIMITED
+500     INTERNAL_ERROR, IO_ERROR, UNSUPPORTED, or a failure of the HTTP side itself
+503     probe failed; connection cap reached; SERVICE_NOT_READY, SHUTTING_DOWN, SERVER_NOT_LEADER
+504     TIMEOUT: the RPC loop did not answer in time
+507     QUOTA_EXCEEDED, NO_STORAGE_AVAILABLE, CAPACITY_EXHAUSTED, REACH_MAX_ENTITY_CAPACITY
+======  ============================================================================================
+
+The HTTP parser itself may also answer 414 (request line over 64 KiB) or 431 (too many or too long
+headers). A refusal by the port itself (any status above that it decides before or instead of a
+call) closes the connection and echoes nothing of the request; a call's own answer keeps it open.
+``docs/http.md`` has the same table and the reasons behind each check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import ipaddress
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kvcm.client import Client
+from kvcm.config import HttpConfig
+from kvcm.errors import AccessDenied, Code, InvalidArgument, KvcmError, ServerError, error
+from kvcm.metrics import Metrics
+
+log = logging.getLogger("kvcm.rpc.http")
+
+_TOKEN_CACHE_S = 5.0  # a verified bearer token is trusted this long before whoami is asked again
+_MAX_CACHED_TOKENS = 1024
+_LINGER_S = 1.0  # after a refusal, unread request bytes are drained this long before closing
+_LINGER_BYTES = 1 << 20
+_RPC_TIMEOUT_S = 30.0
+_METHOD_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
+_BEARER = re.compile(r"bearer +([A-Za-z0-9._~+/-]{1,4096}=*)", re.IGNORECASE)
+_DIGITS = re.compile(r"[0-9]{1,19}")
+_HOST_NAME = re.compile(r"[a-z0-9_.-]{1,253}|\[[0-9a-f:.]{2,45}\]")
+_BUSY_BODY = b'{"error": {"code": 4, "name": "SERVICE_NOT_READY", "message": "too many connections"}}'
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+         b"Connection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+_STATUS: dict[Code, int] = {
+    Code.INVALID_ARGUMENT: 400,
+    Code.UNAUTHENTICATED: 401,
+    Code.PERMISSION_DENIED: 403,
+    Code.METHOD_NOT_FOUND: 404, Code.NOT_FOUND: 404, Code.INSTANCE_NOT_EXIST: 404,
+    Code.WRITE_SESSION_UNKNOWN: 404, Code.WRITE_SESSION_EXPIRED: 404,
+    Code.DUPLICATE_ENTITY: 409, Code.VERSION_CONFLICT: 409, Code.STILL_REFERENCED: 409,
+    # The request asks for more than the server takes: the same status as an oversized body.
+    Code.MESSAGE_TOO_LARGE: 413, Code.TOO_MANY_KEYS: 413, Code.TOO_LARGE: 413,
+    Code.RATE_LIMITED: 429,
+    Code.SERVICE_NOT_READY: 503, Code.SHUTTING_DOWN: 503, Code.SERVER_NOT_LEADER: 503,
+    Code.TIMEOUT: 504,
+    Code.QUOTA_EXCEEDED: 507, Code.NO_STORAGE_AVAILABLE: 507, Code.CAPACITY_EXHAUSTED: 507,
+    Code.REACH_MAX_ENTITY_CAPACITY: 507,
+}
+
+
+def http_status(code: Code) -> int:
+    """The HTTP status of a kvcm error code: the one mapping of the side port."""
+    return _STATUS.get(code, 500)
+
+
+class Refused(Exception):
+    """A request the side port turns away itself; ``reason`` labels ``kvcm_http_refused_total``."""
+
+    def __init__(self, status: int, reason: str, err: KvcmError, headers: Iterable[tuple[str, str]] = ()) -> None:
+        super().__init__(err.message)
+        self.status = status
+        self.reason = reason
+        self.error = err
+        self.headers = tuple(headers)
+
+
+def _unauthenticated(message: str) -> Refused:
+    return Refused(401, "unauthenticated", AccessDenied(message, Code.UNAUTHENTICATED),
+                   [("WWW-Authenticate", 'Bearer realm="kvcm"')])
+
+
+# -- which Host and Origin values are this server's own -------------------------------------------
+
+
+def split_authority(value: str) -> tuple[str, int | None] | None:
+    """``host[:port]`` or ``[v6]:port`` -> (lower-case host, port or None); None when malformed."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        host, rest = value[: end + 1], value[end + 1 :]
+        if end < 0 or (rest and not rest.startswith(":")):
+            return None
+        port_text = rest[1:] if rest else None
+    else:
+        host, sep, port_text = value.partition(":")
+        port_text = port_text if sep else None
+    if not _HOST_NAME.fullmatch(host):
+        return None
+    if port_text is None:
+        return host, None
+    if not _DIGITS.fullmatch(port_text) or not 0 < int(port_text) < 65536:
+        return None
+    return host, int(port_text)
+
+
+def _literal(address: str) -> str:
+    """An IP address as it is written in a Host header (IPv6 in brackets)."""
+    return f"[{address}]" if ":" in address else address
+
+
+class Authorities:
+    """The ``Host``/``Origin`` authorities this server answers to.
+
+    Its own: the bind host when it is a name or a literal (not a wildcard), the local address a
+    connection arrived at, and ``localhost`` when that address is a loopback one — all at the
+    bound port. Plus ``http.allowed_hosts``: ``name`` (any port, e.g. behind a proxy) or
+    ``name:port``. A rebinding attack brings its own DNS name, which is none of these."""
+
+    def __init__(self, bind_host: str, port: int, allowed: Iterable[str]) -> None:
+        self.port = port
+        bind = bind_host.strip().lower()
+        self._own = set() if bind in ("", "0.0.0.0", "::", "[::]") else {_literal(bind.strip("[]"))}
+        self._any_port: set[str] = set()
+        self._exact: set[tuple[str, int]] = set()
+        for entry in allowed:
+            parsed = split_authority(entry)
+            if parsed is None:
+                raise ValueError(f"http.allowed_hosts: {entry!r} is not a host or host:port")
+            if parsed[1] is None:
+                self._any_port.add(parsed[0])
+            else:
+                self._exact.add((parsed[0], parsed[1]))
+
+    def accepts(self, authority: str, local_ip: str, default_port: int = 80) -> bool:
+        parsed = split_authority(authority)
+        if parsed is None:
+            return False
+        host, port = parsed[0], default_port if parsed[1] is None else parsed[1]
+        if host in self._any_port or (host, port) in self._exact:
+            return True
+        return port == self.port and host in self._own_at(local_ip)
+
+    def _own_at(self, local_ip: str) -> set[str]:
+        own = {*self._own, _literal(local_ip)}
+        try:
+            if ipaddress.ip_address(local_ip).is_loopback:
+                own.add("localhost")
+        except ValueError:
+            pass
+        return own
+
+    def accepts_origin(self, origin: str, local_ip: str) -> bool:
+        """``scheme://host[:port]`` whose authority is one of ours (``null`` never is)."""
+        scheme, sep, authority = origin.strip().lower().partition("://")
+        ports = {"http": 80, "https": 443}
+        if not sep or scheme not in ports or "/" in authority or "@" in authority:
+            return False
+        return self.accepts(authority, local_ip, ports[scheme])
+
+
+# -- sockets with a deadline ----------------------------------------------------------------------
+
+
+class _DeadlineReader(io.RawIOBase):
+    """Socket reads that end at ``deadline`` (monotonic), however slowly bytes trickle in: a plain
+    socket timeout restarts with every byte, so one byte a second would hold the thread forever."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.deadline = time.monotonic()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request deadline passed")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
+class _SocketWriter(io.BufferedIOBase):
+    """Unbuffered writes, each bounded by ``timeout`` in total (a client that never reads its
+    reply cannot hold the thread)."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self._sock = sock
+        self._timeout = timeout
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self._sock.settimeout(self._timeout)
+        self._sock.sendall(data)
+        with memoryview(data) as view:
+            return view.nbytes
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a cap on connection threads and a handle on live connections."""
+
+    daemon_threads = True
+    block_on_close = False  # stop() closes the connections instead of waiting for them
+    request_queue_size = 128  # a burst of connects waits in the backlog rather than being dropped
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 max_connections: int, refused: Callable[[str], None]) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._live: set[socket.socket] = set()
+        self._live_lock = threading.Lock()
+        self._refused = refused
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._refused("connection_cap")
+            self._turn_away(request)
+            return
+        with self._live_lock:
+            self._live.add(request)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread: give the slot back (e.g. threads exhausted)
+            self._release(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(request)
+
+    def _release(self, request: socket.socket) -> None:
+        with self._live_lock:
+            self._live.discard(request)
+        self._slots.release()
+
+    def _turn_away(self, request: socket.socket) -> None:
+        """On the accept thread: never block, never spawn a thread."""
+        try:
+            request.setblocking(False)
+            request.send(_BUSY)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("http: connection ended with an error", exc_info=True)
+
+    def close_connections(self) -> None:
+        """Wake every connection thread: their reads and writes fail and they end."""
+        with self._live_lock:
+            live = list(self._live)
+        for sock in live:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class _Server6(_BoundedServer):
+    address_family = socket.AF_INET6
+
+
+# -- the side port --------------------------------------------------------------------------------
+
+
+class _ClientPool:
+    """RPC clients for handler threads: a client is used by one thread at a time, and connection
+    threads come and go, so clients are pooled rather than kept per thread."""
+
+    def __init__(self, endpoint: str, options: dict[str, Any] | None = None) -> None:
+        self._endpoint = endpoint
+        self._options = options or {}  # more Client arguments (CURVE keys)
+        self._idle: list[Client] = []
+        self._lock = threading.Lock()
+
+    def call(self, method: str, params: dict[str, Any]) -> Any:
+        with self._lock:
+            client = self._idle.pop() if self._idle else None
+        if client is None:
+            client = Client(self._endpoint, timeout=_RPC_TIMEOUT_S, retries=0, **self._options)
+        try:
+            return client.call(method, params, retry=False)
+        finally:
+            with self._lock:
+                self._idle.append(client)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for client in idle:
+            client.close()
+
+
+class SideHttp:
+    """Serves the side port on its own threads. ``live()``/``ready()`` are probes of the app.
+
+    ``auth_required`` (``auth.enabled``): ``/metrics`` and ``/api`` then need credentials, an
+    ``Authorization: Bearer`` token (``/api`` also takes ``auth`` in the body)."""
+
+    def __init__(
+        self,
+        config: HttpConfig,
+        metrics: Metrics,
+        rpc_endpoint: str,
+        live: Callable[[], bool],
+        ready: Callable[[], bool],
+        *,
+        max_body: int = 4 << 20,
+        auth_required: bool = False,
+        client_options: dict[str, Any] | None = None,
+    ) -> None:
+        """``client_options``: more ``Client`` arguments for forwarding /api (CURVE keys)."""
+        self.config = config
+        self.metrics = metrics
+        self.rpc_endpoint = rpc_endpoint
+        self.live = live
+        self.ready = ready
+        self.max_body = max_body
+        self.auth_required = auth_required
+        self._pool = _ClientPool(rpc_endpoint, client_options)
+        self._tokens: dict[bytes, float] = {}  # sha256(token) -> when its whoami answer expires
+        self._tokens_lock = threading.Lock()
+        kind = _Server6 if ":" in config.host else _BoundedServer
+        self._httpd = kind((config.host, config.port), _handler_for(self), config.max_connections, self.refused)
+        self.port = int(self._httpd.server_address[1])
+        self.authorities = Authorities(config.host, self.port, config.allowed_hosts)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvcm-http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+        self._httpd.close_connections()
+        self._httpd.server_close()
+        self._pool.close()
+
+    def call(self, method: str, params: dict[str, Any]) -> Any:
+        return self._pool.call(method, params)
+
+    def refused(self, reason: str) -> None:
+        self.metrics.http_refused.labels(reason).inc()
+
+    def check_token(self, token: str) -> None:
+        """Raise unless ``token`` is valid: asks RPC ``whoami``; a yes is remembered for a few
+        seconds under the token's digest (the token itself is never kept or logged)."""
+        digest = hashlib.sha256(token.encode()).digest()
+        now = time.monotonic()
+        with self._tokens_lock:
+            if self._tokens.get(digest, 0.0) > now:
+                return
+        self.call("whoami", {"auth": {"token": token}})
+        with self._tokens_lock:
+            if len(self._tokens) >= _MAX_CACHED_TOKENS:
+                self._tokens.clear()
+            self._tokens[digest] = now + _TOKEN_CACHE_S
+
+
+def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
+    read_timeout = side.config.read_timeout_s
+    idle_timeout = side.config.idle_timeout_s
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "kvcm"
+        protocol_version = "HTTP/1.1"  # keep-alive for clients that want it
+
+        def setup(self) -> None:
+            self.connection = self.request
+            self._reader = _DeadlineReader(self.connection)
+            self._reader.deadline = time.monotonic() + read_timeout
+            self._buffered = io.BufferedReader(self._reader)
+            self.rfile = self._buffered
+            self.wfile = _SocketWriter(self.connection, read_timeout)
+            self._served = False  # a request was answered: the next one may be idle first
+            self._linger = False  # a refusal left request bytes unread
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug("http: " + fmt, *args)
+
+        def handle(self) -> None:
+            self.close_connection = True
+            self.handle_one_request()
+            while not self.close_connection:
+                self.handle_one_request()
+            if self._linger:
+                self._drain()
+
+        def handle_one_request(self) -> None:
+            if self._served and not self._next_request_arrived():
+                self.close_connection = True
+                return
+            self._served = True
+            try:
+                self.raw_requestline = self.rfile.readline(65537)
+                if len(self.raw_requestline) > 65536:
+                    self.requestline = self.request_version = self.command = ""
+                    self.send_error(414)
+                elif not self.raw_requestline:
+                    self.close_connection = True
+                elif self.parse_request():
+                    self._route()
+            except TimeoutError:
+                side.refused("timeout")  # an incomplete request is dropped: nothing ran
+                self.close_connection = True
+
+        def _next_request_arrived(self) -> bool:
+            """Keep-alive: wait up to the idle timeout for the next request's first byte; its
+            deadline then runs from there."""
+            self._reader.deadline = time.monotonic() + idle_timeout
+            try:
+                arrived = bool(self._buffered.peek(1))
+            except (TimeoutError, OSError):
+                return False
+            self._reader.deadline = time.monotonic() + read_timeout
+            return arrived
+
+        def _drain(self) -> None:
+            """Read what the client still sends (briefly) before closing: closing a socket with
+            unread bytes resets it, and the client may lose the reply it has not read yet."""
+            try:
+                self.connection.shutdown(socket.SHUT_WR)
+                end, got = time.monotonic() + _LINGER_S, 0
+                while got < _LINGER_BYTES and (left := end - time.monotonic()) > 0:
+                    self.connection.settimeout(left)
+                    chunk = self.connection.recv(65536)
+                    if not chunk:
+                        return
+                    got += len(chunk)
+            except OSError:
+                pass
+
+        # -- routing ----------------------------------------------------------------------------
+
+        def _route(self) -> None:
+            try:
+                self._check_host()
+                self._check_origin()
+                if self.command == "GET":
+                    self._get()
+                elif self.command == "POST":
+                    self._post()
+                elif self.command == "OPTIONS":
+                    self._options()
+                else:
+                    raise Refused(405, "method", ServerError(f"HTTP method not allowed: use {self._allow()}",
+                                                             Code.UNSUPPORTED), [("Allow", self._allow())])
+            except Refused as refusal:
+                self._refuse(refusal)
+
+        def _path(self) -> str:
+            return self.path.partition("?")[0]
+
+        def _allow(self) -> str:
+            path = self._path()
+            return "POST, OPTIONS" if path.startswith("/api/") else "GET, OPTIONS"
+
+        def _local_ip(self) -> str:
+            return str(self.connection.getsockname()[0])
+
+        def _check_host(self) -> None:
+            hosts = self.headers.get_all("Host") or []
+            if len(hosts) != 1:
+                raise Refused(400, "host", InvalidArgument("exactly one Host header is required"))
+            if not side.authorities.accepts(hosts[0], self._local_ip()):
+                raise Refused(421, "host", AccessDenied(
+                    "Host is not an address of this server (add the name to http.allowed_hosts)",
+                    Code.PERMISSION_DENIED))
+
+        def _check_origin(self) -> None:
+            origins = self.headers.get_all("Origin") or []
+            site = (self.headers.get("Sec-Fetch-Site") or "none").strip().lower()
+            foreign = len(origins) > 1 or any(not side.authorities.accepts_origin(o, self._local_ip()) for o in origins)
+            if foreign or site not in ("none", "same-origin"):
+                raise Refused(403, "origin", AccessDenied("cross-origin requests are refused", Code.PERMISSION_DENIED))
+
+        def _get(self) -> None:
+            path = self._path()
+            if path == "/metrics":
+                if side.auth_required:
+                    self._check_bearer()
+                self._send(200, side.metrics.exposition(), "text/plain; version=0.0.4")
+            elif path == "/livez":
+                self._probe(side.live())
+            elif path == "/readyz":
+                self._probe(side.ready())
+            elif path.startswith("/api/"):
+                raise Refused(405, "method", ServerError("use POST for /api", Code.UNSUPPORTED), [("Allow", "POST, OPTIONS")])
+            else:
+                raise Refused(404, "path", error(Code.NOT_FOUND, "no such path"))
+
+        def _options(self) -> None:
+            if self._path() not in ("/metrics", "/livez", "/readyz") and not self._path().startswith("/api/"):
+                raise Refused(404, "path", error(Code.NOT_FOUND, "no such path"))
+            self.close_connection = self.close_connection or self._has_body()
+            self._send(204, b"", "", [("Allow", self._allow())])
+
+        def _has_body(self) -> bool:
+            return "Transfer-Encoding" in self.headers or (self.headers.get("Content-Length") or "0").strip() != "0"
+
+        def _check_bearer(self) -> None:
+            token = self._bearer()
+            if token is None:
+                raise _unauthenticated("credentials required: Authorization: Bearer <token>")
+            try:
+                side.check_token(token)
+            except AccessDenied as exc:
+                if exc.code is Code.UNAUTHENTICATED:
+                    raise _unauthenticated("invalid token") from None
+                raise Refused(403, "permission", exc) from None
+            except KvcmError as exc:
+                raise Refused(http_status(exc.code), "auth_check", exc) from None
+
+        def _bearer(self) -> str | None:
+            values = self.headers.get_all("Authorization") or []
+            if not values:
+                return None
+            match = _BEARER.fullmatch(values[0].strip()) if len(values) == 1 else None
+            if match is None:
+                raise _unauthenticated("Authorization must be one 'Bearer <token>' header")
+            return match.group(1)
+
+        def _post(self) -> None:
+            path = self._path()
+            name = path[len("/api/"):]
+            if not path.startswith("/api/") or not _METHOD_NAME.fullmatch(name):
+                raise Refused(404, "path", error(Code.NOT_FOUND, "no such path"))
+            bearer = self._bearer() if side.auth_required else None
+            try:
+                params = self._body()
+            except KvcmError as exc:  # read whole but unusable: answer and close
+                raise Refused(http_status(exc.code), "body", exc) from None
+            if side.auth_required and "auth" not in params:
+                if bearer is None:
+                    raise _unauthenticated('credentials required: Authorization: Bearer <token>, or "auth" in the body')
+                params["auth"] = {"token": bearer}
+            auth = params.get("auth")
+            if isinstance(auth, dict):
+                # Every HTTP user reaches the RPC port through this side's few connections: name
+                # the remote address, so one address's failed logins do not rate-limit the others.
+                auth["client"] = str(self.client_address[0])[:64]
+            self._forward(name, params)
+
+        def _forward(self, name: str, params: dict[str, Any]) -> None:
+            try:
+                self._json(200, {"result": side.call(name, params)})
+            except KvcmError as exc:
+                status = http_status(exc.code)
+                extra = [("WWW-Authenticate", 'Bearer realm="kvcm"')] if status == 401 else []
+                self._json(status, {"error": exc.to_wire()}, extra)
+            except Exception as exc:  # every request gets an answer, whatever failed
+                log.exception("http: POST %s failed", name)
+                self._json(500, {"error": ServerError(f"internal error: {type(exc).__name__}").to_wire()})
+
+        # -- the body ---------------------------------------------------------------------------
+
+        def _body(self) -> dict[str, Any]:
+            self._check_content_type()
+            length = self._content_length()
+            raw = self.rfile.read(length) if length else b""
+            if len(raw) < length:  # the client closed its side before sending it all
+                raise Refused(400, "length", InvalidArgument("body shorter than its Content-Length"))
+            try:
+                params = json.loads(raw or b"{}")
+            except (ValueError, RecursionError) as exc:
+                raise InvalidArgument(f"body is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
+            if not isinstance(params, dict):
+                raise InvalidArgument("body must be a JSON object")
+            _check_json(params)
+            return params
+
+        def _check_content_type(self) -> None:
+            kinds = self.headers.get_all("Content-Type") or []
+            media = kinds[0].partition(";")[0].strip().lower() if len(kinds) == 1 else ""
+            if media != "application/json":
+                raise Refused(415, "content_type", InvalidArgument("/api takes Content-Type: application/json"))
+
+        def _content_length(self) -> int:
+            lengths = self.headers.get_all("Content-Length") or []
+            if "Transfer-Encoding" in self.headers:
+                if lengths:  # two framings: how a smuggled request hides
+                    raise Refused(400, "length", InvalidArgument("Content-Length and Transfer-Encoding together"))
+                raise Refused(411, "transfer_encoding", InvalidArgument(
+                    "Transfer-Encoding is not supported: send the body with a Content-Length"))
+            if not lengths:
+                raise Refused(411, "length", InvalidArgument("Content-Length is required"))
+            if len(lengths) > 1:
+                raise Refused(400, "length", InvalidArgument("more than one Content-Length header"))
+            text = lengths[0].strip()
+            if not text.isascii() or not text.isdigit():
+                raise Refused(400, "length", InvalidArgument("Content-Length must be a decimal byte count"))
+            if len(text) > 19 or int(text) > side.max_body:
+                raise Refused(413, "too_large", InvalidArgument(
+                    f"body larger than {side.max_body} bytes (server.max_message_bytes)", Code.MESSAGE_TOO_LARGE))
+            return int(text)
+
+        # -- replies ----------------------------------------------------------------------------
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """The parser's own errors (bad request line, header limits): a fixed JSON body that
+            echoes nothing of the request."""
+            phrase = self.responses.get(code, ("error", ""))[0]
+            self._refuse(Refused(code, "malformed", error(Code.INVALID_ARGUMENT, f"bad request: {phrase}")))
+
+        def _refuse(self, refusal: Refused) -> None:
+            side.refused(refusal.reason)
+            self.close_connection = True
+            self._linger = True
+            self._json(refusal.status, {"error": refusal.error.to_wire()}, refusal.headers)
+
+        def _probe(self, ok: bool) -> None:
+            self._send(200 if ok else 503, b"ok\n" if ok else b"not ok\n", "text/plain")
+
+        def _json(self, status: int, body: Any, headers: Iterable[tuple[str, str]] = ()) -> None:
+            self._send(status, json.dumps(body, default=_jsonable).encode(), "application/json", headers)
+
+        def _send(self, status: int, body: bytes, kind: str, headers: Iterable[tuple[str, str]] = ()) -> None:
+            if self.request_version == "HTTP/0.9":  # a status line even then: no client speaks 0.9
+                self.request_version = "HTTP/1.0"
+            self.send_response(status)
+            if status != 204:
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Cache-Control", "no-store")
+            for name, value in headers:
+                self.send_header(name, value)
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            if body and self.command != "HEAD":
+                self.wfile.write(body)
+
+    return Handler
+
+
+_MAX_DEPTH = 32
+_INT_RANGE = range(-(1 << 63), 1 << 64)  # what msgpack, and so the RPC front door, can carry
+
+
+def _check_json(body: dict[str, Any]) -> None:
+    """Refuse what the RPC side could not carry: nesting deeper than any request needs (json
+    parses far deeper) and integers outside int64/uint64 (msgpack cannot pack them)."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            raise InvalidArgument(f"body nests deeper than {_MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, int) and not isinstance(value, bool) and value not in _INT_RANGE:
+            raise InvalidArgument(f"integer {str(value)[:40]} does not fit in 64 bits")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    raise TypeError(f"cannot encode {type(value).__name__}")

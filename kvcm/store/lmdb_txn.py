@@ -1,0 +1,182 @@
+"""Transactions of :class:`~kvcm.store.lmdb.LmdbStore`: the read view, the savepoint
+(undo log) a ``write()`` block gets inside its group's one LMDB write transaction, and the
+mapping of LMDB errors to kvcm's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
+
+import lmdb
+
+from kvcm.errors import Code, ServerError, StoreFull
+from kvcm.store.base import bad_key, key_fits
+
+
+def translate_error(exc: lmdb.Error) -> Exception:
+    if isinstance(exc, lmdb.BadValsizeError):  # a write of a key no record can have
+        return bad_key()
+    if isinstance(exc, lmdb.MapFullError):
+        return StoreFull(
+            "metadata store is full (LMDB map size reached); raise store.map_size_max",
+            Code.CAPACITY_EXHAUSTED,
+        )
+    if isinstance(exc, lmdb.DiskError):
+        return ServerError(f"metadata store disk error: {exc}", Code.IO_ERROR)
+    return ServerError(f"metadata store error: {exc}", Code.IO_ERROR)
+
+
+class LmdbReadTxn:
+    """A read view over one LMDB transaction (committed data, or a write txn's own writes)."""
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, Any]) -> None:
+        self._txn = txn
+        self._dbs = dbs
+
+    # Transactions are opened with buffers=False, so LMDB hands out bytes, never memoryviews.
+
+    def get(self, db: str, key: bytes) -> bytes | None:
+        try:
+            return cast("bytes | None", self._txn.get(key, db=self._dbs[db]))
+        except lmdb.BadValsizeError:
+            return None  # the key does not fit (key_fits): no record can have it
+
+    def get_many(self, db: str, keys: Iterable[bytes]) -> list[bytes | None]:
+        get, handle = self._txn.get, self._dbs[db]
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        try:
+            return cast("list[bytes | None]", [get(k, db=handle) for k in keys])
+        except lmdb.BadValsizeError:
+            return [self.get(db, k) for k in keys]
+
+    def scan(
+        self, db: str, start: bytes = b"", prefix: bytes = b"", limit: int | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        cursor = self._txn.cursor(db=self._dbs[db])
+        if not cursor.set_range(max(start, prefix)):
+            return
+        items = cast("Iterator[tuple[bytes, bytes]]", cursor.iternext())
+        for n, (key, value) in enumerate(items):
+            if not key.startswith(prefix) or (limit is not None and n >= limit):
+                return
+            yield key, value
+
+    def count(self, db: str) -> int:
+        return int(self._txn.stat(self._dbs[db])["entries"])
+
+
+class LmdbWriteTxn(LmdbReadTxn):
+    """A savepoint inside the group's one LMDB write transaction.
+
+    Nested ``write()`` blocks are not LMDB child transactions (each of those costs a dirty-page
+    list allocation plus a copy of every page it touches that its parent already dirtied): they
+    share the top-level transaction and keep an *undo log* instead — the value each key had when
+    the savepoint began, recorded on its first change — which a rollback writes back. ``undo``
+    is None when nothing needs it (the only savepoint of a group this block created: rollback is
+    the abort of the whole transaction).
+    """
+
+    __slots__ = ("aborts", "callbacks", "undo")
+
+    def __init__(
+        self,
+        txn: lmdb.Transaction,
+        dbs: dict[str, Any],
+        callbacks: list[Callable[[], None]],
+        undo: dict[tuple[str, bytes], bytes | None] | None,
+    ) -> None:
+        super().__init__(txn, dbs)
+        self.callbacks = callbacks
+        self.aborts: list[Callable[[], None]] = []
+        self.undo = undo
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        handle = self._dbs[db]
+        undo = self.undo
+        if undo is not None:
+            slot = (db, key)
+            if slot not in undo:
+                undo[slot] = cast("bytes | None", self._txn.get(key, db=handle))
+        self._txn.put(key, value, db=handle)
+
+    def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
+        txn, handle, undo = self._txn, self._dbs[db], self.undo
+        put = txn.put
+        if undo is None:
+            for key, value in items:
+                put(key, value, db=handle)
+            return
+        get = txn.get
+        for key, value in items:
+            slot = (db, key)
+            if slot not in undo:
+                undo[slot] = cast("bytes | None", get(key, db=handle))
+            put(key, value, db=handle)
+
+    def delete(self, db: str, key: bytes) -> bool:
+        if not key_fits(key):
+            return False  # no record has that key
+        handle = self._dbs[db]
+        undo = self.undo
+        if undo is not None:
+            slot = (db, key)
+            if slot not in undo:
+                old = cast("bytes | None", self._txn.get(key, db=handle))
+                if old is None:
+                    return False  # nothing to delete, nothing to undo
+                undo[slot] = old
+        return bool(self._txn.delete(key, db=handle))
+
+    def delete_many(self, db: str, keys: Iterable[bytes]) -> int:
+        return sum(1 for k in keys if self.delete(db, k))
+
+    def drop(self, db: str) -> None:
+        undo = self.undo
+        if undo is not None:
+            for key, value in list(self.scan(db)):
+                undo.setdefault((db, key), value)
+        self._txn.drop(self._dbs[db], delete=False)
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        self.callbacks.append(fn)
+
+    def on_abort(self, fn: Callable[[], None]) -> None:
+        self.aborts.append(fn)
+
+    def remember(self, db: str, items: Iterable[tuple[bytes, bytes | None]]) -> None:
+        """Hint: ``(key, value)`` pairs the caller just read in this savepoint and has not
+        changed since, so the undo log need not read them again before a put or delete."""
+        undo = self.undo
+        if undo is not None:
+            for key, value in items:
+                undo.setdefault((db, key), value)
+
+    def rollback(self) -> None:
+        """Write back every value this savepoint changed (its undo log)."""
+        txn, dbs = self._txn, self._dbs
+        assert self.undo is not None
+        for (db, key), old in self.undo.items():
+            if old is None:
+                txn.delete(key, db=dbs[db])
+            else:
+                txn.put(key, old, db=dbs[db])
+
+
+def key_range(view: LmdbReadTxn, db: str, prefix: bytes) -> tuple[bytes, bytes]:
+    cursor = view._txn.cursor(db=view._dbs[db])
+    cursor.set_range(prefix)
+    first = cursor.key()
+    # The last key with this prefix: jump past the prefix range and step back once.
+    if prefix and cursor.set_range(_next_prefix(prefix)):
+        cursor.prev()
+    else:
+        cursor.last()
+    return cast(bytes, first), cast(bytes, cursor.key())
+
+
+def _next_prefix(prefix: bytes) -> bytes:
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return b"\xff" * (len(prefix) + 1)
+    return stripped[:-1] + bytes([stripped[-1] + 1])
