@@ -16,7 +16,7 @@ import pytest
 from kvcm.api import control as registry_api
 from kvcm.client import Client
 from kvcm.config import AuthConfig, ConfigError
-from kvcm.control import records as model
+from kvcm.control import passwords
 from kvcm.control.registry import Registry
 from kvcm.errors import AccessDenied, Code, Conflict, InvalidArgument, KvcmError, Unavailable
 from kvcm.rpc import wire
@@ -70,7 +70,7 @@ def auth(reg, clock) -> Iterator[Authenticator]:
 def scrypt_runs(monkeypatch):
     """The thread names of every password verification (the slow scrypt part)."""
     runs: list[str] = []
-    real = model.verify_password
+    real = passwords.verify_password
 
     def counting(password: str, encoded: str) -> bool:
         runs.append(threading.current_thread().name)
@@ -84,7 +84,7 @@ def scrypt_runs(monkeypatch):
 def gate(monkeypatch):
     """Holds every password check on the checker thread until ``gate.set()``."""
     event = threading.Event()
-    real = model.verify_password
+    real = passwords.verify_password
 
     def held(password: str, encoded: str) -> bool:
         event.wait(10)
@@ -289,17 +289,17 @@ def test_why_a_trailing_nul_used_to_match():
     # scrypt keys HMAC-SHA256 with the password, and HMAC zero-pads short keys: raw, "pw" and
     # "pw\0" are one key. The first hash format fed the password raw; the current one feeds its
     # SHA-256, and login refuses control characters before looking at either.
-    assert model._scrypt(b"adm1n-pw", b"salt", 16, 1, 1) == model._scrypt(b"adm1n-pw\0", b"salt", 16, 1, 1)
+    assert passwords._scrypt(b"adm1n-pw", b"salt", 16, 1, 1) == passwords._scrypt(b"adm1n-pw\0", b"salt", 16, 1, 1)
     salt = b"0123456789abcdef"
-    digest = model._scrypt(b"adm1n-pw", salt, 1 << 14, 8, 1)
-    old_format = "$".join(["scrypt", "16384", "8", "1", model._b64(salt), model._b64(digest)])
-    assert model.verify_password("adm1n-pw", old_format)  # old hashes keep working
-    assert not model.verify_password("adm1n-pw\0", old_format)
-    new_format = model.hash_password("adm1n-pw")
+    digest = passwords._scrypt(b"adm1n-pw", salt, 1 << 14, 8, 1)
+    old_format = "$".join(["scrypt", "16384", "8", "1", passwords._b64(salt), passwords._b64(digest)])
+    assert passwords.verify_password("adm1n-pw", old_format)  # old hashes keep working
+    assert not passwords.verify_password("adm1n-pw\0", old_format)
+    new_format = passwords.hash_password("adm1n-pw")
     assert new_format.startswith("scrypt2$")
-    assert model.verify_password("adm1n-pw", new_format)
-    key = model._scrypt_key("adm1n-pw", "scrypt2")
-    assert key != model._scrypt_key("adm1n-pw\0", "scrypt2") and len(key) == 32
+    assert passwords.verify_password("adm1n-pw", new_format)
+    key = passwords._scrypt_key("adm1n-pw", "scrypt2")
+    assert key != passwords._scrypt_key("adm1n-pw\0", "scrypt2") and len(key) == 32
 
 
 def test_close_stops_the_checker_thread(reg, clock):

@@ -8,6 +8,7 @@ import tempfile
 import msgspec
 import pytest
 
+from kvcm.control.passwords import verify_password
 from kvcm.control.records import (
     Instance,
     InstanceGroup,
@@ -18,7 +19,6 @@ from kvcm.control.records import (
     QuotaConfig,
     ReclaimStrategy,
     Storage,
-    verify_password,
 )
 from kvcm.control.registry import DEFAULT_GROUP, DEFAULT_STORAGE, Registry
 from kvcm.errors import Code, Conflict, InvalidArgument, KvcmError, NotFound

@@ -16,8 +16,9 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvcm.cache.keys import derive_keys
 from kvcm.cache.manager import CacheManager
-from kvcm.cache.masks import BlockMask, derive_keys
+from kvcm.cache.masks import BlockMask
 from kvcm.engines.service import EngineService
 from kvcm.errors import InvalidArgument
 from kvcm.rpc import wire

@@ -3,12 +3,15 @@
 The hash is RTP-LLM's chained Jenkins-style mix over signed int64, seed 0, carried across
 blocks: key *i* depends on every token of blocks ``0..i``. Only full blocks get a key; a trailing
 partial block is ignored. ``std::hash<int64_t>`` is the identity in libstdc++, so each token
-value enters the mix unchanged.
+value enters the mix unchanged. :func:`derive_keys` is the one place a data-plane request's keys
+come from (its ``block_keys``, else the hash of its ``token_ids``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+
+from kvcm.errors import InvalidArgument
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -75,3 +78,12 @@ def chain_hash_ids(hash_ids: Iterable[int], seed: int = 0) -> list[int]:
         h = mix(h, v)
         keys.append(h)
     return keys
+
+
+def derive_keys(block_keys: Sequence[int] | None, token_ids: Sequence[int] | None, block_size: int) -> list[int]:
+    """Keys of a request: ``block_keys`` verbatim, else Tair's chained hash of ``token_ids``."""
+    if block_keys:
+        return list(block_keys)
+    if token_ids:
+        return token_ids_to_block_keys(token_ids, block_size)
+    raise InvalidArgument("block_keys or token_ids: one of them must be non-empty")

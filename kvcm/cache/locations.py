@@ -35,6 +35,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from functools import lru_cache, partial
+from itertools import repeat
 from operator import add
 from typing import Any, NamedTuple
 
@@ -177,13 +178,14 @@ def addresses(storage_type: str, storage: str, nbytes: int, names: Sequence[str]
               uri_lists: Sequence[Sequence[str]]) -> list[bytes]:
     """:func:`address` of many locations with the same spec names and size, as a write
     allocates them: when they all have the skeleton the last one of this kind had, a few C
-    calls for the whole batch (one translate, one format to check every URI comes back, one
-    subtraction)."""
+    calls for the whole batch (one translate, one slice per integer column, one format to check
+    every URI comes back, one subtraction)."""
     sid = _last.get((storage_type, storage, nbytes, tuple(names)))
     ints = None
-    if sid is not None and len(uri_lists) > 1 and _decimal(sid):
+    if sid is not None and len(uri_lists) > 1:
         skeleton = _by_id[sid]
-        ints = _batch_ints(skeleton, uri_lists)
+        plan = _columns(sid)
+        ints = None if plan is None else _batch_ints(skeleton, plan, uri_lists)
     if sid is None or ints is None:
         return [address(storage_type, storage, nbytes, list(zip(names, u))) for u in uri_lists]
     per = len(skeleton.ref)
@@ -194,23 +196,57 @@ def addresses(storage_type: str, storage: str, nbytes: int, names: Sequence[str]
     return [head + bytes(pack(deltas[i : i + per])) for i in range(0, len(deltas), per)]
 
 
-_DIGITS_ONLY = bytes(c if 0x30 <= c <= 0x39 else 0x20 for c in range(256))  # every non-digit -> space
+# every byte that cannot be part of a number (a run of lower-case hex digits) -> space
+_HEX_ONLY = bytes(c if 0x30 <= c <= 0x39 or 0x61 <= c <= 0x66 else 0x20 for c in range(256))
+
+
+class _Columns(NamedTuple):
+    """Where a skeleton's integers sit among the hex-digit runs of its URIs (joined by newlines,
+    as :func:`_batch_ints` joins them): ``tokens`` runs per location, and per integer the index
+    of its run and the base it is written in. Literal text adds runs too ("file" holds ``f`` and
+    ``e``), always the same ones, so the integers sit at fixed places in every location."""
+
+    tokens: int
+    where: tuple[tuple[int, int], ...]
 
 
 @lru_cache(maxsize=MAX_SKELETONS)
-def _decimal(sid: int) -> bool:
-    return not any(piece.endswith("x") for fmt in _by_id[sid].fmts for piece in PLACEHOLDER.findall(fmt))
+def _columns(sid: int) -> _Columns | None:
+    skeleton = _by_id[sid]
+    where: list[tuple[int, int]] = []
+    count = 0
+    for fmt in skeleton.fmts:
+        pieces = PLACEHOLDER.split(fmt)  # literal, placeholder, literal, ...
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0 or piece == "%%":
+                count += len(piece.replace("%%", "%").encode().translate(_HEX_ONLY).split())
+                continue
+            before, after = pieces[i - 1], pieces[i + 1]
+            if (not before and i > 1) or (not after and i + 2 < len(pieces)) or \
+                    before[-1:] in _HEX_DIGITS or after[:1] in _HEX_DIGITS:
+                return None  # a run touches another (a long number cut into chunks): no fixed places
+            where.append((count, 16 if piece.endswith("x") else 10))
+            count += 1
+    return _Columns(count, tuple(where)) if len(where) == len(skeleton.ref) else None
 
 
-def _batch_ints(skeleton: Skeleton, uri_lists: Sequence[Sequence[str]]) -> list[int] | None:
-    """Every decimal number of every URI, if each URI has this skeleton's shape. Digit runs
-    come out of one ``bytes.translate`` + ``split`` (regexes cost far more per character); one
-    format of the whole batch then proves each URI comes back exactly."""
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def _batch_ints(skeleton: Skeleton, plan: _Columns, uri_lists: Sequence[Sequence[str]]) -> list[int] | None:
+    """Every integer of every URI, if each URI has this skeleton's shape. The runs come out of
+    one ``bytes.translate`` + ``split`` (regexes cost far more per character), each integer's
+    column out of one slice; one format of the whole batch then proves each URI comes back
+    exactly."""
     flat = "\n".join(u for uris in uri_lists for u in uris)
-    numbers = flat.encode().translate(_DIGITS_ONLY).split()
-    if len(numbers) != len(skeleton.ref) * len(uri_lists):
+    runs = flat.encode().translate(_HEX_ONLY).split()
+    if len(runs) != plan.tokens * len(uri_lists):
         return None
-    ints = list(map(int, numbers))
+    try:
+        columns = [list(map(int, runs[at :: plan.tokens], repeat(base))) for at, base in plan.where]
+    except ValueError:  # a hex run where the skeleton has a decimal number
+        return None
+    ints = [v for row in zip(*columns) for v in row]
     if "\n".join(["\n".join(skeleton.fmts)] * len(uri_lists)) % tuple(ints) != flat:
         return None  # another shape somewhere in the batch (or a newline in a URI)
     return ints

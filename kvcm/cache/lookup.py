@@ -40,10 +40,11 @@ from kvcm.cache.blocks import (
     run_match,
     unpack_wire,
 )
+from kvcm.cache.keys import derive_keys
 from kvcm.cache.locations import wire as wire_of
 from kvcm.cache.locations import wires as wire_cache
-from kvcm.cache.masks import BlockMask, check_mask, derive_keys, masked_flags, unmasked_indices
-from kvcm.cache.meta_index import Snapshot
+from kvcm.cache.masks import BlockMask, check_mask, masked_flags, unmasked_indices
+from kvcm.cache.meta_index import CachedRead
 from kvcm.cache.placement import InstanceView
 from kvcm.cache.state import CacheState
 from kvcm.errors import InvalidArgument
@@ -122,7 +123,7 @@ def _prefix(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask 
         done = _runs(view, inst.ns, wanted, unusable, parts) if s.runs and not spec_names else 0
         if done < len(wanted):
             rank = s.group_view(inst.group).rank
-            wires = _blocks(s, Snapshot(view, epoch), inst, wanted[done:], unusable, rank)
+            wires = _blocks(s, CachedRead(view, epoch), inst, wanted[done:], unusable, rank)
             if spec_names:
                 names = frozenset(spec_names)
                 wires = [filter_wire(w, names) for w in wires]

@@ -1,4 +1,4 @@
-"""Block masks (Tair ``BlockMask``) and key derivation for data-plane requests.
+"""Block masks (Tair ``BlockMask``): which keys of a data-plane request a client skips or wrote.
 
 A mask is ``{"offset": n}``, ``{"bool_masks": [..]}`` or absent (= mask nothing); a present mask
 that sets neither (``{}``) reads as absent, except on a deletion, where it is refused: there a
@@ -16,7 +16,6 @@ from typing import Any
 
 import msgspec
 
-from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.errors import InvalidArgument
 
 
@@ -90,12 +89,3 @@ def write_mask(exists: Sequence[bool]) -> dict[str, Any]:
     if not any(exists[p:]):
         return {"offset": p}
     return {"bool_masks": list(exists)}
-
-
-def derive_keys(block_keys: Sequence[int] | None, token_ids: Sequence[int] | None, block_size: int) -> list[int]:
-    """Keys of a request: ``block_keys`` verbatim, else Tair's chained hash of ``token_ids``."""
-    if block_keys:
-        return list(block_keys)
-    if token_ids:
-        return token_ids_to_block_keys(token_ids, block_size)
-    raise InvalidArgument("block_keys or token_ids: one of them must be non-empty")

@@ -37,7 +37,10 @@ def _same(value: Any) -> Any:
     return value
 
 
-class Snapshot(NamedTuple):
+class CachedRead(NamedTuple):
+    """A read transaction and the search-cache epoch taken before it began: what the read finds
+    may fill the cache only if no block write committed since (else it could be stale)."""
+
     view: ReadTxn
     epoch: int  # search-cache epoch when the view began
 
@@ -186,13 +189,13 @@ class MetaIndex:
     # -- reads (lock-free) ----------------------------------------------------------------------
 
     @contextmanager
-    def read(self) -> Iterator[Snapshot]:
+    def read(self) -> Iterator[CachedRead]:
         """A read transaction plus the cache epoch taken *before* it began."""
         epoch = self.cache.epoch
         with self.store.read() as view:
-            yield Snapshot(view, epoch)
+            yield CachedRead(view, epoch)
 
-    def get_values(self, snap: Snapshot, ns: bytes, keys: Sequence[int], stop_at_missing: bool = False) -> list[bytes | None]:
+    def get_values(self, snap: CachedRead, ns: bytes, keys: Sequence[int], stop_at_missing: bool = False) -> list[bytes | None]:
         """Stored values of ``keys`` (None = no record), through the search cache.
 
         ``stop_at_missing``: end the list at the first key without a record (prefix walks).

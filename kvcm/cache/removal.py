@@ -15,7 +15,8 @@ from typing import Any
 
 from kvcm.cache.blocks import Location, Record, Status, decode
 from kvcm.cache.deleter import schedule
-from kvcm.cache.masks import BlockMask, check_mask, derive_keys, unmasked_indices
+from kvcm.cache.keys import derive_keys
+from kvcm.cache.masks import BlockMask, check_mask, unmasked_indices
 from kvcm.cache.meta_index import KEEP, namespace
 from kvcm.cache.placement import InstanceView
 from kvcm.cache.state import CacheState

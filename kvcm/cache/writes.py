@@ -29,8 +29,9 @@ from typing import Any
 
 from kvcm.cache.blocks import RUNS_DB, Location, Record, Status, encode_run
 from kvcm.cache.deleter import schedule
+from kvcm.cache.keys import derive_keys
 from kvcm.cache.locations import address, addresses, pack_wire, persist, remember
-from kvcm.cache.masks import BlockMask, derive_keys, success_flags, write_mask
+from kvcm.cache.masks import BlockMask, success_flags, write_mask
 from kvcm.cache.meta_index import KEEP
 from kvcm.cache.placement import InstanceView, Target, write_targets
 from kvcm.cache.sessions import Session, new_session_id, random_id

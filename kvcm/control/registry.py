@@ -24,6 +24,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import msgspec
 
 from kvcm import schema
+from kvcm.control.passwords import hash_password
 from kvcm.control.records import (
     ALL_GROUPS,
     SNAPSHOT_FORMAT,
@@ -43,7 +44,6 @@ from kvcm.control.records import (
     convert,
     decoder,
     encode,
-    hash_password,
     instance_identity,
     new_token,
     now_ms,

@@ -46,16 +46,14 @@ from typing import Any, Generic, NoReturn, TypeVar
 import msgspec
 
 from kvcm.config import AuthConfig, ConfigError
+from kvcm.control.passwords import hash_password, password_problem, verify_password
 from kvcm.control.records import (
     ALL_GROUPS,
     Account,
     Token,
-    hash_password,
     is_user_name,
     looks_like_token,
-    password_problem,
     token_digest,
-    verify_password,
 )
 from kvcm.control.registry import ACCOUNT, TOKEN, Registry, instance_not_found
 from kvcm.errors import AccessDenied, Code, Conflict, Unavailable
