@@ -1,9 +1,8 @@
-"""The engine tier: vLLM/SGLang KV-event sources, the engine index, kvcm's own event publisher.
+"""The engine tier (inbound): vLLM/SGLang KV-event sources and the engine index built from them.
 
 Modules: :mod:`~kvcm.engines.sources` (source specs, endpoints), :mod:`~kvcm.engines.subscriber`
 (the subscriber thread), :mod:`~kvcm.engines.index` + :mod:`~kvcm.engines.table` + :mod:`~kvcm.engines.entries`
 (engine blocks mapped into kvcm keys, persisted; ``match_engines``), :mod:`~kvcm.engines.hashing` (fast re-hashing),
-:mod:`~kvcm.engines.service` (all of it wired together), :mod:`~kvcm.publish.publisher` (kvcm's
-own events in vLLM's format), :mod:`~kvcm.publish.eventlog` (the JSON-lines event log),
-:mod:`~kvcm.engines.metrics`, :mod:`~kvcm.engines.cli` (``kvcm events``).
+:mod:`~kvcm.engines.service` (all of it wired together), :mod:`~kvcm.engines.metrics`,
+:mod:`~kvcm.engines.cli` (``kvcm events``). kvcm's own outbound events live in :mod:`kvcm.publish`.
 """
