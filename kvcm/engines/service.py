@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from kvcm.cache.keys import token_ids_to_block_keys
+from kvcm.cache.keys import derive_keys
 from kvcm.config import ConfigError
 from kvcm.engines.entries import SourceMatch, SourceState
 from kvcm.engines.index import EngineIndex
@@ -34,7 +34,7 @@ from kvcm.engines.sources import (
     static_specs,
 )
 from kvcm.engines.subscriber import EventSubscriber
-from kvcm.errors import Code, InvalidArgument, error
+from kvcm.errors import Code, error
 from kvcm.store.base import MetaStore
 
 log = logging.getLogger("kvcm.engines")
@@ -188,12 +188,7 @@ class EngineService:
 
     def keys_for(self, instance_id: str, token_ids: Sequence[int] | None, block_keys: Sequence[int] | None) -> list[int]:
         """The query's kvcm keys: ``block_keys`` verbatim, else hashed from ``token_ids``."""
-        block_size = self.instance_lookup(instance_id)
-        if block_keys:
-            return block_keys if isinstance(block_keys, list) else list(block_keys)
-        if token_ids:
-            return token_ids_to_block_keys(token_ids, block_size)
-        raise InvalidArgument("token_ids or block_keys is required")
+        return derive_keys(block_keys, token_ids, self.instance_lookup(instance_id))
 
     def match(
         self,
