@@ -186,6 +186,29 @@ def test_lmdb_second_process_lock_refused(tmp_path):
     finally:
         first.close()
     LmdbStore(str(tmp_path / "d")).close()  # free again after close
+    assert not (tmp_path / "d" / "kvcm.lock").exists()  # a clean close leaves no lock file
+
+
+def test_lmdb_lock_survives_a_forked_child_closing_the_store(tmp_path):
+    """A child of fork() that closes its inherited store must not remove the parent's lock file:
+    a third process could then lock a new one and open the data dir beside the parent."""
+    import os
+
+    store = LmdbStore(str(tmp_path / "d"))
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: close the inherited store, and exit without running cleanups
+            try:
+                store.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert (tmp_path / "d" / "kvcm.lock").exists()
+        with pytest.raises(DataDirLocked):
+            LmdbStore(str(tmp_path / "d"))
+    finally:
+        store.close()
+    assert not (tmp_path / "d" / "kvcm.lock").exists()
 
 
 def test_lmdb_map_full_is_capacity_error_then_grows(tmp_path):

@@ -345,7 +345,7 @@ def test_a_lock_taken_on_a_file_unlinked_meanwhile_is_taken_again(tmp_path, monk
     file between open and flock, as the other process would)."""
     import fcntl
 
-    from kvcm.storage import base as storage_base
+    from kvcm import lockfile
 
     path = str(tmp_path / "lockfile")
     real_flock = fcntl.flock
@@ -360,9 +360,9 @@ def test_a_lock_taken_on_a_file_unlinked_meanwhile_is_taken_again(tmp_path, monk
         return real_flock(fd, op)
 
     monkeypatch.setattr(fcntl, "flock", flock_after_the_other_process_dropped_it)
-    storage_base.hold_lock_file(path, "owner", "test storage")
+    lockfile.hold_lock_file(path, "owner", "test storage")
     try:
-        held_fd = storage_base._held[path][0]
+        held_fd = lockfile._held[path][0]
         assert os.fstat(held_fd).st_ino == os.stat(path).st_ino != raced[0]  # locked what the path names
     finally:
-        storage_base.drop_lock_file(path)
+        lockfile.drop_lock_file(path)

@@ -165,9 +165,11 @@ def test_sigterm_leaves_no_socket_or_lock(tmp_path: Any) -> None:
         data = str(tmp_path / "data")
         server = start_subprocess(data, f"ipc://{sock}")
         assert os.path.exists(sock) and os.path.exists(os.path.join(data, "blocks", ".kvcm-lock"))
+        assert os.path.exists(os.path.join(data, "kvcm.lock"))
         assert stop_subprocess(server) == 0
         assert not os.path.exists(sock)
         assert not os.path.exists(os.path.join(data, "blocks", ".kvcm-lock"))
+        assert not os.path.exists(os.path.join(data, "kvcm.lock"))
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
 

@@ -22,12 +22,11 @@ import errno
 import logging
 import os
 import sys
-import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from kvcm.errors import Conflict, InvalidArgument
+from kvcm.errors import InvalidArgument
 from kvcm.schema import suggest
 
 log = logging.getLogger("kvcm.storage")
@@ -252,81 +251,6 @@ def check_component(where: str, value: str) -> str:
     if not value or "/" in value or "\0" in value or value in (".", ".."):
         raise InvalidArgument(f"{where}: {value!r} is not a valid file name")
     return value
-
-
-# --------------------------------------------------------------------------------------- locks
-
-_held: dict[str, tuple[int, str, int]] = {}  # lock file -> (fd, owning storage, holders)
-_held_guard = threading.Lock()
-
-
-def hold_lock_file(path: str, owner: str, what: str) -> None:
-    """Take an exclusive ``flock`` on ``path`` for storage ``owner``, so no two storages (in
-    this process or another) manage the same directory or shm prefix: each would sweep the
-    other's live containers as orphans.
-
-    Re-entrant for the same owner only (a spec update opens the new backend before closing the
-    old one); freed by :func:`drop_lock_file` or when the process dies. Where the filesystem
-    has no locks (some NFS setups), kvcm goes on without one and says so.
-
-    :func:`drop_lock_file` unlinks the file while still holding the lock, so a process that
-    opened it just before may lock an unlinked inode: a lock only counts once the path still
-    names the locked file, else it is taken again on the new one."""
-    with _held_guard:
-        if path in _held:
-            fd, holder, count = _held[path]
-            if holder != owner:
-                raise Conflict(f"{what} is already used by storage {holder!r} in this process")
-            _held[path] = (fd, holder, count + 1)
-            return
-        for _ in range(100):  # each retry means another process just dropped its lock
-            locked = _lock_once(path, what)
-            if locked is not None:
-                _held[path] = (locked, owner, 1)
-                return
-        raise Conflict(f"{what}: lock file {path} keeps being replaced; is another kvcm starting and stopping?")
-
-
-def _lock_once(path: str, what: str) -> int | None:
-    """A descriptor holding the lock on the file ``path`` names now; None if it was replaced."""
-    import fcntl  # POSIX only, like the storages that use it
-
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise Conflict(f"{what} is in use by another process (lock file {path})") from None
-    except OSError as exc:
-        log.warning("%s: cannot lock %s (%s); make sure no other kvcm uses it", what, path, exc)
-    try:
-        st, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
-        if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
-            return fd
-    except FileNotFoundError:
-        pass
-    os.close(fd)
-    return None
-
-
-def drop_lock_file(path: str) -> None:
-    with _held_guard:
-        entry = _held.get(path)
-        if entry is None:
-            return
-        fd, owner, count = entry
-        if count > 1:
-            _held[path] = (fd, owner, count - 1)
-            return
-        del _held[path]
-        # Unlinked before the lock is released, so no other process can lock this file after
-        # it is gone (see hold_lock_file); a clean stop leaves no lock file behind.
-        try:
-            if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
-                os.unlink(path)
-        except OSError:
-            pass  # already gone or replaced: not ours to remove
-        os.close(fd)  # closing the last descriptor releases the flock
 
 
 # --------------------------------------------------------------------------------------- holes

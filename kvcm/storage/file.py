@@ -30,14 +30,13 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from kvcm.errors import CapacityError, Code, InvalidArgument, KvcmError, ServerError
+from kvcm.lockfile import drop_lock_file, hold_lock_file
 from kvcm.storage.base import (
     Container,
     Inventory,
     Slot,
     SlotPool,
     SpecReader,
-    drop_lock_file,
-    hold_lock_file,
     parse_uri,
     punch_hole,
     slot_runs,
@@ -158,7 +157,7 @@ class DirectoryStorage(ABC):
                 return
             self._prepare_directory()
             lock = self.path_of(self._lock_name())
-            hold_lock_file(lock, self.name, f"{self.type_name} storage {self.name!r} ({lock})")
+            hold_lock_file(lock, f"storage {self.name!r}", f"{self.type_name} storage {self.name!r} ({lock})")
             try:
                 self._claim()
                 self._find_existing()

@@ -25,7 +25,6 @@ Rules from py-lmdb and lmdb.h this module enforces:
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import random
@@ -38,6 +37,7 @@ from typing import Any
 import lmdb
 
 from kvcm.errors import Code, ServerError, Unavailable
+from kvcm.lockfile import LockBusy, drop_lock_file, hold_lock_file
 from kvcm.store.base import DATABASES, run_aborts
 from kvcm.store.lmdb_txn import LmdbReadTxn, LmdbWriteTxn, key_range, translate_error
 
@@ -149,7 +149,7 @@ class LmdbStore:
     ) -> None:
         self.path: str | None = path
         os.makedirs(path, exist_ok=True)
-        self._lock_fd = self._lock_dir(path) if lock_dir else None
+        self._lock_path = self._lock_dir(path) if lock_dir else None
         self.map_size_max = max(map_size, map_size_max)
         self.sync = sync
         self._env = lmdb.open(
@@ -186,20 +186,17 @@ class LmdbStore:
             if b"engine_hashes" in names:
                 txn.drop(self._env.open_db(b"engine_hashes", txn=txn), delete=True)
 
-    @staticmethod
-    def _lock_dir(path: str) -> int:
-        fd = os.open(os.path.join(path, "kvcm.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    def _lock_dir(self, path: str) -> str:
+        """Hold ``kvcm.lock`` (see :mod:`kvcm.lockfile`: a clean close removes it again)."""
+        lock = os.path.join(path, "kvcm.lock")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+            hold_lock_file(lock, f"the store object {id(self):x}", f"data dir {path!r}")
+        except LockBusy:
             raise DataDirLocked(
                 f"data dir {path!r} is in use by another kvcm process (lock file kvcm.lock); "
                 "stop it or choose another --data-dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        return fd
+        return lock
 
     # -- transactions -------------------------------------------------------------------------
 
@@ -423,9 +420,9 @@ class LmdbStore:
         self._closed = True
         with self._gate.exclusive():
             self._env.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._lock_path is not None:
+            drop_lock_file(self._lock_path)
+            self._lock_path = None
 
 
 _open_stores: weakref.WeakSet[LmdbStore] = weakref.WeakSet()
