@@ -1,6 +1,6 @@
 """Data-plane RPCs: ``get_cache_location``, ``get_cache_meta``, ``start_write_cache``,
-``finish_write_cache``, ``remove_cache``, ``trim_cache`` (the README's "Data plane" section has an example of each),
-and ``report_lost`` (a client could not read blocks kvcm handed out: they stop being served).
+``finish_write_cache``, ``remove_cache``, ``trim_cache`` and ``report_lost`` (a client could not
+read blocks kvcm handed out: they stop being served); docs/rpc.md has an example of each.
 
 Request schemas use Tair's proto field names; every request may carry ``trace_id`` and ``auth``;
 an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.schema`). Enum values are

@@ -1,4 +1,4 @@
-"""Capacity management: the reclaimer thread and its per-group state (README, "Capacity management").
+"""Capacity management: the reclaimer thread and its per-group state (docs/capacity.md).
 
 :mod:`kvcm.reclaimer.core` has :class:`Reclaimer` (the round: sync, drain, TTL sweep, watermark,
 eviction); :mod:`kvcm.reclaimer.state` has :class:`Limits`, the per-group policies and the
