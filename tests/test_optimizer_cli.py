@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -180,13 +181,51 @@ def test_the_servers_event_log_replays(capsys, tmp_path):
     assert summary["trace_counts"]["paired_writes"] == 1
 
 
-def test_the_readme_quick_start_runs_from_a_checkout():
-    """README: ``kvcm optimize tests/data/mooncake_synthetic_trace.jsonl.gz`` (the trace ships
-    with the repository) prints the unbounded table the README shows."""
+def test_list_samples_names_the_shipped_trace(capsys):
+    code, out, _ = run(capsys, "--list-samples")
+    assert code == 0
+    name, fmt, path, about = out.splitlines()[0].split("\t")
+    assert (name, fmt) == ("mooncake", "mooncake") and "Mooncake" in about
+    assert Path(path).is_file() and Path(path).parent.name == "samples"
+    assert Path(path).stat().st_size < 1 << 20  # package data stays small
+
+
+def test_sample_replays_the_shipped_trace_like_the_file(capsys):
+    code, out, _ = run(capsys, "--sample", "mooncake", "--json")
+    assert code == 0
+    assert round(json.loads(out)["total"]["token_hit_rate"], 3) == 0.651
+    _, direct, _ = run(capsys, MOONCAKE, "--json")
+    assert json.loads(direct)["total"] == json.loads(out)["total"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sample", "nope"], "unknown sample 'nope'; valid: mooncake"),
+        (["--sample", "mooncake", "t.jsonl"], "either TRACE or --sample"),
+    ],
+)
+def test_sample_errors(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err
+
+
+def test_the_sample_is_package_data():
+    """``pip install .`` ships it: pyproject's package-data covers the samples directory."""
+    from kvcm.optimizer.cli import SAMPLES, SAMPLES_DIR
+
     root = Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text()
-    assert "$ kvcm optimize tests/data/mooncake_synthetic_trace.jsonl.gz\n" in readme
-    done = subprocess.run([sys.executable, "-m", "kvcm", "optimize", "tests/data/mooncake_synthetic_trace.jsonl.gz"],
-                          cwd=root, capture_output=True, text=True, timeout=120)
+    pyproject = (root / "pyproject.toml").read_text()
+    assert '"kvcm.optimizer" = ["samples/*.jsonl.gz"' in pyproject
+    assert all(s.path.parent == SAMPLES_DIR and s.file.endswith(".jsonl.gz") for s in SAMPLES.values())
+
+
+def test_the_quick_start_runs_outside_a_checkout(tmp_path):
+    """``kvcm optimize --sample mooncake`` needs no file of the repository's tests/ (run from an
+    empty directory)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-m", "kvcm", "optimize", "--sample", "mooncake"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "instance                     3993     121877    0.6396  0.0000  0.6396    0.6512" in done.stdout

@@ -13,7 +13,8 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from kvcm.optimizer import plot, report
@@ -41,6 +42,37 @@ from kvcm.policies import POLICIES
 
 DESCRIPTION = "Replay a KV-cache trace offline: hit rates per policy and capacity, plots, cost."
 
+#: Where the sample traces live: package data, installed with kvcm (``pip install .``), so the
+#: quick start needs no checkout and no download.
+SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A trace shipped with kvcm: its file under :data:`SAMPLES_DIR` and its format."""
+
+    file: str
+    format: str
+    about: str
+
+    @property
+    def path(self) -> Path:
+        return SAMPLES_DIR / self.file
+
+
+SAMPLES: dict[str, Sample] = {
+    "mooncake": Sample("mooncake.jsonl.gz", "mooncake",
+                       "Mooncake's synthetic trace (FAST'25, Apache-2.0): 3993 requests, 512-token blocks"),
+}
+
+
+def sample_path(name: str) -> Path:
+    """The path of the shipped sample ``name``; ValueError naming the valid ones otherwise."""
+    sample = SAMPLES.get(name)
+    if sample is None:
+        raise ValueError(f"unknown sample {name!r}; valid: {', '.join(sorted(SAMPLES))} (--list-samples)")
+    return sample.path
+
 
 def add_optimize_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``optimize`` to an ``argparse`` subparsers object; returns the new parser."""
@@ -55,6 +87,8 @@ def add_optimize_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("trace")
     t.add_argument("trace", nargs="?", help="trace file (.jsonl, or .jsonl.gz); or [trace] path")
+    t.add_argument("--sample", metavar="NAME", help="replay a trace shipped with kvcm (see --list-samples)")
+    t.add_argument("--list-samples", action="store_true", help="print the shipped sample traces and exit")
     t.add_argument("--format", "-f", choices=sorted(READERS), help="trace format (default mooncake)")
     t.add_argument("--block-size", type=int, help="tokens per block (default: the format's)")
     t.add_argument("--trace-opt", action="append", default=[], metavar="KEY=VALUE",
@@ -115,6 +149,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.list_samples:
+        for name, sample in sorted(SAMPLES.items()):
+            print(f"{name}\t{sample.format}\t{sample.path}\t{sample.about}")
+        return 0
+    if args.sample is not None:
+        if args.trace:
+            raise ValueError("give either TRACE or --sample, not both")
+        path = sample_path(args.sample)
+        if not path.is_file():  # a broken install, not a user error in the arguments
+            raise FileNotFoundError(f"sample {args.sample!r} is missing from this install: {path}")
+        args.trace = str(path)
+        if args.format is None:
+            args.format = SAMPLES[args.sample].format
     config = load_toml(args.config) if args.config else {}
     spec = _spec(args, config)
     cost = _cost(args, config)
