@@ -103,6 +103,25 @@ def test_a_batch_of_one_shape_and_a_mixed_batch_give_the_same_addresses():
         assert [uris(a) for a in got] == lists
 
 
+@pytest.mark.parametrize("sid", ["a3f9c2d1", "12345678", "deadbeef"])
+def test_a_batch_of_packed_file_uris_is_read_in_one_pass(sid):
+    """The packed ``file`` storage's URIs carry a hex storage id: the whole batch is still read by
+    the batch path (one translate, one slice per integer), not URI by URI."""
+    def uri(i: int, spec: int) -> str:
+        return f"file:///data/blocks/s8192/{sid}-{i // 16:08d}.kv?off={(i % 16) * 8192 + spec * 4096}&len=4096"
+
+    batch = [[uri(i, 0), uri(i, 1)] for i in range(1, 24)]
+    storage = f"packed-{sid}"
+    address("file", storage, 8192, list(zip(["tp0", "tp1"], [uri(0, 0), uri(0, 1)])))  # the skeleton
+    sid_int = locations._last[("file", storage, 8192, ("tp0", "tp1"))]
+    plan = locations._columns(sid_int)
+    assert plan is not None
+    ints = locations._batch_ints(locations._by_id[sid_int], plan, batch)
+    assert ints == [n for u in batch for one in u for n in split(one)[1]]
+    got = addresses("file", storage, 8192, ["tp0", "tp1"], batch)
+    assert [uris(a) for a in got] == batch
+
+
 def test_past_the_table_limit_locations_are_stored_verbatim(monkeypatch):
     monkeypatch.setattr(locations, "MAX_SKELETONS", 0)
     specs = [("tp0", f"brand-new-shape-{os.getpid()}://x/1")]

@@ -3,6 +3,7 @@ the optimizer, and engine holders folded into get_cache_location."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import zmq
@@ -50,6 +51,14 @@ def test_publisher_and_event_log(tmp_path):
         assert type(removed[0]).__name__ == "BlockRemoved" and sorted(removed[0].block_hashes) == sorted(stored[0].block_hashes)
         sub.close(0)
 
+    events = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [e["type"] for e in events] == ["StartWriteCache", "FinishWriteCache", "GetCacheLocation"]
+    start, finish, lookup = events
+    assert start["write_session_id"] == finish["write_session_id"] == started["write_session_id"]
+    assert start["tokens"] == tokens and len(start["keys"]) == 3 and start["block_mask"] == {"offset": 0}
+    assert finish["success_block"] == {"offset": 3}
+    assert lookup["query_type"] == "prefix_match" and lookup["keys"] == start["keys"]
+    assert lookup["tokens"] == tokens and lookup["block_mask"] is None
     records = list(read_trace(log_path, "kvcm_events"))
     ops = [r.op for r in records]
     assert ops, "the event log produced no trace records"
