@@ -197,6 +197,15 @@ def test_kvcm_events_bool_success_mask_and_bad_masks(tmp_path):
         next(records)
 
 
+def test_kvcm_events_read_every_logged_mask_shape(tmp_path):
+    """Masks as older logs hold them (both fields, one null; Tair's {"values": [...]}) read
+    like the ones logged as sent."""
+    shapes = [{"offset": None, "bool_masks": [True, False]}, {"offset": None, "bool_masks": {"values": [True, False]}},
+              {"bool_masks": [True, False]}, {"offset": 1, "bool_masks": None}, {"offset": 1}]
+    path = _write(tmp_path, [_ev("GetCacheLocation", 10 * i, keys=[1, 2], block_mask=m) for i, m in enumerate(shapes)])
+    assert [r.mask for r in read_trace(path, "kvcm_events")] == [[True, False]] * 3 + [1, 1]
+
+
 def test_kvcm_events_unknown_type_is_counted_missing_field_is_an_error(tmp_path):
     path = _write(tmp_path, [{"type": "Heartbeat", "trigger_time_us": 0, "source": "a"},
                              {"type": "GetCacheLocation", "source": "a", "keys": [1]}])  # fmt: skip

@@ -77,10 +77,14 @@ def parse_mask(value: Any, n: int, line: LineContext, name: str) -> Mask:
     if value is None:
         return 0
     if isinstance(value, dict):
-        if "offset" in value:
-            value = value["offset"]
-        elif "bool_masks" in value:
-            value = value["bool_masks"]
+        # Logs written before the mask was logged as sent hold both fields, one of them null,
+        # and Tair's proto-JSON bool form {"values": [...]}.
+        offset = value.get("offset")
+        value = offset if offset is not None else value.get("bool_masks")
+        if isinstance(value, dict):
+            value = value.get("values")
+        if value is None:
+            return 0
     if type(value) is int and value >= 0:
         return value
     if isinstance(value, list) and all(isinstance(v, bool) for v in value):
