@@ -236,7 +236,7 @@ class App:
         from kvcm.cache.blocks import set_cache_bytes as set_wire_cache_bytes
         from kvcm.cache.manager import CacheManager
         from kvcm.cache.storage_pool import StoragePool
-        from kvcm.storage.backends import StorageHealth
+        from kvcm.storage.backends import StorageAvailability, StorageHealth
 
         cfg = self.config.cache
         if self.config.publisher.event_log:
@@ -256,6 +256,8 @@ class App:
         self.timers.append(Timer("write-session-expiry", cfg.session_check_ms / 1000.0, self.cache.expire_sessions))
         self.threads.append(LoopThread("deleter", self.cache.background_once, cfg.delete_poll_ms / 1000.0))
         health = StorageHealth(self.storages.backends, self.registry.set_storage_available)
+        StorageAvailability(lambda: [(s.global_unique_name, s.available) for s in self.registry.list_storages()],
+                            self.metrics.registry)
         self.threads.append(LoopThread("storage-health", health.run_once, cfg.storage_health_interval_s))
         return cache_api.methods(self.cache, self.engines)
 

@@ -1,19 +1,28 @@
 """Prometheus metrics: one registry per app, served on ``/metrics`` and by the ``get_metrics`` RPC.
 
 Every module that counts something takes the :class:`Metrics` (or its ``registry``) and creates
-its own families on it, all named ``kvcm_*``.
+its own families on it, all named ``kvcm_*``; the registry also carries prometheus_client's
+standard ``process_*`` and ``python_info`` collectors.
+
+One rule for ``_created``: none of kvcm's output has it. prometheus_client writes a ``_created``
+sample for its own counters and histograms but not for custom collectors (:class:`RpcStats`), and
+its switch (``disable_created_metrics``) is process-global, so :meth:`Metrics.exposition` and
+:meth:`Metrics.snapshot` drop those samples themselves, for every family of the registry.
 """
 
 from __future__ import annotations
 
+import platform
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
+
+from kvcm.version import __version__
 
 # The "le" text prometheus_client's own Histogram writes (it ships this helper untyped).
 _le: Callable[[float], str] = floatToGoString
@@ -98,15 +107,44 @@ class Metrics:
             "kvcm_http_refused", "Side HTTP requests and connections refused, by reason", ["reason"], registry=r
         )
         self.up = Gauge("kvcm_up", "1 while the server is serving", registry=r)
+        build = Gauge("kvcm_build_info", "Always 1; the labels say which kvcm and Python run", ["version", "python"],
+                      registry=r)
+        build.labels(__version__, platform.python_version()).set(1)
+        # Each app gets its own instances: the global default registry already has these, and a
+        # collector can only be registered once per registry.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        self._view = _WithoutCreated(r)
 
     def exposition(self) -> bytes:
         """Prometheus text format."""
-        return bytes(generate_latest(self.registry))
+        return bytes(generate_latest(self._view))
 
     def snapshot(self) -> dict[str, list[dict[str, Any]]]:
         """The same numbers as ``/metrics``, as a map for the ``get_metrics`` RPC."""
         out: dict[str, list[dict[str, Any]]] = {}
-        for family in self.registry.collect():
+        for family in self._view.collect():
             for sample in family.samples:
                 out.setdefault(sample.name, []).append({"labels": dict(sample.labels), "value": sample.value})
         return out
+
+
+class _WithoutCreated(CollectorRegistry):
+    """A read-only view of ``source`` whose families carry no ``_created`` samples.
+
+    ``_created`` is a timestamp, not a number to alert on, and only prometheus_client's own
+    counters and histograms have it; dropping it everywhere keeps every family of one app shaped
+    the same, whatever collector built it."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        super().__init__(auto_describe=False)
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            created = family.name + "_created"
+            if any(sample.name == created for sample in family.samples):
+                copy = Metric(family.name, family.documentation, family.type, family.unit)
+                copy.samples = [sample for sample in family.samples if sample.name != created]
+                family = copy
+            yield family

@@ -49,7 +49,8 @@ def test_probes_metrics_and_api():
         assert "kvcm_rpc_requests" in families
         methods = {s.labels.get("method") for s in families["kvcm_rpc_requests"].samples}
         assert {"check_health", "list_storage"} <= methods
-        assert all(name.startswith("kvcm_") for name in families)
+        # kvcm's own families, plus prometheus_client's standard process and platform collectors
+        assert all(name.startswith(("kvcm_", "process_")) or name == "python_info" for name in families)
 
         status, body = _post(port, "/api/list_storage", b"{}")
         assert status == 200 and any(s["global_unique_name"] == "default-file" for s in body["result"]["storage"])

@@ -442,9 +442,11 @@ def test_metrics_families():
     for k in range(1, 11):
         mgr.write("i", k, now=float(k))
     rec.run_once(12.0)
-    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
-              for m in rec.metrics.usage_bytes.collect() for s in m.samples}
-    assert values[("kvcm_usage_bytes", (("group", "g"), ("storage_type", "all")))] == 1000  # at round start
+    totals = {s.labels["group"]: s.value for m in rec.metrics.group_usage_bytes.collect() for s in m.samples}
+    assert totals == {"g": 1000}  # at round start
+    by_type = [s for m in rec.metrics.usage_bytes.collect() for s in m.samples]
+    assert by_type and all(s.labels["storage_type"] != "all" for s in by_type)
+    assert sum(s.value for s in by_type) == 1000
     blocks = [s for m in rec.metrics.blocks.collect() for s in m.samples if s.name == "kvcm_reclaim_blocks_total"]
     assert blocks[0].value == 2 and blocks[0].labels["policy"] == "lru" and blocks[0].labels["reason"] == "watermark"
     freed = [s for m in rec.metrics.bytes.collect() for s in m.samples if s.name == "kvcm_reclaim_bytes_total"]

@@ -50,7 +50,7 @@ from prometheus_client import CollectorRegistry
 from kvcm.cache.listeners import CacheListener
 from kvcm.config import ReclaimConfig
 from kvcm.policies import BasePolicy
-from kvcm.reclaimer.state import ALL_TYPES, GroupState, IKey, Limits, ReclaimMetrics, deleter_head
+from kvcm.reclaimer.state import GroupState, IKey, Limits, ReclaimMetrics, deleter_head
 
 log = logging.getLogger("kvcm.reclaimer")
 
@@ -307,12 +307,9 @@ class Reclaimer(CacheListener):
 
     def _record_usage(self, state: GroupState, usage: Mapping[str, Any], by_type: Mapping[str, int]) -> None:
         m, name, lim = self.metrics, state.name, state.limits
-        m.usage_bytes.labels(name, ALL_TYPES).set(usage.get("bytes", 0))
-        m.usage_keys.labels(name, ALL_TYPES).set(usage.get("keys", 0))
-        m.quota_bytes.labels(name, ALL_TYPES).set(max(lim.quota, 0))
+        m.set_usage(name, usage)
+        m.group_quota_bytes.labels(name).set(max(lim.quota, 0))
         for stype, u in usage.get("by_type", {}).items():
-            m.usage_bytes.labels(name, stype).set(u.get("bytes", 0))
-            m.usage_keys.labels(name, stype).set(u.get("keys", 0))
             m.inflight.labels(name, stype).set(u.get("bytes", 0) - by_type.get(stype, 0))
         for stype, quota in lim.type_quotas.items():
             m.quota_bytes.labels(name, stype).set(max(quota, 0))

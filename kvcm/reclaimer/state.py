@@ -21,7 +21,6 @@ from kvcm.store.base import from_u64
 
 IKey = tuple[str, int]  # (instance_id, block_key): block keys are per-instance namespaces
 _COUNTS_EVERY_READ = frozenset({"lfu"})  # policies for which two reads differ from one
-ALL_TYPES = "all"  # storage_type label of group-wide numbers
 
 
 @dataclass(frozen=True)
@@ -215,13 +214,22 @@ class GroupState:
 
 
 class ReclaimMetrics:
-    """The reclaimer's Prometheus families (``kvcm_usage_*``, ``kvcm_quota_*``, ``kvcm_reclaim_*``)."""
+    """The reclaimer's Prometheus families (``kvcm_usage_*``, ``kvcm_quota_*``, ``kvcm_group_*``,
+    ``kvcm_reclaim_*``).
+
+    Group-wide numbers have their own ``kvcm_group_*`` names rather than a ``storage_type`` label
+    value of their own: a label value that is the sum of the others makes every ``sum()`` over
+    the family count each byte twice."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        r, gt = registry, ["group", "storage_type"]
-        self.usage_bytes = Gauge("kvcm_usage_bytes", "Bytes used, per group and storage type (all = group)", gt, registry=r)
+        r, g, gt = registry, ["group"], ["group", "storage_type"]
+        self.usage_bytes = Gauge("kvcm_usage_bytes", "Bytes used, per group and storage type", gt, registry=r)
         self.usage_keys = Gauge("kvcm_usage_keys", "Block locations, per group and storage type", gt, registry=r)
-        self.quota_bytes = Gauge("kvcm_quota_bytes", "Quota in bytes (0 = unlimited)", gt, registry=r)
+        self.quota_bytes = Gauge("kvcm_quota_bytes", "Quota in bytes per storage type (0 = unlimited)", gt, registry=r)
+        self.group_usage_bytes = Gauge("kvcm_group_usage_bytes", "Bytes used by the whole group", g, registry=r)
+        self.group_usage_keys = Gauge("kvcm_group_usage_keys", "Block locations of the whole group", g, registry=r)
+        self.group_quota_bytes = Gauge("kvcm_group_quota_bytes", "Quota of the whole group (0 = unlimited)", g,
+                                       registry=r)
         self.tracked = Gauge("kvcm_reclaim_tracked_blocks", "Serving blocks known to the policy", gt, registry=r)
         self.inflight = Gauge("kvcm_reclaim_inflight_bytes", "Evicted bytes not yet freed", gt, registry=r)
         self.rounds = Counter("kvcm_reclaim_rounds", "Reclaimer rounds run", registry=r)
@@ -235,14 +243,35 @@ class ReclaimMetrics:
             "kvcm_reclaim_round_seconds", "Time per reclaimer round",
             buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0), registry=r,
         )
+        self._usage_types: dict[str, set[str]] = {}  # group -> storage types with a usage series
+
+    def set_usage(self, group: str, usage: Mapping[str, Any]) -> None:
+        """The group's totals and its per-type usage; a type that no longer has usage reads 0
+        (not its last value), so the per-type series always add up to the group's."""
+        self.group_usage_bytes.labels(group).set(usage.get("bytes", 0))
+        self.group_usage_keys.labels(group).set(usage.get("keys", 0))
+        by_type = usage.get("by_type", {})
+        for stype in self._usage_types.get(group, set()) - set(by_type):
+            self.usage_bytes.labels(group, stype).set(0)
+            self.usage_keys.labels(group, stype).set(0)
+        for stype, u in by_type.items():
+            self.usage_bytes.labels(group, stype).set(u.get("bytes", 0))
+            self.usage_keys.labels(group, stype).set(u.get("keys", 0))
+        self._usage_types.setdefault(group, set()).update(by_type)
 
     def forget_group(self, group: str) -> None:
+        self._usage_types.pop(group, None)
         for gauge in (self.usage_bytes, self.usage_keys, self.quota_bytes, self.tracked, self.inflight):
             for labels in [s.labels for m in gauge.collect() for s in m.samples if s.labels.get("group") == group]:
                 try:
                     gauge.remove(labels["group"], labels["storage_type"])
                 except KeyError:
                     pass
+        for gauge in (self.group_usage_bytes, self.group_usage_keys, self.group_quota_bytes):
+            try:
+                gauge.remove(group)
+            except KeyError:
+                pass
 
 
 def deleter_head(manager: Any) -> Callable[[], float | None] | None:

@@ -22,8 +22,11 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvcm.errors import Code, InvalidArgument, ServerError
 from kvcm.storage.base import ParsedUri, StorageBackend, format_uri, parse_uri
@@ -51,6 +54,7 @@ _NAME = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 __all__ = [
     "STORAGE_BACKENDS",
     "ParsedUri",
+    "StorageAvailability",
     "StorageBackend",
     "StorageHealth",
     "format_uri",
@@ -212,3 +216,23 @@ class StorageHealth:
         if self._loop is not None:
             self._loop.stop(timeout)
             self._loop = None
+
+
+class StorageAvailability:
+    """``kvcm_storage_available{storage}``: 1 while the probes say a storage is usable, else 0.
+
+    Built at scrape time from ``storages()`` (name, available) pairs, i.e. from the registry's
+    records that :class:`StorageHealth` (through ``set_storage_available``) and the storage
+    pool write: the gauge cannot drift from what ``check_health`` reports, and a storage removed
+    from the registry has no series. ``enabled`` (the admin's word) is not part of it."""
+
+    def __init__(self, storages: Callable[[], Iterable[tuple[str, bool]]], registry: CollectorRegistry) -> None:
+        self._storages = storages
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("kvcm_storage_available", "1 while the storage passes its health probes",
+                                   labels=["storage"])
+        for name, available in self._storages():
+            family.add_metric([name], 1.0 if available else 0.0)
+        yield family

@@ -6,7 +6,9 @@ with a temporary data dir.
 ...     with server.client() as kv:
 ...         kv.call("check_health")
 
-The pytest plugin (installed with kvcm) offers the same as the ``kvcm_server`` fixture.
+The pytest plugin (installed with kvcm) offers the same as the ``kvcm_server`` fixture (configured
+with ``@pytest.mark.kvcm(overrides=..., http=...)``) and ``kvcm_server_factory``
+(:mod:`kvcm.testing.pytest_plugin`).
 """
 
 from __future__ import annotations
