@@ -8,23 +8,26 @@ store last, after nothing can touch it any more.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lmdb
 import msgspec
+import zmq
 
-from kvcm.config import Config
+from kvcm.config import Config, HttpConfig
 from kvcm.errors import StartRefused
 from kvcm.metrics import Metrics
 from kvcm.rpc.curve import CurveServer
 from kvcm.rpc.dispatch import Dispatcher, Limits, Method
 from kvcm.rpc.http import SideHttp
-from kvcm.rpc.server import Server, Timer
+from kvcm.rpc.server import AddressInUse, Server, Timer, endpoint_in_use
 from kvcm.storage.ownership import leftovers
 from kvcm.store import LmdbStore, MemoryStore, MetaStore
 from kvcm.threads import LoopThread
@@ -76,6 +79,29 @@ def _store_error(config: Config, exc: Exception) -> StartRefused:
     )
 
 
+def _rpc_in_use(endpoint: str) -> StartRefused:
+    return StartRefused(f"the RPC endpoint {endpoint} is already in use by another process; "
+                        "choose another with --endpoint or server.endpoint")
+
+
+def _http_port_in_use(cfg: HttpConfig) -> bool:
+    if cfg.port == 0:
+        return False
+    return endpoint_in_use(f"tcp://{'[' + cfg.host + ']' if ':' in cfg.host else cfg.host}:{cfg.port}")
+
+
+def _http_in_use(cfg: HttpConfig) -> StartRefused:
+    default = (" (the default http.port: every kvcm binds it unless told otherwise, so a second server "
+               "needs its own)") if cfg.port == HttpConfig.port else ""
+    return StartRefused(f"the HTTP port {cfg.host}:{cfg.port} is already in use by another process{default}; "
+                        "choose another with --http-port or http.port (0 picks a free port)")
+
+
+def _publisher_in_use(key: str, endpoint: str) -> StartRefused:
+    return StartRefused(f"the publisher's {endpoint} is already in use by another process; "
+                        f"choose another with --set publisher.{key}=...")
+
+
 class App:
     """One kvcm process. ``start()`` serves on a thread; ``run()`` serves on the caller's.
 
@@ -83,6 +109,17 @@ class App:
     (``refuse`` to start, ``adopt`` them unindexed, or ``discard`` them)."""
 
     def __init__(self, config: Config, orphans: str = "refuse") -> None:
+        # A taken port refuses the start before the data dir is even opened; the binds below
+        # still report a port taken in between (and clean up what was built).
+        if endpoint_in_use(config.server.endpoint):
+            raise _rpc_in_use(config.server.endpoint)
+        if config.http.enabled and _http_port_in_use(config.http):
+            raise _http_in_use(config.http)
+        if config.publisher.enabled:
+            for key, endpoint in (("endpoint", config.publisher.endpoint),
+                                  ("replay_endpoint", config.publisher.replay_endpoint)):
+                if endpoint and endpoint_in_use(endpoint):
+                    raise _publisher_in_use(key, endpoint)
         try:
             self._build(config, orphans)
         except (lmdb.Error, msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -101,6 +138,7 @@ class App:
         self._stopped = False
         self._serve_thread: threading.Thread | None = None
         self.curve: CurveServer | None = None  # keys, context and ZAP handler when CURVE is on
+        self.http: SideHttp | None = None
         try:
             self.curve = self._build_curve()
             methods = self._build_services()
@@ -134,17 +172,55 @@ class App:
                 context=self.curve.context if self.curve is not None else None,
                 socket_setup=self.curve.setup if self.curve is not None else None,
             )
+            self.endpoint = self.server.endpoint
+            self.http = self._bind_http()
+        except AddressInUse:
+            self._abort_build()
+            raise _rpc_in_use(config.server.endpoint) from None
         except BaseException:
-            if self.publisher is not None:
-                self.publisher.stop()
-            if self.curve is not None:
-                self.curve.stop()  # after every socket on its context is closed
-            if getattr(self, "engine_store", None) is not None:
-                self.engine_store.close()
-            self.store.close()
+            self._abort_build()
             raise
-        self.endpoint = self.server.endpoint
-        self.http: SideHttp | None = None
+
+    def _abort_build(self) -> None:
+        """Undo a build that failed half-way (a port taken, a bad storage): every socket, thread,
+        lock file and store it opened is closed, so nothing outlives the failed start."""
+        if self.http is not None:
+            self.http.stop()
+        server: Server | None = getattr(self, "server", None)
+        if server is not None:
+            server.close_unserved()
+        authorize = getattr(self, "authorize", None)
+        if authorize is not None:
+            authorize.close()
+        if self.publisher is not None:
+            self.publisher.stop()
+        if self.curve is not None:
+            self.curve.stop()  # after every socket on its context is closed
+        if self.event_log is not None:
+            self.event_log.close()
+        if getattr(self, "storages", None) is not None:
+            self.storages.close()
+        if getattr(self, "engine_store", None) is not None:
+            self.engine_store.close()
+        self.store.close()
+
+    def _bind_http(self) -> SideHttp | None:
+        """Bind the side HTTP port now (served from :meth:`_start_background`), so every port is
+        bound before the start-up block says the server is serving."""
+        if not self.config.http.enabled:
+            return None
+        try:
+            return SideHttp(
+                self.config.http, self.metrics, self.endpoint, self.live, self.ready,
+                max_body=self.config.server.max_message_bytes,
+                auth_required=self.config.auth.enabled,
+                client_options=self.curve.client_options() if self.curve is not None else None,
+            )
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise _http_in_use(self.config.http) from None
+            raise StartRefused(f"cannot bind the HTTP port {self.config.http.host}:{self.config.http.port} "
+                               f"({exc.strerror or exc}); change --http-port or http.host / http.port") from None
 
     # -- wiring ---------------------------------------------------------------------------------
 
@@ -194,9 +270,13 @@ class App:
 
         cfg = self.config.publisher
         if cfg.enabled:
-            self.publisher = EventPublisher(cfg.endpoint, cfg.replay_endpoint or None, topic=cfg.topic,
-                                            buffer_steps=cfg.buffer_steps, encoding=cfg.encoding,
-                                            registry=self.metrics.registry, **self._publisher_curve())
+            try:
+                self.publisher = EventPublisher(cfg.endpoint, cfg.replay_endpoint or None, topic=cfg.topic,
+                                                buffer_steps=cfg.buffer_steps, encoding=cfg.encoding,
+                                                registry=self.metrics.registry, **self._publisher_curve())
+            except zmq.ZMQError as exc:  # taken after the start-up check, or not bindable at all
+                raise StartRefused(f"cannot bind the publisher ({cfg.endpoint}, replay {cfg.replay_endpoint or 'off'}): "
+                                   f"{exc}; change publisher.endpoint / publisher.replay_endpoint") from None
         if self.publisher is not None or self.event_log is not None:
             self.cache.add_listener(StorageEvents(self.publisher, self.event_log,
                                                   lambda instance_id: self.registry.get_instance(instance_id).block_size))
@@ -286,6 +366,35 @@ class App:
             "data_dir": self.store.path,
         }
 
+    def startup_block(self, config_file: str | None = None) -> list[str]:
+        """The lines ``kvcm serve`` prints once every port is bound: what this process serves,
+        where it keeps its data and which protections are on. The first line stays
+        ``kvcm serving on ENDPOINT`` (scripts wait for it)."""
+        cfg = self.config
+        http = f"{cfg.http.host}:{self.http.port}" if self.http is not None else "off"
+        # A memory store still keeps the default file storage's blocks under the data dir.
+        store = "memory (metadata not persisted)" if self.store.path is None else \
+            f"lmdb, sync {'on' if cfg.store.sync else 'off'}"
+        publisher = "off"
+        if self.publisher is not None:
+            replay = f", replay {cfg.publisher.replay_endpoint}" if cfg.publisher.replay_endpoint else ""
+            publisher = f"{cfg.publisher.endpoint}{replay}"
+        curve = "off"
+        if self.curve is not None:
+            curve = "on, " + ("client keys in " + cfg.server.curve_allowed_clients_dir
+                              if cfg.server.curve_allowed_clients_dir else "any client key")
+        rows = [
+            ("version", __version__),
+            ("http", http),
+            ("data dir", self.store.path or os.path.abspath(cfg.store.data_dir)),
+            ("config", os.path.abspath(config_file) if config_file else "none"),
+            ("store", store),
+            ("auth", "on" if cfg.auth.enabled else "off"),
+            ("curve", curve),
+            ("publisher", publisher),
+        ]
+        return [f"kvcm serving on {self.endpoint}"] + [f"  {name:<10} {value}" for name, value in rows]
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     def _start_background(self) -> None:
@@ -295,13 +404,7 @@ class App:
             self.engines.start()
         if self.publisher is not None:
             self.publisher.start()
-        if self.config.http.enabled:
-            self.http = SideHttp(
-                self.config.http, self.metrics, self.endpoint, self.live, self.ready,
-                max_body=self.config.server.max_message_bytes,
-                auth_required=self.config.auth.enabled,
-                client_options=self.curve.client_options() if self.curve is not None else None,
-            )
+        if self.http is not None:
             self.http.start()
 
     def start(self) -> App:
@@ -311,10 +414,13 @@ class App:
         self._serve_thread.start()
         return self
 
-    def run(self) -> None:
-        """Serve on the calling thread until :meth:`request_stop`; then shut down in order."""
-        self._start_background()
+    def run(self, started: Callable[[], None] | None = None) -> None:
+        """Serve on the calling thread until :meth:`request_stop`; then shut down in order.
+        ``started`` runs once everything is bound and started, before the first request."""
         try:
+            self._start_background()
+            if started is not None:
+                started()
             self.server.serve()
         finally:
             self.stop()

@@ -6,16 +6,17 @@ import argparse
 import getpass
 import json
 import logging
+import math
 import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvcm.config import Config, ConfigError, load, overrides_from_pairs, to_toml
+from kvcm.config import Config, ConfigError, ServerConfig, load, overrides_from_pairs, to_toml
 from kvcm.errors import KvcmError, StartRefused
 
-DEFAULT_ENDPOINT = "tcp://127.0.0.1:6381"
+DEFAULT_ENDPOINT = ServerConfig.endpoint
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -39,11 +40,16 @@ def _serve_parser(sub: Any) -> None:
 
 
 def _call_parser(sub: Any) -> None:
-    p = sub.add_parser("call", help="call one RPC method and print its JSON result")
-    p.add_argument("method")
+    p = sub.add_parser("call", help="call one RPC method and print its JSON result", add_help=False,
+                       description="Call one RPC method and print its JSON result.")
+    p.add_argument("-h", "--help", action=_CallHelp, nargs=0, help="show this help (with the endpoint a call "
+                   "would use now and the method names) and exit")
+    p.add_argument("method", help="the RPC method (see the list below)")
     p.add_argument("params", nargs="?", default="{}", help="JSON object of parameters")
-    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
-    p.add_argument("--timeout", type=float, default=10.0)
+    _add_config_args(p)
+    p.add_argument("--endpoint", help="the server's RPC endpoint; else $KVCM_SERVER_ENDPOINT, else server.endpoint "
+                                      f"of --config FILE, else {DEFAULT_ENDPOINT}")
+    p.add_argument("--timeout", type=_positive_seconds, default=10.0, help="seconds to wait for the reply")
     p.add_argument("--user", help="account name (when auth is on); its password comes from KVCM_PASSWORD, "
                                   "--password-file, or a prompt on a terminal")
     p.add_argument("--password", help="account password: visible in the process list, prefer KVCM_PASSWORD "
@@ -54,6 +60,52 @@ def _call_parser(sub: Any) -> None:
                    help="CURVE: the server's public key (its .key file, or z85 text)")
     p.add_argument("--curve-client-key", metavar="SECRET_CERT_FILE",
                    help="CURVE: this client's secret certificate (default: an ephemeral key pair)")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def call_endpoint(args: argparse.Namespace) -> tuple[str, str]:
+    """The endpoint ``kvcm call`` uses and where it came from: ``--endpoint`` > ``--set
+    server.endpoint=...`` > ``KVCM_SERVER_ENDPOINT`` > ``server.endpoint`` of ``--config`` > the
+    default (the precedence of :func:`kvcm.config.load`, the one ``kvcm serve`` follows)."""
+    if getattr(args, "endpoint", None):
+        return args.endpoint, "--endpoint"
+    endpoint = effective_config(args).server.endpoint
+    if any(pair.partition("=")[0].strip() == "server.endpoint" for pair in getattr(args, "sets", None) or []):
+        return endpoint, "--set server.endpoint"
+    if "KVCM_SERVER_ENDPOINT" in os.environ:
+        return endpoint, "KVCM_SERVER_ENDPOINT"
+    if getattr(args, "config", None) and endpoint != DEFAULT_ENDPOINT:
+        return endpoint, f"server.endpoint in {args.config}"
+    return endpoint, "default"
+
+
+class _CallHelp(argparse.Action):
+    """``kvcm call --help``: argparse's help plus the endpoint a call would use now (with the
+    flags given before ``--help``, the environment and the config file) and the method names."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from kvcm.client import METHODS
+
+        try:
+            endpoint, source = call_endpoint(namespace)
+            now = f"{endpoint} (from {source}; default {DEFAULT_ENDPOINT})"
+        except ConfigError as exc:
+            now = f"unknown: config error: {exc} (default {DEFAULT_ENDPOINT})"
+        print(parser.format_help(), end="")
+        print(f"\nendpoint now: {now}\n\nmethods:")
+        for name in METHODS:
+            print(f"  {name}")
+        parser.exit()
 
 
 def _config_parser(sub: Any) -> None:
@@ -113,11 +165,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = App(config, orphans=args.orphans)
     signal.signal(signal.SIGTERM, lambda *_: app.request_stop())
     signal.signal(signal.SIGINT, lambda *_: app.request_stop())
-    http = f", http on port {app.http.port}" if app.http is not None else ""
-    logging.getLogger("kvcm").info("kvcm %s serving on %s (data dir %s)%s", _version(), app.endpoint,
-                                   app.store.path or "memory", http)
-    print(f"kvcm serving on {app.endpoint}", flush=True)
-    app.run()
+    app.run(started=lambda: print("\n".join(app.startup_block(args.config)), flush=True))
     return 0
 
 
@@ -137,10 +185,11 @@ def cmd_call(args: argparse.Namespace) -> int:
     except _CredentialsError as exc:
         print(f"kvcm call: {exc}", file=sys.stderr)
         return 2
+    endpoint, _ = call_endpoint(args)
     curve: dict[str, Any] = {}
     if args.curve_server_key or args.curve_client_key:  # a client key alone is refused by Client
         curve = {"curve_server_key": args.curve_server_key, "curve_client_keys": args.curve_client_key}
-    with Client(args.endpoint, timeout=args.timeout, auth=auth, **curve) as client:
+    with Client(endpoint, timeout=args.timeout, auth=auth, **curve) as client:
         result = client.call(args.method, params)
     print(json.dumps(result, indent=2, sort_keys=True, default=_jsonable))
     return 0

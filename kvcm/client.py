@@ -33,6 +33,19 @@ from kvcm.rpc.curve import KeyPair, apply_client, client_keypair, load_public_ke
 
 CurveClientKeys = str | os.PathLike[str] | tuple[str | bytes, str | bytes] | KeyPair
 
+#: Every RPC method the server answers (``kvcm call --help`` lists them; a test holds this equal
+#: to the running server's method table, so it cannot drift).
+METHODS: tuple[str, ...] = (
+    "add_account", "add_event_source", "add_storage", "add_token", "check_health", "create_instance_group",
+    "delete_account", "disable_storage", "enable_storage", "finish_write_cache", "gen_config_snapshot",
+    "get_cache_location", "get_cache_meta", "get_instance_group", "get_instance_info", "get_manager_cluster_info",
+    "get_metrics", "list_account", "list_event_sources", "list_instance_groups", "list_instance_info",
+    "list_storage", "list_tokens", "load_config_snapshot", "match_engines", "register_instance", "remove_cache",
+    "remove_event_source", "remove_instance", "remove_instance_group", "remove_storage", "report_lost",
+    "revoke_token", "start_write_cache", "trim_cache", "update_account", "update_instance_group",
+    "update_storage", "whoami",
+)
+
 #: Methods that may be re-sent after a timeout without changing the outcome.
 IDEMPOTENT_METHODS = frozenset(
     {
@@ -159,4 +172,4 @@ def _result(reply: tuple[Any, Any]) -> Any:
     return result
 
 
-__all__ = ["IDEMPOTENT_METHODS", "Client", "ClientState", "KvcmError"]
+__all__ = ["IDEMPOTENT_METHODS", "METHODS", "Client", "ClientState", "KvcmError"]

@@ -229,3 +229,21 @@ def test_the_quick_start_runs_outside_a_checkout(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "instance                     3993     121877    0.6396  0.0000  0.6396    0.6512" in done.stdout
+
+
+def test_plot_without_matplotlib_fails_before_the_sweep(tmp_path):
+    """A missing matplotlib is one line and exit 2 at once: no replay, no --out directory."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "matplotlib.py").write_text("raise ImportError('no matplotlib in this test')\n")
+    out_dir = tmp_path / "out"
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)  # this checkout, wherever the child runs
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), root, *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, "-m", "kvcm", "optimize", MOONCAKE, "--format", "mooncake", "--sweep",
+                           "--out", str(out_dir), "--plot", str(out_dir / "sweep.png")],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "matplotlib" in done.stderr, done.stderr
+    assert done.stdout == ""
+    assert not out_dir.exists()

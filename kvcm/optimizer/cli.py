@@ -153,6 +153,8 @@ def _run(args: argparse.Namespace) -> int:
         for name, sample in sorted(SAMPLES.items()):
             print(f"{name}\t{sample.format}\t{sample.path}\t{sample.about}")
         return 0
+    if args.plot:  # before anything runs or is written: the replay may take long
+        plot.require()
     if args.sample is not None:
         if args.trace:
             raise ValueError("give either TRACE or --sample, not both")

@@ -32,14 +32,24 @@ class PlotUnavailable(RuntimeError):
     """matplotlib is not installed."""
 
 
-def _figure(width: float = 8.0, height: float = 5.0) -> Figure:
+def require() -> None:
+    """Raise :class:`PlotUnavailable` unless matplotlib imports: ``kvcm optimize --plot`` calls
+    this before a sweep, so a missing extra fails in a second, not after a long replay."""
+    _figure_class()
+
+
+def _figure_class() -> type[Figure]:
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise PlotUnavailable(
             "plotting needs matplotlib: pip install 'kvcm[plot]' (or pip install matplotlib)"
         ) from None
-    return Figure(figsize=(width, height), dpi=110, layout="constrained")
+    return Figure
+
+
+def _figure(width: float = 8.0, height: float = 5.0) -> Figure:
+    return _figure_class()(figsize=(width, height), dpi=110, layout="constrained")
 
 
 def plot_sweep(

@@ -17,8 +17,10 @@ peers fail fast (counted) instead of vanishing silently or blocking the loop.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -123,11 +125,17 @@ class Server:
         # libzmq (peer disconnected), while merely oversize requests still get a typed reply.
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes * 4 + 4096)
         try:
+            # ZeroMQ binds an ipc:// path by replacing the file, silently taking the address
+            # from a live server; refuse that like a taken TCP port.
+            if endpoint.startswith("ipc://") and endpoint_in_use(endpoint):
+                raise zmq.ZMQError(errno.EADDRINUSE)
             if self._socket_setup is not None:
                 self._socket_setup(sock)
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
             sock.close(0)
+            if exc.errno == errno.EADDRINUSE:
+                raise AddressInUse(f"{endpoint} is already in use by another process", Code.SERVICE_NOT_READY) from None
             raise error(Code.SERVICE_NOT_READY, f"cannot bind {endpoint}: {exc}") from None
         return sock
 
@@ -253,6 +261,50 @@ class Server:
             self._socket.close(linger=0)
             _unlink_ipc(self._ipc_file)
             self._closed.set()
+
+
+class AddressInUse(ServerError):
+    """The RPC endpoint is bound by another socket (a TCP port, or a live ``ipc://`` path)."""
+
+
+def endpoint_in_use(endpoint: str) -> bool:
+    """Whether another socket already holds ``endpoint`` (checked without binding it for good).
+
+    ``tcp://HOST:PORT`` (HOST a name, an address, ``[v6]`` or ``*``): a trial bind with
+    SO_REUSEADDR, as ZeroMQ binds. ``ipc://PATH``: a connect, since a file without a listener
+    is stale and a bind may replace it. Other forms (interface names, ``*`` ports) are False:
+    the real bind reports them."""
+    if endpoint.startswith("ipc://"):
+        name = endpoint[len("ipc://"):]
+        path = "\0" + name[1:] if name.startswith("@") else name
+        if not name.startswith("@") and not os.path.exists(path):
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except OSError:
+                return False
+            return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return False
+    # ZeroMQ binds IPv4 unless the address is an IPv6 literal; probe the same family.
+    family = socket.AF_INET6 if host.startswith("[") or host.count(":") > 1 else socket.AF_INET
+    host = "0.0.0.0" if host == "*" else host.strip("[]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, int(port), family, socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError):  # e.g. an interface name ZeroMQ resolves itself
+        return False
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def _ipc_identity(endpoint: str) -> tuple[str, int, int] | None:
