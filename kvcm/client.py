@@ -135,8 +135,15 @@ class Client:
 
     def _roundtrip(self, payload: bytes, msgid: int, wait: float) -> tuple[Any, Any] | None:
         sock = self._connected()
-        sock.send(payload)
         deadline = time.monotonic() + wait
+        # Never a blocking send: a DEALER with no usable pipe (a server that refused the CURVE
+        # handshake, or not there yet) would block in send() for ever, past every timeout.
+        try:
+            if not sock.poll(int(wait * 1000) + 1, zmq.POLLOUT):
+                return None
+            sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            return None
         while (left := deadline - time.monotonic()) > 0:
             if not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 break

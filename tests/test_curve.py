@@ -314,7 +314,8 @@ def test_call_cli_with_curve(keys, capsys):
         argv = ["call", "check_health", "{}", "--endpoint", server.endpoint, "--curve-server-key", keys.server_public]
         assert main([*argv, "--curve-client-key", keys.alice_secret]) == 0
         assert json.loads(capsys.readouterr().out)["status"] == "ok"
-        assert main([*argv, "--curve-server-key", keys.server.public.decode(), "--curve-client-key",
+        # "=" form: a z85 key may start with "-", which argparse would take for an option
+        assert main([*argv, f"--curve-server-key={keys.server.public.decode()}", "--curve-client-key",
                      keys.alice_secret]) == 0
         capsys.readouterr()
         assert main([*argv, "--curve-client-key", keys.bob_secret, "--timeout", "0.5"]) == 1
