@@ -184,20 +184,27 @@ class App:
     def _abort_build(self) -> None:
         """Undo a build that failed half-way (a port taken, a bad storage): every socket, thread,
         lock file and store it opened is closed, so nothing outlives the failed start."""
-        if self.http is not None:
-            self.http.stop()
         server: Server | None = getattr(self, "server", None)
         if server is not None:
             server.close_unserved()
         authorize = getattr(self, "authorize", None)
         if authorize is not None:
             authorize.close()
+        self._close_parts()
+
+    def _close_parts(self) -> None:
+        """What both a stop and a failed build close once no thread uses them, in this order:
+        the publisher, CURVE (after every socket on its context), the event log, HTTP, the
+        storages (lock files, shm mappings), the engine store, the metadata store last. Parts a
+        failed build never made are skipped."""
         if self.publisher is not None:
             self.publisher.stop()
         if self.curve is not None:
-            self.curve.stop()  # after every socket on its context is closed
+            self.curve.stop()
         if self.event_log is not None:
             self.event_log.close()
+        if self.http is not None:
+            self.http.stop()
         if getattr(self, "storages", None) is not None:
             self.storages.close()
         if getattr(self, "engine_store", None) is not None:
@@ -451,17 +458,7 @@ class App:
         self.engines.stop()
         for thread in reversed(self.threads):
             thread.stop()
-        if self.publisher is not None:
-            self.publisher.stop()
-        if self.curve is not None:
-            self.curve.stop()  # after the server and publisher sockets on its context are closed
-        if self.event_log is not None:
-            self.event_log.close()
-        if self.http is not None:
-            self.http.stop()
-        self.storages.close()  # storage lock files and shm mappings (no thread uses them any more)
-        self.engine_store.close()
-        self.store.close()
+        self._close_parts()
         log.info("kvcm stopped")
 
 
