@@ -356,9 +356,15 @@ class App:
         self.reclaimer = None
         if not cfg.enabled:  # not even a listener: nobody would drain its event queue
             return
+        # Recency lives beside the metadata (an in-memory store keeps none across restarts).
+        state_dir = None if self.store.path is None else os.path.join(os.path.abspath(self.config.store.data_dir),
+                                                                       "reclaim")
         self.reclaimer = Reclaimer(self.cache, limits_from_registry(self.registry), cfg,
                                    registry=self.metrics.registry, pace=duty_pacer(cfg.duty_cycle),
-                                   free_grace_s=self.config.cache.delete_poll_ms / 1000.0 + 0.05)
+                                   free_grace_s=self.config.cache.delete_poll_ms / 1000.0 + 0.05,
+                                   state_dir=state_dir)
+        if getattr(cfg, "inline", False) and hasattr(self.cache, "set_room_maker"):
+            self.cache.set_room_maker(self.reclaimer)
         self.threads.append(LoopThread("reclaimer", self.reclaimer.tick, cfg.interval_s))
 
     def info(self) -> dict[str, Any]:
@@ -458,6 +464,8 @@ class App:
         self.engines.stop()
         for thread in reversed(self.threads):
             thread.stop()
+        if self.reclaimer is not None:
+            self.reclaimer.close()  # every thread stopped: nothing feeds it any more
         self._close_parts()
         log.info("kvcm stopped")
 

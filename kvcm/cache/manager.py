@@ -177,14 +177,16 @@ class CacheManager(CacheState):
     def instances_of_group(self, group: str) -> list[str]:
         return [i.instance_id for i in self.registry.list_instances(group)]
 
-    def serving_keys(self, instance_id: str) -> Iterator[tuple[int, int, str, float]]:
-        """``(key, nbytes, storage type, written_at)`` of every serving copy, read in chunks of
-        short transactions."""
+    def serving_keys(self, instance_id: str) -> Iterator[tuple[int, int, str, float, int | None]]:
+        """``(key, nbytes, storage type, written_at, parent)`` of every serving copy, read in
+        chunks of short transactions (the parent lets ``leaf_lru`` rebuilt at start-up know
+        which blocks are leaves)."""
         for chunk in self.index.chunks(self.namespace_of(instance_id)):
             for key, value in chunk:
-                for loc in decode(value).locs:
+                record = decode(value)
+                for loc in record.locs:
                     if loc.status == Status.SERVING:
-                        yield key, loc.nbytes, loc.type, loc.written
+                        yield key, loc.nbytes, loc.type, loc.written, record.parent
 
     # -- consistency ----------------------------------------------------------------------------
 

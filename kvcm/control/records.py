@@ -120,7 +120,7 @@ class ReclaimStrategy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reclaim_policy: str = "lru"
     used_percentage: float = 0.9  # reclaim when usage / quota passes this watermark
     delay_before_delete_ms: int = 1000  # grace between "deleting" and freeing the data
-    ttl_seconds: int = 0  # "ttl" policy: blocks not read for this long are reclaimed
+    ttl_seconds: int = 0  # > 0: blocks written this long ago are reclaimed (reads do not extend it)
 
 
 class InstanceGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -7,7 +7,7 @@ import heapq
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 _M64 = (1 << 64) - 1
@@ -122,6 +122,28 @@ class BasePolicy(ABC):
             self.on_remove(key)
         return chosen
 
+    def dump(self, key: Callable[[Hashable], Any] = lambda k: k) -> dict[str, Any]:
+        """The whole state as plain data (lists, numbers, keys as ``key`` gives them), for
+        :meth:`load` into a fresh policy with the same options: victims come out as before."""
+        return {"sizes": [[key(k), v] for k, v in self.sizes.items()], "clock": self._clock, **self._dump(key)}
+
+    def load(self, state: dict[str, Any], key: Callable[[Any], Hashable] = lambda k: k) -> None:
+        """Restore :meth:`dump`'s output; ``key`` turns a stored key back into a key (tuples come
+        back from msgpack as lists)."""
+        self.sizes.clear()
+        self.sizes.update((key(k), v) for k, v in state["sizes"])
+        self.size_total = sum(self.sizes.values())
+        self._clock = state["clock"]
+        self._load(state, key)
+
+    @abstractmethod
+    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+        ...
+
+    @abstractmethod
+    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+        ...
+
     def check(self) -> None:
         """Assert the size bookkeeping; subclasses add their own invariants."""
         assert self.size_total == sum(self.sizes.values()), (self.size_total, len(self.sizes))
@@ -178,11 +200,14 @@ class _HeapIndex:
         heap, rank = self._heap, self.rank
         out: list[Hashable] = []
         popped: list[tuple[tuple[Any, ...], Hashable]] = []
+        seen: set[Hashable] = set()
         while heap and len(out) < n:
             item = heapq.heappop(heap)
-            if rank.get(item[1]) == item[0]:
+            # a key dropped and put back at its old rank (a leaf_lru parent) has two live entries
+            if rank.get(item[1]) == item[0] and item[1] not in seen:
+                seen.add(item[1])
                 out.append(item[1])
-                popped.append(item)
+                popped.append(item)  # stale entries and repeats stay out
         for item in popped:
             heapq.heappush(heap, item)
         return out
@@ -190,6 +215,13 @@ class _HeapIndex:
     def _compact(self) -> None:
         self._heap = [(r, k) for k, r in self.rank.items()]
         heapq.heapify(self._heap)
+
+    def dump(self, key: Callable[[Hashable], Any]) -> list[Any]:
+        return [[key(k), list(r)] for k, r in self.rank.items()]
+
+    def load(self, rows: list[Any], key: Callable[[Any], Hashable]) -> None:
+        self.rank = {key(k): tuple(r) for k, r in rows}
+        self._compact()
 
     def check(self) -> None:
         live = {(r, k) for r, k in self._heap if self.rank.get(k) == r}
@@ -229,6 +261,17 @@ class _SampleIndex:
         if pos < len(self._items):
             self._items[pos] = last
             self._pos[last] = pos
+
+    def dump(self, key: Callable[[Hashable], Any]) -> list[Any]:
+        state = self._rng.getstate()
+        return [[[key(k), list(self.rank[k])] for k in self._items], [state[0], list(state[1]), state[2]]]
+
+    def load(self, rows: list[Any], key: Callable[[Any], Hashable]) -> None:
+        items, rng = rows
+        self._items = [key(k) for k, _ in items]
+        self._pos = {k: i for i, k in enumerate(self._items)}
+        self.rank = {k: tuple(r) for k, (_, r) in zip(self._items, items)}
+        self._rng.setstate((rng[0], tuple(rng[1]), rng[2]))
 
     def best(self, n: int) -> list[Hashable]:
         """``n`` victims, each the lowest-ranked of ``k`` fresh random draws (Redis-style)."""

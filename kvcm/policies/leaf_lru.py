@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from kvcm.policies.base import BasePolicy, _index
 
@@ -67,6 +68,18 @@ class LeafLRU(BasePolicy):
         del self._children[parent]
         if parent in self.sizes:
             self._cand.update(parent, (self._last[parent],))
+
+    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+        return {"seq": self._seq, "parent": [[key(k), None if p is None else key(p)] for k, p in self._parent.items()],
+                "children": [[key(k), n] for k, n in self._children.items()],
+                "last": [[key(k), n] for k, n in self._last.items()], "cand": self._cand.dump(key)}
+
+    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+        self._seq = state["seq"]
+        self._parent = {key(k): None if p is None else key(p) for k, p in state["parent"]}
+        self._children = {key(k): n for k, n in state["children"]}
+        self._last = {key(k): n for k, n in state["last"]}
+        self._cand.load(state["cand"], key)
 
     def victims(self, n: int, now: float) -> list[Hashable]:
         return self._cand.best(n)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from kvcm.policies.base import BasePolicy, _index
 
@@ -63,6 +64,15 @@ class LFU(BasePolicy):
         if self._drop_size(key):
             del self._score[key]
             self._cand.discard(key)
+
+    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+        return {"t0": self._t0, "seq": self._seq, "score": [[key(k), v] for k, v in self._score.items()],
+                "cand": self._cand.dump(key)}
+
+    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+        self._t0, self._seq = state["t0"], state["seq"]
+        self._score = {key(k): v for k, v in state["score"]}
+        self._cand.load(state["cand"], key)
 
     def victims(self, n: int, now: float) -> list[Hashable]:
         return self._cand.best(n)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from itertools import islice
+from typing import Any
 
 from kvcm.policies.base import BasePolicy, _HeapIndex, _index, _SampleIndex
 
@@ -46,6 +47,14 @@ class LRU(BasePolicy):
         else:
             self._seq += 1
             self._cand.update(key, (self._seq,))  # type: ignore[union-attr]
+
+    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+        return {"seq": self._seq, "cand": None if self._cand is None else self._cand.dump(key)}
+
+    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+        self._seq = state["seq"]
+        if self._cand is not None:
+            self._cand.load(state["cand"], key)
 
     def on_remove(self, key: Hashable) -> None:
         if self._drop_size(key) and self._cand is not None:

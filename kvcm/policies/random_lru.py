@@ -4,7 +4,8 @@ fixed-seed xorshift64."""
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from kvcm.policies.base import _M64, BasePolicy
 
@@ -70,6 +71,15 @@ class RandomLRU(BasePolicy):
         if pos < len(self._keys):
             self._keys[pos], self._times[pos] = last_key, last_time
             self._pos[last_key] = pos
+
+    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+        return {"keys": [key(k) for k in self._keys], "times": list(self._times), "state": self._state}
+
+    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+        self._keys = [key(k) for k in state["keys"]]
+        self._times = list(state["times"])
+        self._pos = {k: i for i, k in enumerate(self._keys)}
+        self._state = state["state"]
 
     def victims(self, n: int, now: float) -> list[Hashable]:
         size = len(self._keys)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from itertools import islice
+from typing import Any
 
 from kvcm.policies.base import BasePolicy
 
@@ -41,6 +42,12 @@ class TTL(BasePolicy):
     def on_remove(self, key: Hashable) -> None:
         if self._drop_size(key):
             del self._written[key]
+
+    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+        return {"written": [[key(k), t] for k, t in self._written.items()]}
+
+    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+        self._written = {key(k): t for k, t in state["written"]}
 
     def victims(self, n: int, now: float) -> list[Hashable]:
         return list(islice(self._od, max(n, 0)))

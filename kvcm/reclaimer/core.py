@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Protocol
@@ -48,8 +49,10 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry
 
 from kvcm.cache.listeners import CacheListener
+from kvcm.cache.room import Room
 from kvcm.config import ReclaimConfig
 from kvcm.policies import BasePolicy
+from kvcm.reclaimer.persist import RecencyFile
 from kvcm.reclaimer.state import GroupState, IKey, Limits, ReclaimMetrics, deleter_head
 
 log = logging.getLogger("kvcm.reclaimer")
@@ -69,6 +72,12 @@ class CacheHooks(Protocol):
     def evict(self, instance_id: str, keys: list[int], storage_type: str | None = None) -> int: ...
     def instances_of_group(self, group: str) -> list[str]: ...
     def serving_keys(self, instance_id: str) -> Iterable[tuple[Any, ...]]: ...
+
+
+class PinView(Protocol):
+    """``manager.pins`` (:mod:`kvcm.cache.pins`): blocks no policy may pick while pinned."""
+
+    def is_pinned(self, instance_id: str, key: int, now: float) -> bool: ...
 
 
 @dataclass
@@ -98,13 +107,39 @@ class _Job:
         return self.state.policies[self.stype]
 
 
+class Tracked:
+    """One (group, storage type) policy seen with ``(instance_id, key)`` keys (tests, tools)."""
+
+    def __init__(self, state: GroupState, policy: BasePolicy) -> None:
+        self._state, self._policy = state, policy
+
+    def __len__(self) -> int:
+        return len(self._policy)
+
+    def __contains__(self, ikey: object) -> bool:
+        if not (isinstance(ikey, tuple) and len(ikey) == 2 and ikey[0] in self._state.instances()):
+            return False
+        return self._state.key_of(*ikey) in self._policy
+
+    def __getattr__(self, name: str) -> Any:  # name, ttl_seconds, size_total, check, ...
+        return getattr(self._policy, name)
+
+    @property
+    def sizes(self) -> dict[IKey, int]:
+        return {self._state.ikey(k): v for k, v in self._policy.sizes.items()}  # type: ignore[arg-type]
+
+    def victims(self, n: int, now: float) -> list[IKey]:
+        return [self._state.ikey(k) for k in self._policy.victims(n, now)]  # type: ignore[arg-type]
+
+
 class Reclaimer(CacheListener):
     """Keeps usage of every instance group under its watermark (see the module docstring).
 
     Threads: the listener hooks (:meth:`on_serving`, :meth:`on_read`, :meth:`on_removed`) run on
-    the RPC thread (and the deleter); they only append to a ``deque`` (atomic in CPython). All
-    other state, and :meth:`run_once`, belong to the reclaimer thread — or to the test calling
-    ``run_once(now)`` directly. ``limits()`` is called on that thread too.
+    the RPC thread (and the deleter); they only append to a ``deque`` (atomic in CPython).
+    :meth:`run_once` runs on the reclaimer thread (or in a test calling ``run_once(now)``),
+    :meth:`make_room` on the RPC thread; both take the reclaimer's lock to read or change the
+    policies, and neither holds it while the manager evicts.
 
     :param manager: the cache manager (see :class:`CacheHooks`); the reclaimer subscribes itself.
     :param limits: returns ``{group name: Limits}``; see :func:`~kvcm.reclaimer.state.limits_from_registry`.
@@ -113,6 +148,8 @@ class Reclaimer(CacheListener):
     :param free_grace_s: only for a manager whose deleter queue cannot be watched
         (:func:`~kvcm.reclaimer.state.deleter_head`): how long after its delete delay an
         evicted location is assumed freed.
+    :param state_dir: where recency survives restarts (:mod:`kvcm.reclaimer.persist`); None:
+        policies are rebuilt from the store at start-up, in write order.
     """
 
     def __init__(
@@ -124,6 +161,7 @@ class Reclaimer(CacheListener):
         clock: Callable[[], float] | None = None,
         pace: Callable[[float], None] | None = None,
         free_grace_s: float = 0.25,
+        state_dir: str | None = None,
     ) -> None:
         self._manager = manager
         self._limits = limits
@@ -136,6 +174,15 @@ class Reclaimer(CacheListener):
         self._events: deque[tuple[Any, ...]] = deque()
         self._groups: dict[str, GroupState] = {}
         self._group_of: dict[str, str] = {}  # instance_id -> group
+        self._pins: PinView | None = getattr(manager, "pins", None)
+        # Guards the policies and group states: the reclaimer thread and in-line eviction both
+        # choose victims. Never held while the manager evicts (lock order: the write
+        # transaction first, then in-memory locks).
+        self._lock = threading.RLock()
+        self._persist = RecencyFile(state_dir) if state_dir else None
+        self._journal: list[Any] = []  # events folded in since the last append
+        self._restored = self._persist is None
+        self._given: dict[tuple[str, int, str], int] = {}  # in-line victims until their commit
         manager.add_listener(self)
 
     # -- listener hooks (RPC thread: append only) ------------------------------------------------
@@ -162,29 +209,115 @@ class Reclaimer(CacheListener):
         """Sync limits, fold events, sweep TTLs, then bring every group under its watermark."""
         started = time.perf_counter()
         report = Round(now)
-        self._sync(now)
-        # Usage first, events second: every serving block the snapshot counts has then been
-        # reported (on_serving fires on commit), so the policies know every block they may need
-        # to evict; read after the drain, blocks served meanwhile would count but be unknown.
-        usages = {name: self._manager.usage(name) for name in self._groups}
-        self._drain()
-        for state in self._groups.values():
-            if state.stale:
-                self._rebuild(state)
+        with self._lock:
+            self._sync(now)
+            # Usage first, events second: every serving block the snapshot counts has then been
+            # reported (on_serving fires on commit), so the policies know every block they may
+            # need to evict; read after the drain, blocks served meanwhile would count but be
+            # unknown.
+            usages = {name: self._manager.usage(name) for name in self._groups}
+            self._prepare(now)
+            ttl_jobs = self._ttl_jobs(now)
         budget = self._config.max_victims_per_round
-        budget -= self._run_jobs(self._ttl_jobs(now), budget, now, report)
-        self._run_jobs(self._watermark_jobs(usages, report), budget, now, report)
+        budget -= self._run_jobs(ttl_jobs, budget, now, report)
+        with self._lock:
+            jobs = self._watermark_jobs(usages, report)
+        self._run_jobs(jobs, budget, now, report)
+        with self._lock:
+            self._save()
         report.seconds = time.perf_counter() - started
         self.metrics.rounds.inc()
         self.metrics.round_seconds.observe(report.seconds)
         return report
 
-    def tracked(self, group: str, storage_type: str) -> BasePolicy | None:
-        """The live policy of one (group, storage type), for tests and inspection."""
+    def tracked(self, group: str, storage_type: str) -> Tracked | None:
+        """The live policy of one (group, storage type), keyed ``(instance_id, key)``, for tests
+        and inspection."""
         state = self._groups.get(group)
-        return None if state is None else state.policies.get(storage_type)
+        policy = None if state is None else state.policies.get(storage_type)
+        return None if state is None or policy is None else Tracked(state, policy)
 
-    # -- sync, drain, rebuild -------------------------------------------------------------------
+    def close(self) -> None:
+        """Fold what is buffered and write the snapshot: a clean stop loses no recency."""
+        with self._lock:
+            if self._persist is None:
+                return
+            try:
+                if self._restored:
+                    self._drain()
+                    self._persist.append(self._journal)
+                    self._journal = []
+                    self._persist.snapshot(self._dump())
+            except OSError as exc:  # a full disk must not fail the stop: recency is derived data
+                log.warning("reclaimer: recency not saved (%s); the next start rebuilds it", exc)
+            finally:
+                self._persist.close()
+
+    # -- in-line eviction (the RPC thread, inside the write's transaction) ----------------------
+
+    def make_room(self, group: str, needs: Mapping[str, int], limit: int) -> Room:
+        """Victims freeing ``needs[type]`` bytes per storage type (``""``: any type) by the
+        group's own policy, at most ``limit``, never pinned; no longer tracked once returned.
+        ``start_write_cache`` calls it when a write would exceed a quota (:mod:`kvcm.cache.room`)."""
+        now = self._clock()
+        picked: list[tuple[str, int, str]] = []
+        pinned = [0]
+        with self._lock:
+            if group not in self._groups:
+                self._sync(now)
+            state = self._groups.get(group)
+            if state is None:
+                return Room([], f"instance group {group!r} is not known to the reclaimer yet")
+            self._prepare(now)
+            for stype, need in needs.items():
+                for job in self._inline_jobs(state, stype, need):
+                    job.need = need
+                    while not job.done and len(picked) < limit:
+                        chosen = self._select(job, min(CHUNK, limit - len(picked)), now, pinned)
+                        if not chosen:
+                            break
+                        nbytes = sum(size for _, size in chosen)
+                        job.need -= nbytes
+                        job.done = job.need <= 0
+                        for packed, size in chosen:
+                            iid, key = state.ikey(packed)
+                            picked.append((iid, key, job.stype))
+                            self._given[(iid, key, job.stype)] = size
+                        self._count(state, job.stype, "inline", len(chosen), nbytes)
+                        state.add_inflight(job.stype, nbytes, now + state.limits.delay_before_delete_ms / 1000.0)
+                    need = max(job.need, 0)
+                    if not need:
+                        break
+        why = f"{pinned[0]} pinned block(s) passed over" if pinned[0] else ""
+        return Room(picked, why)
+
+    def took(self, victims: Sequence[tuple[str, int, str]]) -> None:
+        """The in-line eviction of ``victims`` committed."""
+        with self._lock:
+            for victim in victims:
+                self._given.pop(victim, None)
+
+    def give_back(self, victims: Sequence[tuple[str, int, str]]) -> None:
+        """The transaction that evicted ``victims`` did not commit: they still serve, and are
+        tracked again at once (as just written: their old place in the order is lost)."""
+        now = self._clock()
+        with self._lock:
+            for iid, key, stype in victims:
+                size = self._given.pop((iid, key, stype), None)
+                group = self._group_of.get(iid)
+                state = self._groups.get(group) if group is not None else None
+                if size is not None and state is not None and not state.stale:
+                    state.serve(iid, key, size, stype, None, now)
+                    self._journal.append((_SERVE, iid, key, size, stype, None, now))
+
+    def _inline_jobs(self, state: GroupState, stype: str, need: int) -> list[_Job]:
+        if stype:
+            return [_Job(state, stype, "inline", need=need)] if stype in state.policies else []
+        # any type: the best-stocked type first, then the others
+        ranked = sorted(state.policies, key=lambda t: -state.policies[t].size_total)
+        return [_Job(state, t, "inline", need=need) for t in ranked]
+
+    # -- sync, drain, rebuild, persistence -------------------------------------------------------
 
     def _sync(self, now: float) -> None:
         limits = dict(self._limits())
@@ -224,24 +357,43 @@ class Reclaimer(CacheListener):
                     state.purge_instance(gone)
         self._group_of = group_of
 
-    def _drain(self) -> None:
-        """Apply the events buffered before this call, in order (later ones wait a tick).
+    def _prepare(self, now: float) -> None:
+        """Restore (first time), rebuild stale groups, *then* fold every buffered event in: none
+        is dropped, so reads made before a group's first round or a policy change still count."""
+        if not self._restored:
+            self._restore(now)
+        for state in self._groups.values():
+            if state.stale:
+                self._rebuild(state, now)
+        self._drain()
+
+    def _drain(self, events: Iterable[tuple[Any, ...]] | None = None) -> None:
+        """Apply the events buffered before this call, in order (later ones wait a tick); with
+        ``events``, those instead (a journal replayed at start-up).
 
         Consecutive reads of a group are applied as one batch (see ``GroupState.read_many``),
         flushed before that group's next write or removal, so the result is that of applying
-        every event in order.
+        every event in order. A group rebuilt from the store this round already has the blocks
+        whose ``serving`` events are still buffered: those events are skipped, not applied twice.
         """
-        pop, refreshed = self._events.popleft, False
+        if events is None:
+            pop = self._events.popleft
+            events = (pop() for _ in range(len(self._events)))
+            journal: list[Any] | None = self._journal
+        else:
+            journal = None
+        refreshed = False
         reads: dict[GroupState, tuple[dict[str, list[list[int]]], list[float]]] = {}
-        for _ in range(len(self._events)):
-            event = pop()
+        for event in events:
             group = self._group_of.get(event[1])
             if group is None and not refreshed:  # registered since the sync
                 self._refresh_instances()
                 refreshed, group = True, self._group_of.get(event[1])
             state = self._groups.get(group) if group is not None else None
-            if state is None or state.stale:  # a stale state is rebuilt from the store
-                continue
+            if state is None or state.stale:
+                continue  # a group the limits do not know yet: its rebuild will read the store
+            if journal is not None:
+                journal.append(event)
             if event[0] == _READ:
                 batch, last = reads.setdefault(state, ({}, [event[3]]))
                 batch.setdefault(event[1], []).append(event[2])
@@ -250,25 +402,88 @@ class Reclaimer(CacheListener):
             if state in reads:
                 _flush_reads(state, reads.pop(state))
             if event[0] == _SERVE:
+                if state.rebuilt and state.key_of(event[1], event[2]) in state.policies.get(event[4], ()):
+                    continue
                 state.serve(*event[1:])
             else:
                 state.remove(event[1], event[2])
         for state, pending in reads.items():
             _flush_reads(state, pending)
+        for state in self._groups.values():
+            state.rebuilt = False
 
-    def _rebuild(self, state: GroupState) -> None:
-        """Reload one group's policies from the store, oldest write first (start-up, policy change)."""
+    def _rebuild(self, state: GroupState, now: float) -> None:
+        """Reload one group's policies from the store (start-up without a snapshot, policy
+        change): in the old policy's order where it had one, else oldest write first."""
+        carried = state.carried_order(now) if state.policy_name != "ttl" else {}
         state.reset()
         rows: list[tuple[Any, ...]] = []
         for iid in self._manager.instances_of_group(state.name):
             for row in self._manager.serving_keys(iid):
                 parent = row[4] if len(row) > 4 else None
                 rows.append((row[3], iid, row[0], row[1], row[2], parent))
-        rows.sort(key=itemgetter(0))
+        inf = len(rows) + 1
+        rows.sort(key=lambda r: (carried.get(r[4], {}).get(state.key_of(r[1], r[2]), inf), r[0]))
         for written_at, iid, key, nbytes, stype, parent in rows:
             state.serve(iid, key, nbytes, stype, parent, written_at)
+        state.rebuilt = True
         self.metrics.rebuilds.labels(state.name).inc()
         log.info("reclaimer: rebuilt group %s (%s, %d blocks)", state.name, state.policy_name, len(rows))
+
+    def _restore(self, now: float) -> None:
+        """Start-up with a state dir: the snapshot, the journal after it (the journal alone when
+        there is no snapshot yet: it then starts from an empty state), then the store's word on
+        what still serves (after a crash the journal may miss the last round)."""
+        assert self._persist is not None  # only called when a state dir was given
+        self._restored = True
+        groups, rounds = self._persist.load()
+        current = {name: (st.limits, st.sample_size) for name, st in self._groups.items()}
+        for name, state in self._groups.items():
+            if groups is not None and name in groups:
+                state.load(groups[name])
+            else:
+                state.reset()
+        for events in rounds:
+            self._drain(tuple(e) for e in events)
+        for name, state in self._groups.items():
+            self._reconcile(state)
+            state.update(*current[name])  # a policy changed meanwhile: rebuilt, keeping the order
+        self._journal = []
+        log.info("reclaimer: recency restored for %d group(s) (%s)", len(self._groups),
+                 "snapshot and journal" if groups is not None else "journal only")
+
+    def _reconcile(self, state: GroupState) -> None:
+        """Forget tracked blocks the store no longer serves; add those it serves that the
+        policies miss (by write time, after the others: they are the newest)."""
+        serving: dict[str, set[int]] = {}
+        missing: list[tuple[Any, ...]] = []
+        for iid in self._manager.instances_of_group(state.name):
+            for row in self._manager.serving_keys(iid):
+                packed = state.key_of(iid, row[0])
+                serving.setdefault(row[2], set()).add(packed)
+                if packed not in state.policies.get(row[2], ()):
+                    missing.append((row[3], iid, row[0], row[1], row[2], row[4] if len(row) > 4 else None))
+        for stype, policy in list(state.policies.items()):
+            live = serving.get(stype, set())
+            for gone in [k for k in policy.sizes if k not in live]:
+                state.forget(stype, gone)
+        for written_at, iid, key, nbytes, stype, parent in sorted(missing, key=itemgetter(0)):
+            state.serve(iid, key, nbytes, stype, parent, written_at)
+
+    def _dump(self) -> dict[str, Any]:
+        return {name: state.dump() for name, state in self._groups.items() if not state.stale}
+
+    def _save(self) -> None:
+        """Append this round's events to the journal; compact it into a snapshot when due."""
+        if self._persist is None:
+            return
+        events, self._journal = self._journal, []
+        try:
+            self._persist.append(events)
+            if self._persist.wants_snapshot():
+                self._persist.snapshot(self._dump())
+        except OSError as exc:  # a full disk costs recency only; the next round tries again
+            log.warning("reclaimer: recency journal not written (%s)", exc)
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -282,6 +497,8 @@ class Reclaimer(CacheListener):
     def _watermark_jobs(self, usages: Mapping[str, Mapping[str, Any]], report: Round) -> list[_Job]:
         jobs: list[_Job] = []
         for state in self._groups.values():
+            if state.name not in usages:
+                continue  # appeared since the usage snapshot: next round
             needs = self._group_needs(state, usages[state.name])
             if needs:
                 report.triggered.append(state.name)
@@ -337,7 +554,8 @@ class Reclaimer(CacheListener):
         return spent
 
     def _step(self, job: _Job, limit: int, now: float, report: Round) -> int:
-        chosen = self._select(job, limit, now)
+        with self._lock:
+            chosen = self._select(job, limit, now, [0]) if job.state.policies.get(job.stype) is not None else []
         if not chosen:
             job.done = True
             return 0
@@ -349,41 +567,63 @@ class Reclaimer(CacheListener):
             job.done = not job.keys
         return len(chosen)
 
-    def _select(self, job: _Job, limit: int, now: float) -> list[tuple[IKey, int]]:
-        """Up to ``limit`` victims with their sizes, already removed from the group's trackers."""
+    def _select(self, job: _Job, limit: int, now: float, pinned: list[int]) -> list[tuple[int, int]]:
+        """Up to ``limit`` victims with their sizes, already removed from the group's trackers;
+        pinned blocks are passed over (and counted in ``pinned[0]``)."""
         if job.keys is None and job.policy.name == "leaf_lru":
-            return self._peel(job, limit, now)
+            return self._peel(job, limit, now, pinned)
         if job.keys is not None:
-            keys = [job.keys.popleft() for _ in range(min(limit, len(job.keys)))]
+            keys: list[Hashable] = []
+            while job.keys and len(keys) < limit:
+                key = job.keys.popleft()
+                if self._pinned(job.state, key, now):
+                    pinned[0] += 1
+                else:
+                    keys.append(key)
         else:
-            keys = self._take(job, limit, now)
+            keys = self._take(job, limit, now, pinned)
         sizes = job.policy.sizes
         picked = [(k, sizes[k]) for k in keys if k in sizes]
         for key, _ in picked:
             job.state.forget(job.stype, key)
-        return picked  # type: ignore[return-value]  # the trackers hold IKeys only
+        return picked  # type: ignore[return-value]  # the trackers hold key_of() ints only
 
-    @staticmethod
-    def _take(job: _Job, limit: int, now: float) -> list[Hashable]:
+    def _pinned(self, state: GroupState, packed: Hashable, now: float) -> bool:
+        if self._pins is None:
+            return False
+        iid, key = state.ikey(packed)  # type: ignore[arg-type]  # the trackers hold key_of() ints only
+        return self._pins.is_pinned(iid, key, now)
+
+    def _best(self, state: GroupState, policy: BasePolicy, n: int, now: float, pinned: list[int]) -> list[Hashable]:
+        """The policy's ``n`` best victims that are not pinned (asking for more past pinned ones)."""
+        want = n
+        while True:
+            found = policy.victims(want, now)
+            free = [k for k in found if not self._pinned(state, k, now)]
+            if len(free) >= n or len(found) < want:
+                pinned[0] += len(found) - len(free)
+                return free[:n]
+            want = want * 2 + len(found) - len(free)
+
+    def _take(self, job: _Job, limit: int, now: float, pinned: list[int]) -> list[Hashable]:
         """The policy's best victims, as many as cover ``job.need`` (estimated by mean size)."""
         policy, sizes = job.policy, job.policy.sizes
         mean = policy.size_total / len(policy) if len(policy) else 1.0
         want = min(limit, max(1, math.ceil(job.need / max(mean, 1.0))))
         keys, total = [], 0
-        for key in policy.victims(want, now):
+        for key in self._best(job.state, policy, want, now, pinned):
             keys.append(key)
             total += sizes[key]
             if total >= job.need:
                 break
         return keys
 
-    @staticmethod
-    def _peel(job: _Job, limit: int, now: float) -> list[tuple[IKey, int]]:
+    def _peel(self, job: _Job, limit: int, now: float, pinned: list[int]) -> list[tuple[int, int]]:
         """One victim at a time: removing a leaf can make its parent the next best (leaf_lru)."""
         policy, total = job.policy, 0
         picked: list[tuple[Hashable, int]] = []
         while len(picked) < limit and total < job.need:
-            best = policy.victims(1, now)
+            best = self._best(job.state, policy, 1, now, pinned)
             if not best:
                 break
             size = policy.sizes[best[0]]
@@ -392,22 +632,27 @@ class Reclaimer(CacheListener):
             job.state.forget(job.stype, best[0])
         return picked  # type: ignore[return-value]
 
-    def _evict(self, job: _Job, chosen: list[tuple[IKey, int]], now: float, report: Round) -> int:
+    def _evict(self, job: _Job, chosen: list[tuple[int, int]], now: float, report: Round) -> int:
         state, stype = job.state, job.stype
         by_instance: dict[str, list[int]] = {}
-        for (iid, key), _ in chosen:
+        ikeys = [state.ikey(packed) for packed, _ in chosen]
+        for iid, key in ikeys:
             by_instance.setdefault(iid, []).append(key)
         freed = sum(self._manager.evict(iid, keys, stype) for iid, keys in by_instance.items())
         # Watching the deleter's queue, ``due`` must not be earlier than the manager's own (it
         # read its clock during evict()); otherwise the injected ``now`` keeps tests exact.
         marked_at = self._clock() if self._deleter_head is not None else now
-        state.add_inflight(stype, freed, marked_at + state.limits.delay_before_delete_ms / 1000.0)
-        report.victims += [(state.name, stype, ikey, job.reason) for ikey, _ in chosen]
+        with self._lock:
+            state.add_inflight(stype, freed, marked_at + state.limits.delay_before_delete_ms / 1000.0)
+        report.victims += [(state.name, stype, ikey, job.reason) for ikey in ikeys]
         report.freed += freed
-        labels = (state.name, stype, state.policy_name, job.reason)
-        self.metrics.blocks.labels(*labels).inc(len(chosen))
-        self.metrics.bytes.labels(*labels).inc(freed)
+        self._count(state, stype, job.reason, len(chosen), freed)
         return freed
+
+    def _count(self, state: GroupState, stype: str, reason: str, blocks: int, nbytes: int) -> None:
+        labels = (state.name, stype, state.policy_name, reason)
+        self.metrics.blocks.labels(*labels).inc(blocks)
+        self.metrics.bytes.labels(*labels).inc(nbytes)
 
 
 def _flush_reads(state: GroupState, batch: tuple[dict[str, list[list[int]]], list[float]]) -> None:
@@ -456,4 +701,4 @@ def duty_pacer(duty_cycle: float) -> Callable[[float], None] | None:
     return pace
 
 
-__all__ = ["CHUNK", "CacheHooks", "Reclaimer", "Round", "duty_pacer"]
+__all__ = ["CHUNK", "CacheHooks", "Reclaimer", "Round", "Tracked", "duty_pacer"]

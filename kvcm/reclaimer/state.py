@@ -9,9 +9,9 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from itertools import chain, repeat
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -20,7 +20,31 @@ from kvcm.policies import POLICIES, TTL, BasePolicy, make_policy
 from kvcm.store.base import from_u64
 
 IKey = tuple[str, int]  # (instance_id, block_key): block keys are per-instance namespaces
+# Inside a group the policies key a block by one int, ``index(instance) << 64 | key + 2**63``
+# (block keys are int64), not by an ``(instance, key)`` tuple: a tuple per block cost 56 bytes
+# more than the int it wraps, at every tracked block of every group.
+_OFF = 1 << 63
+_M64 = (1 << 64) - 1
 _COUNTS_EVERY_READ = frozenset({"lfu"})  # policies for which two reads differ from one
+def _split(packed: Any) -> list[int]:
+    """A key_of() int as two msgpack-sized halves (the instance index is above bit 64)."""
+    return [packed >> 64, packed & _M64]
+
+
+def _join(raw: Any) -> int:
+    return (int(raw[0]) << 64) | int(raw[1])
+
+
+_SIZES: dict[int, int] = {}  # block sizes: few distinct values, so one int object each, not one per block
+
+
+def _intern(nbytes: int) -> int:
+    if len(_SIZES) < 4096:
+        return _SIZES.setdefault(nbytes, nbytes)
+    return _SIZES.get(nbytes, nbytes)
+_FULL_ORDER = frozenset({"lru", "lfu", "leaf_lru"})  # victims(len) is the whole order
+
+
 
 
 @dataclass(frozen=True)
@@ -41,9 +65,9 @@ class Limits:
     sample_size: int | None = None
 
 
-def _access(policy: BasePolicy, iid: str, keys: Iterable[int], now: float) -> None:
+def _access(policy: BasePolicy, base: int, keys: Iterable[int], now: float) -> None:
     # a hit may have been evicted since (or live on another tier): only tracked keys count
-    policy.access_many(filter(policy.sizes.__contains__, zip(repeat(iid), keys)), now)  # C-level loop
+    policy.access_many(filter(policy.sizes.__contains__, map(base.__add__, keys)), now)  # C-level loop
 
 
 def limits_of(group: Any) -> Limits:
@@ -95,6 +119,28 @@ class GroupState:
         # type -> [[due, bytes, seen freed]], one entry per evict() call
         self.inflight: dict[str, list[list[Any]]] = {}
         self.stale = True  # rebuild from serving_keys before use
+        self.rebuilt = False  # rebuilt this round: buffered "serving" events are already in
+        self._iids: list[str] = []  # instance index (see _OFF) -> instance id; only grows
+        self._index: dict[str, int] = {}
+
+    def _base(self, iid: str) -> int:
+        idx = self._index.get(iid)
+        if idx is None:
+            idx = self._index[iid] = len(self._iids)
+            self._iids.append(iid)
+        return (idx << 64) + _OFF
+
+    def key_of(self, iid: str, key: int) -> int:
+        """The policies' key of block ``key`` of instance ``iid``."""
+        return self._base(iid) + key
+
+    def instances(self) -> Collection[str]:
+        """Every instance id this group's keys were ever made for."""
+        return self._index.keys()
+
+    def ikey(self, packed: int) -> IKey:
+        """Inverse of :meth:`key_of`."""
+        return self._iids[packed >> 64], (packed & _M64) - _OFF
 
     @property
     def policy_name(self) -> str:
@@ -119,6 +165,40 @@ class GroupState:
         self.ttls.clear()
         self.stale = False
 
+    def dump(self) -> dict[str, Any]:
+        """Plain data for :class:`~kvcm.reclaimer.persist.RecencyFile` (see :meth:`load`)."""
+        return {"shape": list(self.shape()), "ttl": self.limits.ttl_seconds, "instances": list(self._iids),
+                "policies": {t: p.dump(_split) for t, p in self.policies.items()},
+                "ttls": {t: p.dump(_split) for t, p in self.ttls.items()}}
+
+    def load(self, data: Mapping[str, Any]) -> None:
+        """Restore :meth:`dump`'s output. Taken under another policy shape, it is restored in
+        that shape: the caller's next :meth:`update` with the current limits then marks the
+        group stale, and its rebuild carries the old order over."""
+        shape = tuple(data["shape"])
+        if shape != self.shape():
+            ttl = float(data.get("ttl", 0.0)) if shape[2] else 0.0
+            self.limits = replace(self.limits, policy=shape[0], ttl_seconds=ttl)
+            self.sample_size = int(shape[1])
+        self.reset()
+        self._iids = list(data["instances"])
+        self._index = {iid: i for i, iid in enumerate(self._iids)}
+        for stype, state in data["policies"].items():
+            self._policy(stype).load(state, key=_join)
+        for stype, state in data["ttls"].items():
+            if stype in self.ttls:
+                self.ttls[stype].load(state, key=_join)
+
+    def carried_order(self, now: float) -> dict[str, dict[Hashable, int]]:  # keys: key_of()
+        """Per storage type, each tracked block's place in the current policy's eviction order
+        (0 = first to go), for a rebuild under another policy that should keep what this one
+        learnt. Empty for policies without a full order (``random_lru``) and when nothing is tracked."""
+        out: dict[str, dict[Hashable, int]] = {}
+        for stype, policy in self.policies.items():
+            if policy.name in _FULL_ORDER and len(policy):
+                out[stype] = {k: i for i, k in enumerate(policy.victims(len(policy), now))}
+        return out
+
     def _ttl_trackers(self) -> Iterable[TTL]:
         main = [p for p in self.policies.values() if isinstance(p, TTL)]
         return [*main, *self.ttls.values()]
@@ -133,11 +213,12 @@ class GroupState:
         return policy
 
     def serve(self, iid: str, key: int, nbytes: int, stype: str, parent: int | None, now: float) -> None:
-        ikey = (iid, key)
-        self._policy(stype).on_write(ikey, now, nbytes, None if parent is None else (iid, parent))
+        base = self._base(iid)
+        nbytes = _intern(nbytes)
+        self._policy(stype).on_write(base + key, now, nbytes, None if parent is None else base + parent)
         ttl = self.ttls.get(stype)
         if ttl is not None:
-            ttl.on_write(ikey, now, nbytes)
+            ttl.on_write(base + key, now, nbytes)
 
     def read(self, iid: str, keys: Sequence[int], now: float) -> None:
         """One read hit of ``keys``."""
@@ -150,33 +231,37 @@ class GroupState:
         requests between two ticks are applied once each: same order, a fraction of the work.
         """
         unique: list[int] | None = None
+        base = self._base(iid)
         for policy in self.policies.values():
             if policy.name in _COUNTS_EVERY_READ:
                 for keys in key_lists:
-                    _access(policy, iid, keys, now)
+                    _access(policy, base, keys, now)
                 continue
             if unique is None:
                 last_first = dict.fromkeys(chain.from_iterable(map(reversed, reversed(key_lists))))
                 unique = list(last_first)
                 unique.reverse()
-            _access(policy, iid, unique, now)
+            _access(policy, base, unique, now)
 
     def remove(self, iid: str, keys: Iterable[int]) -> None:
+        base = self._base(iid)
         for key in keys:
-            ikey = (iid, key)
             for stype in self.policies:
-                self.forget(stype, ikey)
+                self.forget(stype, base + key)
 
-    def forget(self, stype: str, ikey: Hashable) -> None:
-        self.policies[stype].on_remove(ikey)
+    def forget(self, stype: str, packed: Hashable) -> None:
+        self.policies[stype].on_remove(packed)
         ttl = self.ttls.get(stype)
         if ttl is not None:
-            ttl.on_remove(ikey)
+            ttl.on_remove(packed)
 
     def purge_instance(self, iid: str) -> None:
+        idx = self._index.get(iid)
+        if idx is None:
+            return
         for stype, policy in self.policies.items():
-            for ikey in [k for k in policy.sizes if k[0] == iid]:  # type: ignore[index]  # keys are IKeys
-                self.forget(stype, ikey)
+            for packed in [k for k in policy.sizes if k >> 64 == idx]:  # type: ignore[operator]  # keys are ints
+                self.forget(stype, packed)
 
     def expired(self, now: float) -> dict[str, list[Hashable]]:
         out: dict[str, list[Hashable]] = {}

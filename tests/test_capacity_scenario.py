@@ -1,0 +1,103 @@
+"""A cache that behaves like a cache, over the RPC port of a real ``kvcm serve``: a new group at
+its quota, one block written every 50 ms and block 1 read after every write.
+
+* no write is refused while cold blocks exist (the write evicts in-line);
+* usage is back under the watermark within two reclaimer rounds of the last write;
+* block 1, read after every write, outlives every colder block — through the group's first
+  round, and across a kill -9 and restart in the middle (its recency is journalled each round).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from block_bytes import read_problems, served, storage_roots, write_session
+
+from kvcm.errors import KvcmError
+from kvcm.testing import RunningServer, start_subprocess, stop_subprocess
+
+SPEC = 1024  # one spec per block: a block is SPEC bytes
+QUOTA_BLOCKS = 20
+WATERMARK = 0.5
+INTERVAL = 0.3  # reclaim.interval_s
+HOT = 1  # the block read after every write
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="kvcm-t-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _start(data: str, sock_dir: str) -> RunningServer:
+    return start_subprocess(data, f"ipc://{sock_dir}/rpc", ["--set", f"reclaim.interval_s={INTERVAL}",
+                                                            "--set", "store.sync=false"])
+
+
+def _setup(c: Any) -> None:
+    c.call("create_instance_group", {"instance_group": {
+        "name": "hot", "storage_candidates": ["default-file"], "quota": {"capacity": QUOTA_BLOCKS * SPEC},
+        "reclaim_strategy": {"reclaim_policy": "lru", "used_percentage": WATERMARK, "delay_before_delete_ms": 0}}})
+    c.call("register_instance", {"instance_group": "hot", "instance_id": "i", "block_size": 16,
+                                 "location_spec_infos": [{"name": "tp0", "size": SPEC}]})
+
+
+def _metric(c: Any, name: str, **labels: str) -> float:
+    rows = c.call("get_metrics")["metrics"].get(name, [])
+    return sum(r["value"] for r in rows if all(r.get("labels", {}).get(k) == v for k, v in labels.items()))
+
+
+def _write_then_read(c: Any, key: int, refused: list[int]) -> None:
+    try:
+        session = c.call("start_write_cache", {"instance_id": "i", "block_keys": [key]})
+    except KvcmError as exc:
+        refused.append(key)
+        assert exc.code.name == "QUOTA_EXCEEDED", exc
+        return
+    write_session(session, "i", [key], storage_roots(c))
+    c.call("finish_write_cache", {"instance_id": "i", "write_session_id": session["write_session_id"],
+                                  "success_blocks": {"offset": 1}})
+    assert HOT in served(c, "i", [HOT]), f"block {HOT} is gone after writing block {key}"
+    time.sleep(0.05)
+
+
+def test_hot_block_outlives_cold_ones_no_write_refused_across_a_kill(tmp_path: Any, sock_dir: str) -> None:
+    data = str(tmp_path / "data")
+    refused: list[int] = []
+    server = _start(data, sock_dir)
+    try:
+        with server.client() as c:
+            _setup(c)
+            for key in range(1, 31):  # block 1 first, then 29 more: over the quota, several rounds
+                _write_then_read(c, key, refused)
+            assert _metric(c, "kvcm_reclaim_rounds_total") >= 1
+            time.sleep(INTERVAL * 1.5)  # one more round journals the last reads
+    finally:
+        stop_subprocess(server, kill=True)
+    server = _start(data, sock_dir)
+    try:
+        with server.client() as c:
+            for key in range(31, 61):
+                _write_then_read(c, key, refused)
+            assert refused == [], f"writes refused while cold blocks existed: {refused}"
+            rounds = _metric(c, "kvcm_reclaim_rounds_total")
+            deadline = time.monotonic() + 60
+            while _metric(c, "kvcm_reclaim_rounds_total") < rounds + 2 and time.monotonic() < deadline:
+                time.sleep(INTERVAL / 3)
+            used = _metric(c, "kvcm_group_usage_bytes", group="hot")
+            assert used <= WATERMARK * QUOTA_BLOCKS * SPEC, f"{used} bytes used two rounds after the last write"
+            alive = served(c, "i", range(1, 61))
+            assert HOT in alive
+            assert max(alive) == 60 and len(alive) > 1  # the newest stay too: only the cold went
+            assert read_problems(c, "i", sorted(alive), storage_roots(c)) == []
+            inline = _metric(c, "kvcm_reclaim_blocks_total", reason="inline")
+            background = _metric(c, "kvcm_reclaim_blocks_total", reason="watermark")
+            assert inline > 0 and background >= 0
+    finally:
+        stop_subprocess(server)
