@@ -337,10 +337,13 @@ class App:
                                   max_writing_bytes=cfg.max_writing_bytes_per_instance,
                                   metrics_registry=self.metrics.registry, lost_scan_s=cfg.lost_scan_s,
                                   lock_shards=self.config.store.lock_shards, cache_size=self.config.store.search_cache_size,
-                                  runs=cfg.runs)
+                                  runs=cfg.runs, max_pins_per_instance=cfg.max_pins_per_instance,
+                                  max_pin_ttl_s=cfg.max_pin_ttl_s)
         set_wire_cache_bytes(cfg.wire_cache_bytes)
         self.cache.start()
         self.timers.append(Timer("write-session-expiry", cfg.session_check_ms / 1000.0, self.cache.expire_sessions))
+        # Same cadence: a tick with nothing due is one comparison per pinned instance.
+        self.timers.append(Timer("pin-expiry", cfg.session_check_ms / 1000.0, self.cache.expire_pins))
         self.threads.append(LoopThread("deleter", self.cache.background_once, cfg.delete_poll_ms / 1000.0))
         health = StorageHealth(self.storages.backends, self.registry.set_storage_available)
         StorageAvailability(lambda: [(s.global_unique_name, s.available) for s in self.registry.list_storages()],

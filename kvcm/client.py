@@ -40,10 +40,10 @@ METHODS: tuple[str, ...] = (
     "delete_account", "disable_storage", "enable_storage", "finish_write_cache", "gen_config_snapshot",
     "get_cache_location", "get_cache_meta", "get_instance_group", "get_instance_info", "get_manager_cluster_info",
     "get_metrics", "list_account", "list_event_sources", "list_instance_groups", "list_instance_info",
-    "list_storage", "list_tokens", "load_config_snapshot", "match_engines", "register_instance", "remove_cache",
-    "remove_event_source", "remove_instance", "remove_instance_group", "remove_storage", "report_lost",
-    "revoke_token", "start_write_cache", "trim_cache", "update_account", "update_instance_group",
-    "update_storage", "whoami",
+    "list_storage", "list_tokens", "load_config_snapshot", "match_engines", "pin_cache", "register_instance",
+    "remove_cache", "remove_event_source", "remove_instance", "remove_instance_group", "remove_storage",
+    "report_lost", "revoke_token", "start_write_cache", "trim_cache", "unpin_cache", "update_account",
+    "update_instance_group", "update_storage", "whoami",
 )
 
 #: Methods that may be re-sent after a timeout without changing the outcome.

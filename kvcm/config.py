@@ -93,6 +93,8 @@ class CacheConfig:
     lost_scan_s: float = 60.0  # how often file/shm containers are checked for vanished bytes (0 = never)
     runs: bool = True  # keep run records: prefix lookups read one record per written sequence
     wire_cache_bytes: int = 256 << 20  # memory for location bytes rebuilt from compact records; 0 disables
+    max_pins_per_instance: int = 4096  # soft pins an instance may hold; more pins are refused
+    max_pin_ttl_s: float = 86400.0  # longest pin a request may ask for; more is refused
 
 
 @dataclass(frozen=True)
@@ -336,6 +338,8 @@ def validate(config: Config) -> None:
         (config.cache.lost_scan_s >= 0, "cache.lost_scan_s must not be negative"),
         (config.cache.max_open_sessions_per_instance > 0, "cache.max_open_sessions_per_instance must be positive"),
         (config.cache.max_writing_bytes_per_instance > 0, "cache.max_writing_bytes_per_instance must be positive"),
+        (config.cache.max_pins_per_instance >= 0, "cache.max_pins_per_instance must not be negative"),
+        (0 < config.cache.max_pin_ttl_s <= 366 * 86400, "cache.max_pin_ttl_s must be in (0, 31622400]"),
         (0 <= config.reclaim.hysteresis < 1, "reclaim.hysteresis must be in [0, 1)"),
         (config.reclaim.interval_s > 0, "reclaim.interval_s must be positive"),
         (0 < config.reclaim.duty_cycle <= 1, "reclaim.duty_cycle must be in (0, 1]"),

@@ -101,3 +101,28 @@ def test_hot_block_outlives_cold_ones_no_write_refused_across_a_kill(tmp_path: A
             assert inline > 0 and background >= 0
     finally:
         stop_subprocess(server)
+
+
+def test_a_pinned_block_outlives_the_cold_ones_until_unpinned(sock_dir: str) -> None:
+    """Over RPC: the coldest block, pinned, is passed over by the reclaimer's rounds and by
+    in-line eviction; unpinned, it is the next to go."""
+    from kvcm.testing import serve_in_thread
+
+    with serve_in_thread(overrides={"reclaim": {"interval_s": 0.05}}) as srv, srv.client() as c:
+        _setup(c)
+        c.call("pin_cache", {"instance_id": "i", "block_keys": [HOT], "ttl_seconds": 600})
+        refused: list[int] = []
+        for key in range(1, 41):  # block 1 is written first and never read
+            session = c.call("start_write_cache", {"instance_id": "i", "block_keys": [key]})
+            write_session(session, "i", [key], storage_roots(c))
+            c.call("finish_write_cache", {"instance_id": "i", "write_session_id": session["write_session_id"],
+                                          "success_blocks": {"offset": 1}})
+        assert refused == []
+        alive = served(c, "i", range(1, 41))
+        assert HOT in alive and 2 not in alive and 40 in alive
+        c.call("unpin_cache", {"instance_id": "i", "block_keys": [HOT]})
+        for key in range(41, 61):
+            session = c.call("start_write_cache", {"instance_id": "i", "block_keys": [key]})
+            c.call("finish_write_cache", {"instance_id": "i", "write_session_id": session["write_session_id"],
+                                          "success_blocks": {"offset": 1}})
+        assert HOT not in served(c, "i", [HOT])

@@ -37,6 +37,8 @@ SCOPED: list[tuple[str, dict[str, Any]]] = [
     ("finish_write_cache", {"write_session_id": "s-1"}),
     ("remove_cache", {"block_keys": [1]}),
     ("trim_cache", {"strategy": "remove_all_cache"}),
+    ("pin_cache", {"block_keys": [1], "ttl_seconds": 60}),
+    ("unpin_cache", {"block_keys": [1]}),
     ("match_engines", {"block_keys": [1]}),
     ("match_engines", {"token_ids": list(range(8))}),
 ]

@@ -53,6 +53,12 @@ class CacheListener:
     def on_evicted(self, instance_id: str, keys: list[int], delay_s: float) -> None:
         """The reclaimer evicted these keys; their space is freed after ``delay_s``."""
 
+    def on_pinned(self, instance_id: str, keys: list[int], ttl_s: float, expires_at: float) -> None:
+        """A ``pin_cache`` committed: these keys are pinned until ``expires_at`` (wall clock)."""
+
+    def on_unpinned(self, instance_id: str, keys: list[int]) -> None:
+        """An ``unpin_cache`` committed, with the keys of its request."""
+
 
 class Listeners:
     """The registered listeners, called in registration order."""
@@ -111,6 +117,14 @@ class Listeners:
     def evicted(self, instance_id: str, keys: list[int], delay_s: float) -> None:
         for listener in self._all:
             _call(listener, listener.on_evicted, instance_id, keys, delay_s)
+
+    def pinned(self, instance_id: str, keys: list[int], ttl_s: float, expires_at: float) -> None:
+        for listener in self._all:
+            _call(listener, listener.on_pinned, instance_id, keys, ttl_s, expires_at)
+
+    def unpinned(self, instance_id: str, keys: list[int]) -> None:
+        for listener in self._all:
+            _call(listener, listener.on_unpinned, instance_id, keys)
 
 
 def _call(listener: CacheListener, hook: Any, *args: Any) -> None:

@@ -6,7 +6,7 @@ copies ``deleting``), :mod:`kvcm.cache.consistency` (invariants); they take the 
 :class:`~kvcm.cache.state.CacheState` this class extends and never call back into it. This module
 adds recovery at start-up, session expiry, the deleter's loop body and the hooks the reclaimer uses.
 
-Thread ownership: RPC operations and the session-expiry timer run on the RPC thread;
+Thread ownership: RPC operations and the session- and pin-expiry timers run on the RPC thread;
 :meth:`CacheManager.background_once` (deletes, purges, lost-block scans) on the deleter thread;
 :meth:`evict` / :meth:`serving_keys` / :meth:`usage` on the reclaimer thread. Every thread
 brings its own store transactions; in-memory state changes only in ``txn.on_commit`` callbacks
@@ -46,9 +46,15 @@ class CacheManager(CacheState):
         were removed while blocks remained."""
         self.pool.open_all()
         owner: dict[str, str] = {}
+        registered_ids = [i.instance_id for i in self.registry.list_instances()]
         with self.store.read() as view:
             self.usage_book.load(view)
             self.sessions.load(view, owner)
+            orphans = self.pins.load(view, registered_ids)
+        if orphans:  # pins of instances removed before their rows were cleaned up
+            with self.store.write() as txn:
+                dropped = self.pins.drop_namespaces(txn, orphans)
+            log.info("dropped %d pin(s) of %d removed instance(s)", dropped, len(orphans))
         self._reserve_all(owner)
         for registered in self.registry.list_instances():
             self.known[registered.instance_id] = registered.instance_group
@@ -111,6 +117,33 @@ class CacheManager(CacheState):
     def report_lost(self, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
                     mask: BlockMask | None) -> dict[str, Any]:
         return removal.report_lost(self, instance_id, block_keys, token_ids, mask)
+
+    def pin_cache(self, instance_id: str, block_keys: Sequence[int], ttl_s: float) -> dict[str, Any]:
+        """Pin ``block_keys`` for ``ttl_s`` seconds (:mod:`kvcm.cache.pins`); a key need not be stored."""
+        self.instance(instance_id)
+        keys = list(block_keys)
+        with self.store.write() as txn:
+            pinned, expires_at = self.pins.pin(txn, instance_id, keys, ttl_s, self.clock())
+            if self.listeners:
+                txn.on_commit(lambda: self.listeners.pinned(instance_id, keys, ttl_s, expires_at))
+        return {"pinned": pinned, "expires_at": expires_at}
+
+    def unpin_cache(self, instance_id: str, block_keys: Sequence[int]) -> dict[str, Any]:
+        self.instance(instance_id)
+        keys = list(block_keys)
+        with self.store.write() as txn:
+            unpinned = self.pins.unpin(txn, instance_id, keys, self.clock())
+            if self.listeners:
+                txn.on_commit(lambda: self.listeners.unpinned(instance_id, keys))
+        return {"unpinned": unpinned}
+
+    def expire_pins(self) -> int:
+        """Timer body (RPC thread): drop lapsed pins and the pins of removed instances."""
+        now = self.clock()
+        if not self.pins.due(now):
+            return 0
+        with self.store.write() as txn:
+            return self.pins.expire(txn, now)
 
     def expire_sessions(self) -> int:
         """Timer body (RPC thread): every due session counts as all-failed."""
@@ -197,6 +230,8 @@ class CacheManager(CacheState):
     def check(self) -> None:
         """Assert the data plane's invariants on a quiet server (see :mod:`kvcm.cache.consistency`)."""
         consistency.check(self)
+        with self.store.read() as view:
+            self.pins.check(view, [i.instance_id for i in self.registry.list_instances()])
         recounted = self.recount_inflight()
         assert self.inflight.snapshot() == recounted, \
             f"in-flight counters {self.inflight.snapshot()} != recount {recounted}"

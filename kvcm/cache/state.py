@@ -2,9 +2,10 @@
 
 :class:`CacheState` is what :mod:`.lookup`, :mod:`.writes`, :mod:`.removal` and
 :mod:`.consistency` take: the store, the meta index, the storage pool, sessions, usage, the
-deleter, the listeners, the write limits, and cached views of instances and groups. It knows no
-operation; :class:`kvcm.cache.manager.CacheManager` is the facade that adds them, so every call
-goes down from the facade to the operations to this module, never back up.
+deleter, the listeners, the soft pins (:mod:`.pins`), the write limits, and cached views of
+instances and groups. It knows no operation; :class:`kvcm.cache.manager.CacheManager` is the
+facade that adds them, so every call goes down from the facade to the operations to this module,
+never back up.
 
 Thread ownership is the manager's (see :mod:`kvcm.cache.manager`); the views here are filled on
 the RPC thread and dropped from a registry change callback (dict operations the GIL keeps atomic).
@@ -23,6 +24,7 @@ from kvcm.cache.listeners import Listeners
 from kvcm.cache.locations import load as load_skeletons
 from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.meta_index import MetaIndex, namespace
+from kvcm.cache.pins import Pins
 from kvcm.cache.placement import GroupView, InstanceView
 from kvcm.cache.sessions import InFlightStats, Sessions
 from kvcm.cache.storage_pool import StoragePool
@@ -72,6 +74,8 @@ class CacheState:
         cache_size: int = 65536,
         batch_size: int = 16,
         runs: bool = True,
+        max_pins_per_instance: int = 4096,
+        max_pin_ttl_s: float = 86400.0,
     ) -> None:
         self.store = store
         self.registry = registry
@@ -96,6 +100,7 @@ class CacheState:
         self.next_lost_scan = monotonic() + lost_scan_s  # the deleter thread's schedule
         self.deleter = Deleter(store, self.index, self.usage_book.add, pool.get, clock)
         self.listeners = Listeners()
+        self.pins = Pins(max_pins_per_instance, max_pin_ttl_s)
         self.known: dict[str, str] = {}  # instance id -> group, kept after removal (purges)
         self.purges: list[str] = []
         self._views: dict[str, InstanceView] = {}
@@ -145,8 +150,10 @@ class CacheState:
     def _on_registry_change(self, kind: str, name: str) -> None:
         if kind == INSTANCE:
             self._views.pop(name, None)
-            if not self.registered(name) and name in self.known:
-                self.purges.append(name)  # its blocks go: the deleter thread purges them
+            if not self.registered(name):
+                self.pins.forget(name)  # its pins go with it (rows: at the next pin sweep)
+                if name in self.known:
+                    self.purges.append(name)  # its blocks go: the deleter thread purges them
         elif kind == GROUP:
             self._groups.pop(name, None)
 

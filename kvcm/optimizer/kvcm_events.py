@@ -1,14 +1,14 @@
 """kvcm's event log (JSON lines) and its reader for the optimizer (format ``kvcm_events``).
 
 The server writes one JSON object per line, the four event types of Tair KVCM's
-``LogEventPublisher`` with the same field names. Every line has:
+``LogEventPublisher`` with the same field names, and kvcm's own pin events. Every line has:
 
 =================== ========================================================================
 ``id``              str, unique per event
 ``source``          str, the ``instance_id``
 ``component``       ``"cache_manager"`` or ``"cache_reclaimer"``
-``type``            ``"GetCacheLocation"``, ``"StartWriteCache"``, ``"FinishWriteCache"`` or
-                    ``"CacheReclaimSubmit"``
+``type``            ``"GetCacheLocation"``, ``"StartWriteCache"``, ``"FinishWriteCache"``,
+                    ``"CacheReclaimSubmit"``, ``"PinCache"`` or ``"UnpinCache"``
 ``trigger_time_us`` int, wall clock in microseconds since the epoch
 =================== ========================================================================
 
@@ -28,7 +28,11 @@ and, per type (a *mask* is an int offset, a list of bools, kvcm's wire form ``{"
   keys, i.e. ``keys`` minus the masked ones: offset n = the first n succeeded; a bool per key);
   ``success_blocks`` is accepted as an alias;
 * ``CacheReclaimSubmit`` (component ``cache_reclaimer``): ``block_keys`` ([int]),
-  ``location_ids`` ([[str]], one list per key), ``delay_us`` (int).
+  ``location_ids`` ([[str]], one list per key), ``delay_us`` (int);
+* ``PinCache`` (a committed ``pin_cache``): ``block_keys`` ([int]), ``ttl_seconds`` (number > 0),
+  ``expires_at_us`` (int, wall clock; informative: the reader uses ``trigger_time_us`` +
+  ``ttl_seconds``);
+* ``UnpinCache`` (a committed ``unpin_cache``): ``block_keys`` ([int]).
 
 Unknown fields are ignored, so the server may add some.
 
@@ -47,10 +51,13 @@ How the reader replays it (Tair's ``publisher_log`` rules, read/write separated)
 * ``CacheReclaimSubmit`` is the live server's own eviction: ignored (the replay evicts with its
   own policy) unless ``apply_reclaims=true``, which turns it into ``remove`` records so a replay
   reproduces what the server did.
+* ``PinCache`` becomes a ``pin`` record lasting ``ttl_seconds`` of trace time, ``UnpinCache`` an
+  ``unpin`` record: the replay never evicts a pinned key while its pin lasts, as the server does.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,7 +65,8 @@ from typing import Any, ClassVar
 
 from kvcm.optimizer.trace import LineContext, Mask, Record, Trace, json_lines
 
-EVENT_TYPES = ("GetCacheLocation", "StartWriteCache", "FinishWriteCache", "CacheReclaimSubmit")
+EVENT_TYPES = ("GetCacheLocation", "StartWriteCache", "FinishWriteCache", "CacheReclaimSubmit", "PinCache",
+               "UnpinCache")
 _RECENT_READS = 64  # lookups remembered per instance for pairing; a turn's write follows soon
 
 
@@ -172,6 +180,18 @@ class _Reader:
         self.trace.counts["reclaim_events"] += 1
         return Record(ts, instance, "remove", keys) if self.apply_reclaims else None
 
+    def _pin(self, line: LineContext, ts: float, instance: str) -> Record:
+        keys = line.ints("block_keys")
+        ttl = line.number("ttl_seconds")
+        if not ttl > 0 or not math.isfinite(ttl):
+            raise line.fail("ttl_seconds must be a finite number > 0")
+        self.trace.counts["pin_events"] += 1
+        return Record(ts, instance, "pin", keys, ttl=ttl)
+
+    def _unpin(self, line: LineContext, ts: float, instance: str) -> Record:
+        self.trace.counts["unpin_events"] += 1
+        return Record(ts, instance, "unpin", line.ints("block_keys"))
+
     def finish(self) -> None:
         self.trace.counts["unfinished_writes"] += len(self.sessions)
         self.trace.counts["unpaired_reads"] += sum(len(q) for q in self.reads.values())
@@ -181,6 +201,8 @@ class _Reader:
         "StartWriteCache": _start,
         "FinishWriteCache": _finish,
         "CacheReclaimSubmit": _reclaim,
+        "PinCache": _pin,
+        "UnpinCache": _unpin,
     }
 
 

@@ -13,6 +13,11 @@ What one record does (see :mod:`kvcm.optimizer.trace` for the ops):
   (``exact``) or whole batches of ``batch_size`` blocks (``batched``, Tair's rough modes) —
   and demotes its victims to the next tier; the last tier drops them. Policies with a TTL
   also drop expired blocks before each record of their group.
+* a ``pin`` protects its keys until ``ts + ttl`` (trace time): while it lasts, a pinned key is
+  never a victim — neither of a tier's eviction (the replay skips it and asks the policy for
+  more) nor of a policy's TTL — as the live reclaimer skips pinned keys. ``unpin`` ends it; an
+  explicit ``remove`` / ``clear`` still removes a pinned block (pins guard against eviction only).
+  A pin may name a key that is not cached yet.
 
 Instances of one group share its tiers and one policy per tier, so eviction order is global to
 the group, as in the live reclaimer. Their keys are kept apart by adding ``slot << 66`` (the
@@ -67,7 +72,7 @@ class _Instance:
 
 
 class _Group:
-    __slots__ = ("has_ttl", "instances", "parents", "peak", "peak_blocks", "single", "spec",
+    __slots__ = ("has_ttl", "instances", "parents", "peak", "peak_blocks", "pins", "single", "spec",
                  "step", "tiers", "unit")  # fmt: skip
 
     def __init__(self, spec: GroupSpec, replay: ReplaySpec) -> None:
@@ -80,6 +85,7 @@ class _Group:
         self.single = len(self.tiers) == 1
         self.peak = self.peak_blocks = 0
         self.parents: dict[int, int | None] = {}  # multi-tier only: for demoting with parents
+        self.pins: dict[int, float] = {}  # namespaced key -> end of its pin (trace time)
         sizes = [i.block_bytes for i in spec.instances] + [spec.block_bytes]
         self.step = 1 if self.unit == "blocks" else max(max(sizes), 1)
 
@@ -150,6 +156,12 @@ class Replayer:
             self._remove(inst, rec.keys)
         elif op == "clear":
             self._clear(inst)
+        elif op == "pin":
+            until = now + rec.ttl
+            group.pins.update((k, until) for k in _ns(rec.keys, inst.offset))
+        elif op == "unpin":
+            for key in _ns(rec.keys, inst.offset):
+                group.pins.pop(key, None)
         else:
             raise ValueError(f"unknown record op {op!r}")
 
@@ -311,7 +323,7 @@ class Replayer:
             limit, policy = tier.limit, tier.policy
             while limit is not None and policy.size_total > limit:
                 n = self._count_to_evict(group, policy.size_total - limit)
-                victims = _ints(policy.evict(n, now))
+                victims = _ints(policy.evict(n, now)) if not group.pins else self._unpinned(group, policy, n, now)
                 if not victims:
                     break
                 if index < last:
@@ -322,6 +334,32 @@ class Replayer:
         if usage > group.peak:
             group.peak = usage
             group.peak_blocks = len(group.tiers[0].policy)
+
+    def _unpinned(self, group: _Group, policy: BasePolicy, n: int, now: float) -> list[int]:
+        """Up to ``n`` victims none of which is pinned at ``now``, removed from ``policy``: the
+        policy's own order with the pinned keys skipped, asking it for more while they fill
+        the answer. Pins that ended are forgotten on the way."""
+        ask = n
+        while True:
+            offered = _ints(policy.victims(ask, now))
+            free = [k for k in offered if not self._pinned(group, k, now)]
+            if len(free) >= n or len(offered) < ask or ask >= len(policy):
+                break
+            ask += n - len(free)  # as many more as pinned keys took places
+        chosen = free[:n]
+        for key in chosen:
+            policy.on_remove(key)
+        return chosen
+
+    @staticmethod
+    def _pinned(group: _Group, key: int, now: float) -> bool:
+        until = group.pins.get(key)
+        if until is None:
+            return False
+        if until > now:
+            return True
+        del group.pins[key]
+        return False
 
     def _count_to_evict(self, group: _Group, excess: int) -> int:
         n = -(-excess // group.step)
@@ -362,6 +400,8 @@ class Replayer:
     def _expire(self, group: _Group, now: float) -> None:
         for tier in group.tiers:
             gone = _ints(tier.policy.expired(now))
+            if group.pins:
+                gone = [k for k in gone if not self._pinned(group, k, now)]
             for key in gone:
                 tier.policy.on_remove(key)
             self._drop(group, gone, evicted=True)

@@ -9,6 +9,9 @@ A trace is a stream of :class:`Record` in time order. ``op`` says what happened:
 ``write`` blocks stored (kvcm ``FinishWriteCache`` successes)
 ``remove`` blocks removed by the source (vLLM ``BlockRemoved``, applied reclaims)
 ``clear`` every block of the instance removed (vLLM ``AllBlocksCleared``)
+``pin``   ``keys`` pinned for ``ttl`` seconds of trace time from ``ts`` (kvcm ``PinCache``): the
+          replay never evicts them while it lasts; a re-pin sets a new end
+``unpin`` the pins of ``keys`` dropped (kvcm ``UnpinCache``)
 ========  =====================================================================================
 
 Keys are prefix-dependent block keys: a key identifies its whole prefix, as kvcm's own keys do
@@ -31,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
-Op = Literal["turn", "read", "write", "remove", "clear"]
-OPS: tuple[str, ...] = ("turn", "read", "write", "remove", "clear")
+Op = Literal["turn", "read", "write", "remove", "clear", "pin", "unpin"]
+OPS: tuple[str, ...] = ("turn", "read", "write", "remove", "clear", "pin", "unpin")
 Mask = int | list[bool]
 
 
@@ -52,6 +55,7 @@ class Record:
     mask: Mask = 0
     tokens: int | None = None
     output_tokens: int = 0
+    ttl: float = 0.0  # a pin's length in seconds (op "pin" only)
 
     def to_json(self) -> dict[str, Any]:
         """The ``kvcm_schema`` line for this record (defaults omitted)."""
@@ -66,6 +70,8 @@ class Record:
             out["tokens"] = self.tokens
         if self.output_tokens:
             out["output_tokens"] = self.output_tokens
+        if self.ttl:
+            out["ttl"] = self.ttl
         return out
 
 

@@ -18,9 +18,10 @@ prefix-dependent keys, so two requests share a key only if they share the whole 
 
 ``kvcm_schema`` is JSON lines: an optional header ``{"kvcm_schema": 1, "block_size": 16,
 "instances": {"<id>": {"block_size": 512}}}`` then one :class:`~kvcm.optimizer.trace.Record`
-per line: ``{"ts": s, "instance": str, "op": "turn|read|write|remove|clear", "keys": [int],
-"parent": int, "mask": int | [bool], "tokens": int, "output_tokens": int}`` (all but ``ts``,
-``instance`` and ``op`` optional).
+per line: ``{"ts": s, "instance": str, "op": "turn|read|write|remove|clear|pin|unpin", "keys":
+[int], "parent": int, "mask": int | [bool], "tokens": int, "output_tokens": int, "ttl": s}`` (all
+but ``ts``, ``instance`` and ``op`` optional; ``ttl``, a pin's length, is required by and only
+allowed with ``pin``).
 
 Every reader raises :class:`~kvcm.optimizer.trace.TraceError` with ``path:line:`` on a bad
 line, and counts what it skipped in :attr:`Trace.counts`.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -128,6 +130,9 @@ def _schema_record(line: LineContext) -> Record:
         raise line.fail("mask must be an int offset or a list of booleans")
     parent = line.get("parent", int, None)
     tokens = line.get("tokens", int, None)
+    ttl = line.number("ttl", 0.0)
+    if (op == "pin") != (ttl > 0) or not math.isfinite(ttl):
+        raise line.fail("ttl: a pin needs a finite ttl > 0 seconds, and only a pin has one")
     return Record(
         ts=line.number("ts"),
         instance=line.get("instance", str),
@@ -137,6 +142,7 @@ def _schema_record(line: LineContext) -> Record:
         mask=mask,
         tokens=tokens,
         output_tokens=line.get("output_tokens", int, 0),
+        ttl=ttl,
     )
 
 

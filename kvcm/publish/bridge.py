@@ -23,7 +23,7 @@ _STORAGE_MEDIUM = "STORAGE"
 
 
 class StorageEvents(CacheListener):
-    """Listener: BlockStored / BlockRemoved / AllBlocksCleared out; requests and reclaim decisions logged."""
+    """Listener: BlockStored / BlockRemoved / AllBlocksCleared out; requests, pins and reclaim decisions logged."""
 
     def __init__(
         self,
@@ -68,6 +68,14 @@ class StorageEvents(CacheListener):
     def on_evicted(self, instance_id: str, keys: Sequence[int], delay_s: float) -> None:
         if self.event_log is not None:
             self.event_log.cache_reclaim_submit(instance_id, keys, [], int(delay_s * 1e6))
+
+    def on_pinned(self, instance_id: str, keys: list[int], ttl_s: float, expires_at: float) -> None:
+        if self.event_log is not None:
+            self.event_log.pin_cache(instance_id, keys, ttl_s, expires_at)
+
+    def on_unpinned(self, instance_id: str, keys: list[int]) -> None:
+        if self.event_log is not None:
+            self.event_log.unpin_cache(instance_id, keys)
 
 
 def _builtins(mask: BlockMask | None) -> Any:

@@ -1,4 +1,4 @@
-"""kvcm's JSON-lines event log: Tair KVCM's four event types, read by the optimizer.
+"""kvcm's JSON-lines event log: Tair KVCM's four event types and kvcm's pins, read by the optimizer.
 
 The format is specified in :mod:`kvcm.optimizer.kvcm_events` (the reader) and follows Tair's
 ``LogEventPublisher``: one JSON object per line with ``id``,
@@ -10,7 +10,10 @@ The format is specified in :mod:`kvcm.optimizer.kvcm_events` (the reader) and fo
   ``location_spec_group_names``, ``write_timeout_seconds``;
 * ``FinishWriteCache``: ``write_session_id``, ``success_block``;
 * ``CacheReclaimSubmit`` (component ``cache_reclaimer``): ``block_keys``, ``location_ids``,
-  ``delay_us``.
+  ``delay_us``;
+* ``PinCache`` (kvcm's own, no Tair equivalent): ``block_keys``, ``ttl_seconds``,
+  ``expires_at_us`` (wall clock);
+* ``UnpinCache``: ``block_keys``.
 
 Unlike Tair, nothing is dropped silently: the writer appends under a lock from the calling
 thread (a line is a few hundred bytes; the file is line-buffered by the OS page cache), and a
@@ -32,11 +35,12 @@ from typing import IO, Any
 
 log = logging.getLogger("kvcm.publish.eventlog")
 
-EVENT_TYPES = ("GetCacheLocation", "StartWriteCache", "FinishWriteCache", "CacheReclaimSubmit")
+EVENT_TYPES = ("GetCacheLocation", "StartWriteCache", "FinishWriteCache", "CacheReclaimSubmit", "PinCache",
+               "UnpinCache")
 
 
 class EventLog:
-    """Append-only JSON-lines writer of the four event types (see the module docstring)."""
+    """Append-only JSON-lines writer of the event types (see the module docstring)."""
 
     def __init__(self, path: str, flush_every: int = 1) -> None:
         self.path = path
@@ -114,6 +118,18 @@ class EventLog:
         self.write({
             "source": instance_id, "component": "cache_reclaimer", "type": "CacheReclaimSubmit",
             "block_keys": list(block_keys), "location_ids": [list(x) for x in location_ids], "delay_us": delay_us,
+        })  # fmt: skip
+
+    def pin_cache(self, instance_id: str, block_keys: Sequence[int], ttl_seconds: float, expires_at: float) -> None:
+        self.write({
+            "source": instance_id, "component": "cache_manager", "type": "PinCache",
+            "block_keys": list(block_keys), "ttl_seconds": ttl_seconds, "expires_at_us": int(expires_at * 1e6),
+        })  # fmt: skip
+
+    def unpin_cache(self, instance_id: str, block_keys: Sequence[int]) -> None:
+        self.write({
+            "source": instance_id, "component": "cache_manager", "type": "UnpinCache",
+            "block_keys": list(block_keys),
         })  # fmt: skip
 
     def close(self) -> None:

@@ -51,6 +51,7 @@ DATABASES: tuple[str, ...] = (
     "deletes",  # pending asynchronous deletes
     "usage",  # usage counters per group / storage / instance
     "runs",  # (instance, first key of a run) -> blocks one write session stored together
+    "pins",  # (instance, block key) -> expiry of a soft pin (kvcm.cache.pins)
     "engine_sources",  # event source id -> record (config, last_seq)
     "engine_blocks",  # (source, medium, ...) -> engine block record
 )

@@ -409,6 +409,8 @@ _VALID_REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("match_engines", {"instance_id": INSTANCE, "block_keys": [1, 2]}),
     ("list_event_sources", {}),
     ("get_metrics", {}),
+    ("pin_cache", {"instance_id": INSTANCE, "block_keys": [1, 2, -5], "ttl_seconds": 30.5}),
+    ("unpin_cache", {"instance_id": INSTANCE, "block_keys": [2, 77]}),
 ]
 
 
