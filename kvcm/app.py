@@ -366,9 +366,9 @@ class App:
                                    registry=self.metrics.registry, pace=duty_pacer(cfg.duty_cycle),
                                    free_grace_s=self.config.cache.delete_poll_ms / 1000.0 + 0.05,
                                    state_dir=state_dir)
-        if getattr(cfg, "inline", False) and hasattr(self.cache, "set_room_maker"):
-            self.cache.set_room_maker(self.reclaimer)
-        self.threads.append(LoopThread("reclaimer", self.reclaimer.tick, cfg.interval_s))
+        if cfg.inline:  # a write that would exceed a quota evicts, by the group's policy, what it needs
+            self.cache.set_room_maker(self.reclaimer, cfg.inline_max_blocks)
+        self.threads.append(LoopThread("reclaimer", self.reclaimer.tick, self.reclaimer.period))
 
     def info(self) -> dict[str, Any]:
         """Facts about this node for check_health / get_manager_cluster_info."""

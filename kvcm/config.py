@@ -105,6 +105,9 @@ class ReclaimConfig:
     sample_size: int = 0  # 0 = exact victim choice; >0 = sampled choice of this many candidates
     max_victims_per_round: int = 10000  # bounds one round's work; the next round continues
     duty_cycle: float = 0.5  # largest share of a core the reclaimer uses while evicting (sleeps between chunks)
+    journal_interval_s: float = 0.25  # how often recency is journalled between rounds (what a kill -9 can lose)
+    inline: bool = True  # a write meeting its group's quota evicts in-line, not QUOTA_EXCEEDED
+    inline_max_blocks: int = 4096  # most victims one write may evict in-line
 
 
 @dataclass(frozen=True)
@@ -343,7 +346,9 @@ def validate(config: Config) -> None:
         (0 <= config.reclaim.hysteresis < 1, "reclaim.hysteresis must be in [0, 1)"),
         (config.reclaim.interval_s > 0, "reclaim.interval_s must be positive"),
         (0 < config.reclaim.duty_cycle <= 1, "reclaim.duty_cycle must be in (0, 1]"),
+        (config.reclaim.journal_interval_s > 0, "reclaim.journal_interval_s must be positive"),
         (config.reclaim.max_victims_per_round > 0, "reclaim.max_victims_per_round must be positive"),
+        (config.reclaim.inline_max_blocks > 0, "reclaim.inline_max_blocks must be positive"),
         (config.reclaim.sample_size >= 0, "reclaim.sample_size must not be negative"),
         (config.events.backoff_initial_s > 0, "events.backoff_initial_s must be positive"),
         # A deferred request finds its verdict in these caches when it is retried a turn later.

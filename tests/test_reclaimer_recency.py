@@ -173,8 +173,9 @@ def test_make_room_evicts_by_policy_just_enough_and_gives_back():
     assert "1 pinned" in room.why
     assert ("i", 3) not in rec.tracked("g", "file")
     assert rec.make_room("g", {"file": 10_000}, limit=2).victims == [("i", 6, "file"), ("i", 7, "file")]
-    rec.give_back([("i", 6, "file")])  # that transaction did not commit: 6 still serves
-    assert ("i", 6) in rec.tracked("g", "file")
+    rec.on_evicted("i", [7], 0.0)  # 7 committed: nothing to give back any more
+    rec.give_back([("i", 6, "file"), ("i", 7, "file")])  # that transaction did not commit: 6 still serves
+    assert ("i", 6) in rec.tracked("g", "file") and ("i", 7) not in rec.tracked("g", "file")
     blocks = rec.metrics.blocks.labels("g", "file", "lru", "inline")._value.get()
     assert blocks == 5
     assert rec.make_room("nope", {"": 1}, limit=1).victims == []

@@ -1,6 +1,9 @@
 """Invariants of the data plane, checked on a quiet server (tests, crash tests, tools).
 
 * usage persisted in the store == usage recounted from the block records == usage in memory;
+* the bytes being freed in memory == the ``deleting`` copies recounted from the block records ==
+  what the ``deletes`` database says, and each pending delete names one ``deleting`` copy with
+  its bytes and type, each ``deleting`` copy exactly one pending delete;
 * no ``writing`` copy outlives its write session;
 * every run is exact: each member names it and has exactly that one serving copy;
 * every location skeleton a record names is stored (:mod:`kvcm.cache.locations`);
@@ -14,11 +17,15 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import msgpack
+
 from kvcm.cache.blocks import RUNS_DB, STATUS_NAMES, Status, decode, run_members
+from kvcm.cache.deleter import DB as DELETES
+from kvcm.cache.deleter import pending_bytes
 from kvcm.cache.locations import check as check_skeletons
 from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.state import CacheState
-from kvcm.cache.usage import Key, Usage, tally
+from kvcm.cache.usage import FreeKey, Key, Usage, tally
 from kvcm.storage.base import Inventory
 from kvcm.store.base import from_i64, i64
 
@@ -51,8 +58,49 @@ def check(s: CacheState) -> None:
                     assert loc.session in live, f"writing copy of {from_i64(dbkey[8:])} outlived its session"
         with s.store.read() as view:
             check_skeletons(view, addrs)
+    check_being_freed(s)
     check_runs(s)
     check_storages(s)
+
+
+def recount_being_freed(s: CacheState) -> dict[FreeKey, int]:
+    """Bytes of ``deleting`` copies per (group, type), from the block records."""
+    owners = s.owners()
+    out: Counter[FreeKey] = Counter()
+    for chunk in s.all_chunks():
+        for dbkey, value in chunk:
+            group = owners.get(dbkey[:8], ("?", ""))[0]
+            for loc in decode(value).locs:
+                if loc.status == Status.DELETING:
+                    out[(group, loc.type)] += loc.nbytes
+    return {k: v for k, v in out.items() if v}
+
+
+def check_being_freed(s: CacheState) -> None:
+    counted = recount_being_freed(s)
+    owners = s.owners()
+    deleting: Counter[tuple[bytes, int, str]] = Counter()  # (namespace, key, location id) -> entries
+    with s.store.read() as view:
+        from_deletes = pending_bytes(view)
+        for _, value in view.scan(DELETES):
+            group, instance, key, loc_id, *rest = msgpack.unpackb(value)
+            ns = s.namespace_of(instance)
+            raw = view.get(BLOCKS, ns + i64(key))
+            loc = None if raw is None else next((x for x in decode(raw).locs if x.id == loc_id), None)
+            assert loc is not None and loc.status == Status.DELETING, \
+                f"pending delete of {instance!r} block {key} names no deleting copy {loc_id!r}"
+            assert not rest or rest == [loc.nbytes, loc.type], \
+                f"pending delete of {instance!r} block {key} says {rest}, the copy is {loc.nbytes} bytes of {loc.type}"
+            assert owners.get(ns, (group, ""))[0] == group, f"pending delete of {instance!r} names group {group!r}"
+            deleting[(ns, key, loc_id)] += 1
+    for chunk in s.all_chunks():
+        for dbkey, value in chunk:
+            for loc in decode(value).locs:
+                if loc.status == Status.DELETING:
+                    n = deleting[(dbkey[:8], from_i64(dbkey[8:]), loc.id)]
+                    assert n == 1, f"deleting copy of block {from_i64(dbkey[8:])} has {n} pending deletes"
+    assert from_deletes == counted, f"being freed by the deletes database {from_deletes} != recount {counted}"
+    assert s.being_freed.snapshot() == counted, f"being freed in memory {s.being_freed.snapshot()} != recount {counted}"
 
 
 def check_runs(s: CacheState) -> None:

@@ -12,6 +12,11 @@ means a freed slot cannot be handed out again before its metadata is gone (alloc
 in write transactions too); a crash after the free and before the commit only repeats the free
 after restart, where the metadata still reserves the slot.
 
+An entry is ``[group, instance, key, location id, bytes, storage type]``: the last two let the
+"being freed" counter (:class:`kvcm.cache.usage.BeingFreed`) be rebuilt from this database
+alone at start-up (:func:`pending_bytes`). Entries written before those two fields existed
+(four fields) are looked up in their block record instead.
+
 Thread ownership: :meth:`Deleter.run_once` on the deleter thread; :func:`schedule` on whichever
 thread owns the write transaction.
 """
@@ -27,9 +32,11 @@ from typing import Any
 
 import msgpack
 
-from kvcm.cache.blocks import Location, Record, Status
+from kvcm.cache.blocks import Location, Record, Status, decode
+from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.meta_index import KEEP, MetaIndex, namespace
-from kvcm.store.base import MetaStore, WriteTxn, u64
+from kvcm.cache.usage import BeingFreed, FreeKey
+from kvcm.store.base import MetaStore, ReadTxn, WriteTxn, i64, u64
 
 log = logging.getLogger("kvcm.cache.deleter")
 
@@ -37,10 +44,33 @@ DB = "deletes"
 _seq = itertools.count(int(time.time() * 1e6))
 
 
-def schedule(txn: WriteTxn, due: float, group: str, instance: str, key: int, loc_id: str) -> None:
-    """Queue the free of one ``deleting`` location at wall time ``due``."""
+def schedule(txn: WriteTxn, due: float, group: str, instance: str, key: int, loc: Location) -> None:
+    """Queue the free of one location just marked ``deleting`` at wall time ``due``.
+
+    The caller counts ``loc``'s bytes as being freed (:class:`~kvcm.cache.usage.BeingFreed`)."""
     entry = u64(max(0, int(due * 1000))) + u64(next(_seq) & 0xFFFFFFFFFFFFFFFF)
-    txn.put(DB, entry, msgpack.packb([group, instance, key, loc_id]))
+    txn.put(DB, entry, msgpack.packb([group, instance, key, loc.id, loc.nbytes, loc.type]))
+
+
+def pending_bytes(view: ReadTxn) -> dict[FreeKey, int]:
+    """Bytes being freed per (group, type), from the pending entries (start-up).
+
+    A four-field entry (written before entries named their bytes) takes them from its block
+    record: the location is there, still ``deleting``, until the deleter drops it together with
+    the entry; with no such location the entry frees nothing and counts 0. That is exact, as the
+    deleter uncounts only what it drops."""
+    out: dict[FreeKey, int] = defaultdict(int)
+    for _, value in view.scan(DB):
+        fields = msgpack.unpackb(value)
+        group, instance, key, loc_id = fields[:4]
+        if len(fields) >= 6:
+            out[(group, fields[5])] += int(fields[4])
+            continue
+        raw = view.get(BLOCKS, namespace(instance) + i64(key))
+        loc = None if raw is None else next((x for x in decode(raw).locs if x.id == loc_id), None)
+        if loc is not None and loc.status == Status.DELETING:
+            out[(group, loc.type)] += loc.nbytes
+    return {k: v for k, v in out.items() if v}
 
 
 class Deleter:
@@ -54,6 +84,7 @@ class Deleter:
         storage: Callable[[str], Any],
         clock: Callable[[], float] = time.time,
         chunk: int = 256,
+        being_freed: BeingFreed | None = None,
     ) -> None:
         self.store = store
         self.index = index
@@ -61,6 +92,7 @@ class Deleter:
         self.storage = storage
         self.clock = clock
         self.chunk = chunk
+        self.being_freed = being_freed if being_freed is not None else BeingFreed()
         self.freed = 0  # locations freed since start (metrics, tests)
         self.external_tasks: list[str] = []  # URIs an external owner must delete (last chunk)
 
@@ -84,7 +116,7 @@ class Deleter:
     def _free_chunk(self, entries: list[tuple[bytes, bytes]]) -> int:
         by_instance: dict[tuple[str, str], dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
         for _, value in entries:
-            group, instance, key, loc_id = msgpack.unpackb(value)
+            group, instance, key, loc_id = msgpack.unpackb(value)[:4]
             by_instance[(group, instance)][key].add(loc_id)
         with self.store.write() as txn:
             doomed: dict[str, list[str]] = defaultdict(list)  # storage -> uris
@@ -93,6 +125,11 @@ class Deleter:
                 self._drop(txn, group, instance, wanted, doomed, deltas)
             txn.delete_many(DB, [k for k, _ in entries])
             self.usage_add(txn, dict(deltas))
+            # Every dropped location was deleting: its bytes leave the being-freed count too.
+            freeing: dict[FreeKey, int] = defaultdict(int)
+            for (group, _, kind), d in deltas.items():
+                freeing[(group, kind)] += d[0]
+            self.being_freed.add(txn, freeing)
             freed = sum(len(uris) for uris in doomed.values())
             for name, uris in doomed.items():
                 self._free_storage(name, uris)  # last: a failure rolls the whole chunk back

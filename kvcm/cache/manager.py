@@ -8,7 +8,8 @@ adds recovery at start-up, session expiry, the deleter's loop body and the hooks
 
 Thread ownership: RPC operations and the session- and pin-expiry timers run on the RPC thread;
 :meth:`CacheManager.background_once` (deletes, purges, lost-block scans) on the deleter thread;
-:meth:`evict` / :meth:`serving_keys` / :meth:`usage` on the reclaimer thread. Every thread
+:meth:`evict` / :meth:`serving_keys` / :meth:`usage` on the reclaimer thread; the room maker
+(:meth:`set_room_maker`) is called on the RPC thread, inside the request's write transaction. Every thread
 brings its own store transactions; in-memory state changes only in ``txn.on_commit`` callbacks
 or under the GIL-atomic operations noted where they happen.
 """
@@ -22,8 +23,10 @@ from typing import Any
 
 from kvcm.cache import consistency, lookup, removal, writes
 from kvcm.cache.blocks import Status, decode
+from kvcm.cache.deleter import pending_bytes
 from kvcm.cache.listeners import CacheListener
 from kvcm.cache.masks import BlockMask
+from kvcm.cache.room import RoomMaker
 from kvcm.cache.sessions import DB as SESSIONS
 from kvcm.cache.sessions import decode_session
 from kvcm.cache.state import CacheState, LostCounter
@@ -49,6 +52,7 @@ class CacheManager(CacheState):
         registered_ids = [i.instance_id for i in self.registry.list_instances()]
         with self.store.read() as view:
             self.usage_book.load(view)
+            self.being_freed.reset(pending_bytes(view))
             self.sessions.load(view, owner)
             orphans = self.pins.load(view, registered_ids)
         if orphans:  # pins of instances removed before their rows were cleaned up
@@ -200,9 +204,25 @@ class CacheManager(CacheState):
     def remove_listener(self, listener: CacheListener) -> None:
         self.listeners.remove(listener)
 
+    def set_room_maker(self, maker: RoomMaker | None, limit: int = 4096) -> None:
+        """In-line eviction (:mod:`kvcm.cache.room`): a write that meets its group's quota asks
+        ``maker`` for at most ``limit`` victims (``reclaim.inline_max_blocks``) and marks them
+        ``deleting`` in its own transaction. ``None``: such a write is refused
+        ``QUOTA_EXCEEDED`` (what ``reclaim.inline = false`` means). Set it before serving."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            raise ValueError(f"in-line eviction limit must be a positive integer, got {limit!r}")
+        self.room_maker = maker
+        self.inline_limit = limit
+
     def usage(self, group: str) -> dict[str, Any]:
-        """Committed usage of ``group`` (bytes and location counts, by type and instance)."""
-        return self.usage_book.usage(group)
+        """Committed usage of ``group`` (bytes and location counts, by type and instance), with
+        ``being_freed``: ``{type: bytes}`` of it already marked ``deleting``. That is read
+        first: a free landing between the two reads then makes the usage look smaller, never
+        larger, so the reclaimer may free a little late but never twice."""
+        freeing = self.being_freed.of(group)
+        out = self.usage_book.usage(group)
+        out["being_freed"] = freeing
+        return out
 
     def evict(self, instance_id: str, keys: list[int], storage_type: str | None = None) -> int:
         return removal.evict(self, instance_id, keys, storage_type)

@@ -5,13 +5,15 @@
 * :func:`write_targets` — write targets (Tair KVCM's rule without its estimate): the first candidate of
   the group, in order, that is enabled, available and opened, and whose storage type still has
   quota for this request; the group's total quota is checked first. Quotas are hard limits:
-  ``used + needed <= capacity`` (0 = unlimited).
+  ``used - being_freed + needed <= capacity`` (0 = unlimited), where ``being_freed`` are the
+  bytes of ``deleting`` locations the deleter has not freed yet.
+* :func:`shortfall` — what in-line eviction must free when they are not met.
 * reads skip copies on storages that are not usable, and prefer copies in candidate order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,20 +91,25 @@ def write_targets(
     group: GroupView,
     needed: int,
     used_total: int,
-    used_by_type: dict[str, int],
+    used_by_type: Mapping[str, int],
+    freeing: Mapping[str, int],
     storage_type: Callable[[str], str | None],
     usable: Callable[[str], bool],
 ) -> list[Target]:
     """Write targets for ``needed`` bytes in preference order (the caller tries them in turn, so
     a storage that turns out full at allocation falls over to the next), or why there is none.
 
+    ``freeing``: bytes per type being freed (``deleting``, still in ``used``): they no longer
+    count against a quota, so a write need not wait for the deleter's grace delay.
+
     :raises CapacityError: QUOTA_EXCEEDED (group total, or every usable candidate's type is
         full) or NO_STORAGE_AVAILABLE (no candidate is usable).
     """
-    if group.capacity and used_total + needed > group.capacity:
+    gone = sum(freeing.values())
+    if group.capacity and used_total - gone + needed > group.capacity:
         raise CapacityError(
-            f"instance group {group.name!r} quota exceeded: {used_total} of {group.capacity} bytes used, "
-            f"{needed} more requested", Code.QUOTA_EXCEEDED)
+            f"instance group {group.name!r} quota exceeded: {used_total} of {group.capacity} bytes used "
+            f"({gone} of them being freed), {needed} more requested", Code.QUOTA_EXCEEDED)
     full: list[str] = []
     targets: list[Target] = []
     for name in group.candidates:
@@ -110,8 +117,9 @@ def write_targets(
         if kind is None or not usable(name):
             continue
         cap = group.type_capacity.get(kind, 0)
-        if cap and used_by_type.get(kind, 0) + needed > cap:
-            full.append(f"{name} ({kind}: {used_by_type.get(kind, 0)} of {cap} bytes used)")
+        used, going = used_by_type.get(kind, 0), freeing.get(kind, 0)
+        if cap and used - going + needed > cap:
+            full.append(f"{name} ({kind}: {used} of {cap} bytes used, {going} of them being freed)")
             continue
         targets.append(Target(name, kind))
     if targets:
@@ -123,3 +131,41 @@ def write_targets(
     raise CapacityError(
         f"instance group {group.name!r}: no usable storage among candidates {list(group.candidates)} "
         "(disabled, unavailable or not opened)", Code.NO_STORAGE_AVAILABLE)
+
+
+def shortfall(
+    group: GroupView,
+    needed: int,
+    used_total: int,
+    used_by_type: Mapping[str, int],
+    freeing: Mapping[str, int],
+    storage_type: Callable[[str], str | None],
+    usable: Callable[[str], bool],
+) -> dict[str, int]:
+    """What in-line eviction must free for :func:`write_targets` to admit ``needed`` bytes:
+    ``{"": bytes of any type}`` for the group total, and ``{type: bytes}`` of the first usable
+    candidate's type that could hold the request at all, when no usable candidate's type has room
+    (a candidate that has room takes the write without evicting anything, as before). Empty: nothing to free (it fits, or no
+    candidate is usable, which eviction cannot help)."""
+    if (group.capacity and needed > group.capacity) or needed <= 0:
+        return {}  # never fits (or nothing to fit): evicting would only waste blocks
+    needs: dict[str, int] = {}
+    if group.capacity:
+        over = used_total - sum(freeing.values()) + needed - group.capacity
+        if over > 0:
+            needs[""] = over
+    first: tuple[str, int] | None = None
+    for name in group.candidates:
+        kind = storage_type(name)
+        if kind is None or not usable(name):
+            continue
+        cap = group.type_capacity.get(kind, 0)
+        over = used_by_type.get(kind, 0) - freeing.get(kind, 0) + needed - cap if cap else 0
+        if over <= 0:
+            return needs  # this type has room
+        if first is None and needed <= cap:  # a type whose quota is below the request never fits
+            first = (kind, over)
+    if first is None:
+        return {}
+    needs[first[0]] = first[1]
+    return needs

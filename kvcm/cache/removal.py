@@ -13,15 +13,19 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgpack
+
 from kvcm.cache.blocks import Location, Record, Status, decode
+from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.deleter import schedule
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.masks import BlockMask, check_mask, unmasked_indices
 from kvcm.cache.meta_index import KEEP, namespace
 from kvcm.cache.placement import InstanceView
+from kvcm.cache.room import Victim
 from kvcm.cache.state import CacheState
-from kvcm.cache.usage import Key
-from kvcm.errors import InvalidArgument
+from kvcm.cache.usage import FreeKey, Key
+from kvcm.errors import InvalidArgument, NotFound
 from kvcm.store.base import WriteTxn, from_i64
 
 log = logging.getLogger("kvcm.cache.removal")
@@ -31,13 +35,15 @@ TRIM_STRATEGIES = ("remove_all_cache", "remove_all_meta", "timestamp")
 
 def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: Sequence[int], delay: float,
                   serving_only: bool = False, storage_type: str | None = None,
-                  only: Callable[[int, Location], bool] | None = None) -> tuple[int, int]:
-    """CAS copies to ``deleting`` and schedule their free; ``(copies marked, serving bytes)``.
+                  only: Callable[[int, Location], bool] | None = None,
+                  marked_keys: list[int] | None = None) -> tuple[int, int]:
+    """CAS copies to ``deleting``, schedule their free and count them as being freed;
+    ``(copies marked, serving bytes)``.
 
     ``serving_only`` (eviction) never touches ``writing`` copies; ``only(key, location)``
-    picks the copies to mark (lost ones)."""
+    picks the copies to mark (lost ones); ``marked_keys`` gets each key with a copy marked."""
     now = s.clock()
-    marked: list[tuple[int, str]] = []
+    marked: list[tuple[int, Location]] = []
     gone: list[int] = []
     freed = [0, 0]  # serving bytes, writing bytes
 
@@ -57,21 +63,64 @@ def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, ke
             elif loc.status == Status.WRITING:
                 freed[1] += loc.nbytes
             loc.status = Status.DELETING
-            marked.append((key, loc.id))
+            marked.append((key, loc))
         if had and not any(x.status == Status.SERVING for x in record.locs):
             gone.append(key)
         if not marked or marked[-1][0] != key:
             return KEEP
         record.updated = now
+        if marked_keys is not None:
+            marked_keys.append(key)
         return record
 
     s.index.read_modify_write(txn, namespace(instance_id), list(dict.fromkeys(keys)), modify)
-    for key, loc_id in marked:
-        schedule(txn, now + delay, group, instance_id, key, loc_id)
+    freeing: dict[FreeKey, int] = defaultdict(int)
+    for key, loc in marked:
+        schedule(txn, now + delay, group, instance_id, key, loc)
+        freeing[(group, loc.type)] += loc.nbytes
+    s.being_freed.add(txn, freeing)
     s.inflight.release(txn, instance_id, 0, freed[1])
     if gone:
         txn.on_commit(lambda: s.listeners.removed(instance_id, gone))
     return len(marked), freed[0]
+
+
+def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Victim], marked: list[Victim]) -> int:
+    """In-line eviction (:mod:`kvcm.cache.room`): mark the serving copy of each victim's type
+    ``deleting`` in the request's transaction ``txn``, freed after the group's delay as usual.
+
+    Victims of instances outside ``group`` are skipped (evicting them would free nothing this
+    group counts); so are victims with no serving copy of that type left. ``marked`` gets the
+    victims marked, as they are marked (so an abort half-way gives back exactly those). Returns
+    the serving bytes marked."""
+    delay = s.delay(group)
+    by_instance: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for instance_id, key, kind in dict.fromkeys(victims):
+        if _group_of(s, instance_id) == group:
+            by_instance[(instance_id, kind)].append(key)
+    freed = 0
+    for (instance_id, kind), keys in by_instance.items():
+        done: list[int] = []
+        freed += mark_deleting(s, txn, instance_id, group, keys, delay, serving_only=True, storage_type=kind,
+                               marked_keys=done)[1]
+        marked.extend((instance_id, key, kind) for key in done)
+        if done and s.listeners:
+            txn.on_commit(_tell_evicted(s, instance_id, done, delay))
+    return freed
+
+
+def _tell_evicted(s: CacheState, instance_id: str, keys: list[int], delay: float) -> Callable[[], None]:
+    return lambda: s.listeners.evicted(instance_id, keys, delay)
+
+
+def _group_of(s: CacheState, instance_id: str) -> str | None:
+    group = s.known.get(instance_id)
+    if group is not None:
+        return group
+    try:
+        return s.instance(instance_id).group
+    except (NotFound, InvalidArgument):
+        return None
 
 
 def _request_keys(s: CacheState, instance_id: str, block_keys: Sequence[int] | None,
@@ -115,16 +164,20 @@ def trim_cache(s: CacheState, instance_id: str, strategy: str, begin_us: int = 0
 def _forget_all(s: CacheState, txn: WriteTxn, inst: InstanceView, items: list[tuple[int, bytes]]) -> int:
     released: dict[str, list[str]] = defaultdict(list)
     deltas: dict[Key, list[int]] = defaultdict(lambda: [0, 0])
+    deleting: dict[tuple[int, str], Location] = {}
     writing = 0
-    for _key, value in items:
+    for key, value in items:
         for loc in decode(value).locs:
             released[loc.storage].extend(loc.uris())
             writing += loc.nbytes if loc.status == Status.WRITING else 0
+            if loc.status == Status.DELETING:
+                deleting[(key, loc.id)] = loc
             deltas[(inst.group, inst.instance_id, loc.type)][0] -= loc.nbytes
             deltas[(inst.group, inst.instance_id, loc.type)][1] -= 1
     s.index.read_modify_write(txn, inst.ns, [k for k, _ in items], lambda i, k, r: None)
     s.usage_book.add(txn, dict(deltas))
     s.inflight.release(txn, inst.instance_id, 0, writing)
+    _forget_deletes(s, txn, inst.instance_id, deleting)
 
     def release() -> None:
         for name, uris in released.items():
@@ -135,6 +188,25 @@ def _forget_all(s: CacheState, txn: WriteTxn, inst: InstanceView, items: list[tu
 
     txn.on_commit(release)
     return sum(-d[1] for d in deltas.values())
+
+
+def _forget_deletes(s: CacheState, txn: WriteTxn, instance_id: str, deleting: dict[tuple[int, str], Location]) -> None:
+    """Drop the pending deletes of an instance whose records were just forgotten, and their
+    being-freed bytes: every pending delete then still names a ``deleting`` location, which is
+    what lets the counter be rebuilt from the ``deletes`` database alone. A scan of the pending
+    deletes, once per ``remove_all_meta``."""
+    doomed: list[bytes] = []
+    freeing: dict[FreeKey, int] = defaultdict(int)
+    for entry, value in txn.scan(DELETES):
+        fields = msgpack.unpackb(value)
+        if fields[1] != instance_id:
+            continue
+        doomed.append(entry)
+        loc = deleting.get((fields[2], fields[3]))
+        if loc is not None:
+            freeing[(fields[0], loc.type)] -= loc.nbytes
+    txn.delete_many(DELETES, doomed)
+    s.being_freed.add(txn, freeing)
 
 
 def evict(s: CacheState, instance_id: str, keys: list[int], storage_type: str | None = None) -> int:

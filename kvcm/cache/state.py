@@ -1,11 +1,11 @@
 """The parts every data-plane operation shares, and the registry as the data plane sees it.
 
 :class:`CacheState` is what :mod:`.lookup`, :mod:`.writes`, :mod:`.removal` and
-:mod:`.consistency` take: the store, the meta index, the storage pool, sessions, usage, the
-deleter, the listeners, the soft pins (:mod:`.pins`), the write limits, and cached views of
-instances and groups. It knows no operation; :class:`kvcm.cache.manager.CacheManager` is the
-facade that adds them, so every call goes down from the facade to the operations to this module,
-never back up.
+:mod:`.consistency` take: the store, the meta index, the storage pool, sessions, usage and the
+bytes being freed, the deleter, the listeners, the soft pins (:mod:`.pins`), the room maker of
+in-line eviction (:mod:`.room`), the write limits, and cached views of instances and groups. It
+knows no operation; :class:`kvcm.cache.manager.CacheManager` is the facade that adds them, so
+every call goes down from the facade to the operations to this module, never back up.
 
 Thread ownership is the manager's (see :mod:`kvcm.cache.manager`); the views here are filled on
 the RPC thread and dropped from a registry change callback (dict operations the GIL keeps atomic).
@@ -26,9 +26,10 @@ from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.meta_index import MetaIndex, namespace
 from kvcm.cache.pins import Pins
 from kvcm.cache.placement import GroupView, InstanceView
+from kvcm.cache.room import RoomMaker
 from kvcm.cache.sessions import InFlightStats, Sessions
 from kvcm.cache.storage_pool import StoragePool
-from kvcm.cache.usage import Usage
+from kvcm.cache.usage import BeingFreed, Usage
 from kvcm.control.registry import GROUP, INSTANCE, Registry
 from kvcm.errors import InvalidArgument, NotFound
 from kvcm.store.base import MetaStore, ReadTxn, WriteTxn, i64
@@ -91,6 +92,11 @@ class CacheState:
                                tag=_run_of, drop_tag=_drop_run)
         load_skeletons(store)  # before any record is read: their locations name skeletons
         self.usage_book = Usage()
+        self.being_freed = BeingFreed()
+        # In-line eviction (kvcm.cache.room): None = a full group refuses QUOTA_EXCEEDED and
+        # waits for the reclaimer's round; ``inline_limit`` = most victims per request.
+        self.room_maker: RoomMaker | None = None
+        self.inline_limit = 4096
         self.sessions = Sessions(clock, monotonic)
         self.inflight = self.sessions.inflight
         if metrics_registry is not None:
@@ -98,7 +104,7 @@ class CacheState:
         self.lost = LostCounter(metrics_registry)
         self.lost_scan_s = lost_scan_s
         self.next_lost_scan = monotonic() + lost_scan_s  # the deleter thread's schedule
-        self.deleter = Deleter(store, self.index, self.usage_book.add, pool.get, clock)
+        self.deleter = Deleter(store, self.index, self.usage_book.add, pool.get, clock, being_freed=self.being_freed)
         self.listeners = Listeners()
         self.pins = Pins(max_pins_per_instance, max_pin_ttl_s)
         self.known: dict[str, str] = {}  # instance id -> group, kept after removal (purges)

@@ -12,13 +12,17 @@ still occupies its storage.
 
 Thread ownership: :meth:`Usage.add` runs on whichever thread owns the write transaction;
 :meth:`Usage.usage` is safe from any thread.
+
+:class:`BeingFreed` counts, per (group, storage type), the bytes of the locations that are
+``deleting`` and not yet freed: still in usage, but on their way out. Quota admission subtracts
+them (:mod:`kvcm.cache.placement`), so a write need not wait for the deleter's grace delay.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgpack
@@ -111,6 +115,96 @@ class Usage:
     @staticmethod
     def persisted(view: ReadTxn) -> dict[Key, list[int]]:
         return {_parse_key(k): list(msgpack.unpackb(v)) for k, v in view.scan(DB)}
+
+
+FreeKey = tuple[str, str]  # (group, storage type)
+
+
+class BeingFreed:
+    """Bytes of ``deleting`` locations not yet freed, per (group, storage type); exact.
+
+    Counted on mark, uncounted when the deleter drops the location; rebuilt at start-up from
+    the ``deletes`` database (:func:`kvcm.cache.deleter.pending_bytes`). Each change's timing
+    keeps quota admission, which computes ``used - being_freed`` with ``used`` read from its own
+    write transaction, from ever admitting more than it should while another thread's change is
+    half done:
+
+    * an increase (a mark) is seen at once by the thread that made it — later requests of the
+      same group commit see it — and by other threads only once it commits (then the marks are
+      durable); it is dropped if it never commits;
+    * a decrease (a free) is applied at once for everybody, while its transaction holds the
+      single writer lock, so no other writer can see it before the usage it cancels is gone too;
+      it is undone if the transaction never commits.
+
+    Values can dip below zero for a moment (a free committed before the mark's commit callback
+    ran on the marking thread); at rest they equal the recount from the block records
+    (:func:`kvcm.cache.consistency.check`).
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[FreeKey, int] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()  # .pending: this thread's uncommitted increases
+
+    def _pending(self) -> dict[FreeKey, int]:
+        pending: dict[FreeKey, int] | None = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = {}
+        return pending
+
+    def add(self, txn: WriteTxn, deltas: Mapping[FreeKey, int]) -> None:
+        """Count ``{(group, type): bytes}`` (positive: marked, negative: freed) as ``txn`` does."""
+        ups = {k: v for k, v in deltas.items() if v > 0}
+        downs = {k: v for k, v in deltas.items() if v < 0}
+        if ups:
+            _merge(self._pending(), ups, 1)
+            txn.on_commit(lambda: self._settle(ups, True))
+            txn.on_abort(lambda: self._settle(ups, False))
+        if downs:
+            with self._lock:
+                _merge(self._counts, downs, 1)
+            txn.on_abort(lambda: self._restore(downs))
+
+    def _settle(self, ups: dict[FreeKey, int], committed: bool) -> None:
+        _merge(self._pending(), ups, -1)  # callbacks run on the thread that owned the transaction
+        if committed:
+            with self._lock:
+                _merge(self._counts, ups, 1)
+
+    def _restore(self, downs: dict[FreeKey, int]) -> None:
+        with self._lock:
+            _merge(self._counts, downs, -1)
+
+    def of(self, group: str) -> dict[str, int]:
+        """``{type: bytes}`` of ``group``: committed, plus this thread's uncommitted marks."""
+        pending = getattr(self._local, "pending", None) or {}
+        out: dict[str, int] = {}
+        with self._lock:
+            for (g, kind), n in self._counts.items():
+                if g == group:
+                    out[kind] = out.get(kind, 0) + n
+        for (g, kind), n in pending.items():
+            if g == group:
+                out[kind] = out.get(kind, 0) + n
+        return {k: v for k, v in out.items() if v}
+
+    def reset(self, counts: Mapping[FreeKey, int]) -> None:
+        with self._lock:
+            self._counts = {k: v for k, v in counts.items() if v}
+
+    def snapshot(self) -> dict[FreeKey, int]:
+        """Committed counts (what a quiet server's recount must equal)."""
+        with self._lock:
+            return dict(self._counts)
+
+
+def _merge(into: dict[FreeKey, int], deltas: Mapping[FreeKey, int], sign: int) -> None:
+    for key, n in deltas.items():
+        value = into.get(key, 0) + sign * n
+        if value:
+            into[key] = value
+        else:
+            into.pop(key, None)
 
 
 def _bump(slot: dict[str, Any], nbytes: int, nkeys: int) -> None:

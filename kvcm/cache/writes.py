@@ -19,12 +19,19 @@ its changes do not commit: the request fails, or its whole group aborts (``txn.o
   naming the cap, checked before anything is allocated. Because of it, the ``writing`` bytes
   that abandoned sessions hold against a group quota can never exceed the cap, whatever the
   requested lifetime (itself capped by ``cache.max_write_timeout_seconds``).
+* Group quotas admit ``used - being_freed + needed <= quota`` (:mod:`kvcm.cache.placement`). A
+  start that does not fit makes room in-line when the manager has a room maker
+  (:mod:`kvcm.cache.room`): victims are marked ``deleting`` in the request's own transaction,
+  given back to the maker if it does not commit; only if that cannot cover the need is it
+  ``QUOTA_EXCEEDED``, saying what is ``writing``, what is being freed and why.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.cache.blocks import RUNS_DB, Location, Record, Status, encode_run
@@ -33,13 +40,17 @@ from kvcm.cache.keys import derive_keys
 from kvcm.cache.locations import address, addresses, pack_wire, persist, remember
 from kvcm.cache.masks import BlockMask, success_flags, write_mask
 from kvcm.cache.meta_index import KEEP
-from kvcm.cache.placement import InstanceView, Target, write_targets
+from kvcm.cache.placement import GroupView, InstanceView, Target, shortfall, write_targets
+from kvcm.cache.removal import evict_inline
+from kvcm.cache.room import RoomMaker, Victim
 from kvcm.cache.sessions import Session, new_session_id, random_id
 from kvcm.cache.state import CacheState
-from kvcm.cache.usage import Usage
+from kvcm.cache.usage import FreeKey, Usage
 from kvcm.errors import CapacityError, Code, InvalidArgument, NotFound
 from kvcm.rpc.wire import Raw, pack_array_raw, pack_map_raw
 from kvcm.store.base import WriteTxn, i64
+
+log = logging.getLogger("kvcm.cache.writes")
 
 NOTHING_TO_WRITE_TIMEOUT = 10.0  # Tair: a session with no new blocks lives 10 s
 
@@ -77,7 +88,7 @@ def start_write_cache(
             return _reply(session.id, mask, [])
         needed = sum(size for i in new for _, size in specs[i])
         _check_caps(s, instance_id, needed)
-        target, uris = _allocate(s, txn, inst, [specs[i] for i in new], needed)
+        target, uris = _allocate(s, txn, inst, keys, [specs[i] for i in new], needed)
         # The space is taken now, outside the transaction: give it back if the request fails,
         # and also if the request succeeds but its group never commits (a leak Tair has, in its batched form).
         txn.on_abort(lambda: _release(s, target.storage, uris))
@@ -139,13 +150,12 @@ def _existing(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int])
     return out, records
 
 
-def _allocate(s: CacheState, txn: WriteTxn, inst: InstanceView, specs: list[tuple[tuple[str, int], ...]],
-              needed: int) -> tuple[Target, list[list[str]]]:
-    """URIs per new block (one per spec of that block), on the first target that can take them."""
+def _allocate(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int],
+              specs: list[tuple[tuple[str, int], ...]], needed: int) -> tuple[Target, list[list[str]]]:
+    """URIs per new block (one per spec of that block), on the first target that can take them;
+    ``keys``: every key of the request (never evicted to make room for it)."""
     group = s.group_view(inst.group)
-    # Usage only matters to a group with a quota (the scan is a fifth of an unlimited write).
-    used_total, used_by_type = Usage.group_used(txn, group.name) if group.capacity or group.type_capacity else (0, {})
-    targets = write_targets(group, needed, used_total, used_by_type, s.pool.storage_type, s.pool.usable)
+    targets = _targets(s, txn, group, needed, frozenset((inst.instance_id, k) for k in keys))
     last: CapacityError | None = None
     for target in targets:
         try:
@@ -154,6 +164,111 @@ def _allocate(s: CacheState, txn: WriteTxn, inst: InstanceView, specs: list[tupl
             last = exc
     assert last is not None
     raise last
+
+
+def _targets(s: CacheState, txn: WriteTxn, group: GroupView, needed: int,
+             spare: frozenset[tuple[str, int]]) -> list[Target]:
+    """:func:`write_targets` under the group's quotas, making room in-line when they are met
+    and a room maker is set (:mod:`kvcm.cache.room`)."""
+    if not (group.capacity or group.type_capacity):
+        # Usage only matters to a group with a quota (the scan is a fifth of an unlimited write).
+        return write_targets(group, needed, 0, {}, {}, s.pool.storage_type, s.pool.usable)
+    used_total, used_by_type = Usage.group_used(txn, group.name)
+    try:
+        return write_targets(group, needed, used_total, used_by_type, s.being_freed.of(group.name),
+                             s.pool.storage_type, s.pool.usable)
+    except CapacityError as exc:
+        if exc.code != Code.QUOTA_EXCEEDED:
+            raise
+        refused = exc
+    maker = s.room_maker
+    why = "no room maker (in-line eviction off): the reclaimer's next round frees space"
+    if maker is not None:
+        why = _InlineEviction(s, txn, maker, group, needed, used_total, used_by_type, spare).run()
+        try:
+            return write_targets(group, needed, used_total, used_by_type, s.being_freed.of(group.name),
+                                 s.pool.storage_type, s.pool.usable)
+        except CapacityError as exc:
+            if exc.code != Code.QUOTA_EXCEEDED:
+                raise
+            refused = exc
+    writing = sum(s.inflight.of(i.instance_id)[1] for i in s.registry.list_instances(group.name))
+    raise CapacityError(f"{refused}; {writing} bytes of the group are writing; in-line eviction: {why}",
+                        Code.QUOTA_EXCEEDED) from None
+
+
+INLINE_ROUNDS = 3  # make_room calls per request: later ones replace victims the maker's lagging view got wrong
+
+
+@dataclass
+class _InlineEviction:
+    """One request's in-line eviction: ask the maker for victims and mark them ``deleting`` in
+    ``txn`` until the write fits, the victims limit is reached, or the maker has nothing more.
+
+    Marked victims go back to the maker if ``txn`` does not commit. Victims in ``spare`` (the
+    request's own keys) are never marked: evicting the stored prefix a write builds on would
+    leave the new blocks unreachable by ``prefix_match``; they go back to the maker when the
+    request is done asking (not earlier, or it would offer them again)."""
+
+    s: CacheState
+    txn: WriteTxn
+    maker: RoomMaker
+    group: GroupView
+    needed: int
+    used_total: int
+    used_by_type: dict[str, int]
+    spare: frozenset[tuple[str, int]]
+    marked: list[Victim] = field(default_factory=list)
+    spared: list[Victim] = field(default_factory=list)
+
+    def run(self) -> str:
+        """Returns why the write still does not fit ("" if it does)."""
+        marked, maker = self.marked, self.maker
+        self.txn.on_abort(lambda: maker.give_back(list(marked)) if marked else None)
+        try:
+            return self._rounds()
+        finally:
+            if self.spared:
+                try:
+                    maker.give_back(self.spared)
+                except Exception:
+                    log.exception("in-line eviction: the room maker failed to take victims back")
+
+    def missing(self) -> dict[str, int]:
+        return shortfall(self.group, self.needed, self.used_total, self.used_by_type,
+                         self.s.being_freed.of(self.group.name), self.s.pool.storage_type, self.s.pool.usable)
+
+    def _rounds(self) -> str:
+        needs = self.missing()
+        if not needs:
+            return f"nothing to evict for: {self.needed} bytes do not fit the quota even in an empty group"
+        why = ""
+        for _ in range(INLINE_ROUNDS):
+            left = self.s.inline_limit - len(self.marked)
+            if left <= 0:
+                why = f"{len(self.marked)} victims marked, the most per request (reclaim.inline_max_blocks)"
+                break
+            try:
+                room = self.maker.make_room(self.group.name, needs, left)
+            except Exception:  # a broken maker must not break writes: refuse as without one
+                log.exception("in-line eviction: the room maker failed for group %r", self.group.name)
+                why = "the room maker failed (see the log)"
+                break
+            offered = room.victims[:left]
+            self.spared.extend(v for v in offered if (v[0], v[1]) in self.spare)
+            evict_inline(self.s, self.txn, self.group.name, [v for v in offered if (v[0], v[1]) not in self.spare],
+                         self.marked)
+            why = room.why
+            needs = self.missing()
+            if not needs:
+                return ""
+            if not offered:
+                break  # the maker has nothing more
+        return f"{len(self.marked)} victim(s) marked, {_needs(needs)} still missing" + (f": {why}" if why else "")
+
+
+def _needs(needs: dict[str, int]) -> str:
+    return ", ".join(f"{n} bytes of {kind or 'any type'}" for kind, n in sorted(needs.items()))
 
 
 def _allocate_on(s: CacheState, target: Target, specs: list[tuple[tuple[str, int], ...]]) -> list[list[str]]:
@@ -281,7 +396,7 @@ def settle(s: CacheState, txn: WriteTxn, session: Session, ok: list[bool]) -> in
     now = s.clock()
     first: list[int | None] = _segments(session.keys, ok) if s.runs else [None] * len(ok)
     served: list[tuple[int, Location, int | None]] = []
-    failed: list[tuple[int, str]] = []
+    failed: list[tuple[int, Location]] = []
     members: dict[int, Location] = {}  # session position -> its (only) serving copy
     settled = [0]  # bytes that leave writing
 
@@ -299,15 +414,18 @@ def settle(s: CacheState, txn: WriteTxn, session: Session, ok: list[bool]) -> in
                 members[j] = loc
         else:
             loc.status = Status.DELETING
-            failed.append((key, loc.id))
+            failed.append((key, loc))
         record.updated = now
         return record
 
     ns = s.namespace_of(session.instance)
     s.index.read_modify_write(txn, ns, session.keys, modify)
     s.inflight.release(txn, session.instance, 0, settled[0])
-    for key, loc_id in failed:
-        schedule(txn, now, session.group, session.instance, key, loc_id)
+    freeing: dict[FreeKey, int] = defaultdict(int)
+    for key, loc in failed:
+        schedule(txn, now, session.group, session.instance, key, loc)
+        freeing[(session.group, loc.type)] += loc.nbytes
+    s.being_freed.add(txn, freeing)
     if members:
         _store_runs(txn, ns, session.keys, first, members)
     if served and s.listeners:

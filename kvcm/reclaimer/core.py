@@ -60,6 +60,7 @@ log = logging.getLogger("kvcm.reclaimer")
 CHUNK = 256  # victims per evict() call: keeps each write transaction short
 _MAX_EVENTS = 1_000_000  # past this many buffered events, read hits are dropped (and counted)
 _SERVE, _READ, _REMOVE = 0, 1, 2
+_MAX_GIVEN = 65536  # in-line victims remembered for give_back (a request evicts at most inline_max_blocks)
 
 
 class CacheHooks(Protocol):
@@ -182,7 +183,10 @@ class Reclaimer(CacheListener):
         self._persist = RecencyFile(state_dir) if state_dir else None
         self._journal: list[Any] = []  # events folded in since the last append
         self._restored = self._persist is None
-        self._given: dict[tuple[str, int, str], int] = {}  # in-line victims until their commit
+        self._next_round: float | None = None  # monotonic time of the next round (tick)
+        # in-line victims -> their size, until their eviction commits (give_back re-tracks them)
+        self._given: dict[tuple[str, int, str], int] = {}
+        self._given_types: set[str] = set()
         manager.add_listener(self)
 
     # -- listener hooks (RPC thread: append only) ------------------------------------------------
@@ -199,11 +203,34 @@ class Reclaimer(CacheListener):
     def on_removed(self, instance_id: str, keys: list[int]) -> None:
         self._events.append((_REMOVE, instance_id, keys))
 
+    def on_evicted(self, instance_id: str, keys: list[int], delay_s: float) -> None:
+        if self._given:  # in-line victims whose eviction committed: nothing left to give back
+            with self._lock:
+                for key in keys:
+                    for stype in self._given_types:
+                        self._given.pop((instance_id, key, stype), None)
+
     # -- the round ------------------------------------------------------------------------------
 
-    def tick(self) -> Round:
-        """One round at the injected clock's time (the LoopThread body)."""
-        return self.run_once(self._clock())
+    @property
+    def period(self) -> float:
+        """How often the thread should call :meth:`tick`: every round, and more often to
+        journal recency when it persists it (``reclaim.journal_interval_s``)."""
+        interval = self._config.interval_s
+        return interval if self._persist is None else min(interval, self._config.journal_interval_s)
+
+    def tick(self) -> Round | None:
+        """The LoopThread body: a round at the injected clock's time when one is due, otherwise
+        (with a state dir) fold the buffered events in and journal them, so a killed process
+        loses at most ``reclaim.journal_interval_s`` of recency, not a whole round's."""
+        mono = time.monotonic()
+        if self._next_round is None or mono >= self._next_round:
+            self._next_round = mono + self._config.interval_s - self.period / 2
+            return self.run_once(self._clock())
+        with self._lock:
+            self._prepare(self._clock())
+            self._save()
+        return None
 
     def run_once(self, now: float) -> Round:
         """Sync limits, fold events, sweep TTLs, then bring every group under its watermark."""
@@ -279,10 +306,13 @@ class Reclaimer(CacheListener):
                         nbytes = sum(size for _, size in chosen)
                         job.need -= nbytes
                         job.done = job.need <= 0
+                        self._given_types.add(job.stype)
                         for packed, size in chosen:
                             iid, key = state.ikey(packed)
                             picked.append((iid, key, job.stype))
                             self._given[(iid, key, job.stype)] = size
+                        while len(self._given) > _MAX_GIVEN:  # victims the cache dropped unmarked
+                            del self._given[next(iter(self._given))]
                         self._count(state, job.stype, "inline", len(chosen), nbytes)
                         state.add_inflight(job.stype, nbytes, now + state.limits.delay_before_delete_ms / 1000.0)
                     need = max(job.need, 0)
@@ -290,12 +320,6 @@ class Reclaimer(CacheListener):
                         break
         why = f"{pinned[0]} pinned block(s) passed over" if pinned[0] else ""
         return Room(picked, why)
-
-    def took(self, victims: Sequence[tuple[str, int, str]]) -> None:
-        """The in-line eviction of ``victims`` committed."""
-        with self._lock:
-            for victim in victims:
-                self._given.pop(victim, None)
 
     def give_back(self, victims: Sequence[tuple[str, int, str]]) -> None:
         """The transaction that evicted ``victims`` did not commit: they still serve, and are
@@ -509,8 +533,13 @@ class Reclaimer(CacheListener):
     def _group_needs(self, state: GroupState, usage: Mapping[str, Any]) -> dict[str, int]:
         """Bytes to free per storage type so the group and each type end under their floors."""
         lim = state.limits
-        by_type = {t: int(u.get("bytes", 0)) - state.inflight_bytes(t) for t, u in usage.get("by_type", {}).items()}
-        total = int(usage.get("bytes", 0)) - sum(state.inflight_bytes(t) for t in state.inflight)
+        freeing = usage.get("being_freed")
+        if freeing is not None:  # the manager knows exactly what is on its way out
+            by_type = {t: int(u.get("bytes", 0)) - freeing.get(t, 0) for t, u in usage.get("by_type", {}).items()}
+            total = int(usage.get("bytes", 0)) - sum(freeing.values())
+        else:  # estimated from what this reclaimer handed over (see the module docstring)
+            by_type = {t: int(u.get("bytes", 0)) - state.inflight_bytes(t) for t, u in usage.get("by_type", {}).items()}
+            total = int(usage.get("bytes", 0)) - sum(state.inflight_bytes(t) for t in state.inflight)
         self._record_usage(state, usage, by_type)
         high, low = lim.used_percentage, max(0.0, lim.used_percentage - self._config.hysteresis)
         needs = {t: _excess(by_type.get(t, 0), q, high, low) for t, q in lim.type_quotas.items()}

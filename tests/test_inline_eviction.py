@@ -1,0 +1,483 @@
+"""In-line eviction: a write that meets its group's quota makes room in its own transaction
+through the manager's room maker (:mod:`kvcm.cache.room`), and quota admission counts the bytes
+already on their way out (the "being freed" counter). Real servers (LMDB in a temp dir, file and
+shm storages); a small deterministic room maker stands in for the reclaimer."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import pytest
+from cache_helpers import (
+    add_group,
+    add_shm_storage,
+    error_code,
+    finish,
+    locate,
+    register,
+    remove_shm,
+    shm_prefix,
+    start,
+    wait_for,
+    write,
+)
+
+from kvcm.cache.deleter import DB as DELETES
+from kvcm.cache.deleter import pending_bytes
+from kvcm.cache.masks import BlockMask
+from kvcm.cache.room import Room, Victim
+from kvcm.config import ConfigError, ReclaimConfig
+from kvcm.errors import CapacityError, KvcmError
+from kvcm.testing import RunningServer, make_test_config, serve_in_thread
+
+BLOCK = 2048  # two specs of 1024 bytes (cache_helpers.SPECS)
+# No reclaimer thread: every eviction here is in-line, so the tests see exactly what it did.
+OVERRIDES = {"reclaim": {"enabled": False}, "cache": {"delete_poll_ms": 20, "session_check_ms": 50}}
+
+
+class OldestFirst:
+    """The reclaimer's part, in miniature: victims oldest-written first (key order on a tie)
+    among the group's serving copies, skipping pinned blocks and what it already handed out."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        self.pinned: set[tuple[str, int]] = set()
+        self.taken: set[Victim] = set()
+        self.calls: list[tuple[str, dict[str, int], int]] = []
+        self.given_back: list[list[Victim]] = []
+
+    def make_room(self, group: str, needs: Mapping[str, int], limit: int) -> Room:
+        self.calls.append((group, dict(needs), limit))
+        candidates = sorted((written, inst, key, kind, nbytes) for inst in self.cache.instances_of_group(group)
+                            for key, nbytes, kind, written, _ in self.cache.serving_keys(inst))
+        freed: Counter[str] = Counter()
+        victims: list[Victim] = []
+        pinned = 0
+
+        def covered() -> bool:
+            return all(freed[kind] >= n for kind, n in needs.items())
+
+        for _, inst, key, kind, nbytes in candidates:
+            if covered() or len(victims) >= limit:
+                break
+            helps = (kind in needs and freed[kind] < needs[kind]) or ("" in needs and freed[""] < needs[""])
+            if (inst, key, kind) in self.taken or not helps:
+                continue
+            if (inst, key) in self.pinned:
+                pinned += 1
+                continue
+            victims.append((inst, key, kind))
+            self.taken.add((inst, key, kind))
+            freed[kind] += nbytes
+            freed[""] += nbytes
+        why = "" if covered() else (f"{pinned} pinned blocks" if pinned else "nothing serving left")
+        return Room(victims, why)
+
+    def give_back(self, victims: Sequence[Victim]) -> None:
+        self.given_back.append(list(victims))
+        self.taken.difference_update(victims)
+
+
+class Fixed:
+    """A room maker that offers the same victims whatever is asked (a buggy or stale one)."""
+
+    def __init__(self, victims: list[Victim]) -> None:
+        self.victims = victims
+        self.given_back: list[list[Victim]] = []
+
+    def make_room(self, group: str, needs: Mapping[str, int], limit: int) -> Room:
+        return Room(list(self.victims), "")
+
+    def give_back(self, victims: Sequence[Victim]) -> None:
+        self.given_back.append(list(victims))
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[tuple[RunningServer, Any]]:
+    with serve_in_thread(data_dir=str(tmp_path / "data"), overrides=OVERRIDES) as srv, srv.client() as c:
+        yield srv, c
+
+
+def full_group(c: Any, blocks: int = 4, delay_ms: int = 60_000, **quota: Any) -> None:
+    """Group ``g`` on the default file storage, ``blocks`` blocks of quota, filled with keys
+    1..blocks by one write each (so they are written in key order)."""
+    add_group(c, "g", ["default-file"], capacity=blocks * BLOCK, delay_ms=delay_ms, **quota)
+    register(c, "a", group="g")
+    for key in range(1, blocks + 1):
+        write(c, [key], "a")
+
+
+def statuses(c: Any, keys: list[int], instance: str = "a") -> list[str]:
+    metas = c.call("get_cache_meta", {"instance_id": instance, "block_keys": keys})["metas"]
+    return [m["status"] for m in metas]
+
+
+def freeing(srv: RunningServer, group: str = "g") -> dict[str, int]:
+    return srv.app.cache.being_freed.of(group)
+
+
+def refusal(fn: Any, *args: Any, **kwargs: Any) -> KvcmError:
+    with pytest.raises(KvcmError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+def test_full_group_admits_a_write_by_evicting_exactly_enough(server):
+    srv, c = server
+    full_group(c, delay_ms=2000)
+    cache = srv.app.cache
+    maker = OldestFirst(cache)
+    cache.set_room_maker(maker)
+    session = start(c, [10, 11], "a")
+    assert len(session["locations"]) == 2
+    assert maker.calls == [("g", {"": 2 * BLOCK}, 4096)]
+    assert statuses(c, [1, 2, 3, 4]) == ["deleting", "deleting", "serving", "serving"]  # the two oldest
+    assert freeing(srv) == {"file": 2 * BLOCK}
+    usage = cache.usage("g")
+    assert usage["bytes"] == 6 * BLOCK  # the victims still hold their space until the deleter frees it
+    assert cache.deleter.pending() == 2
+    cache.check()
+    finish(c, session, instance="a")
+    # freed by the deleter after the group's delay, like any other delete
+    assert wait_for(lambda: cache.usage("g")["bytes"] == 4 * BLOCK)
+    assert freeing(srv) == {} and cache.deleter.pending() == 0
+    assert statuses(c, [1, 2, 3, 4, 10, 11]) == ["not_found"] * 2 + ["serving"] * 4
+    assert maker.given_back == []
+    cache.check()
+
+
+def test_victims_wait_for_the_delay_before_they_are_freed(server):
+    srv, c = server
+    full_group(c, blocks=2, delay_ms=60_000)
+    cache = srv.app.cache
+    cache.set_room_maker(OldestFirst(cache))
+    write(c, [10], "a")
+    cache.background_once()  # a deleter pass now: the victim is not due for a minute
+    assert statuses(c, [1]) == ["deleting"] and cache.deleter.pending() == 1
+    assert cache.usage("g")["bytes"] == 3 * BLOCK
+    cache.deleter.run_once(now=cache.clock() + 61)
+    assert statuses(c, [1]) == ["not_found"] and cache.usage("g")["bytes"] == 2 * BLOCK
+    assert freeing(srv) == {}
+    cache.check()
+
+
+def test_room_maker_unset_refuses_as_before_and_says_why(server):
+    srv, c = server
+    full_group(c)
+    exc = refusal(start, c, [10], "a")
+    assert exc.code.name == "QUOTA_EXCEEDED" and "no room maker" in str(exc)
+    srv.app.cache.set_room_maker(OldestFirst(srv.app.cache))
+    srv.app.cache.set_room_maker(None)
+    assert error_code(start, c, [10], "a") == "QUOTA_EXCEEDED"
+    assert statuses(c, [1, 2, 3, 4]) == ["serving"] * 4
+
+
+def test_writing_blocks_are_never_victims(server):
+    srv, c = server
+    add_group(c, "g", ["default-file"], capacity=4 * BLOCK, delay_ms=60_000)
+    register(c, "a", group="g")
+    pending = start(c, [1], "a")  # the oldest block, but writing
+    for key in (2, 3, 4):
+        write(c, [key], "a")
+    cache = srv.app.cache
+    cache.set_room_maker(Fixed([("a", 1, "file")]))  # offers the writing block: never marked
+    exc = refusal(start, c, [10], "a")
+    assert exc.code.name == "QUOTA_EXCEEDED"
+    assert f"{BLOCK} bytes of the group are writing" in str(exc) and "0 victim(s) marked" in str(exc)
+    assert statuses(c, [1]) == ["writing"] and freeing(srv) == {}
+    maker = OldestFirst(cache)
+    cache.set_room_maker(maker)
+    write(c, [10], "a")
+    assert statuses(c, [1, 2, 3, 4, 10]) == ["writing", "deleting", "serving", "serving", "serving"]
+    assert finish(c, pending, instance="a")["served"] == 1  # the writer was not disturbed
+    cache.check()
+
+
+def test_nothing_evictable_refuses_naming_why(server):
+    srv, c = server
+    full_group(c)
+    cache = srv.app.cache
+    maker = OldestFirst(cache)
+    maker.pinned = {("a", k) for k in (1, 2, 3, 4)}
+    cache.set_room_maker(maker)
+    exc = refusal(start, c, [10], "a")
+    assert exc.code.name == "QUOTA_EXCEEDED"
+    message = str(exc)
+    assert "4 pinned blocks" in message and "0 of them being freed" in message, message
+    assert "0 bytes of the group are writing" in message, message
+    assert statuses(c, [1, 2, 3, 4]) == ["serving"] * 4 and freeing(srv) == {}
+    assert maker.given_back == []  # nothing was marked
+    cache.check()
+
+
+def test_a_partial_cover_is_refused_and_its_victims_given_back(server):
+    srv, c = server
+    full_group(c)
+    cache = srv.app.cache
+    maker = OldestFirst(cache)
+    maker.pinned = {("a", k) for k in (2, 3, 4)}
+    cache.set_room_maker(maker)
+    exc = refusal(start, c, [10, 11], "a")  # needs two blocks, one is evictable
+    assert exc.code.name == "QUOTA_EXCEEDED" and "3 pinned blocks" in str(exc), str(exc)
+    assert f"{BLOCK} bytes of any type still missing" in str(exc), str(exc)
+    assert maker.given_back == [[("a", 1, "file")]]
+    assert statuses(c, [1, 2, 3, 4]) == ["serving"] * 4  # the request rolled back, its mark too
+    assert freeing(srv) == {} and cache.deleter.pending() == 0
+    cache.check()
+    write(c, [10], "a")  # one block: the one evictable block covers it
+    assert statuses(c, [1]) == ["deleting"]
+
+
+def test_victims_are_bounded_per_request(server):
+    srv, c = server
+    full_group(c)
+    cache = srv.app.cache
+    maker = Fixed([("a", 1, "file"), ("a", 2, "file"), ("a", 3, "file")])
+    cache.set_room_maker(maker, limit=2)
+    exc = refusal(start, c, [10, 11, 12], "a")
+    assert exc.code.name == "QUOTA_EXCEEDED" and "reclaim.inline_max_blocks" in str(exc), str(exc)
+    assert maker.given_back == [[("a", 1, "file"), ("a", 2, "file")]]  # the third was never marked
+    assert statuses(c, [1, 2, 3]) == ["serving"] * 3
+    with pytest.raises(ValueError):
+        cache.set_room_maker(maker, limit=0)
+
+
+def test_victims_of_another_group_are_not_evicted(server):
+    srv, c = server
+    full_group(c)
+    add_group(c, "other", ["default-file"])
+    register(c, "b", group="other")
+    write(c, [1], "b")
+    cache = srv.app.cache
+    cache.set_room_maker(Fixed([("b", 1, "file"), ("a", 1, "file")]))
+    write(c, [10], "a")
+    assert statuses(c, [1], "b") == ["serving"]
+    assert statuses(c, [1, 2]) == ["deleting", "serving"]
+    cache.check()
+
+
+def test_per_type_quota_evicts_that_type(tmp_path):
+    prefix = shm_prefix()
+    try:
+        with serve_in_thread(data_dir=str(tmp_path / "data"), overrides=OVERRIDES) as srv, srv.client() as c:
+            add_shm_storage(c, "mem", prefix)
+            cache = srv.app.cache
+            maker = OldestFirst(cache)
+            cache.set_room_maker(maker)
+            # a spare type takes the write without evicting anything (fall-over comes first)
+            add_group(c, "spill", ["mem", "default-file"], per_type={"shm": 2 * BLOCK}, delay_ms=60_000)
+            register(c, "s", group="spill")
+            write(c, [1, 2], "s")
+            assert [x["type"] for x in write(c, [3], "s")["locations"]] == ["file"]
+            assert maker.calls == []
+            # both types full: evict from the first candidate's type, the write lands there
+            add_group(c, "typed", ["mem", "default-file"], per_type={"shm": 2 * BLOCK, "file": 2 * BLOCK},
+                      delay_ms=60_000)
+            register(c, "t", group="typed")
+            write(c, [1], "t")
+            write(c, [2], "t")
+            write(c, [3, 4], "t")  # shm is full: to file
+            assert [x["type"] for x in write(c, [5], "t")["locations"]] == ["shm"]
+            assert maker.calls == [("typed", {"shm": BLOCK}, 4096)]
+            assert statuses(c, [1, 2, 3, 4, 5], "t") == ["deleting"] + ["serving"] * 4
+            assert freeing(srv, "typed") == {"shm": BLOCK}
+            # a group total over a per-type need: both asked for at once
+            add_group(c, "both", ["mem"], capacity=3 * BLOCK, per_type={"shm": 2 * BLOCK}, delay_ms=60_000)
+            register(c, "u", group="both")
+            write(c, [1], "u")
+            write(c, [2], "u")
+            write(c, [3, 4], "u")
+            assert maker.calls[-1] == ("both", {"": BLOCK, "shm": 2 * BLOCK}, 4096)
+            assert statuses(c, [1, 2, 3, 4], "u") == ["deleting", "deleting", "serving", "serving"]
+            cache.check()
+            # a request larger than the type's quota cannot be helped by evicting
+            exc = refusal(start, c, [7, 8, 9], "u")
+            assert exc.code.name == "QUOTA_EXCEEDED" and "do not fit the quota" in str(exc), str(exc)
+            assert statuses(c, [3, 4], "u") == ["serving", "serving"]
+    finally:
+        remove_shm(prefix)
+
+
+def test_a_rolled_back_request_gives_back_and_leaves_the_counter(server):
+    srv, c = server
+    full_group(c)
+    cache = srv.app.cache
+    maker = OldestFirst(cache)
+    cache.set_room_maker(maker)
+    # 1. The start joins an outer transaction that then fails (the server is idle meanwhile, so
+    #    this thread may drive the manager directly).
+    with pytest.raises(RuntimeError), cache.store.write():
+        cache.start_write_cache("a", [10, 11], None)
+        assert freeing(srv) == {"file": 2 * BLOCK}  # this thread sees its own marks at once ...
+        raise RuntimeError("a later failure in the same transaction")
+    assert maker.given_back == [[("a", 1, "file"), ("a", 2, "file")]]
+    assert freeing(srv) == {} and cache.being_freed.snapshot() == {}  # ... and they are gone with it
+    assert statuses(c, [1, 2, 3, 4, 10, 11]) == ["serving"] * 4 + ["not_found"] * 2
+    assert cache.deleter.pending() == 0
+    cache.check()
+    # 2. The storage refuses the allocation after room was made: the request fails alone.
+    backend = cache.pool.get("default-file")
+    real = backend.allocate
+
+    def refuse(n: int, size: int) -> list[str]:
+        raise CapacityError("storage full")
+
+    backend.allocate = refuse
+    try:
+        assert error_code(start, c, [10], "a") == "CAPACITY_EXHAUSTED"
+    finally:
+        backend.allocate = real
+    assert maker.given_back[-1] == [("a", 1, "file")]
+    assert statuses(c, [1]) == ["serving"] and freeing(srv) == {}
+    cache.check()
+    write(c, [10], "a")  # and once it can, the same victim goes
+    assert statuses(c, [1]) == ["deleting"]
+    cache.check()
+
+
+def test_being_freed_is_counted_for_later_requests_of_the_same_group_commit(server):
+    srv, c = server
+    full_group(c)
+    cache = srv.app.cache  # no room maker: only what the remove marked makes room
+    with cache.store.group():
+        cache.remove_cache("a", [1], None, None)
+        cache.start_write_cache("a", [10], None)  # sees the remove's mark before it commits
+    assert statuses(c, [1, 10]) == ["deleting", "writing"]
+    cache.check()
+
+
+def test_other_threads_see_a_mark_only_once_it_commits(server):
+    srv, c = server
+    full_group(c)
+    cache = srv.app.cache
+    seen: list[dict[str, int]] = []
+    with cache.store.write():
+        cache.remove_cache("a", [1], None, None)
+        reader = threading.Thread(target=lambda: seen.append(cache.being_freed.of("g")))
+        reader.start()
+        reader.join()
+        assert freeing(srv) == {"file": BLOCK}
+    assert seen == [{}]
+    assert freeing(srv) == {"file": BLOCK}  # committed: now everybody's
+    cache.check()
+
+
+def test_every_kind_of_delete_counts_and_the_counter_survives_a_restart(tmp_path):
+    data = str(tmp_path / "data")
+    overrides = {**OVERRIDES, "cache": {**OVERRIDES["cache"], "write_timeout_seconds": 1}}
+    with serve_in_thread(data_dir=data, overrides=overrides) as srv, srv.client() as c:
+        full_group(c, blocks=6)
+        cache = srv.app.cache
+        cache.set_room_maker(OldestFirst(cache))
+        write(c, [10], "a")  # evicts 1
+        c.call("remove_cache", {"instance_id": "a", "block_keys": [2]})
+        failed = start(c, [20], "a")  # fits: 2 is on its way out
+        start(c, [30], "a", write_timeout_seconds=1)  # evicts 3, then expires
+        with cache.store.write():  # a failed write counts too (freed at once once it commits)
+            cache.finish_write_cache("a", failed["write_session_id"], BlockMask(offset=0))
+            assert freeing(srv) == {"file": 4 * BLOCK}
+        assert wait_for(lambda: statuses(c, [20, 30]) == ["not_found"] * 2)  # failed and expired: freed
+        assert freeing(srv) == {"file": 3 * BLOCK}  # 1, 2 and 3, due in a minute
+        assert cache.deleter.pending() == 3
+        cache.check()
+        before = cache.being_freed.snapshot()
+        # Entries written before they carried their bytes: four fields, looked up at open.
+        with cache.store.write() as txn:
+            entries = list(txn.scan(DELETES))
+            for entry, value in entries[:2]:
+                txn.put(DELETES, entry, msgpack.packb(msgpack.unpackb(value)[:4]))
+    assert before == {("g", "file"): 3 * BLOCK}
+    with serve_in_thread(data_dir=data, overrides=overrides) as srv, srv.client() as c:
+        cache = srv.app.cache
+        assert cache.being_freed.snapshot() == before
+        with cache.store.read() as view:
+            assert pending_bytes(view) == before
+        cache.check()
+        cache.deleter.run_once(now=cache.clock() + 61)
+        assert cache.being_freed.snapshot() == {} and cache.usage("g")["bytes"] == 4 * BLOCK  # 4, 5, 6, 10
+        cache.check()
+
+
+def test_an_old_entry_whose_copy_is_gone_counts_nothing(server):
+    srv, c = server
+    full_group(c)
+    cache = srv.app.cache
+    with cache.store.write() as txn:  # as remove_all_meta left them before it dropped its deletes
+        txn.put(DELETES, b"\0" * 16, msgpack.packb(["g", "a", 99, "nosuchid"]))
+    with cache.store.read() as view:
+        assert pending_bytes(view) == {}
+    assert cache.deleter.run_once() == 0
+    cache.check()
+
+
+def test_forgetting_the_metadata_drops_its_pending_deletes(server):
+    srv, c = server
+    full_group(c)
+    add_group(c, "other", ["default-file"], delay_ms=60_000)
+    register(c, "b", group="other")
+    write(c, [1, 2], "b")
+    cache = srv.app.cache
+    cache.set_room_maker(OldestFirst(cache))
+    write(c, [10], "a")
+    c.call("remove_cache", {"instance_id": "b", "block_keys": [1]})
+    assert cache.deleter.pending() == 2
+    c.call("trim_cache", {"instance_id": "a", "strategy": "remove_all_meta"})
+    assert freeing(srv) == {} and freeing(srv, "other") == {"file": BLOCK}
+    assert cache.deleter.pending() == 1  # the other instance's delete stays
+    cache.check()
+
+
+def test_consistency_check_catches_a_wrong_counter(server):
+    srv, c = server
+    full_group(c)
+    cache = srv.app.cache
+    c.call("remove_cache", {"instance_id": "a", "block_keys": [1]})
+    cache.check()
+    cache.being_freed.reset({("g", "file"): 1})
+    with pytest.raises(AssertionError, match="being freed in memory"):
+        cache.check()
+
+
+def test_config_keys():
+    assert ReclaimConfig().inline is True and ReclaimConfig().inline_max_blocks == 4096
+
+
+def test_inline_max_blocks_must_be_positive(tmp_path):
+    with pytest.raises(ConfigError, match=r"reclaim\.inline_max_blocks"):
+        make_test_config(str(tmp_path), f"ipc://{tmp_path}/rpc", {"reclaim": {"inline_max_blocks": 0}})
+
+
+def test_a_failing_room_maker_refuses_the_write_and_breaks_nothing(server):
+    srv, c = server
+    full_group(c)
+
+    class Broken(Fixed):
+        def make_room(self, group: str, needs: Mapping[str, int], limit: int) -> Room:
+            raise RuntimeError("bug in the maker")
+
+    cache = srv.app.cache
+    cache.set_room_maker(Broken([]))
+    exc = refusal(start, c, [10], "a")
+    assert exc.code.name == "QUOTA_EXCEEDED" and "the room maker failed" in str(exc), str(exc)
+    assert statuses(c, [1, 2, 3, 4]) == ["serving"] * 4
+    cache.check()
+
+
+def test_the_prefix_a_write_builds_on_is_not_evicted_for_it(server):
+    srv, c = server
+    full_group(c)
+    cache = srv.app.cache
+    maker = OldestFirst(cache)
+    cache.set_room_maker(maker)
+    session = start(c, [1, 10], "a")  # 1 is stored (masked) and the oldest: 2 goes instead
+    assert session["block_mask"] == {"offset": 1}
+    assert statuses(c, [1, 2]) == ["serving", "deleting"]
+    assert maker.given_back == [[("a", 1, "file")]]  # handed back once the request was done asking
+    assert ("a", 1, "file") not in maker.taken
+    finish(c, session, instance="a")
+    assert [len(x["location_specs"]) for x in locate(c, [1, 10], instance="a")] == [2, 2]
+    cache.check()
