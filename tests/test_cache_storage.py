@@ -88,7 +88,9 @@ def test_unavailable_by_health_probe_is_skipped(two_tiers):
 
 
 def test_group_quota_is_a_hard_limit(two_tiers):
+    """Without in-line eviction (its own tests: test_inline_eviction.py) a full group refuses."""
     srv, c = two_tiers
+    srv.app.cache.set_room_maker(None)
     add_group(c, "small", ["disk"], capacity=3 * 2048)
     register(c, "a", group="small")
     write(c, [1, 2], "a")
@@ -113,6 +115,7 @@ def test_type_quota_falls_over_to_next_candidate_type(two_tiers):
 
 
 def test_type_quota_without_fallback_is_a_clear_error(two_tiers):
+    two_tiers[0].app.cache.set_room_maker(None)  # a hard limit without in-line eviction
     _, c = two_tiers
     add_group(c, "shmonly", ["mem"], per_type={"shm": 2048})
     register(c, "a", group="shmonly")

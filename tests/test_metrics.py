@@ -58,9 +58,10 @@ def test_group_totals_are_their_own_families_and_the_per_type_series_add_up(tmp_
     with serve_in_thread(overrides=FAST) as srv, srv.client() as c:
         add_file_storage(c, "disk", tmp_path / "disk")
         add_shm_storage(c, "mem", shm)
-        add_group(c, "typed", ["mem", "disk"], capacity=10 * 2048, per_type={"shm": 2 * 2048})
+        # room for two blocks of shm, not three, and never full: nothing for the reclaimer to do
+        add_group(c, "typed", ["mem", "disk"], capacity=10 * 2048, per_type={"shm": 2 * 2048 + 1024})
         register(c, "a", group="typed")
-        write(c, [1, 2], "a")  # fills the shm type quota ...
+        write(c, [1, 2], "a")  # all the shm type quota can take ...
         write(c, [3], "a")  # ... so this one goes to the file storage
         assert srv.http_port is not None
 
@@ -84,7 +85,7 @@ def test_group_totals_are_their_own_families_and_the_per_type_series_add_up(tmp_
     assert sum(values(fams, "kvcm_usage_bytes").values()) == sum(values(fams, "kvcm_group_usage_bytes").values())
     assert sum(values(fams, "kvcm_usage_keys").values()) == sum(values(fams, "kvcm_group_usage_keys").values())
     assert values(fams, "kvcm_group_quota_bytes", group="typed") == {(("group", "typed"),): 10 * 2048}
-    assert values(fams, "kvcm_quota_bytes", group="typed") == {(("group", "typed"), ("storage_type", "shm")): 4096}
+    assert values(fams, "kvcm_quota_bytes", group="typed") == {(("group", "typed"), ("storage_type", "shm")): 5120}
 
 
 def test_a_type_whose_usage_is_gone_reads_zero_and_a_forgotten_group_has_no_series():

@@ -67,7 +67,11 @@ class RecencyFile:
             os.replace(path, path + ".bad")
             groups = None
         self._drop_old_journals()
-        return groups, self._rounds(os.path.join(self.directory, f"journal.{self.gen}"))
+        path = os.path.join(self.directory, f"journal.{self.gen}")
+        # Opened now, not at the first event, so the server's descriptors are all set at start-up;
+        # the rounds are read through a handle of their own, before anything is appended.
+        self._open_journal()
+        return groups, self._rounds(path)
 
     def _rounds(self, path: str) -> Iterator[list[Any]]:
         if not os.path.exists(path):
@@ -93,12 +97,16 @@ class RecencyFile:
         if not events:
             return
         if self._journal is None:
-            # kept open from round to round (one write per round), closed by snapshot()/close()
-            self._journal = open(os.path.join(self.directory, f"journal.{self.gen}"), "ab")  # noqa: SIM115
+            self._open_journal()
         raw = msgpack.packb(events)
         self._journal.write(raw)
         self._journal.flush()
         self._journal_bytes += len(raw)
+
+    def _open_journal(self) -> None:
+        # kept open from round to round (one write per round), closed by snapshot()/close()
+        self._journal = open(os.path.join(self.directory, f"journal.{self.gen}"), "ab")  # noqa: SIM115
+        self._journal_bytes = self._journal.tell()
 
     def wants_snapshot(self) -> bool:
         return self._journal_bytes > max(self.compact_bytes, 2 * self._snapshot_bytes)
@@ -119,6 +127,7 @@ class RecencyFile:
         self.gen, self._snapshot_bytes, self._journal_bytes = gen, len(raw), 0
         if os.path.exists(old):
             os.unlink(old)
+        self._open_journal()
 
     def close(self) -> None:
         if self._journal is not None:
