@@ -92,7 +92,9 @@ class CacheConfig:
     storage_health_interval_s: float = 5.0  # how often each storage is probed
     lost_scan_s: float = 60.0  # how often file/shm containers are checked for vanished bytes (0 = never)
     runs: bool = True  # keep run records: prefix lookups read one record per written sequence
-    wire_cache_bytes: int = 256 << 20  # memory for location bytes rebuilt from compact records; 0 disables
+    # memory for location bytes rebuilt from compact records (0 disables): a hot set, not the
+    # whole store (32 MiB is 34 B per block at 1 M blocks; docs/capacity.md#server-memory-per-block)
+    wire_cache_bytes: int = 32 << 20
     max_pins_per_instance: int = 4096  # soft pins an instance may hold; more pins are refused
     max_pin_ttl_s: float = 86400.0  # longest pin a request may ask for; more is refused
 

@@ -35,6 +35,7 @@ from kvcm.store.base import ReadTxn, WriteTxn
 DB = "sessions"
 _ALPHABET = string.ascii_lowercase + string.digits
 _EXPIRED_MEMORY = 4096  # recently expired ids remembered, to answer WRITE_SESSION_EXPIRED
+_HEAP_SLACK = 64  # stale heap entries tolerated beyond the live sessions before a compaction
 
 
 class Session(msgspec.Struct, array_like=True):
@@ -194,20 +195,37 @@ class Sessions:
 
     def _forget(self, sid: str, expired: bool) -> None:
         self._deadline.pop(sid, None)
+        # A finished session's heap entry would otherwise stay until its deadline: at a high
+        # rate of short writes with long lifetimes, far more entries than open sessions.
+        if len(self._heap) > 2 * len(self._deadline) + _HEAP_SLACK:
+            self._compact()
         if expired:
             self._expired[sid] = None
             while len(self._expired) > _EXPIRED_MEMORY:
                 self._expired.popitem(last=False)
+
+    def _compact(self) -> None:
+        """The heap of the live sessions only: amortized O(1) per session (it runs once the
+        heap holds twice the live ones), and a session popped by :meth:`due` whose expiry is
+        still under way is put back, as :meth:`requeue` would."""
+        self._heap = [(deadline, sid) for sid, deadline in self._deadline.items()]
+        heapq.heapify(self._heap)
+
+    def heap_size(self) -> int:
+        """Entries in the expiry heap, live and stale (tests; it stays within twice the live)."""
+        return len(self._heap)
 
     def due(self, limit: int = 100000) -> list[str]:
         """Every live session whose deadline has passed (all of them, not one per tick)."""
         now = self.monotonic()
         out: list[str] = []
         heap = self._heap
+        seen: set[str] = set()
         while heap and heap[0][0] <= now and len(out) < limit:
             deadline, sid = heapq.heappop(heap)
-            if self._deadline.get(sid) == deadline:
+            if self._deadline.get(sid) == deadline and sid not in seen:  # a compaction may have put one back
                 out.append(sid)
+                seen.add(sid)
         return out
 
     def requeue(self, sids: list[str]) -> None:
