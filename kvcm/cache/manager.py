@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from kvcm.cache import consistency, lookup, removal, writes
@@ -30,7 +30,7 @@ from kvcm.cache.room import RoomMaker
 from kvcm.cache.sessions import DB as SESSIONS
 from kvcm.cache.sessions import decode_session
 from kvcm.cache.state import CacheState, LostCounter
-from kvcm.cache.usage import Key
+from kvcm.cache.usage import Key, Usage
 from kvcm.rpc.wire import Raw
 
 __all__ = ["CacheManager", "LostCounter"]
@@ -215,13 +215,25 @@ class CacheManager(CacheState):
         self.inline_limit = limit
 
     def usage(self, group: str) -> dict[str, Any]:
-        """Committed usage of ``group`` (bytes and location counts, by type and instance), with
-        ``being_freed``: ``{type: bytes}`` of it already marked ``deleting``. That is read
-        first: a free landing between the two reads then makes the usage look smaller, never
-        larger, so the reclaimer may free a little late but never twice."""
-        freeing = self.being_freed.of(group)
-        out = self.usage_book.usage(group)
-        out["being_freed"] = freeing
+        """Committed usage of ``group`` (bytes and location counts, by type and instance)."""
+        return self.usage_book.usage(group)
+
+    def usage_net_of_frees(self, groups: Iterable[str]) -> dict[str, tuple[int, dict[str, int]]]:
+        """Per group, ``(bytes, {type: bytes})`` in use and *not* already marked ``deleting``:
+        what the reclaimer must bring under the watermark. Usage and the pending deletes are
+        read from one snapshot, so they agree (the in-memory counters change on commit
+        callbacks, the being-freed count before the deleter's commit: read apart, a free in
+        between would make the group look fuller than it is, and the reclaimer evict twice)."""
+        out: dict[str, tuple[int, dict[str, int]]] = {}
+        with self.store.read() as view:
+            freeing = pending_bytes(view)
+            for group in groups:
+                total, by_type = Usage.group_used(view, group)
+                for (g, kind), nbytes in freeing.items():
+                    if g == group:
+                        total -= nbytes
+                        by_type[kind] = by_type.get(kind, 0) - nbytes
+                out[group] = (total, by_type)
         return out
 
     def evict(self, instance_id: str, keys: list[int], storage_type: str | None = None) -> int:

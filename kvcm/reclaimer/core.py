@@ -41,7 +41,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Protocol
@@ -102,6 +102,7 @@ class _Job:
     need: int = 0
     keys: deque[Hashable] | None = None
     done: bool = False
+    inline_seen: int = -1  # the group's in-line bytes of this type when last looked at (-1: not yet)
 
     @property
     def policy(self) -> BasePolicy:
@@ -243,12 +244,16 @@ class Reclaimer(CacheListener):
             # need to evict; read after the drain, blocks served meanwhile would count but be
             # unknown.
             usages = {name: self._manager.usage(name) for name in self._groups}
+            net = getattr(self._manager, "usage_net_of_frees", None)
+            nets = net(list(self._groups)) if net is not None else {}
+            for state in self._groups.values():
+                state.marked_since_sample = {}
             self._prepare(now)
             ttl_jobs = self._ttl_jobs(now)
         budget = self._config.max_victims_per_round
         budget -= self._run_jobs(ttl_jobs, budget, now, report)
         with self._lock:
-            jobs = self._watermark_jobs(usages, report)
+            jobs = self._watermark_jobs(usages, nets, report)
         self._run_jobs(jobs, budget, now, report)
         with self._lock:
             self._save()
@@ -270,11 +275,12 @@ class Reclaimer(CacheListener):
             if self._persist is None:
                 return
             try:
-                if self._restored:
-                    self._drain()
-                    self._persist.append(self._journal)
-                    self._journal = []
-                    self._persist.snapshot(self._dump())
+                now = self._clock()
+                self._sync(now)
+                self._prepare(now)  # restores first if no round ran: what it read then is kept
+                self._persist.append(self._journal)
+                self._journal = []
+                self._persist.snapshot(self._dump())
             except OSError as exc:  # a full disk must not fail the stop: recency is derived data
                 log.warning("reclaimer: recency not saved (%s); the next start rebuilds it", exc)
             finally:
@@ -314,6 +320,7 @@ class Reclaimer(CacheListener):
                         while len(self._given) > _MAX_GIVEN:  # victims the cache dropped unmarked
                             del self._given[next(iter(self._given))]
                         self._count(state, job.stype, "inline", len(chosen), nbytes)
+                        state.inline_bytes[job.stype] = state.inline_bytes.get(job.stype, 0) + nbytes
                         state.add_inflight(job.stype, nbytes, now + state.limits.delay_before_delete_ms / 1000.0)
                     need = max(job.need, 0)
                     if not need:
@@ -383,31 +390,34 @@ class Reclaimer(CacheListener):
 
     def _prepare(self, now: float) -> None:
         """Restore (first time), rebuild stale groups, *then* fold every buffered event in: none
-        is dropped, so reads made before a group's first round or a policy change still count."""
+        is dropped, so reads made before a group's first round or a policy change still count.
+
+        A block whose ``serving`` event is still buffered is left to that event, not read from
+        the store: the event puts it in its true place among the reads (the store's write
+        times are milliseconds, and ties would fall back to key order)."""
+        pop = self._events.popleft
+        events = [pop() for _ in range(len(self._events))]
+        pending = {(e[1], e[2], e[4]) for e in events if e[0] == _SERVE}
         if not self._restored:
-            self._restore(now)
+            self._restore(now, pending)
         for state in self._groups.values():
             if state.stale:
-                self._rebuild(state, now)
-        self._drain()
+                self._rebuild(state, now, pending)
+        self._drain(events, journal=True)
 
-    def _drain(self, events: Iterable[tuple[Any, ...]] | None = None) -> None:
-        """Apply the events buffered before this call, in order (later ones wait a tick); with
-        ``events``, those instead (a journal replayed at start-up).
+    def _drain(self, events: Iterable[tuple[Any, ...]], journal: bool) -> None:
+        """Apply ``events`` in order (buffered ones; or a journal replayed at start-up, which is
+        not journalled again).
 
         Consecutive reads of a group are applied as one batch (see ``GroupState.read_many``),
         flushed before that group's next write or removal, so the result is that of applying
-        every event in order. A group rebuilt from the store this round already has the blocks
-        whose ``serving`` events are still buffered: those events are skipped, not applied twice.
+        every event in order. A ``serving`` event for a block the policy already tracks is one a
+        rebuild or a reconcile has read from the store meanwhile (a served block is never served
+        again before its removal is reported): it is skipped, not applied twice.
         """
-        if events is None:
-            pop = self._events.popleft
-            events = (pop() for _ in range(len(self._events)))
-            journal: list[Any] | None = self._journal
-        else:
-            journal = None
+        log_to = self._journal if journal else None
         refreshed = False
-        reads: dict[GroupState, tuple[dict[str, list[list[int]]], list[float]]] = {}
+        reads: dict[GroupState, dict[str, tuple[list[list[int]], list[float]]]] = {}
         for event in events:
             group = self._group_of.get(event[1])
             if group is None and not refreshed:  # registered since the sync
@@ -416,27 +426,25 @@ class Reclaimer(CacheListener):
             state = self._groups.get(group) if group is not None else None
             if state is None or state.stale:
                 continue  # a group the limits do not know yet: its rebuild will read the store
-            if journal is not None:
-                journal.append(event)
+            if log_to is not None:
+                log_to.append(event)
             if event[0] == _READ:
-                batch, last = reads.setdefault(state, ({}, [event[3]]))
-                batch.setdefault(event[1], []).append(event[2])
-                last[0] = event[3]
+                key_lists, times = reads.setdefault(state, {}).setdefault(event[1], ([], []))
+                key_lists.append(event[2])
+                times.append(event[3])
                 continue
             if state in reads:
                 _flush_reads(state, reads.pop(state))
             if event[0] == _SERVE:
-                if state.rebuilt and state.key_of(event[1], event[2]) in state.policies.get(event[4], ()):
-                    continue
+                if state.key_of(event[1], event[2]) in state.policies.get(event[4], ()):
+                    continue  # already read from the store by a rebuild or a reconcile: not twice
                 state.serve(*event[1:])
             else:
                 state.remove(event[1], event[2])
         for state, pending in reads.items():
             _flush_reads(state, pending)
-        for state in self._groups.values():
-            state.rebuilt = False
 
-    def _rebuild(self, state: GroupState, now: float) -> None:
+    def _rebuild(self, state: GroupState, now: float, pending: Collection[tuple[str, int, str]] = ()) -> None:
         """Reload one group's policies from the store (start-up without a snapshot, policy
         change): in the old policy's order where it had one, else oldest write first."""
         carried = state.carried_order(now) if state.policy_name != "ttl" else {}
@@ -444,17 +452,16 @@ class Reclaimer(CacheListener):
         rows: list[tuple[Any, ...]] = []
         for iid in self._manager.instances_of_group(state.name):
             for row in self._manager.serving_keys(iid):
-                parent = row[4] if len(row) > 4 else None
-                rows.append((row[3], iid, row[0], row[1], row[2], parent))
+                if (iid, row[0], row[2]) not in pending:
+                    rows.append((row[3], iid, row[0], row[1], row[2], row[4] if len(row) > 4 else None))
         inf = len(rows) + 1
         rows.sort(key=lambda r: (carried.get(r[4], {}).get(state.key_of(r[1], r[2]), inf), r[0]))
         for written_at, iid, key, nbytes, stype, parent in rows:
             state.serve(iid, key, nbytes, stype, parent, written_at)
-        state.rebuilt = True
         self.metrics.rebuilds.labels(state.name).inc()
         log.info("reclaimer: rebuilt group %s (%s, %d blocks)", state.name, state.policy_name, len(rows))
 
-    def _restore(self, now: float) -> None:
+    def _restore(self, now: float, pending: Collection[tuple[str, int, str]]) -> None:
         """Start-up with a state dir: the snapshot, the journal after it (the journal alone when
         there is no snapshot yet: it then starts from an empty state), then the store's word on
         what still serves (after a crash the journal may miss the last round)."""
@@ -468,15 +475,15 @@ class Reclaimer(CacheListener):
             else:
                 state.reset()
         for events in rounds:
-            self._drain(tuple(e) for e in events)
+            self._drain((tuple(e) for e in events), journal=False)
         for name, state in self._groups.items():
-            self._reconcile(state)
+            self._reconcile(state, pending)
             state.update(*current[name])  # a policy changed meanwhile: rebuilt, keeping the order
         self._journal = []
         log.info("reclaimer: recency restored for %d group(s) (%s)", len(self._groups),
                  "snapshot and journal" if groups is not None else "journal only")
 
-    def _reconcile(self, state: GroupState) -> None:
+    def _reconcile(self, state: GroupState, pending: Collection[tuple[str, int, str]]) -> None:
         """Forget tracked blocks the store no longer serves; add those it serves that the
         policies miss (by write time, after the others: they are the newest)."""
         serving: dict[str, set[int]] = {}
@@ -485,8 +492,11 @@ class Reclaimer(CacheListener):
             for row in self._manager.serving_keys(iid):
                 packed = state.key_of(iid, row[0])
                 serving.setdefault(row[2], set()).add(packed)
-                if packed not in state.policies.get(row[2], ()):
+                if packed not in state.policies.get(row[2], ()) and (iid, row[0], row[2]) not in pending:
                     missing.append((row[3], iid, row[0], row[1], row[2], row[4] if len(row) > 4 else None))
+        for iid, key, stype in pending:  # served, in the buffered events: not gone
+            if self._group_of.get(iid) == state.name:
+                serving.setdefault(stype, set()).add(state.key_of(iid, key))
         for stype, policy in list(state.policies.items()):
             live = serving.get(stype, set())
             for gone in [k for k in policy.sizes if k not in live]:
@@ -518,25 +528,28 @@ class Reclaimer(CacheListener):
             for stype, keys in state.expired(now).items()
         ]
 
-    def _watermark_jobs(self, usages: Mapping[str, Mapping[str, Any]], report: Round) -> list[_Job]:
+    def _watermark_jobs(self, usages: Mapping[str, Mapping[str, Any]],
+                        nets: Mapping[str, tuple[int, dict[str, int]]], report: Round) -> list[_Job]:
         jobs: list[_Job] = []
         for state in self._groups.values():
             if state.name not in usages:
                 continue  # appeared since the usage snapshot: next round
-            needs = self._group_needs(state, usages[state.name])
+            needs = self._group_needs(state, usages[state.name], nets.get(state.name))
             if needs:
                 report.triggered.append(state.name)
                 self.metrics.triggered.labels(state.name).inc()
             jobs += [_Job(state, t, "watermark", need=n) for t, n in needs.items() if t in state.policies]
         return jobs
 
-    def _group_needs(self, state: GroupState, usage: Mapping[str, Any]) -> dict[str, int]:
+    def _group_needs(self, state: GroupState, usage: Mapping[str, Any],
+                     net: tuple[int, dict[str, int]] | None = None) -> dict[str, int]:
         """Bytes to free per storage type so the group and each type end under their floors."""
         lim = state.limits
-        freeing = usage.get("being_freed")
-        if freeing is not None:  # the manager knows exactly what is on its way out
-            by_type = {t: int(u.get("bytes", 0)) - freeing.get(t, 0) for t, u in usage.get("by_type", {}).items()}
-            total = int(usage.get("bytes", 0)) - sum(freeing.values())
+        if net is not None:  # the manager knows exactly what was on its way out at the sample
+            # ... and what was marked since (this round's TTL sweep, in-line evictions) is not in it
+            since = state.marked_since_sample
+            by_type = {t: n - since.get(t, 0) for t, n in net[1].items()}
+            total = net[0] - sum(since.values())
         else:  # estimated from what this reclaimer handed over (see the module docstring)
             by_type = {t: int(u.get("bytes", 0)) - state.inflight_bytes(t) for t, u in usage.get("by_type", {}).items()}
             total = int(usage.get("bytes", 0)) - sum(state.inflight_bytes(t) for t in state.inflight)
@@ -584,6 +597,15 @@ class Reclaimer(CacheListener):
 
     def _step(self, job: _Job, limit: int, now: float, report: Round) -> int:
         with self._lock:
+            # In-line eviction ran between two chunks: what it freed is freed for this job too
+            # (else the job, planned before, would take the hot set once in-line took the cold).
+            inline = job.state.inline_bytes.get(job.stype, 0)
+            if job.keys is None and job.inline_seen >= 0:
+                job.need -= inline - job.inline_seen
+            job.inline_seen = inline
+            if job.keys is None and job.need <= 0:
+                job.done = True
+                return 0
             chosen = self._select(job, limit, now, [0]) if job.state.policies.get(job.stype) is not None else []
         if not chosen:
             job.done = True
@@ -684,10 +706,9 @@ class Reclaimer(CacheListener):
         self.metrics.bytes.labels(*labels).inc(nbytes)
 
 
-def _flush_reads(state: GroupState, batch: tuple[dict[str, list[list[int]]], list[float]]) -> None:
-    by_instance, last = batch
-    for iid, key_lists in by_instance.items():
-        state.read_many(iid, key_lists, last[0])
+def _flush_reads(state: GroupState, batch: dict[str, tuple[list[list[int]], list[float]]]) -> None:
+    for iid, (key_lists, times) in batch.items():
+        state.read_many(iid, key_lists, times)
 
 
 def _excess(used: int, quota: int, high: float, low: float) -> int:

@@ -118,8 +118,9 @@ class GroupState:
         self.ttls: dict[str, TTL] = {}  # side TTL trackers, when the main policy is not ``ttl``
         # type -> [[due, bytes, seen freed]], one entry per evict() call
         self.inflight: dict[str, list[list[Any]]] = {}
+        self.marked_since_sample: dict[str, int] = {}  # type -> bytes evicted since the round's usage sample
+        self.inline_bytes: dict[str, int] = {}  # type -> bytes make_room has chosen, ever (jobs diff it)
         self.stale = True  # rebuild from serving_keys before use
-        self.rebuilt = False  # rebuilt this round: buffered "serving" events are already in
         self._iids: list[str] = []  # instance index (see _OFF) -> instance id; only grows
         self._index: dict[str, int] = {}
 
@@ -222,10 +223,11 @@ class GroupState:
 
     def read(self, iid: str, keys: Sequence[int], now: float) -> None:
         """One read hit of ``keys``."""
-        self.read_many(iid, [keys], now)
+        self.read_many(iid, [keys], [now])
 
-    def read_many(self, iid: str, key_lists: Sequence[Sequence[int]], now: float) -> None:
-        """Several read hits of one instance, oldest first, all at (about) ``now``.
+    def read_many(self, iid: str, key_lists: Sequence[Sequence[int]], times: Sequence[float]) -> None:
+        """Several read hits of one instance, oldest first, ``times[i]`` the time of
+        ``key_lists[i]`` (``lfu`` credits each read at its own time; the others need only the order).
 
         For recency policies only each key's *last* read matters, so hot prefixes read by many
         requests between two ticks are applied once each: same order, a fraction of the work.
@@ -234,14 +236,14 @@ class GroupState:
         base = self._base(iid)
         for policy in self.policies.values():
             if policy.name in _COUNTS_EVERY_READ:
-                for keys in key_lists:
-                    _access(policy, base, keys, now)
+                for keys, at in zip(key_lists, times):
+                    _access(policy, base, keys, at)
                 continue
             if unique is None:
                 last_first = dict.fromkeys(chain.from_iterable(map(reversed, reversed(key_lists))))
                 unique = list(last_first)
                 unique.reverse()
-            _access(policy, base, unique, now)
+            _access(policy, base, unique, times[-1])
 
     def remove(self, iid: str, keys: Iterable[int]) -> None:
         base = self._base(iid)
@@ -276,6 +278,7 @@ class GroupState:
         """``nbytes`` were marked ``deleting``, to be freed at ``due``; they count in usage until then."""
         if nbytes > 0:
             self.inflight.setdefault(stype, []).append([due, nbytes, False])
+            self.marked_since_sample[stype] = self.marked_since_sample.get(stype, 0) + nbytes
 
     def inflight_bytes(self, stype: str) -> int:
         return sum(entry[1] for entry in self.inflight.get(stype, ()))
