@@ -94,7 +94,14 @@ def limits_from_registry(registry: Any) -> Callable[[], dict[str, Limits]]:
 
 
 def build_policy(name: str, sample_size: int = 0, ttl_seconds: float = 0.0) -> BasePolicy:
-    """``make_policy`` with only the options ``name`` accepts (TTL has no sampled mode, ...)."""
+    """``make_policy`` with only the options ``name`` accepts (TTL has no sampled mode, ...).
+
+    Exact ``lru`` is :class:`~kvcm.policies.compact_lru.CompactLRU`: the same victims as ``LRU``
+    without an ``OrderedDict`` entry and an int object per tracked block."""
+    if name == "lru" and not sample_size:
+        from kvcm.policies.compact_lru import CompactLRU
+
+        return CompactLRU()
     accepted = inspect.signature(POLICIES[name].__init__).parameters
     opts: dict[str, Any] = {}
     if sample_size and "sample_size" in accepted:
