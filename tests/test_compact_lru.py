@@ -242,3 +242,18 @@ def test_a_removed_key_written_again_reuses_its_slot() -> None:
     assert p._used == used and len(p._slots) == slots
     assert p.victims(3, 300.0) == keys[5:8] and p.size_total == 100 + 5
     p.check()
+
+
+def test_reclaim_compact_lru_off_keeps_the_ordered_dict_lru():
+    from test_reclaimer import FakeManager
+
+    from kvcm.config import ReclaimConfig
+    from kvcm.reclaimer import Reclaimer
+
+    assert type(build_policy("lru", compact=False)) is LRU
+    mgr = FakeManager(groups={"g": ["i"]})
+    rec = Reclaimer(mgr, lambda: {"g": Limits(quota=1000)}, ReclaimConfig(compact_lru=False))
+    rec.run_once(0.0)
+    mgr.write("i", 1, now=1.0)
+    rec.run_once(2.0)
+    assert type(rec.tracked("g", "file")._policy) is LRU

@@ -360,7 +360,7 @@ class Reclaimer(CacheListener):
             size = sample if lim.sample_size is None else lim.sample_size
             state = self._groups.get(name)
             if state is None:
-                self._groups[name] = GroupState(name, lim, size)
+                self._groups[name] = GroupState(name, lim, size, self._config.compact_lru)
             else:
                 state.update(lim, size)
         settled = self._settled(now)
