@@ -174,24 +174,26 @@ def _targets(s: CacheState, txn: WriteTxn, group: GroupView, needed: int,
         # Usage only matters to a group with a quota (the scan is a fifth of an unlimited write).
         return write_targets(group, needed, 0, {}, {}, s.pool.storage_type, s.pool.usable)
     used_total, used_by_type = Usage.group_used(txn, group.name)
-    try:
-        return write_targets(group, needed, used_total, used_by_type, s.being_freed.of(group.name),
-                             s.pool.storage_type, s.pool.usable)
-    except CapacityError as exc:
-        if exc.code != Code.QUOTA_EXCEEDED:
-            raise
-        refused = exc
-    maker = s.room_maker
-    why = "no room maker (in-line eviction off): the reclaimer's next round frees space"
-    if maker is not None:
-        why = _InlineEviction(s, txn, maker, group, needed, used_total, used_by_type, spare).run()
+
+    def admit() -> list[Target] | CapacityError:
+        """The targets, or the quota refusal (other errors propagate)."""
         try:
             return write_targets(group, needed, used_total, used_by_type, s.being_freed.of(group.name),
                                  s.pool.storage_type, s.pool.usable)
         except CapacityError as exc:
             if exc.code != Code.QUOTA_EXCEEDED:
                 raise
-            refused = exc
+            return exc
+
+    admitted = admit()
+    maker = s.room_maker
+    why = "no room maker (in-line eviction off): the reclaimer's next round frees space"
+    if isinstance(admitted, CapacityError) and maker is not None:
+        why = _InlineEviction(s, txn, maker, group, needed, used_total, used_by_type, spare).run()
+        admitted = admit()
+    if not isinstance(admitted, CapacityError):
+        return admitted
+    refused = admitted
     writing = sum(s.inflight.of(i.instance_id)[1] for i in s.registry.list_instances(group.name))
     raise CapacityError(f"{refused}; {writing} bytes of the group are writing; in-line eviction: {why}",
                         Code.QUOTA_EXCEEDED) from None

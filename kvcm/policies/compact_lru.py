@@ -283,8 +283,24 @@ class CompactLRU(BasePolicy):
     def access_many(self, keys: Iterable[Hashable], now: float) -> None:
         find, pos, log = self._find, self._pos, self._log
         append, limit = log.append, 2 * self._live + _SLACK
+        slots, los, his, mask = self._slots, self._lo, self._hi, self._mask
         for key in keys:
-            e = find(key)
+            # The reclaimer's read path, inlined (a call per key is a third of its cost): a
+            # plain int below the coded range, when no victims are remembered; else _find.
+            if type(key) is int and not self._recent and 0 <= key >> 64 < _DIRECT:
+                lo, hi, e = key & _M64, key >> 64, -1
+                i = hash((key,)) & mask
+                while True:
+                    slot = slots[i]
+                    if slot >= 0:
+                        if los[slot] == lo and his[slot] == hi:
+                            e = slot
+                            break
+                    elif slot == _EMPTY:
+                        break
+                    i = (i + 1) & mask
+            else:
+                e = find(key)
             if e >= 0:
                 pos[e] = len(log)
                 append(e)

@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvcm.policies import POLICIES, TTL, BasePolicy, make_policy
+from kvcm.policies.compact_lru import CompactLRU
 from kvcm.store.base import from_u64
 
 IKey = tuple[str, int]  # (instance_id, block_key): block keys are per-instance namespaces
@@ -67,6 +68,9 @@ class Limits:
 
 def _access(policy: BasePolicy, base: int, keys: Iterable[int], now: float) -> None:
     # a hit may have been evicted since (or live on another tier): only tracked keys count
+    if type(policy) is CompactLRU:  # it skips untracked keys itself: one lookup per key, not two
+        policy.access_many(map(base.__add__, keys), now)
+        return
     policy.access_many(filter(policy.sizes.__contains__, map(base.__add__, keys)), now)  # C-level loop
 
 
@@ -100,8 +104,6 @@ def build_policy(name: str, sample_size: int = 0, ttl_seconds: float = 0.0, comp
     (``reclaim.compact_lru``): the same victims as ``LRU`` without an ``OrderedDict`` entry and an
     int object per tracked block, for about twice the CPU per read folded in."""
     if name == "lru" and not sample_size and compact:
-        from kvcm.policies.compact_lru import CompactLRU
-
         return CompactLRU()
     accepted = inspect.signature(POLICIES[name].__init__).parameters
     opts: dict[str, Any] = {}
