@@ -64,7 +64,9 @@ _MAX_GIVEN = 65536  # in-line victims remembered for give_back (a request evicts
 
 
 class CacheHooks(Protocol):
-    """The part of ``kvcm.cache.manager.CacheManager`` the reclaimer uses."""
+    """The part of ``kvcm.cache.manager.CacheManager`` the reclaimer uses. Used when present:
+    ``pins`` (:class:`PinView`), ``usage_net_of_frees(groups)`` (exact usage less what is being
+    freed; without it the reclaimer subtracts its own in-flight evictions), ``deleter``."""
 
     clock: Callable[[], float]
 
