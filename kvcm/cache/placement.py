@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,15 @@ class Target:
     type: str
 
 
+def _usable_candidates(group: GroupView, storage_type: Callable[[str], str | None],
+                       usable: Callable[[str], bool]) -> Iterator[tuple[str, str, int]]:
+    """``(storage, type, type quota or 0)`` of the group's usable candidates, in preference order."""
+    for name in group.candidates:
+        kind = storage_type(name)
+        if kind is not None and usable(name):
+            yield name, kind, group.type_capacity.get(kind, 0)
+
+
 def write_targets(
     group: GroupView,
     needed: int,
@@ -112,11 +121,7 @@ def write_targets(
             f"({gone} of them being freed), {needed} more requested", Code.QUOTA_EXCEEDED)
     full: list[str] = []
     targets: list[Target] = []
-    for name in group.candidates:
-        kind = storage_type(name)
-        if kind is None or not usable(name):
-            continue
-        cap = group.type_capacity.get(kind, 0)
+    for name, kind, cap in _usable_candidates(group, storage_type, usable):
         used, going = used_by_type.get(kind, 0), freeing.get(kind, 0)
         if cap and used - going + needed > cap:
             full.append(f"{name} ({kind}: {used} of {cap} bytes used, {going} of them being freed)")
@@ -155,11 +160,7 @@ def shortfall(
         if over > 0:
             needs[""] = over
     first: tuple[str, int] | None = None
-    for name in group.candidates:
-        kind = storage_type(name)
-        if kind is None or not usable(name):
-            continue
-        cap = group.type_capacity.get(kind, 0)
+    for _, kind, cap in _usable_candidates(group, storage_type, usable):
         over = used_by_type.get(kind, 0) - freeing.get(kind, 0) + needed - cap if cap else 0
         if over <= 0:
             return needs  # this type has room
