@@ -28,6 +28,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from itertools import takewhile
 from typing import Any
 
 import msgpack
@@ -48,8 +49,16 @@ def schedule(txn: WriteTxn, due: float, group: str, instance: str, key: int, loc
     """Queue the free of one location just marked ``deleting`` at wall time ``due``.
 
     The caller counts ``loc``'s bytes as being freed (:class:`~kvcm.cache.usage.BeingFreed`)."""
-    entry = u64(max(0, int(due * 1000))) + u64(next(_seq) & 0xFFFFFFFFFFFFFFFF)
-    txn.put(DB, entry, msgpack.packb([group, instance, key, loc.id, loc.nbytes, loc.type]))
+    schedule_many(txn, due, group, instance, [(key, loc)])
+
+
+def schedule_many(txn: WriteTxn, due: float, group: str, instance: str, marked: list[tuple[int, Location]]) -> None:
+    """:func:`schedule` for several ``(key, location)`` of one instance, in one ``put_many``."""
+    if not marked:
+        return
+    due_ms, pack = u64(max(0, int(due * 1000))), msgpack.Packer().pack
+    txn.put_many(DB, [(due_ms + u64(next(_seq) & 0xFFFFFFFFFFFFFFFF),
+                       pack([group, instance, key, loc.id, loc.nbytes, loc.type])) for key, loc in marked])
 
 
 def pending_bytes(view: ReadTxn) -> dict[FreeKey, int]:
@@ -106,7 +115,9 @@ class Deleter:
         total = 0
         while True:
             with self.store.read() as view:
-                due = [(k, v) for k, v in view.scan(DB, limit=self.chunk) if k[:8] < limit]
+                # Entries come out in due order: stop at the first one not due (the rest of a
+                # chunk is the deletes still in their grace period, read again at every poll).
+                due = list(takewhile(lambda item: item[0][:8] < limit, view.scan(DB, limit=self.chunk)))
             if not due:
                 return total
             total += self._free_chunk(due)

@@ -287,6 +287,7 @@ class MetaIndex:
         stored = txn.get_many(DB, dbkeys)  # never the cache: the txn may hold newer, uncommitted data
         staged: dict[bytes, bytes | None] = {}
         existed: set[bytes] = set()
+        dropped: set[Any] = set()  # tags dropped in this batch: a run's blocks often change together
         decode, encode, tag_of = self.decode, self.encode, self._tag
         for i, dbkey, raw in zip(batch, dbkeys, stored):
             if dbkey in staged:
@@ -300,7 +301,8 @@ class MetaIndex:
             if new is KEEP or (new is None and raw is None):
                 continue
             staged[dbkey] = None if new is None else encode(new)
-            if tag is not None and self._drop_tag is not None:
+            if tag is not None and self._drop_tag is not None and tag not in dropped:
+                dropped.add(tag)
                 self._drop_tag(txn, ns, tag)
         if staged:
             remember = getattr(txn, "remember", None)

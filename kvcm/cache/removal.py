@@ -17,7 +17,7 @@ import msgpack
 
 from kvcm.cache.blocks import Location, Record, Status, decode
 from kvcm.cache.deleter import DB as DELETES
-from kvcm.cache.deleter import schedule
+from kvcm.cache.deleter import schedule_many
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.masks import BlockMask, check_mask, unmasked_indices
 from kvcm.cache.meta_index import KEEP, namespace
@@ -75,8 +75,8 @@ def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, ke
 
     s.index.read_modify_write(txn, namespace(instance_id), list(dict.fromkeys(keys)), modify)
     freeing: dict[FreeKey, int] = defaultdict(int)
-    for key, loc in marked:
-        schedule(txn, now + delay, group, instance_id, key, loc)
+    schedule_many(txn, now + delay, group, instance_id, marked)
+    for _, loc in marked:
         freeing[(group, loc.type)] += loc.nbytes
     s.being_freed.add(txn, freeing)
     s.inflight.release(txn, instance_id, 0, freed[1])

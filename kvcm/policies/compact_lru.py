@@ -26,9 +26,13 @@ instance's index above bit 64). ``sizes`` is a read-only mapping view (``in``, `
 
 Python-level probing makes each operation 2-4 times slower than the ``OrderedDict``'s C calls.
 Two memories spare probes where the reclaimer looks keys up again: the key found last (by
-identity: ``key in sizes`` then ``access_many``; ``[]`` then ``on_remove``), and the entries of
-the last ``victims`` (by value, a C dict lookup: each victim's size, ``in`` and ``on_remove``
-follow). The offline optimizer keeps ``LRU``: its replay speed depends on the C calls.
+identity: ``key in sizes`` then ``access_many``; ``[]`` then ``on_remove``), and a bounded memo
+key -> entry (a C dict lookup) of the keys read lately and of the last victims. Reads are what
+the reclaimer folds most, and they are skewed: the same prompt prefixes are read request after
+request, so a few thousand memo entries answer nearly every read without a probe. Each victim's
+size, ``in`` and ``on_remove`` follow its choice, so victims are memoised too. The memo is
+cleared whole when full (``_MEMO`` entries, well under a megabyte: a constant, not per block).
+The offline optimizer keeps ``LRU``: its replay speed depends on the C calls.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ _NARROW = "i"  # 4-byte entry numbers and log positions while they fit ...
 _WIDE = "q"  # ... 8-byte ones past _NARROW_MAX live entries (log positions reach 2 * live + slack)
 _NARROW_MAX = 1 << 29
 _SLACK = 1024  # stale log records allowed beyond 2 * live before a compaction
-_RECENT = 4096  # victims remembered by value (see CompactLRU._recent)
+_COMPACT_SLICE = 1 << 16  # log records turned into a list at a time by _compact
+_MEMO = 16384  # keys remembered by value, read lately or chosen as victims (see CompactLRU._memo)
 
 
 class _Sizes:
@@ -134,10 +139,10 @@ class CompactLRU(BasePolicy):
         self._used = 0  # slots not empty: live entries and tombstones
         self._last: object = None  # the key found last (identity), its entry and its slot
         self._last_e = self._last_i = -1
-        # The last victims' entries, by key value (a dict lookup, not a probe): the reclaimer
-        # looks every victim up again (its size, ``in``, on_remove). An entry stays right until
-        # its key is removed, and on_remove drops it then.
-        self._recent: dict[int, int] = {}
+        # Entries by key value (a dict lookup, not a probe) of keys read lately and of the last
+        # victims. An entry stays right until its key is removed (on_remove drops it) or the
+        # entries are renumbered (_reset, which every renumbering goes through).
+        self._memo: dict[int, int] = {}
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -162,8 +167,8 @@ class CompactLRU(BasePolicy):
             return self._last_e
         if type(key) is not int:
             return self._find(int(key)) if isinstance(key, int) else -1  # bools, int subclasses
-        if self._recent:
-            e = self._recent.get(key)
+        if self._memo:
+            e = self._memo.get(key)
             if e is not None:
                 self._last, self._last_e, self._last_i = key, e, -1  # the slot is looked for if needed
                 return e
@@ -284,10 +289,21 @@ class CompactLRU(BasePolicy):
         find, pos, log = self._find, self._pos, self._log
         append, limit = log.append, 2 * self._live + _SLACK
         slots, los, his, mask = self._slots, self._lo, self._hi, self._mask
+        memo = self._memo
+        remembered = memo.get
         for key in keys:
+            e = remembered(key)  # type: ignore[call-overload]  # any hashable: ints match
+            if e is not None:
+                pos[e] = len(log)
+                append(e)
+                if len(log) > limit:
+                    self._compact()
+                    log = self._log
+                    append = log.append
+                continue
             # The reclaimer's read path, inlined (a call per key is a third of its cost): a
-            # plain int below the coded range, when no victims are remembered; else _find.
-            if type(key) is int and not self._recent and 0 <= key >> 64 < _DIRECT:
+            # plain int below the coded range; else _find.
+            if type(key) is int and 0 <= key >> 64 < _DIRECT:
                 lo, hi, e = key & _M64, key >> 64, -1
                 i = hash((key,)) & mask
                 while True:
@@ -302,6 +318,9 @@ class CompactLRU(BasePolicy):
             else:
                 e = find(key)
             if e >= 0:
+                if len(memo) >= _MEMO:
+                    memo.clear()
+                memo[key] = e  # type: ignore[index]  # found: an int
                 pos[e] = len(log)
                 append(e)
                 if len(log) > limit:
@@ -313,14 +332,14 @@ class CompactLRU(BasePolicy):
         if key is not self._last and self._find(key) < 0:
             return
         e, i, los, slots = self._last_e, self._last_i, self._lo, self._slots  # from _find
-        if i < 0:  # found in _recent: the slot that holds e, on the key's probe path
+        if i < 0:  # found in _memo: the slot that holds e, on the key's probe path
             mask = self._mask
             i = hash((int(key),)) & mask  # type: ignore[call-overload]  # found: an int
             while slots[i] != e:
                 i = (i + 1) & mask
         slots[i] = _TOMB
-        if self._recent:
-            self._recent.pop(key, None)  # type: ignore[call-overload]  # found: an int
+        if self._memo:
+            self._memo.pop(key, None)  # type: ignore[call-overload]  # found: an int
         self._live -= 1
         self.size_total -= self._size[e]
         self._pos[e] = -1
@@ -333,8 +352,9 @@ class CompactLRU(BasePolicy):
 
     def victims(self, n: int, now: float) -> list[Hashable]:
         out: list[Hashable] = []
-        recent: dict[int, int] = {}
-        self._recent = recent
+        memo = self._memo
+        if len(memo) + min(n, _MEMO) > _MEMO:
+            memo.clear()
         if n <= 0:
             return out
         log, pos, los, his, key = self._log, self._pos, self._lo, self._hi, self._key
@@ -348,8 +368,8 @@ class CompactLRU(BasePolicy):
                 hi = his[e]
                 k = (hi << 64) | los[e] if hi < _DIRECT else key(e)
                 out.append(k)
-                if len(out) <= _RECENT:
-                    recent[k] = e
+                if len(out) <= _MEMO:
+                    memo[k] = e
                 if len(out) == n:
                     break
             j += 1
@@ -375,8 +395,17 @@ class CompactLRU(BasePolicy):
                 yield e
 
     def _compact(self) -> None:
-        live = array(self._log.typecode, self._order())
-        pos = self._pos
+        """The log with live records only, same order, and ``_pos`` renumbered to match.
+
+        It runs every ~``live + _SLACK`` appends over the whole log, so its cost per record is
+        part of every read's: a comprehension over plain lists is about twice as fast as the
+        ``_order`` generator over the arrays. The lists are made a slice at a time, so the
+        transient memory stays bounded whatever the log's length."""
+        log, pos = self._log, self._pos
+        live = array(log.typecode)
+        for start in range(self._head, len(log), _COMPACT_SLICE):
+            part = log[start:start + _COMPACT_SLICE].tolist()
+            live.extend([e for j, e in enumerate(part, start) if pos[e] == j])
         for j, e in enumerate(live):
             pos[e] = j
         self._log, self._head = live, 0
@@ -435,15 +464,16 @@ class CompactLRU(BasePolicy):
         assert self.size_total == sum(self._size[e] for e in order)
         assert all(self._size[e] >= 0 for e in order)
         assert sum(e >= 0 for e in self._slots) == self._live
-        assert all(self._pos[e] >= 0 and self._key(e) == k for k, e in self._recent.items())
+        assert all(self._pos[e] >= 0 and self._key(e) == k for k, e in self._memo.items())
+        assert len(self._memo) <= _MEMO
         assert sum(e != _EMPTY for e in self._slots) == self._used <= len(self._slots) // 2
         self._last, self._last_e, self._last_i = None, -1, -1  # find each key by probing, not from memory
-        recent, self._recent = self._recent, {}
+        memo, self._memo = self._memo, {}
         try:
             for e in order:
                 assert self._find(self._key(e)) == e
         finally:
-            self._recent = recent
+            self._memo = memo
             self._last, self._last_e, self._last_i = None, -1, -1
 
 
