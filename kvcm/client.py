@@ -39,7 +39,7 @@ METHODS: tuple[str, ...] = (
     "add_account", "add_event_source", "add_storage", "add_token", "check_health", "create_instance_group",
     "delete_account", "disable_storage", "enable_storage", "finish_write_cache", "gen_config_snapshot",
     "get_cache_location", "get_cache_meta", "get_instance_group", "get_instance_info", "get_manager_cluster_info",
-    "get_metrics", "list_account", "list_event_sources", "list_instance_groups", "list_instance_info",
+    "get_metrics", "get_storage_specs", "list_account", "list_event_sources", "list_instance_groups", "list_instance_info",
     "list_storage", "list_tokens", "load_config_snapshot", "match_engines", "pin_cache", "register_instance",
     "remove_cache", "remove_event_source", "remove_instance", "remove_instance_group", "remove_storage",
     "report_lost", "revoke_token", "start_write_cache", "trim_cache", "unpin_cache", "update_account",
@@ -53,7 +53,7 @@ IDEMPOTENT_METHODS = frozenset(
         "list_instance_info", "get_cache_location", "get_cache_meta", "get_instance_group",
         "list_instance_groups", "list_storage", "list_account", "gen_config_snapshot", "whoami", "list_tokens",
         "register_instance", "list_event_sources", "match_engines", "enable_storage",
-        "disable_storage",
+        "disable_storage", "get_storage_specs",
     }
 )
 

@@ -82,6 +82,10 @@ class InstanceIdRequest(_Request):
     instance_group: str = ""  # accepted and ignored, as in Tair
 
 
+class StorageSpecsRequest(_Request):
+    instance_id: str
+
+
 class ListInstanceInfoRequest(_Request):
     instance_group_name: str = ""  # "" = all groups
 
@@ -180,6 +184,14 @@ class _Handlers:
         instance = self.registry.get_instance(req.instance_id)
         return {"instance_group": instance.instance_group, "instance_info": to_wire(instance)}
 
+    def get_storage_specs(self, req: StorageSpecsRequest) -> dict[str, Any]:
+        """The client-visible part of the storages the instance may use (its group's candidates,
+        in order): what :mod:`kvcm.blocks` needs to turn a URI into bytes, and nothing else."""
+        instance = self.registry.get_instance(req.instance_id)
+        names = self.registry.get_group(instance.instance_group).storage_candidates
+        known = {s.global_unique_name: s for s in self.registry.list_storages()}
+        return {"storages": [client_storage(known[name]) for name in names if name in known]}
+
     def list_instance_info(self, req: ListInstanceInfoRequest) -> dict[str, Any]:
         instances = self.registry.list_instances(req.instance_group_name)
         visible = None if self.auth is None else self.auth.visible(req)
@@ -244,6 +256,28 @@ class _Handlers:
         }
 
 
+#: The spec fields a data-plane user sees, per storage type: a whitelist, so a field added to a
+#: backend later stays hidden until someone decides clients need it. Only what resolving a URI
+#: (or plugging a transfer for it) needs; never capacity, probe addresses, or connection URLs,
+#: which may embed credentials (``metadata_connstring``, ``service_discovery_url``). A type not
+#: listed here shows its name and type only.
+CLIENT_SPEC_FIELDS: dict[str, tuple[str, ...]] = {
+    "file": ("root_path", "file_size", "key_count_per_file"),
+    "shm": ("shm_dir", "prefix", "segment_size"),
+    "3fs": ("mountpoint", "root_dir", "key_count_per_file"),
+    "mooncake": ("protocol", "key_prefix", "master_service_entry"),
+    "tairmempool": ("domain", "media_type", "node_id", "range_id", "timeout"),
+}
+
+
+def client_storage(storage: Storage) -> dict[str, Any]:
+    """One storage as ``get_storage_specs`` shows it: name, type and the whitelisted spec fields."""
+    fields = CLIENT_SPEC_FIELDS.get(storage.storage_type, ())
+    spec = {key: storage.storage_spec[key] for key in fields if key in storage.storage_spec}
+    return {"global_unique_name": storage.global_unique_name, "storage_type": storage.storage_type,
+            "storage_spec": spec}
+
+
 def _account(account: Any) -> dict[str, Any]:
     """Never the hash: an account on the wire is its name, role and instance groups."""
     return {"user_name": account.user_name, "role": account.role, "groups": list(account.groups)}
@@ -264,6 +298,7 @@ _TABLE: tuple[tuple[str, type, bool, bool, bool], ...] = (
     ("list_instance_groups", Empty, False, True, True),
     ("register_instance", RegisterInstanceRequest, True, True, False),
     ("get_instance_info", InstanceIdRequest, False, True, False),
+    ("get_storage_specs", StorageSpecsRequest, False, True, False),
     ("list_instance_info", ListInstanceInfoRequest, False, True, False),  # filtered to the caller's groups
     ("remove_instance", InstanceIdRequest, True, False, True),
     ("add_account", AddAccountRequest, True, False, True),

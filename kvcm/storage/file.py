@@ -6,8 +6,8 @@ different block size get their own files (``s<size>/<index>.kv``), so a slot alw
 
     file://<storage name>/s4096/00000012.kv?blkid=3&size=4096
 
-The path is relative to the storage's ``root_path`` (shown by ``list_storage``), so hosts that
-mount the same NFS export at different places can still resolve it (:func:`resolve_file_uri`).
+The path is relative to the storage's ``root_path`` (shown by ``get_storage_specs``), so hosts
+that mount the same NFS export at different places can still resolve it (:mod:`kvcm.blocks`).
 
 Unlike Tair's NFS backend (whose deletes never free anything), freed slots are reused
 first, a partially freed file gets the freed ranges punched out (``fallocate``), and a fully
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -32,12 +31,14 @@ from typing import Any
 from kvcm.errors import CapacityError, Code, InvalidArgument, KvcmError, ServerError
 from kvcm.lockfile import drop_lock_file, hold_lock_file
 from kvcm.storage.base import (
+    FILE_PATH,
     Container,
+    FileUri,
     Inventory,
     Slot,
     SlotPool,
     SpecReader,
-    parse_uri,
+    parse_block_uri,
     punch_hole,
     slot_runs,
 )
@@ -530,9 +531,6 @@ class DirectoryStorage(ABC):
         return ok
 
 
-# ``s<size>/<storage id>-<index>.kv``; files from before storage ids lack the ``<id>-`` part.
-_FILE_PATH = re.compile(r"s([1-9][0-9]*)/(?:([0-9a-f]{8})-)?([0-9]{8,})\.kv")
-
 #: Default ``file_size``: how big a packed file grows (its block count is file_size // block size).
 DEFAULT_FILE_SIZE = 64 << 20
 
@@ -592,26 +590,22 @@ class FileStorage(DirectoryStorage):
         for entry in os.scandir(self.root):
             if entry.is_dir(follow_symlinks=False) and entry.name[:1] == "s" and entry.name[1:].isdigit():
                 for child in os.scandir(entry.path):
-                    match = _FILE_PATH.fullmatch(f"{entry.name}/{child.name}")
+                    match = FILE_PATH.fullmatch(f"{entry.name}/{child.name}")
                     if match and child.is_file(follow_symlinks=False):
                         yield match.group(0), int(match.group(3)), match.group(2) or ""
 
     def _index_of(self, container_name: str) -> int:
-        match = _FILE_PATH.fullmatch(container_name)
+        match = FILE_PATH.fullmatch(container_name)
         return int(match.group(3)) if match and match.group(2) == self.storage_id else 0
 
     def _uri(self, container: Container, slot: int) -> str:
         return f"file://{self.name}/{container.name}?blkid={slot}&size={container.size}"
 
     def _locate(self, uri: str) -> tuple[str, int, int]:
-        parsed = parse_uri(uri)
-        match = _FILE_PATH.fullmatch(parsed.path[1:])
-        if parsed.scheme != "file" or parsed.host != self.name or match is None:
-            raise InvalidArgument(f"{uri!r} is not a uri of file storage {self.name!r}")
-        size = parsed.int_param("size")
-        if size != int(match.group(1)):
-            raise InvalidArgument(f"{uri!r}: size does not match the file's size class")
-        return match.group(0), parsed.int_param("blkid"), size
+        block = parse_block_uri(uri)
+        if not isinstance(block, FileUri) or block.storage != self.name:
+            raise InvalidArgument(f"{uri[:200]!r} is not a uri of file storage {self.name!r}")
+        return block.path, block.blkid, block.size
 
     def file_path(self, uri: str) -> str:
         """The absolute path of the file holding ``uri``'s block (it starts at ``blkid*size``)."""
@@ -619,11 +613,10 @@ class FileStorage(DirectoryStorage):
 
 
 def resolve_file_uri(uri: str, root_path: str) -> tuple[str, int, int]:
-    """Client side: ``(absolute file path, byte offset, length)`` of a ``file://`` URI, given
-    the storage's ``root_path`` from ``list_storage`` (or this host's mount point of it)."""
-    parsed = parse_uri(uri)
-    rel = parsed.path.lstrip("/")
-    if parsed.scheme != "file" or not rel or ".." in rel.split("/"):
-        raise InvalidArgument(f"{uri!r} is not a file storage uri")
-    size = parsed.int_param("size")
-    return os.path.join(root_path, rel), parsed.int_param("blkid") * size, size
+    """``(absolute file path, byte offset, length)`` of a ``file://`` URI, given the storage's
+    ``root_path`` (or this host's mount point of it). Client code uses :mod:`kvcm.blocks`,
+    which also does the I/O; this stays for tools and tests."""
+    block = parse_block_uri(uri)
+    if not isinstance(block, FileUri):
+        raise InvalidArgument(f"{uri[:200]!r} is not a file storage uri")
+    return os.path.join(root_path, block.path), block.offset, block.size

@@ -8,7 +8,7 @@ every kvcm URI does) and name the segment in the path::
     shm://<storage name>/<segment>?offset=O&size=S
 
 Another process on the host maps the segment by name and reads or writes ``size`` bytes at
-``offset`` (:func:`resolve_shm_uri`). kvcm itself never maps segments: it creates them sparse
+``offset`` (:mod:`kvcm.blocks`). kvcm itself never maps segments: it creates them sparse
 (``ftruncate``), punches freed ranges (tmpfs returns the memory) and unlinks emptied ones.
 
 Segments outlive the kvcm process on purpose: ``close()`` keeps them, so a restarted kvcm
@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from kvcm.errors import CapacityError, Code, InvalidArgument
-from kvcm.storage.base import Container, SpecReader, check_component, parse_uri
+from kvcm.storage.base import Container, ShmUri, SpecReader, check_component, parse_block_uri
 from kvcm.storage.file import DirectoryStorage
 from kvcm.storage.ownership import Owner
 
@@ -112,14 +112,10 @@ class ShmStorage(DirectoryStorage):
         return f"shm://{self.name}/{container.name}?offset={slot * container.size}&size={container.size}"
 
     def _locate(self, uri: str) -> tuple[str, int, int]:
-        parsed = parse_uri(uri)
-        segment = parsed.path[1:]
-        if parsed.scheme != "shm" or parsed.host != self.name or not self._segment.fullmatch(segment):
-            raise InvalidArgument(f"{uri!r} is not a uri of shm storage {self.name!r}")
-        offset, size = parsed.int_param("offset"), parsed.int_param("size")
-        if size == 0 or offset % size:
-            raise InvalidArgument(f"{uri!r}: offset must be a multiple of a non-zero size")
-        return segment, offset // size, size
+        block = parse_block_uri(uri)
+        if not isinstance(block, ShmUri) or block.storage != self.name or not self._segment.fullmatch(block.segment):
+            raise InvalidArgument(f"{uri[:200]!r} is not a uri of shm storage {self.name!r}")
+        return block.segment, block.offset // block.size, block.size
 
     def segment_path(self, uri: str) -> str:
         """The file behind ``uri``'s segment (what ``shm_open(segment)`` opens)."""
@@ -142,10 +138,10 @@ class ShmStorage(DirectoryStorage):
 
 
 def resolve_shm_uri(uri: str, shm_dir: str = "/dev/shm") -> tuple[str, int, int]:
-    """Client side: ``(segment file path, offset, size)`` of a ``shm://`` URI. Open the path
-    with ``os.open(path, os.O_RDWR)`` and ``mmap`` it (or ``shm_open`` the segment name)."""
-    parsed = parse_uri(uri)
-    segment = parsed.path[1:]
-    if parsed.scheme != "shm" or not segment or "/" in segment or segment in (".", ".."):
-        raise InvalidArgument(f"{uri!r} is not a shm storage uri")
-    return os.path.join(shm_dir, segment), parsed.int_param("offset"), parsed.int_param("size")
+    """``(segment file path, offset, size)`` of a ``shm://`` URI (``shm_open`` the segment name,
+    or open the path, and ``mmap`` it). Client code uses :mod:`kvcm.blocks`, which also does
+    the I/O; this stays for tools and tests."""
+    block = parse_block_uri(uri)
+    if not isinstance(block, ShmUri):
+        raise InvalidArgument(f"{uri[:200]!r} is not a shm storage uri")
+    return os.path.join(shm_dir, block.segment), block.offset, block.size

@@ -1,0 +1,365 @@
+"""The round trip of a KV connector — which blocks exist, write the new ones, read them back —
+in a few calls over :class:`kvcm.Client` and :mod:`kvcm.blocks`.
+
+>>> with Connector("tcp://127.0.0.1:6381", instance_id="llama-8b", block_size=16,
+...                specs={"tp0": 65536}) as kv:                    # doctest: +SKIP
+...     kv.lookup(tokens).tokens                                  # tokens already cached
+...     with kv.begin_write(tokens) as w:                         # the blocks not cached yet
+...         for block in w.new_blocks:
+...             block.write("tp0", kv_bytes_of(block.index))
+...     for block in kv.read(tokens):                             # another process, later
+...         block.read_into("tp0", buffer_of(block.index))
+
+**Writes finish with exactly what was written.** Leaving the ``begin_write`` block finishes the
+session: a block counts as written when every spec it has was written (here or by a rank, see
+below); the others are reported failed, so kvcm frees their space at once. An exception inside
+the block fails every block of the session and propagates: nothing is left ``writing``.
+
+**Several ranks.** With tensor parallelism each rank holds its own slice of every block (one
+spec per rank). One rank — the scheduler — starts the session and hands
+:meth:`WriteSession.ticket` (a few hundred bytes, ``bytes(ticket)``) to the others. Each rank
+opens :meth:`Connector.rank_write` with the ticket and its spec name, writes its blocks, and
+sends :meth:`RankWrite.report` back the same way; the scheduler passes each report to
+:meth:`WriteSession.add_report`. The session finishes when the scheduler leaves its block: a
+block a rank did not report (the rank died, timed out, or failed it) is failed, never served
+half-written. How tickets and reports travel is the caller's (vLLM returns worker output to the
+scheduler; any pipe, queue or RPC does).
+
+Threads: a ``Connector`` is used from one thread at a time (its client is not thread-safe);
+:mod:`kvcm.blocks` I/O itself may run on several threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvcm.blocks import BlockIO
+from kvcm.client import Client
+from kvcm.errors import InvalidArgument
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:6381"
+
+
+@dataclass(frozen=True)
+class Match:
+    """What :meth:`Connector.lookup` found: the cached prefix, in blocks and in tokens."""
+
+    blocks: int
+    tokens: int
+
+
+class _TicketBlock(msgspec.Struct, array_like=True, frozen=True):
+    index: int  # the block's position in the prompt
+    uris: dict[str, str]  # spec name -> URI
+
+
+class Ticket(msgspec.Struct, array_like=True, frozen=True):
+    """A write session as the other ranks need it: serialisable with ``bytes(ticket)`` and
+    :meth:`from_bytes` (msgpack, a few hundred bytes for a typical prompt)."""
+
+    instance_id: str
+    session_id: str
+    blocks: list[_TicketBlock]
+
+    def __bytes__(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | Ticket) -> Ticket:
+        if isinstance(raw, Ticket):
+            return raw
+        try:
+            return msgspec.msgpack.decode(raw, type=cls)
+        except msgspec.DecodeError as exc:
+            raise InvalidArgument(f"not a kvcm write ticket: {exc}") from None
+
+
+class Report(msgspec.Struct, array_like=True, frozen=True):
+    """What one rank wrote of a session: its spec and the prompt indices of the blocks done."""
+
+    session_id: str
+    spec: str
+    written: list[int]
+
+    def __bytes__(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | Report) -> Report:
+        if isinstance(raw, Report):
+            return raw
+        try:
+            return msgspec.msgpack.decode(raw, type=cls)
+        except msgspec.DecodeError as exc:
+            raise InvalidArgument(f"not a kvcm rank report: {exc}") from None
+
+
+@dataclass
+class NewBlock:
+    """One block of a write session: ``index`` is its position in the prompt (its tokens are
+    ``token_ids[index * block_size:(index + 1) * block_size]``), ``uris`` one URI per spec."""
+
+    index: int
+    uris: dict[str, str]
+    _io: BlockIO = field(repr=False)
+    written: set[str] = field(default_factory=set)
+
+    def write(self, spec: str, data: Any) -> None:
+        """Write this block's bytes of ``spec`` (any buffer of exactly the spec's size)."""
+        uri = self.uris.get(spec)
+        if uri is None:
+            raise InvalidArgument(f"block {self.index} has no spec {spec!r} (it has {', '.join(self.uris)})")
+        self._io.write(uri, data)
+        self.written.add(spec)
+
+    @property
+    def done(self) -> bool:
+        """Every spec written."""
+        return self.written >= self.uris.keys()
+
+
+@dataclass
+class ReadBlock:
+    """One cached block of a prompt: ``index`` its position, ``uris`` one URI per spec."""
+
+    index: int
+    uris: dict[str, str]
+    _io: BlockIO = field(repr=False)
+
+    def read_into(self, spec: str, out: Any) -> None:
+        """Read this block's bytes of ``spec`` into ``out`` (a writable buffer of the spec's size)."""
+        self._io.read_into(self._uri(spec), out)
+
+    def read(self, spec: str) -> bytearray:
+        """This block's bytes of ``spec``, in a new buffer."""
+        return self._io.read(self._uri(spec))
+
+    def _uri(self, spec: str) -> str:
+        uri = self.uris.get(spec)
+        if uri is None:
+            raise InvalidArgument(f"block {self.index} has no spec {spec!r} (it has {', '.join(self.uris)})")
+        return uri
+
+
+class WriteSession:
+    """A started write (see :meth:`Connector.begin_write`): ``new_blocks`` are the blocks to
+    write, ``cached`` how many of the prompt's blocks kvcm already had (or has being written by
+    another writer). Leave the ``with`` block to finish it; or call :meth:`finish` / :meth:`fail`."""
+
+    def __init__(self, client: Client, io: BlockIO, instance_id: str, session_id: str,
+                 new_blocks: list[NewBlock], cached: int) -> None:
+        self._client = client
+        self._io = io
+        self.instance_id = instance_id
+        self.session_id = session_id
+        self.new_blocks = new_blocks
+        self.cached = cached
+        self.result: dict[str, Any] | None = None  # the finish reply, once finished
+        self._by_index = {b.index: b for b in new_blocks}
+
+    def __enter__(self) -> WriteSession:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if self.result is not None:
+            return
+        if exc_type is not None:
+            self.fail()  # and the exception propagates
+        else:
+            self.finish()
+
+    def ticket(self) -> Ticket:
+        """What the other ranks need to write their specs (``bytes(ticket)`` to send it)."""
+        return Ticket(self.instance_id, self.session_id, [_TicketBlock(b.index, b.uris) for b in self.new_blocks])
+
+    def add_report(self, report: bytes | Report) -> None:
+        """Count what a rank wrote (its :meth:`RankWrite.report`)."""
+        got = Report.from_bytes(report)
+        if got.session_id != self.session_id:
+            raise InvalidArgument(f"report of session {got.session_id!r}, not of this session {self.session_id!r}")
+        for index in got.written:
+            block = self._by_index.get(index)
+            if block is None or got.spec not in block.uris:
+                raise InvalidArgument(f"report names block {index} spec {got.spec!r}, which this session has not")
+            block.written.add(got.spec)
+
+    def missing(self) -> dict[int, list[str]]:
+        """Per block not fully written yet, the specs still missing."""
+        return {b.index: sorted(b.uris.keys() - b.written) for b in self.new_blocks if not b.done}
+
+    def finish(self) -> dict[str, Any]:
+        """Finish: the fully written blocks are served, the others failed. Returns the reply
+        (``served``, ``failed``)."""
+        return self._finish([b.done for b in self.new_blocks])
+
+    def fail(self) -> dict[str, Any]:
+        """Finish with every block failed (their space is freed at once)."""
+        return self._finish([False] * len(self.new_blocks))
+
+    def _finish(self, done: list[bool]) -> dict[str, Any]:
+        if self.result is not None:
+            return self.result
+        mask: dict[str, Any] = {"offset": len(done)} if all(done) else {"bool_masks": done}
+        self.result = dict(self._client.call("finish_write_cache", {
+            "instance_id": self.instance_id, "write_session_id": self.session_id, "success_blocks": mask}))
+        return self.result
+
+
+class RankWrite:
+    """One rank's part of a session (see :meth:`Connector.rank_write`): write ``spec`` of every
+    block of ``blocks``, then send :meth:`report` to the scheduler. An exception inside the
+    ``with`` block reports nothing written, so the scheduler fails those blocks."""
+
+    def __init__(self, io: BlockIO, ticket: Ticket, spec: str) -> None:
+        self.ticket = ticket
+        self.spec = spec
+        self.blocks = [NewBlock(b.index, {spec: b.uris[spec]}, io) for b in ticket.blocks if spec in b.uris]
+        self._failed = False
+
+    def __enter__(self) -> RankWrite:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        self._failed = exc_type is not None
+
+    def write(self, index: int, data: Any) -> None:
+        """Write block ``index`` (its prompt position) of this rank's spec."""
+        for block in self.blocks:
+            if block.index == index:
+                block.write(self.spec, data)
+                return
+        raise InvalidArgument(f"block {index} is not among this rank's blocks")
+
+    def report(self) -> Report:
+        """What this rank wrote (``bytes(report)`` to send it)."""
+        written = [] if self._failed else [b.index for b in self.blocks if b.done]
+        return Report(self.ticket.session_id, self.spec, written)
+
+
+class Connector:
+    """An instance's KV connector: lookups, writes and reads over one client.
+
+    ``specs`` (spec name -> bytes per block) registers the instance in ``instance_group`` when it
+    is not registered yet (idempotent: the same registration again is fine; a different one is
+    ``DUPLICATE_ENTITY``); without ``specs`` the instance must exist. ``client`` reuses a client
+    (its endpoint wins); other keyword arguments go to :class:`kvcm.Client`; ``io_options`` to
+    :class:`kvcm.blocks.BlockIO` (``mounts``, ``direct`` ...)."""
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        instance_id: str,
+        block_size: int,
+        specs: Mapping[str, int] | None = None,
+        instance_group: str = "default",
+        model_deployment: Mapping[str, Any] | None = None,
+        client: Client | None = None,
+        io_options: Mapping[str, Any] | None = None,
+        **client_options: Any,
+    ) -> None:
+        if block_size < 1:
+            raise InvalidArgument(f"block_size must be at least 1, got {block_size}")
+        self.instance_id = instance_id
+        self.block_size = block_size
+        self._own_client = client is None
+        self.client = client if client is not None else Client(endpoint, **client_options)
+        try:
+            if specs is not None:
+                self._register(instance_group, specs, model_deployment)
+            self.io = BlockIO.for_instance(self.client, instance_id, **dict(io_options or {}))
+        except BaseException:
+            self.close()
+            raise
+
+    def _register(self, group: str, specs: Mapping[str, int], deployment: Mapping[str, Any] | None) -> None:
+        self.client.call("register_instance", {
+            "instance_group": group, "instance_id": self.instance_id, "block_size": self.block_size,
+            "location_spec_infos": [{"name": name, "size": size} for name, size in specs.items()],
+            "model_deployment": dict(deployment or {"model_name": self.instance_id}),
+        })
+
+    def __enter__(self) -> Connector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the block I/O caches, and the client if this connector made it."""
+        io = getattr(self, "io", None)
+        if io is not None:
+            io.close()
+        if self._own_client:
+            self.client.close()
+
+    # -- the round trip ----------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int]) -> Match:
+        """The longest cached prefix of the prompt (whole blocks only)."""
+        blocks = len(self._locate(token_ids))
+        return Match(blocks, blocks * self.block_size)
+
+    def read(self, token_ids: Sequence[int]) -> list[ReadBlock]:
+        """The cached prefix's blocks, in prompt order, each readable per spec."""
+        return [ReadBlock(i, uris, self.io) for i, uris in enumerate(self._locate(token_ids))]
+
+    def begin_write(self, token_ids: Sequence[int], timeout_s: float | None = None) -> WriteSession:
+        """Start writing the prompt's blocks kvcm does not have; use as a context manager
+        (see the module docstring). ``timeout_s``: the session's lifetime (server default if None)."""
+        params: dict[str, Any] = {"instance_id": self.instance_id, "token_ids": list(token_ids)}
+        if timeout_s is not None:
+            params["write_timeout_seconds"] = timeout_s
+        reply = self.client.call("start_write_cache", params)
+        locations = reply.get("locations") or []
+        indices = _new_indices(reply.get("block_mask"), len(token_ids) // self.block_size, len(locations))
+        blocks = [NewBlock(i, _uris(loc), self.io) for i, loc in zip(indices, locations)]
+        return WriteSession(self.client, self.io, self.instance_id, reply["write_session_id"], blocks,
+                            len(token_ids) // self.block_size - len(blocks))
+
+    def rank_write(self, ticket: bytes | Ticket, spec: str) -> RankWrite:
+        """This rank's part of a session another rank started (see the module docstring)."""
+        got = Ticket.from_bytes(ticket)
+        if got.instance_id != self.instance_id:
+            raise InvalidArgument(f"ticket of instance {got.instance_id!r}, not {self.instance_id!r}")
+        return RankWrite(self.io, got, spec)
+
+    def _locate(self, token_ids: Sequence[int]) -> list[dict[str, str]]:
+        if len(token_ids) < self.block_size:
+            return []  # not one whole block: nothing to ask
+        reply = self.client.call("get_cache_location", {
+            "instance_id": self.instance_id, "query_type": "prefix_match", "token_ids": list(token_ids)})
+        return [_uris(loc) for loc in reply.get("locations") or []]
+
+
+def _uris(location: Mapping[str, Any]) -> dict[str, str]:
+    return {spec["name"]: spec["uri"] for spec in location.get("location_specs") or []}
+
+
+def _new_indices(mask: Any, blocks: int, new: int) -> list[int]:
+    """Prompt positions of a start reply's new blocks: the keys its ``block_mask`` leaves out."""
+    if not mask:
+        indices = list(range(blocks))
+    elif "offset" in mask:
+        indices = list(range(int(mask["offset"]), blocks))
+    else:
+        flags = mask.get("bool_masks")
+        flags = flags.get("values", []) if isinstance(flags, Mapping) else flags or []
+        indices = [i for i, cached in enumerate(flags) if not cached]
+    if len(indices) != new:
+        raise InvalidArgument(f"start_write_cache reply: {new} locations for {len(indices)} unmasked blocks")
+    return indices
+
+
+def iter_blocks(token_ids: Sequence[int], block_size: int) -> Iterator[tuple[int, Sequence[int]]]:
+    """``(index, tokens)`` of each whole block of a prompt (a trailing partial block has none)."""
+    for i in range(len(token_ids) // block_size):
+        yield i, token_ids[i * block_size:(i + 1) * block_size]
+
+
+__all__ = ["Connector", "Match", "NewBlock", "RankWrite", "ReadBlock", "Report", "Ticket", "WriteSession",
+           "iter_blocks"]
