@@ -161,11 +161,10 @@ def _statuses(kv: Connector, tokens: list[int]) -> list[str]:
 
 def test_an_exception_inside_begin_write_leaves_nothing_writing(server):
     with Connector(server.endpoint, instance_id="boom", block_size=BLOCK, specs=SPECS) as kv:
-        with pytest.raises(RuntimeError, match="engine died"):
-            with kv.begin_write(PROMPT) as session:
-                session.new_blocks[0].write("tp0", payload("x", 0, "tp0"))
-                assert "writing" in _statuses(kv, PROMPT)
-                raise RuntimeError("engine died")
+        with pytest.raises(RuntimeError, match="engine died"), kv.begin_write(PROMPT) as session:
+            session.new_blocks[0].write("tp0", payload("x", 0, "tp0"))
+            assert "writing" in _statuses(kv, PROMPT)
+            raise RuntimeError("engine died")
         assert session.result == {"served": 0, "failed": 6}
         assert "writing" not in _statuses(kv, PROMPT)
         assert kv.lookup(PROMPT).blocks == 0
@@ -200,10 +199,9 @@ def test_a_rank_that_raises_reports_nothing(server):
         with kv.begin_write(PROMPT) as session:
             for block in session.new_blocks:
                 block.write("tp0", payload("r", block.index, "tp0"))
-            with pytest.raises(OSError):
-                with kv.rank_write(session.ticket(), "tp1") as rank:
-                    rank.write(0, payload("r", 0, "tp1"))
-                    raise OSError("device lost")
+            with pytest.raises(OSError), kv.rank_write(session.ticket(), "tp1") as rank:
+                rank.write(0, payload("r", 0, "tp1"))
+                raise OSError("device lost")
             assert rank.report().written == []
             session.add_report(rank.report())
         assert session.result == {"served": 0, "failed": 6}
@@ -223,11 +221,11 @@ def test_tickets_and_reports_are_checked(server):
             with pytest.raises(InvalidArgument):
                 session.new_blocks[0].write("tp0", b"short")  # not the spec's size
             session.fail()
-    with Connector(server.endpoint, instance_id="checks-2", block_size=BLOCK, specs=SPECS) as other:
-        with other.begin_write(PROMPT) as session:
-            with pytest.raises(InvalidArgument, match="instance"):
-                Connector.rank_write(kv_with_closed_client(server, "checks"), bytes(session.ticket()), "tp0")
-            session.fail()
+    with Connector(server.endpoint, instance_id="checks-2", block_size=BLOCK, specs=SPECS) as other, \
+            other.begin_write(PROMPT) as session:
+        with pytest.raises(InvalidArgument, match="instance"):
+            Connector.rank_write(kv_with_closed_client(server, "checks"), bytes(session.ticket()), "tp0")
+        session.fail()
 
 
 def kv_with_closed_client(server: Any, instance: str) -> Connector:
