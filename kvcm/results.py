@@ -1,0 +1,253 @@
+"""Typed replies of the kvcm RPCs, for :class:`kvcm.Client` and :class:`kvcm.aio.Client`.
+
+One ``msgspec.Struct`` per reply shape; field names are the wire names (docs/rpc.md). The
+client decodes a reply's bytes straight into these (no intermediate dicts), with one cached
+decoder per reply type (:func:`decoder`).
+
+The structs are ``gc=False``: a reply is a tree of strings, numbers and lists that never
+holds a cycle, and leaving its thousands of small objects out of the cycle collector's counts
+is a good part of why decoding one costs less than building the same reply as dicts.
+
+Replies are read leniently on purpose: a field the server adds later is skipped, never an
+error (``forbid_unknown_fields`` stays off). Strictness is the server's rule, for requests.
+Fields that only some replies carry (``get_cache_meta`` details by ``detail_level``, for one)
+default to ``None``. ``msgspec.to_builtins(result)`` gives the plain map back.
+
+:class:`Mask` is also what the typed methods take for ``block_mask`` and ``success_blocks``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from kvcm.rpc.wire import refuse_ext
+
+T = TypeVar("T")
+
+
+class Mask(msgspec.Struct, omit_defaults=True, gc=False):
+    """A block mask: ``Mask(offset=n)`` (the first n keys) or ``Mask(bool_masks=[...])``."""
+
+    offset: int | None = None
+    bool_masks: list[bool] | None = None
+
+
+class LocationSpec(msgspec.Struct, gc=False):
+    name: str
+    uri: str
+
+
+class Location(msgspec.Struct, gc=False):
+    """One copy of a block: its storage type and one URI per spec (``type`` ``"unspecified"``
+    and empty URIs for a filler entry)."""
+
+    type: str
+    spec_size: int
+    location_specs: list[LocationSpec]
+
+
+class CacheLocations(msgspec.Struct, gc=False):
+    """``get_cache_location``: ``locations`` (the matched prefix for ``prefix_match``, one per
+    key otherwise); ``engine_locations`` only with ``include_engines``."""
+
+    locations: list[Location]
+    engine_locations: list[Any] | None = None
+
+
+class BlockMeta(msgspec.Struct, gc=False):
+    """One key of ``get_cache_meta``; the fields past ``id`` come with ``detail_level >= 1``,
+    ``all`` with ``detail_level = 2``."""
+
+    key: int
+    status: str
+    id: str | None = None
+    storage: str | None = None
+    type: str | None = None
+    nbytes: int | None = None
+    created: float | None = None
+    written: float | None = None
+    updated: float | None = None
+    parent: int | None = None
+    location_count: int | None = None
+    all: list[dict[str, Any]] | None = None
+
+
+class CacheMeta(msgspec.Struct, gc=False):
+    locations: list[Location]
+    metas: list[BlockMeta]
+
+
+class WriteSession(msgspec.Struct, gc=False):
+    """``start_write_cache``: ``block_mask`` marks the request keys already there; one location
+    per new key, in order."""
+
+    write_session_id: str
+    block_mask: Mask
+    locations: list[Location]
+
+
+class WriteFinished(msgspec.Struct, gc=False):
+    served: int
+    failed: int
+
+
+class Removed(msgspec.Struct, gc=False):
+    """``remove_cache`` and ``trim_cache``: copies marked or forgotten."""
+
+    removed: int
+
+
+class Lost(msgspec.Struct, gc=False):
+    lost: int
+
+
+class Pinned(msgspec.Struct, gc=False):
+    """``pin_cache``: distinct keys pinned and their expiry (wall-clock seconds)."""
+
+    pinned: int
+    expires_at: float
+
+
+class Unpinned(msgspec.Struct, gc=False):
+    unpinned: int
+
+
+class StorageConfig(msgspec.Struct, gc=False):
+    global_unique_name: str
+    storage_type: str
+    storage_spec: dict[str, Any] = {}
+    enabled: bool = True
+    available: bool = True
+    create_time: int = 0
+    update_time: int = 0
+    storage_id: str = ""
+
+
+class StorageSpecs(msgspec.Struct, gc=False):
+    """``get_storage_specs``: the client-visible part of each storage the instance may use, in
+    candidate order (``storage_spec`` holds only the fields a client needs, never credentials)."""
+
+    storages: list[StorageConfig]
+
+
+class Registered(msgspec.Struct, gc=False):
+    """``register_instance``: the group's candidate storages, in order; ``created`` is false when
+    the same instance was registered before."""
+
+    storage_configs: list[StorageConfig]
+    created: bool
+
+
+class SpecInfo(msgspec.Struct, gc=False):
+    """A location spec: bytes per block of one shard. Also accepted by ``register_instance``."""
+
+    name: str
+    size: int
+
+
+class SpecGroup(msgspec.Struct, gc=False):
+    name: str
+    spec_names: list[str] = []
+
+
+class ModelDeployment(msgspec.Struct, omit_defaults=True, gc=False):
+    model_name: str = ""
+    dtype: str = ""
+    use_mla: bool = False
+    tp_size: int = 0
+    dp_size: int = 0
+    lora_name: str = ""
+    pp_size: int = 0
+    extra: str = ""
+    user_data: str = ""
+
+
+class InstanceInfo(msgspec.Struct, gc=False):
+    instance_id: str
+    instance_group_name: str
+    block_size: int
+    location_spec_infos: list[SpecInfo]
+    quota_group_name: str = ""
+    location_spec_groups: list[SpecGroup] = []
+    model_deployment: ModelDeployment = msgspec.field(default_factory=ModelDeployment)
+    create_time: int = 0
+
+
+class InstanceInfoReply(msgspec.Struct, gc=False):
+    instance_group: str
+    instance_info: InstanceInfo
+
+
+class EngineMatch(msgspec.Struct, gc=False):
+    """One engine source: the longest prefix of the query it holds, per medium."""
+
+    source_id: str
+    dp_rank: int
+    matched_blocks: int
+    media: dict[str, int]
+
+
+class EngineMatches(msgspec.Struct, gc=False):
+    instance_id: str
+    num_blocks: int
+    sources: list[EngineMatch]
+
+
+class StorageHealth(msgspec.Struct, gc=False):
+    enabled: bool
+    available: bool
+    unavailable_reason: str | None = None
+
+
+class Health(msgspec.Struct, gc=False):
+    status: str
+    is_health: bool
+    is_leader: bool
+    uptime_s: float
+    counts: dict[str, int]
+    storages: dict[str, StorageHealth]
+    node: dict[str, Any] = {}
+
+
+#: Open-ended admin replies (storages, groups, accounts, snapshots, metrics...).
+AdminReply = dict[str, Any]
+
+
+class Envelope(msgspec.Struct, Generic[T], array_like=True, gc=False):
+    """A msgpack-RPC response ``[1, msgid, error, result]`` with a typed result."""
+
+    kind: int
+    msgid: int
+    error: dict[str, Any] | None
+    result: T | None
+
+
+class Head(msgspec.Struct, array_like=True):
+    """The first two items of a response: enough to route it by msgid (the rest is skipped)."""
+
+    kind: int
+    msgid: int
+
+
+_DECODERS: dict[Any, msgspec.msgpack.Decoder[Envelope[Any]]] = {}
+
+
+def decoder(result: Any) -> msgspec.msgpack.Decoder[Envelope[Any]]:
+    """The cached decoder of responses whose result is ``result`` (a type)."""
+    dec = _DECODERS.get(result)
+    if dec is None:
+        dec = _DECODERS[result] = msgspec.msgpack.Decoder(Envelope[result], ext_hook=refuse_ext)
+    return dec
+
+
+HEAD = msgspec.msgpack.Decoder(Head, ext_hook=refuse_ext)
+
+__all__ = [
+    "AdminReply", "BlockMeta", "CacheLocations", "CacheMeta", "EngineMatch", "EngineMatches", "Envelope", "Head",
+    "Health", "InstanceInfo", "InstanceInfoReply", "Location", "LocationSpec", "Lost", "Mask", "ModelDeployment",
+    "Pinned", "Registered", "Removed", "SpecGroup", "SpecInfo", "StorageConfig", "StorageHealth", "StorageSpecs",
+    "Unpinned",
+    "WriteFinished", "WriteSession", "decoder",
+]
