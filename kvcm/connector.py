@@ -31,6 +31,7 @@ Threads: a ``Connector`` is used from one thread at a time (its client is not th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ from kvcm.client import Client
 from kvcm.errors import InvalidArgument
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:6381"
+ENDPOINT_ENV = "KVCM_SERVER_ENDPOINT"  # the same variable ``kvcm call`` and ``kvcm serve`` read
 
 
 @dataclass(frozen=True)
@@ -247,11 +249,12 @@ class Connector:
     is not registered yet (idempotent: the same registration again is fine; a different one is
     ``DUPLICATE_ENTITY``); without ``specs`` the instance must exist. ``client`` reuses a client
     (its endpoint wins); other keyword arguments go to :class:`kvcm.Client`; ``io_options`` to
-    :class:`kvcm.blocks.BlockIO` (``mounts``, ``direct`` ...)."""
+    :class:`kvcm.blocks.BlockIO` (``mounts``, ``direct`` ...). ``endpoint`` defaults to
+    ``$KVCM_SERVER_ENDPOINT``, else ``tcp://127.0.0.1:6381``."""
 
     def __init__(
         self,
-        endpoint: str = DEFAULT_ENDPOINT,
+        endpoint: str | None = None,
         *,
         instance_id: str,
         block_size: int,
@@ -267,6 +270,8 @@ class Connector:
         self.instance_id = instance_id
         self.block_size = block_size
         self._own_client = client is None
+        if endpoint is None:
+            endpoint = os.environ.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT
         self.client = client if client is not None else Client(endpoint, **client_options)
         try:
             if specs is not None:

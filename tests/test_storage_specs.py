@@ -107,7 +107,17 @@ def test_no_secret_or_unlisted_field_ever_appears(server: Any) -> None:
     for field in (b"access_token", b"password", b"probe_address", b"metadata_connstring", b"service_discovery_url",
                   b"capacity_bytes", b"storage_id", b"endpoint"):
         assert field not in raw, field
-    # The admin's list_storage does hold them: the reply above filtered, not the store.
+    # register_instance, a data-plane call too, shows the same cut specs in storage_configs
+    again = alice.call("register_instance", {"instance_group": "ga", "instance_id": "ia", "block_size": 4,
+                                             "location_spec_infos": [{"name": "tp0", "size": 64}]})
+    assert again["created"] is False
+    raw_reg = msgspec.json.encode(again["storage_configs"])
+    assert SECRET.encode() not in raw_reg
+    for field in (b"access_token", b"password", b"probe_address", b"metadata_connstring", b"service_discovery_url"):
+        assert field not in raw_reg, field
+    assert [s["storage_spec"] for s in again["storage_configs"]] == \
+        [s["storage_spec"] for s in alice.call("get_storage_specs", {"instance_id": "ia"})["storages"]]
+    # The admin's list_storage does hold them: the replies above filtered, not the store.
     assert SECRET.encode() in msgspec.json.encode(admin.call("list_storage"))
 
 

@@ -178,7 +178,9 @@ class _Handlers:
             model_deployment=req.model_deployment,
         )
         done = self.registry.register_instance(instance)
-        return {"storage_configs": [to_wire(s) for s in done.storages], "created": done.created}
+        # Any data-plane user registers: its storage specs are the client-visible fields only,
+        # as get_storage_specs shows them (a connection URL may embed credentials).
+        return {"storage_configs": [_visible(to_wire(s)) for s in done.storages], "created": done.created}
 
     def get_instance_info(self, req: InstanceIdRequest) -> dict[str, Any]:
         instance = self.registry.get_instance(req.instance_id)
@@ -276,6 +278,13 @@ def client_storage(storage: Storage) -> dict[str, Any]:
     spec = {key: storage.storage_spec[key] for key in fields if key in storage.storage_spec}
     return {"global_unique_name": storage.global_unique_name, "storage_type": storage.storage_type,
             "storage_spec": spec}
+
+
+def _visible(storage: dict[str, Any]) -> dict[str, Any]:
+    """A storage's wire form with its spec cut to :data:`CLIENT_SPEC_FIELDS`."""
+    fields = CLIENT_SPEC_FIELDS.get(storage["storage_type"], ())
+    spec = storage.get("storage_spec") or {}
+    return {**storage, "storage_spec": {key: spec[key] for key in fields if key in spec}}
 
 
 def _account(account: Any) -> dict[str, Any]:
