@@ -397,3 +397,47 @@ def _open_deleted(path: str) -> bool:
         except OSError:
             pass
     return f"{path} (deleted)" in links
+
+
+def test_a_remembered_place_is_used_only_while_it_is_the_cached_handle(tmp_path: Any) -> None:
+    """A URI's remembered descriptor is used only while the handler's cache still holds it: once
+    evicted, the URI is resolved again, even if something else keeps the old descriptor alive
+    (an I/O still running on another thread) and the file was replaced meanwhile."""
+    size = 4096
+    for n in range(2):
+        os.makedirs(tmp_path / "s4096", exist_ok=True)
+        (tmp_path / "s4096" / f"{n:08d}.kv").write_bytes(bytes(4 * size))
+    spec = StorageSpec("st", "file", {"root_path": str(tmp_path)})
+    first, second = (f"file://st/s4096/{n:08d}.kv?blkid=0&size={size}" for n in range(2))
+    with BlockIO(lambda: [spec], max_files=1) as io:
+        io.write(first, b"a" * size)
+        fds = io._handlers["file"]._fds.items  # type: ignore[attr-defined]
+        still_used = fds[(str(tmp_path), "s4096/00000000.kv")]  # e.g. by a pwrite on another thread
+        io.write(second, b"b" * size)  # max_files=1: the first file's descriptor leaves the cache
+        path = tmp_path / "s4096" / "00000000.kv"
+        path.unlink()
+        path.write_bytes(bytes(4 * size))  # the container was freed and made again under its name
+        io.write(first, b"z" * size)
+        assert path.read_bytes()[:size] == b"z" * size  # the new file, not the old descriptor's inode
+        out = bytearray(size)
+        io.read_into(first, out)
+        assert out == b"z" * size
+        del still_used
+
+
+def test_a_refresh_forgets_remembered_places(tmp_path: Any) -> None:
+    """A storage's spec may change between fetches (its root moved): after a refresh, URIs met
+    before are resolved against the new spec, not written through the old root's descriptors."""
+    size = 4096
+    for root in ("old", "new"):
+        os.makedirs(tmp_path / root / "s4096")
+        (tmp_path / root / "s4096" / "00000000.kv").write_bytes(bytes(2 * size))
+    specs = [StorageSpec("st", "file", {"root_path": str(tmp_path / "old")})]
+    uri = f"file://st/s4096/00000000.kv?blkid=1&size={size}"
+    with BlockIO(lambda: list(specs)) as io:
+        io.write(uri, b"o" * size)
+        specs[0] = StorageSpec("st", "file", {"root_path": str(tmp_path / "new")})
+        io.refresh()
+        io.write(uri, b"n" * size)
+    assert (tmp_path / "old" / "s4096" / "00000000.kv").read_bytes()[size:] == b"o" * size
+    assert (tmp_path / "new" / "s4096" / "00000000.kv").read_bytes()[size:] == b"n" * size

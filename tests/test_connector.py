@@ -30,35 +30,46 @@ def payload(tag: str, index: int, spec: str) -> bytes:
 # -- the processes ---------------------------------------------------------------------------------
 
 
-def rank_proc(endpoint: str, instance: str, ticket: bytes, spec: str, tag: str, out: Any) -> None:
-    """One TP rank: write its spec of every block of the ticket, send the report back."""
+def rank_proc(endpoint: str, instance: str, spec: str, tickets: Any, out: Any) -> None:
+    """One TP rank, running for the whole test (one connector, as an engine's worker keeps): for
+    each ``(ticket, tag)`` it gets, write its spec of every block, send the report back."""
     with Connector(endpoint, instance_id=instance, block_size=BLOCK) as kv:
-        with kv.rank_write(ticket, spec) as mine:
-            for block in mine.blocks:
-                mine.write(block.index, payload(tag, block.index, spec))
-        out.put(bytes(mine.report()))
+        while (job := tickets.get(timeout=120)) is not None:
+            ticket, tag = job
+            with kv.rank_write(ticket, spec) as mine:
+                for block in mine.blocks:
+                    mine.write(block.index, payload(tag, block.index, spec))
+            out.put(bytes(mine.report()))
 
 
 def scheduler_proc(endpoint: str, instance: str, prompts: list[tuple[str, list[int]]], control: Any, out: Any) -> None:
-    """Process A: for each prompt, start the write, hand the ticket to two rank processes, add
-    their reports, finish. Waits for the test's go-ahead between prompts (the test changes the
-    group's storages meanwhile), so one long-running connector meets a storage added later."""
+    """Process A: starts two rank processes, then for each prompt starts the write, hands the
+    ticket to both ranks, adds their reports, finishes. Waits for the test's go-ahead between
+    prompts (the test changes the group's storages meanwhile), so long-running connectors meet a
+    storage added after they started."""
     with Connector(endpoint, instance_id=instance, block_size=BLOCK, specs=SPECS, instance_group=instance) as kv:
-        for n, (tag, tokens) in enumerate(prompts):
-            if n:
-                control.get(timeout=60)
-            with kv.begin_write(tokens) as session:
-                ticket = bytes(session.ticket())
-                reports = CTX.Queue()
-                ranks = [CTX.Process(target=rank_proc, args=(endpoint, instance, ticket, spec, tag, reports))
-                         for spec in SPECS]
-                for p in ranks:
-                    p.start()
-                for _ in ranks:
-                    session.add_report(reports.get(timeout=60))
-                for p in ranks:
-                    p.join(timeout=60)
-            out.put((tag, session.result, [sorted(b.uris.values()) for b in session.new_blocks]))
+        reports = CTX.Queue()
+        inboxes = {spec: CTX.Queue() for spec in SPECS}
+        ranks = [CTX.Process(target=rank_proc, args=(endpoint, instance, spec, inboxes[spec], reports))
+                 for spec in SPECS]
+        for p in ranks:
+            p.start()
+        try:
+            for n, (tag, tokens) in enumerate(prompts):
+                if n:
+                    control.get(timeout=60)
+                with kv.begin_write(tokens) as session:
+                    ticket = bytes(session.ticket())
+                    for inbox in inboxes.values():
+                        inbox.put((ticket, tag))
+                    for _ in ranks:
+                        session.add_report(reports.get(timeout=60))
+                out.put((tag, session.result, [sorted(b.uris.values()) for b in session.new_blocks]))
+        finally:
+            for inbox in inboxes.values():
+                inbox.put(None)
+            for p in ranks:
+                p.join(timeout=60)
 
 
 def reader_proc(endpoint: str, instance: str, tag: str, tokens: list[int], out: Any) -> None:
@@ -162,7 +173,8 @@ def _statuses(kv: Connector, tokens: list[int]) -> list[str]:
 def test_an_exception_inside_begin_write_leaves_nothing_writing(server):
     with Connector(server.endpoint, instance_id="boom", block_size=BLOCK, specs=SPECS) as kv:
         with pytest.raises(RuntimeError, match="engine died"), kv.begin_write(PROMPT) as session:
-            session.new_blocks[0].write("tp0", payload("x", 0, "tp0"))
+            for spec in SPECS:  # block 0 complete: still failed, as the write as a whole raised
+                session.new_blocks[0].write(spec, payload("x", 0, spec))
             assert "writing" in _statuses(kv, PROMPT)
             raise RuntimeError("engine died")
         assert session.result == {"served": 0, "failed": 6}
