@@ -30,6 +30,7 @@ def register(c: Client, instance_id: str, group: str) -> dict[str, Any]:
 #: Every instance-scoped method a user may call, with otherwise valid parameters.
 SCOPED: list[tuple[str, dict[str, Any]]] = [
     ("get_instance_info", {}),
+    ("get_storage_specs", {}),
     ("get_cache_location", {"query_type": "prefix_match", "block_keys": [1, 2]}),
     ("get_cache_location", {"query_type": "prefix_match", "token_ids": list(range(8))}),
     ("get_cache_meta", {"block_keys": [1]}),
