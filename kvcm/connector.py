@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -72,12 +72,7 @@ class Ticket(msgspec.Struct, array_like=True, frozen=True):
 
     @classmethod
     def from_bytes(cls, raw: bytes | Ticket) -> Ticket:
-        if isinstance(raw, Ticket):
-            return raw
-        try:
-            return msgspec.msgpack.decode(raw, type=cls)
-        except msgspec.DecodeError as exc:
-            raise InvalidArgument(f"not a kvcm write ticket: {exc}") from None
+        return _decoded(cls, raw, "write ticket")
 
 
 class Report(msgspec.Struct, array_like=True, frozen=True):
@@ -92,12 +87,20 @@ class Report(msgspec.Struct, array_like=True, frozen=True):
 
     @classmethod
     def from_bytes(cls, raw: bytes | Report) -> Report:
-        if isinstance(raw, Report):
-            return raw
-        try:
-            return msgspec.msgpack.decode(raw, type=cls)
-        except msgspec.DecodeError as exc:
-            raise InvalidArgument(f"not a kvcm rank report: {exc}") from None
+        return _decoded(cls, raw, "rank report")
+
+
+M = TypeVar("M", Ticket, Report)
+
+
+def _decoded(cls: type[M], raw: bytes | M, what: str) -> M:
+    """``raw`` as a ``cls`` (already one: as it is); InvalidArgument when it is not one."""
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        return raw
+    try:
+        return msgspec.msgpack.decode(raw, type=cls)
+    except msgspec.DecodeError as exc:
+        raise InvalidArgument(f"not a kvcm {what}: {exc}") from None
 
 
 @dataclass

@@ -104,6 +104,21 @@ class _Sizes:
         return f"<CompactLRU.sizes {self._p._live} keys>"
 
 
+def _probe(key: int, slots: array[int], los: array[int], his: array[int], mask: int) -> int:
+    """The entry of ``key`` (a plain int whose high part is stored as is), or -1: the index
+    probe of :meth:`CompactLRU._find` without its memories, for reads that missed the memo."""
+    lo, hi = key & _M64, key >> 64
+    i = hash((key,)) & mask
+    while True:
+        slot = slots[i]
+        if slot >= 0:
+            if los[slot] == lo and his[slot] == hi:
+                return slot
+        elif slot == _EMPTY:
+            return -1
+        i = (i + 1) & mask
+
+
 class CompactLRU(BasePolicy):
     """Exact least recently used over non-negative int keys; reads and writes both refresh.
 
@@ -293,40 +308,19 @@ class CompactLRU(BasePolicy):
         remembered = memo.get
         for key in keys:
             e = remembered(key)  # type: ignore[call-overload]  # any hashable: ints match
-            if e is not None:
-                pos[e] = len(log)
-                append(e)
-                if len(log) > limit:
-                    self._compact()
-                    log = self._log
-                    append = log.append
-                continue
-            # The reclaimer's read path, inlined (a call per key is a third of its cost): a
-            # plain int below the coded range; else _find.
-            if type(key) is int and 0 <= key >> 64 < _DIRECT:
-                lo, hi, e = key & _M64, key >> 64, -1
-                i = hash((key,)) & mask
-                while True:
-                    slot = slots[i]
-                    if slot >= 0:
-                        if los[slot] == lo and his[slot] == hi:
-                            e = slot
-                            break
-                    elif slot == _EMPTY:
-                        break
-                    i = (i + 1) & mask
-            else:
-                e = find(key)
-            if e >= 0:
+            if e is None:
+                e = _probe(key, slots, los, his, mask) if type(key) is int and 0 <= key >> 64 < _DIRECT else find(key)
+                if e < 0:
+                    continue
                 if len(memo) >= _MEMO:
                     memo.clear()
                 memo[key] = e  # type: ignore[index]  # found: an int
-                pos[e] = len(log)
-                append(e)
-                if len(log) > limit:
-                    self._compact()
-                    log = self._log
-                    append = log.append
+            pos[e] = len(log)
+            append(e)
+            if len(log) > limit:
+                self._compact()
+                log = self._log
+                append = log.append
 
     def on_remove(self, key: Hashable) -> None:
         if key is not self._last and self._find(key) < 0:
