@@ -22,14 +22,14 @@ import msgspec
 import zmq
 
 from kvcm.config import Config, HttpConfig
-from kvcm.errors import StartRefused
+from kvcm.errors import StartRefused, Unavailable
 from kvcm.metrics import Metrics
 from kvcm.rpc.curve import CurveServer
 from kvcm.rpc.dispatch import Dispatcher, Limits, Method
 from kvcm.rpc.http import SideHttp
 from kvcm.rpc.server import AddressInUse, Server, Timer, endpoint_in_use
 from kvcm.storage.ownership import leftovers
-from kvcm.store import LmdbStore, MemoryStore, MetaStore
+from kvcm.store import DataDirLocked, LmdbStore, MemoryStore, MetaStore
 from kvcm.threads import LoopThread
 from kvcm.version import __version__
 
@@ -44,6 +44,8 @@ def open_store(config: Config, orphans: str = "refuse") -> MetaStore:
     "discard", from ``kvcm serve --adopt-orphans`` / ``--discard-orphans``) lets it go on."""
     if config.store.backend == "memory":
         return MemoryStore()
+    if config.store.backend == "redis":
+        return _open_redis(config, orphans)
     data_dir = os.path.abspath(config.store.data_dir)
     meta = os.path.join(data_dir, "meta", "data.mdb")
     if orphans == "refuse" and os.path.isdir(data_dir) and not os.path.exists(meta):
@@ -55,6 +57,37 @@ def open_store(config: Config, orphans: str = "refuse") -> MetaStore:
         sync=config.store.sync,
         max_readers=config.store.max_readers,
     )
+
+
+def _open_redis(config: Config, orphans: str) -> MetaStore:
+    """The Redis store; the data dir keeps kvcm's local files (lock, recency, engine index,
+    the default file storage). An unreachable Redis refuses the start with the reason."""
+    from kvcm.store.redis import RedisStore, redact
+
+    cfg = config.store
+    where = f"Redis {redact(cfg.redis_url)} (prefix {cfg.redis_prefix})"
+    password = None
+    if cfg.redis_password_file:
+        try:
+            with open(cfg.redis_password_file, encoding="utf-8") as fh:
+                password = fh.read().rstrip("\r\n")
+        except OSError as exc:
+            raise StartRefused(f"cannot read store.redis_password_file: {exc.strerror}") from None
+    data_dir = os.path.abspath(cfg.data_dir)
+    try:
+        store = RedisStore(cfg.redis_url, data_dir, prefix=cfg.redis_prefix, password=password,
+                           wait_replicas=cfg.redis_wait_replicas, wait_timeout_ms=cfg.redis_wait_timeout_ms)
+    except Unavailable as exc:
+        if isinstance(exc, DataDirLocked):
+            raise
+        raise StartRefused(f"the metadata store {where} cannot be reached ({exc.message}); nothing was changed") from None
+    if orphans == "refuse" and store.is_empty():
+        try:
+            _refuse_leftovers(data_dir, f"in {where}")
+        except BaseException:
+            store.close()
+            raise
+    return store
 
 
 def _refuse_leftovers(data_dir: str, meta: str) -> None:
@@ -391,6 +424,9 @@ class App:
         # A memory store still keeps the default file storage's blocks under the data dir.
         store = "memory (metadata not persisted)" if self.store.path is None else \
             f"lmdb, sync {'on' if cfg.store.sync else 'off'}"
+        describe = getattr(self.store, "describe", None)  # a store that says what it is (Redis)
+        if describe is not None:
+            store = describe()
         publisher = "off"
         if self.publisher is not None:
             replay = f", replay {cfg.publisher.replay_endpoint}" if cfg.publisher.replay_endpoint else ""

@@ -18,6 +18,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvcm.schema import KEYS_CEILING, TOKENS_CEILING
 
@@ -64,7 +65,7 @@ class HttpConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    backend: str = "lmdb"  # lmdb | memory
+    backend: str = "lmdb"  # lmdb | memory | redis
     data_dir: str = "./kvcm-data"  # LMDB metadata, the default file storage, the engine index
     map_size: int = 256 << 20  # initial LMDB map; grows by doubling up to map_size_max
     map_size_max: int = 64 << 30  # past this, writes get CAPACITY_EXHAUSTED
@@ -72,6 +73,11 @@ class StoreConfig:
     max_readers: int = 126  # LMDB reader slots (stale ones are cleared at start and when full)
     lock_shards: int = 64  # in-memory lock shards; a power of two
     search_cache_size: int = 65536  # entries of the lookup LRU cache; 0 disables it
+    redis_url: str = "redis://127.0.0.1:6379/0"  # backend redis: redis://host:port/db, rediss://..., unix://path
+    redis_password_file: str = ""  # backend redis: a file holding the password ("" = none, or in the URL)
+    redis_prefix: str = "kvcm"  # backend redis: the hash tag of every key ({kvcm}:...); one per deployment
+    redis_wait_replicas: int = 0  # backend redis: a commit is acknowledged once on this many replicas (WAIT)
+    redis_wait_timeout_ms: int = 1000  # backend redis: a commit not on redis_wait_replicas by then is an error
 
 
 @dataclass(frozen=True)
@@ -320,7 +326,7 @@ def validate(config: Config) -> None:
     checks: list[tuple[bool, str]] = [
         (config.store.lock_shards > 0 and config.store.lock_shards & (config.store.lock_shards - 1) == 0,
          "store.lock_shards must be a power of two"),
-        (config.store.backend in ("lmdb", "memory"), "store.backend must be one of: lmdb, memory"),
+        (config.store.backend in ("lmdb", "memory", "redis"), "store.backend must be one of: lmdb, memory, redis"),
         (config.store.map_size >= 64 << 10, "store.map_size must be at least 64 KiB"),
         (config.server.max_message_bytes >= 1024, "server.max_message_bytes must be at least 1024"),
         (0 < config.server.max_keys <= KEYS_CEILING, f"server.max_keys must be in 1..{KEYS_CEILING}"),
@@ -371,7 +377,35 @@ def validate(config: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _check_redis(config.store)
     _check_curve(config)
+
+
+_REDIS_PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _check_redis(store: StoreConfig) -> None:
+    """The Redis keys are checked whatever the backend, so a typo fails before it is used."""
+    try:
+        url = urlsplit(store.redis_url)
+        url.port  # noqa: B018 - parses the port: a bad one raises ValueError
+    except ValueError as exc:
+        raise ConfigError(f"store.redis_url is not a URL: {exc}") from None
+    checks = [
+        (url.scheme in ("redis", "rediss", "unix") and bool(url.hostname if url.scheme != "unix" else url.path),
+         "store.redis_url must be redis://host:port/db, rediss://host:port/db or unix:///path/to/socket"),
+        (not (store.redis_password_file and url.password),
+         "store.redis_password_file and a password in store.redis_url: give the password once"),
+        (not store.redis_password_file or os.path.isfile(store.redis_password_file),
+         "store.redis_password_file: no such file"),
+        (bool(_REDIS_PREFIX.fullmatch(store.redis_prefix)),
+         "store.redis_prefix must be 1 to 64 of A-Z a-z 0-9 _ . : - (no braces: it becomes the hash tag)"),
+        (0 <= store.redis_wait_replicas <= 64, "store.redis_wait_replicas must be in 0..64"),
+        (0 < store.redis_wait_timeout_ms <= 600_000, "store.redis_wait_timeout_ms must be in 1..600000"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
 
 
 def _check_curve(config: Config) -> None:

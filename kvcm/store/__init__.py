@@ -9,7 +9,15 @@ from kvcm.store.base import DATABASES, MetaStore, ReadTxn, WriteTxn, from_i64, f
 from kvcm.store.lmdb import DataDirLocked, LmdbStore
 from kvcm.store.memory import MemoryStore
 
-STORES: dict[str, Callable[..., Any]] = {"lmdb": LmdbStore, "memory": MemoryStore}
+
+def _redis_store(*args: Any, **kwargs: Any) -> Any:
+    """Imported on use: redis-py is needed only by deployments that choose Redis."""
+    from kvcm.store.redis import RedisStore
+
+    return RedisStore(*args, **kwargs)
+
+
+STORES: dict[str, Callable[..., Any]] = {"lmdb": LmdbStore, "memory": MemoryStore, "redis": _redis_store}
 
 __all__ = [
     "DATABASES",

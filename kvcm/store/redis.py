@@ -1,0 +1,671 @@
+"""Redis implementation of :class:`~kvcm.store.base.MetaStore` (``store.backend = "redis"``).
+
+Layout: each named database is a hash of values (``{P}:h:<db>``) plus a sorted set of its keys
+with every score 0 (``{P}:z:<db>``), so ``ZRANGEBYLEX`` walks them in byte order for ``scan``.
+``{P}:epoch`` is the fencing epoch and ``{P}:commit`` the id of the last commit. Every key
+carries one hash tag ``{P}`` (``store.redis_prefix``), so a Redis Cluster keeps all of one
+kvcm's keys on one slot (multi-key scripts need that) and deployments with different prefixes
+share one Redis.
+
+Transactions: a write transaction buffers its puts and deletes in an overlay its own reads see;
+a nested ``write()`` block is a savepoint with an undo log of overlay entries (as in
+:class:`~kvcm.store.lmdb_txn.LmdbWriteTxn`). The group's overlay is committed by ONE Lua script
+call: Redis runs a script atomically, and the script checks the fencing token and the type of
+every key it will touch *before* its first write, because Redis does not undo the writes of a
+script that fails midway. One process-wide writer lock serialises write transactions, as LMDB's
+single writer does: only this process writes (a later leader lease makes that so across hosts).
+
+Read isolation: Redis has no snapshots. A read transaction holds a shared gate that this
+process's commits take exclusively, so a read transaction never straddles this process's own
+commit: within one ``read()`` block every read sees the same committed state, as long as no other
+process writes the same prefix (the single-writer rule above).
+
+A lost connection during the commit call leaves its outcome in doubt; the store then asks for
+``{P}:commit``: holding this commit's id means it was applied. Redis errors become kvcm's
+typed errors (a connection failure is :class:`~kvcm.errors.Unavailable`), never raw redis-py
+exceptions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvcm.errors import Code, ServerError, Unavailable
+from kvcm.lockfile import LockBusy, drop_lock_file, hold_lock_file
+from kvcm.store.base import DATABASES, bad_key, key_fits, run_aborts
+
+log = logging.getLogger("kvcm.store")
+
+CONNECT_TIMEOUT_S = 2.0  # a Redis that does not accept within this is unavailable
+SOCKET_TIMEOUT_S = 5.0  # one command's reply; a commit's WAIT has its own timeout on top
+_PAGE = 512  # keys per scan round trip
+_ABSENT = object()  # undo-log marker: the key had no overlay entry
+
+# KEYS: epoch, commit marker, then (hash, zset) per database touched.
+# ARGV: fencing token ("" = none), commit id, then per database: #puts, #deletes, k, v, ..., k, ...
+_COMMIT = """
+local token = ARGV[1]
+if token ~= '' then
+  local epoch = tonumber(redis.call('GET', KEYS[1]) or '0')
+  if epoch == nil or epoch > tonumber(token) then
+    return redis.error_reply('KVCMFENCED ' .. tostring(redis.call('GET', KEYS[1])))
+  end
+end
+for i = 3, #KEYS, 2 do
+  local h = redis.call('TYPE', KEYS[i])['ok']
+  local z = redis.call('TYPE', KEYS[i + 1])['ok']
+  if (h ~= 'none' and h ~= 'hash') or (z ~= 'none' and z ~= 'zset') then
+    return redis.error_reply('KVCMTYPE ' .. KEYS[i] .. ' is ' .. h .. ', ' .. KEYS[i + 1] .. ' is ' .. z)
+  end
+end
+local a = 3
+for i = 3, #KEYS, 2 do
+  local h, z = KEYS[i], KEYS[i + 1]
+  local nput, ndel = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  a = a + 2
+  for j = a, a + 2 * nput - 1, 2 do
+    redis.call('HSET', h, ARGV[j], ARGV[j + 1])
+    redis.call('ZADD', z, 0, ARGV[j])
+  end
+  a = a + 2 * nput
+  for j = a, a + ndel - 1 do
+    redis.call('HDEL', h, ARGV[j])
+    redis.call('ZREM', z, ARGV[j])
+  end
+  a = a + ndel
+end
+redis.call('SET', KEYS[2], ARGV[2])
+return 1
+"""
+
+# KEYS: zset, hash. ARGV: min, max, count. One round trip for a page of keys and their values.
+_SCAN = """
+local keys = redis.call('ZRANGEBYLEX', KEYS[1], ARGV[1], ARGV[2], 'LIMIT', 0, tonumber(ARGV[3]))
+if #keys == 0 then return {{}, {}} end
+return {keys, redis.call('HMGET', KEYS[2], unpack(keys))}
+"""
+
+# KEYS: zset, hash. ARGV: ranks. The members at those ranks (all scores are 0: rank = byte order).
+_AT_RANKS = """
+local keys = {}
+for i = 1, #ARGV do
+  local got = redis.call('ZRANGE', KEYS[1], ARGV[i], ARGV[i])
+  if got[1] then keys[#keys + 1] = got[1] end
+end
+if #keys == 0 then return {{}, {}} end
+return {keys, redis.call('HMGET', KEYS[2], unpack(keys))}
+"""
+
+
+class Fenced(Unavailable):
+    """A commit refused: a newer leader's epoch is stored (this process is no longer the writer)."""
+
+    default_code = Code.SERVER_NOT_LEADER
+
+
+class NotReplicated(Unavailable):
+    """A commit applied on the primary that fewer than ``store.redis_wait_replicas`` replicas
+    acknowledged in time: it is not lost now, but may be if the primary fails before they copy it."""
+
+    default_code = Code.TIMEOUT
+
+
+def translate(exc: redis.RedisError) -> Exception:
+    """kvcm's typed error for a redis-py exception."""
+    if isinstance(exc, redis.AuthenticationError):
+        return Unavailable(f"metadata store (Redis) refused the password: {exc}", Code.SERVICE_NOT_READY)
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return Unavailable(f"metadata store (Redis) unavailable: {exc}", Code.SERVICE_NOT_READY)
+    if isinstance(exc, redis.ReadOnlyError):
+        return Unavailable(f"metadata store (Redis) is a read-only replica: {exc}", Code.SERVER_NOT_LEADER)
+    if str(exc).startswith("KVCMFENCED"):
+        return Fenced(f"commit refused: a newer writer holds the metadata store (stored epoch "
+                      f"{str(exc).split(' ', 1)[1]})")
+    return ServerError(f"metadata store (Redis) error: {exc}", Code.IO_ERROR)
+
+
+def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run one redis-py call; its errors come out as kvcm's."""
+    try:
+        return fn(*args, **kwargs)
+    except redis.RedisError as exc:
+        raise translate(exc) from None
+
+
+def redact(url: str) -> str:
+    """``url`` without its password, for logs and messages."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user + ':' if user else ':'}***@{host}"
+
+
+def _upper(prefix: bytes) -> bytes | None:
+    """The first key past every key with ``prefix`` (None: no such key, the range is open)."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return None
+    return stripped[:-1] + bytes([stripped[-1] + 1])
+
+
+class _Gate:
+    """Shared for read transactions, exclusive for a commit; re-entrant per thread for reads."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._exclusive = False
+        self.local = threading.local()
+
+    def enter(self) -> None:
+        held = getattr(self.local, "held", 0)
+        if held == 0:
+            with self._cond:
+                while self._exclusive:
+                    self._cond.wait()
+                self._active += 1
+        self.local.held = held + 1
+
+    def leave(self) -> None:
+        self.local.held -= 1
+        if self.local.held == 0:
+            with self._cond:
+                self._active -= 1
+                if self._active == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        if getattr(self.local, "held", 0):
+            # This thread commits inside its own read block: waiting for readers would wait on
+            # itself. Its read is the one that straddles the commit, and it knows.
+            yield
+            return
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            # Bounded: a reader of another thread that opens a write inside its read block waits
+            # for this commit's writer lock; past the bound the commit goes on without it.
+            if not self._cond.wait_for(lambda: self._active == 0, SOCKET_TIMEOUT_S):
+                log.warning("a commit went ahead while %d read transaction(s) stayed open", self._active)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class RedisReadTxn:
+    """Reads of committed data (through the overlay of a write transaction, when it has one)."""
+
+    def __init__(self, store: RedisStore, overlay: dict[str, dict[bytes, bytes | None]] | None = None) -> None:
+        self._store = store
+        self._overlay = overlay if overlay is not None else {}
+
+    def get(self, db: str, key: bytes) -> bytes | None:
+        layer = self._overlay.get(db)
+        if layer is not None and key in layer:
+            return layer[key]
+        if not key_fits(key):
+            return None
+        value: bytes | None = _call(self._store.client.hget, self._store.hash_key(db), key)
+        return value
+
+    def get_many(self, db: str, keys: Iterable[bytes]) -> list[bytes | None]:
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        layer = self._overlay.get(db, {})
+        wanted = [k for k in keys if k not in layer and key_fits(k)]
+        found: dict[bytes, bytes | None] = {}
+        if wanted:
+            values = _call(self._store.client.hmget, self._store.hash_key(db), wanted)
+            found = dict(zip(wanted, values))
+        return [layer[k] if k in layer else found.get(k) for k in keys]
+
+    def scan(
+        self, db: str, start: bytes = b"", prefix: bytes = b"", limit: int | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        lo = max(start, prefix)
+        layer = self._overlay.get(db, {})
+        own = sorted(k for k in layer if k >= lo and k.startswith(prefix))
+        merged = _merge(self._base_scan(db, lo, prefix), own, layer)
+        for n, item in enumerate(merged):
+            if limit is not None and n >= limit:
+                return
+            yield item
+
+    def _base_scan(self, db: str, lo: bytes, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        store = self._store
+        upper = _upper(prefix) if prefix else None
+        low = b"[" + lo if lo else b"-"
+        high = b"(" + upper if upper is not None else b"+"
+        keys = [store.zset_key(db), store.hash_key(db)]
+        while True:
+            found, values = _call(store.scan_script, keys=keys, args=[low, high, _PAGE])
+            for key, value in zip(found, values):
+                if not key.startswith(prefix):
+                    return
+                if value is not None:  # a key without a value: none a commit leaves, skipped all the same
+                    yield key, value
+            if len(found) < _PAGE:
+                return
+            low = b"(" + found[-1]
+
+    def count(self, db: str) -> int:
+        store = self._store
+        total = int(_call(store.client.hlen, store.hash_key(db)))
+        layer = self._overlay.get(db)
+        if not layer:
+            return total
+        keys = list(layer)
+        stored = _call(store.client.hmget, store.hash_key(db), keys)
+        for key, before in zip(keys, stored):
+            total += (layer[key] is not None) - (before is not None)
+        return total
+
+
+def _merge(base: Iterator[tuple[bytes, bytes]], own: list[bytes],
+           layer: dict[bytes, bytes | None]) -> Iterator[tuple[bytes, bytes]]:
+    """Committed items and a transaction's own keys (sorted) in one key order; own entries win."""
+    i = 0
+    for key, value in base:
+        while i < len(own) and own[i] < key:
+            mine = layer[own[i]]
+            if mine is not None:
+                yield own[i], mine
+            i += 1
+        if i < len(own) and own[i] == key:
+            i += 1
+        if key in layer:
+            mine = layer[key]
+            if mine is not None:
+                yield key, mine
+            continue
+        yield key, value
+    for key in own[i:]:
+        mine = layer[key]
+        if mine is not None:
+            yield key, mine
+
+
+class RedisWriteTxn(RedisReadTxn):
+    """A savepoint of the group's overlay: ``undo`` holds each key's overlay entry as it was
+    when the savepoint began (``_ABSENT``: none), written back on rollback."""
+
+    def __init__(self, store: RedisStore, overlay: dict[str, dict[bytes, bytes | None]]) -> None:
+        super().__init__(store, overlay)
+        self.undo: dict[tuple[str, bytes], object] = {}
+        self.callbacks: list[Callable[[], None]] = []
+        self.aborts: list[Callable[[], None]] = []
+
+    def _layer(self, db: str) -> dict[bytes, bytes | None]:
+        if db not in DATABASES:
+            raise KeyError(db)
+        layer = self._overlay.get(db)
+        if layer is None:
+            layer = self._overlay[db] = {}
+        return layer
+
+    def _set(self, db: str, layer: dict[bytes, bytes | None], key: bytes, value: bytes | None) -> None:
+        slot = (db, key)
+        if slot not in self.undo:
+            self.undo[slot] = layer.get(key, _ABSENT)
+        layer[key] = value
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        if not key_fits(key):
+            raise bad_key()
+        self._set(db, self._layer(db), bytes(key), bytes(value))
+
+    def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
+        layer = self._layer(db)
+        for key, value in items:
+            if not key_fits(key):
+                raise bad_key()
+            self._set(db, layer, bytes(key), bytes(value))
+
+    def delete(self, db: str, key: bytes) -> bool:
+        return self.delete_many(db, [key]) == 1
+
+    def delete_many(self, db: str, keys: Iterable[bytes]) -> int:
+        wanted = [bytes(k) for k in keys if key_fits(k)]
+        if not wanted:
+            return 0
+        existed = self.get_many(db, wanted)  # one round trip for the keys the overlay does not know
+        layer = self._layer(db)
+        gone = 0
+        for key, old in zip(wanted, existed):
+            if old is not None:
+                self._set(db, layer, key, None)
+                gone += 1
+        return gone
+
+    def drop(self, db: str) -> None:
+        layer = self._layer(db)
+        for key, _ in list(self.scan(db)):
+            self._set(db, layer, key, None)
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        self.callbacks.append(fn)
+
+    def on_abort(self, fn: Callable[[], None]) -> None:
+        self.aborts.append(fn)
+
+    def rollback(self) -> None:
+        for (db, key), old in self.undo.items():
+            layer = self._overlay[db]
+            if old is _ABSENT:
+                layer.pop(key, None)
+            else:
+                layer[key] = old  # type: ignore[assignment]  # a value or None (deleted)
+
+
+class _Group:
+    """Per-thread group-commit state: the overlay (None until the first write block) and the
+    callbacks of the savepoints that committed into it."""
+
+    __slots__ = ("aborts", "callbacks", "overlay")
+
+    def __init__(self) -> None:
+        self.overlay: dict[str, dict[bytes, bytes | None]] | None = None
+        self.callbacks: list[Callable[[], None]] = []
+        self.aborts: list[Callable[[], None]] = []
+
+
+class _Reading:
+    __slots__ = ("_store",)
+
+    def __init__(self, store: RedisStore) -> None:
+        self._store = store
+
+    def __enter__(self) -> RedisReadTxn:
+        self._store._gate.enter()
+        return RedisReadTxn(self._store)
+
+    def __exit__(self, *exc: object) -> None:
+        self._store._gate.leave()
+
+
+class RedisStore:
+    """Metadata store on Redis. Thread-safe; one writer at a time in this process.
+
+    ``path``: the data dir for kvcm's local files (its lock, the reclaimer's recency, the engine
+    index, the default file storage); the metadata itself lives in Redis. ``fencing_token``:
+    when set, a commit is refused (:class:`Fenced`) once ``{P}:epoch`` holds a higher number."""
+
+    def __init__(
+        self,
+        url: str,
+        path: str | None = None,
+        prefix: str = "kvcm",
+        password: str | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+        fencing_token: int | None = None,
+    ) -> None:
+        self.path = path
+        self.url = url
+        self.prefix = prefix
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self.fencing_token = fencing_token
+        self._lock_path: str | None = None
+        if path is not None:
+            os.makedirs(path, exist_ok=True)
+            self._lock_path = self._lock_dir(path)
+        try:
+            self.client: Any = redis.Redis.from_url(
+                url, password=password, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                retry=Retry(NoBackoff(), 1),  # once, at once: a pooled connection from before a Redis restart
+            )
+            _call(self.client.ping)
+        except BaseException:
+            self._release_lock()
+            raise
+        tag = "{" + prefix + "}"
+        self._hash = {name: f"{tag}:h:{name}".encode() for name in DATABASES}
+        self._zset = {name: f"{tag}:z:{name}".encode() for name in DATABASES}
+        self.epoch_key = f"{tag}:epoch".encode()
+        self.commit_key = f"{tag}:commit".encode()
+        self.commit_script = self.client.register_script(_COMMIT)
+        self.scan_script = self.client.register_script(_SCAN)
+        self._ranks_script = self.client.register_script(_AT_RANKS)
+        self._writer = threading.RLock()
+        self._gate = _Gate()
+        self._local = threading.local()
+        self._ids = itertools.count()
+        self._run = uuid.uuid4().hex[:12]
+        self._closed = False
+
+    def _lock_dir(self, path: str) -> str:
+        lock = os.path.join(path, "kvcm.lock")
+        try:
+            hold_lock_file(lock, f"the store object {id(self):x}", f"data dir {path!r}")
+        except LockBusy:
+            from kvcm.store.lmdb import DataDirLocked
+
+            raise DataDirLocked(f"data dir {path!r} is in use by another kvcm process (lock file kvcm.lock); "
+                                "stop it or choose another --data-dir") from None
+        return lock
+
+    def _release_lock(self) -> None:
+        if self._lock_path is not None:
+            drop_lock_file(self._lock_path)
+            self._lock_path = None
+
+    def hash_key(self, db: str) -> bytes:
+        return self._hash[db]
+
+    def zset_key(self, db: str) -> bytes:
+        return self._zset[db]
+
+    def describe(self) -> str:
+        """One line for the start-up block (no password)."""
+        wait = f", WAIT {self.wait_replicas} replica(s)" if self.wait_replicas else ""
+        return f"redis {redact(self.url)}, prefix {self.prefix}{wait}"
+
+    def is_empty(self) -> bool:
+        """No database of this prefix holds a key (a new or wrong prefix / Redis db)."""
+        pipe = self.client.pipeline(transaction=False)
+        for name in DATABASES:
+            pipe.exists(self._hash[name])
+        return not any(_call(pipe.execute))
+
+    # -- transactions -------------------------------------------------------------------------
+
+    def read(self) -> _Reading:
+        return _Reading(self)
+
+    @contextmanager
+    def group(self) -> Iterator[None]:
+        if getattr(self._local, "group", None) is not None:
+            yield  # already inside a group on this thread: join it
+            return
+        group = _Group()
+        self._local.group = group
+        try:
+            yield
+        except BaseException:
+            self._local.group = None
+            self._end(group)
+            run_aborts(group.aborts)
+            raise
+        self._local.group = None
+        shortfall: NotReplicated | None = None
+        try:
+            shortfall = self._commit(group)
+        except BaseException:
+            run_aborts(group.aborts)  # a failed commit applied nothing
+            raise
+        finally:
+            self._end(group)
+        for fn in group.callbacks:
+            fn()
+        if shortfall is not None:
+            raise shortfall  # applied (memory follows the store), but not on enough replicas
+
+    def _end(self, group: _Group) -> None:
+        if group.overlay is not None:
+            group.overlay = None
+            self._writer.release()
+
+    @contextmanager
+    def write(self, join: bool = False) -> Iterator[RedisWriteTxn]:
+        group: _Group | None = getattr(self._local, "group", None)
+        stack: list[RedisWriteTxn] = self._stack()
+        if join and group is not None and stack:
+            yield stack[-1]  # no savepoint of its own: its errors roll back the enclosing block
+            return
+        if group is None:
+            with self.group(), self.write() as txn:
+                yield txn
+            return
+        if group.overlay is None:
+            self._writer.acquire()  # released when the group ends (_end)
+            group.overlay = {}
+        child = RedisWriteTxn(self, group.overlay)
+        stack.append(child)
+        try:
+            yield child
+        except BaseException:
+            stack.pop()
+            child.rollback()
+            run_aborts(child.aborts)
+            raise
+        stack.pop()
+        if stack:
+            parent = stack[-1]
+            for slot, old in child.undo.items():
+                parent.undo.setdefault(slot, old)  # the parent keeps the older entry
+            parent.callbacks.extend(child.callbacks)
+            parent.aborts.extend(child.aborts)
+        else:
+            group.callbacks.extend(child.callbacks)
+            group.aborts.extend(child.aborts)
+
+    def _stack(self) -> list[Any]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _commit(self, group: _Group) -> NotReplicated | None:
+        """Apply the overlay in one script call; returns the replica shortfall, if any."""
+        keys, args = self._script_input(group.overlay or {})
+        if not keys:
+            return None
+        commit_id = f"{self._run}-{next(self._ids)}".encode()
+        token = b"" if self.fencing_token is None else str(self.fencing_token).encode()
+        with self._gate.exclusive():
+            try:
+                self.commit_script(keys=[self.epoch_key, self.commit_key, *keys], args=[token, commit_id, *args])
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._resolve_in_doubt(commit_id, exc)
+            except redis.RedisError as exc:
+                raise translate(exc) from None
+        return self._wait_replicas()
+
+    @staticmethod
+    def _flatten(layer: dict[bytes, bytes | None]) -> tuple[list[bytes], list[bytes]]:
+        puts: list[bytes] = []
+        dels: list[bytes] = []
+        for key, value in layer.items():
+            if value is None:
+                dels.append(key)
+            else:
+                puts += (key, value)
+        return puts, dels
+
+    def _script_input(self, overlay: dict[str, dict[bytes, bytes | None]]) -> tuple[list[bytes], list[Any]]:
+        keys: list[bytes] = []
+        args: list[Any] = []
+        for db, layer in overlay.items():
+            if not layer:
+                continue
+            puts, dels = self._flatten(layer)
+            keys += (self._hash[db], self._zset[db])
+            args += (len(puts) // 2, len(dels), *puts, *dels)
+        return keys, args
+
+    def _resolve_in_doubt(self, commit_id: bytes, exc: Exception) -> None:
+        """The connection failed around the commit call: applied iff the marker holds its id."""
+        try:
+            marker = self.client.get(self.commit_key)
+        except redis.RedisError:
+            log.error("metadata commit %s: outcome unknown, Redis unreachable (%s); a restart of kvcm "
+                      "re-reads what was committed", commit_id.decode(), exc)
+            raise Unavailable(f"metadata store (Redis) unavailable during a commit, outcome unknown: {exc}",
+                              Code.SERVICE_NOT_READY) from None
+        if marker != commit_id:
+            raise Unavailable(f"metadata store (Redis) unavailable: {exc}", Code.SERVICE_NOT_READY) from None
+        log.warning("metadata commit %s was applied although its reply was lost (%s)", commit_id.decode(), exc)
+
+    def _wait_replicas(self) -> NotReplicated | None:
+        if self.wait_replicas <= 0:
+            return None
+        try:
+            acked = int(self.client.wait(self.wait_replicas, self.wait_timeout_ms))
+        except redis.RedisError as exc:
+            acked, reason = 0, f"WAIT failed: {exc}"
+        else:
+            reason = f"{acked} replica(s) acknowledged within {self.wait_timeout_ms} ms"
+        if acked >= self.wait_replicas:
+            return None
+        return NotReplicated(f"metadata commit applied on the Redis primary but not confirmed on "
+                             f"{self.wait_replicas} replica(s): {reason}")
+
+    # -- misc ------------------------------------------------------------------------------------
+
+    def sample(self, db: str, n: int, prefix: bytes = b"") -> list[tuple[bytes, bytes]]:
+        """Up to ``n`` items picked uniformly at random (by rank: every score is 0)."""
+        if n <= 0:
+            return []
+        zset = self._zset[db]
+        with self.read():
+            pipe = self.client.pipeline(transaction=False)
+            if prefix:
+                pipe.zlexcount(zset, "-", b"(" + prefix)
+                upper = _upper(prefix)
+                pipe.zlexcount(zset, b"[" + prefix, b"(" + upper if upper is not None else "+")
+            else:
+                pipe.zcard(zset)
+            counts = [int(c) for c in _call(pipe.execute)]
+            first, size = (counts[0], counts[1]) if prefix else (0, counts[0])
+            if size == 0:
+                return []
+            ranks = [first + r for r in random.sample(range(size), min(n, size))]
+            found, values = _call(self._ranks_script, keys=[zset, self._hash[db]], args=ranks)
+        return [(k, v) for k, v in zip(found, values) if v is not None and k.startswith(prefix)]
+
+    def stats(self) -> dict[str, int]:
+        pipe = self.client.pipeline(transaction=False)
+        for name in DATABASES:
+            pipe.hlen(self._hash[name])
+        counts = _call(pipe.execute)
+        facts = {f"entries.{name}": int(c) for name, c in zip(DATABASES, counts)}
+        memory = _call(self.client.info, "memory")
+        facts["used_bytes"] = int(memory.get("used_memory", 0))
+        return facts
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._writer, self._gate.exclusive():
+            self.client.close()
+        self._release_lock()
