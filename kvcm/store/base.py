@@ -31,7 +31,7 @@ import logging
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvcm.errors import InvalidArgument
 
@@ -72,6 +72,25 @@ def run_aborts(fns: list[Callable[[], None]]) -> None:
         except Exception:  # logged; the abort itself goes on
             log.exception("abort callback failed")
     fns.clear()
+
+
+def merge_savepoint(child: Any, stack: list[Any], group: Any) -> None:
+    """A savepoint that ended without error hands its undo log (where kept) and its callbacks
+    to the savepoint around it, or, outermost, its callbacks to the group: a committed child
+    follows its parent's fate, and a parent that rolls back later takes its children down.
+    ``child.undo`` maps a slot to its value before the child's first change; where both hold a
+    slot, the parent's is the older one and stays."""
+    if stack:
+        parent = stack[-1]
+        if parent.undo is not None and child.undo:
+            setdefault = parent.undo.setdefault
+            for slot, old in child.undo.items():
+                setdefault(slot, old)
+        parent.callbacks.extend(child.callbacks)
+        parent.aborts.extend(child.aborts)
+    else:
+        group.callbacks.extend(child.callbacks)
+        group.aborts.extend(child.aborts)
 
 
 def key_fits(key: bytes) -> bool:

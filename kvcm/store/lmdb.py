@@ -38,7 +38,7 @@ import lmdb
 
 from kvcm.errors import Code, ServerError, Unavailable
 from kvcm.lockfile import LockBusy, drop_lock_file, hold_lock_file
-from kvcm.store.base import DATABASES, run_aborts
+from kvcm.store.base import DATABASES, merge_savepoint, run_aborts
 from kvcm.store.lmdb_txn import LmdbReadTxn, LmdbWriteTxn, key_range, translate_error
 
 log = logging.getLogger("kvcm.store")
@@ -279,19 +279,7 @@ class LmdbStore:
             run_aborts(child.aborts)  # rolled back, or its group can only abort
             raise
         stack.pop()
-        if stack:
-            parent = stack[-1]
-            if parent.undo is not None and child.undo:
-                setdefault = parent.undo.setdefault
-                for slot, old in child.undo.items():
-                    setdefault(slot, old)  # the parent keeps the older value
-            parent.callbacks.extend(child.callbacks)
-            parent.aborts.extend(child.aborts)
-        else:
-            group.callbacks.extend(child.callbacks)
-            group.aborts.extend(child.aborts)
-        # A committed child's callbacks follow its parent's fate; a parent that rolls back later
-        # takes the callbacks of its committed children down with it.
+        merge_savepoint(child, stack, group)
 
     def _stack(self) -> list[Any]:
         stack = getattr(self._local, "stack", None)

@@ -44,7 +44,7 @@ from redis.retry import Retry
 
 from kvcm.errors import Code, ServerError, Unavailable
 from kvcm.lockfile import LockBusy, drop_lock_file, hold_lock_file
-from kvcm.store.base import DATABASES, bad_key, key_fits, run_aborts
+from kvcm.store.base import DATABASES, bad_key, key_fits, merge_savepoint, run_aborts
 
 log = logging.getLogger("kvcm.store")
 
@@ -548,15 +548,7 @@ class RedisStore:
             run_aborts(child.aborts)
             raise
         stack.pop()
-        if stack:
-            parent = stack[-1]
-            for slot, old in child.undo.items():
-                parent.undo.setdefault(slot, old)  # the parent keeps the older entry
-            parent.callbacks.extend(child.callbacks)
-            parent.aborts.extend(child.aborts)
-        else:
-            group.callbacks.extend(child.callbacks)
-            group.aborts.extend(child.aborts)
+        merge_savepoint(child, stack, group)
 
     def _stack(self) -> list[Any]:
         stack = getattr(self._local, "stack", None)
