@@ -257,3 +257,25 @@ def test_reclaim_compact_lru_off_keeps_the_ordered_dict_lru():
     mgr.write("i", 1, now=1.0)
     rec.run_once(2.0)
     assert type(rec.tracked("g", "file")._policy) is LRU
+
+
+def test_the_read_memo_stays_bounded_and_right():
+    """Reads are answered from a memo of keys read lately; it never outgrows its bound, and a
+    key removed (its entry reused by another key) is never refreshed through it."""
+    from kvcm.policies.compact_lru import _MEMO
+
+    p, ref = CompactLRU(), LRU()
+    keys = list(range(_MEMO + 5000))
+    for k in keys:
+        p.on_write(k, 0.0, 1)
+        ref.on_write(k, 0.0, 1)
+    for policy in (p, ref):
+        policy.access_many(iter(keys), 0.0)  # more distinct keys than the memo holds
+    assert 0 < len(p._memo) <= _MEMO
+    p.check()
+    for policy in (p, ref):
+        policy.on_remove(keys[-1])  # in the memo; its entry is reused by the next write
+        policy.on_write(10**9, 0.0, 1)
+        policy.access_many(iter([keys[-1], keys[0]]), 0.0)
+    p.check()
+    assert p.victims(10, 0.0) == ref.victims(10, 0.0)
