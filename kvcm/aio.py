@@ -12,7 +12,8 @@ is dropped. ``timeout`` is per attempt; a call with no reply in time raises
 :class:`~kvcm.errors.Unavailable` with code ``TIMEOUT``. Only idempotent methods are retried,
 under a new msgid, so a late reply to the first attempt cannot be taken for the retry's.
 :meth:`Client.close` fails every pending call with ``Unavailable`` (``SHUTTING_DOWN``).
-One client belongs to one event loop.
+One client belongs to one event loop. Several endpoints and ``SERVER_NOT_LEADER`` are handled
+as by :class:`kvcm.Client` (follow the leader for any method; on a timeout, the next endpoint).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvcm.client import (
     METHODS,
     ClientState,
     CurveClientKeys,
+    Endpoints,
     Ints,
     QueryType,
     TrimStrategy,
@@ -40,9 +42,10 @@ from kvcm.client import (
     build_request,
     decode_reply,
     drop_unset,
+    follows_leader,
     timeout_error,
 )
-from kvcm.errors import Code, InvalidArgument, Unavailable
+from kvcm.errors import Code, InvalidArgument, KvcmError, Unavailable
 from kvcm.results import (
     HEAD,
     AdminReply,
@@ -73,14 +76,17 @@ T = TypeVar("T")
 
 #: What a timer puts in a pending future when its attempt ran out of time.
 _TIMED_OUT = object()
+#: Sockets left behind by moving to another server, kept reading for calls still in flight on them.
+_RETIRED_MAX = 2
 
 
 class Client:
-    """An asyncio connection to one kvcm server. Use ``async with``, or await :meth:`close`."""
+    """An asyncio connection to a kvcm server (the leader of several). Use ``async with``, or
+    await :meth:`close`."""
 
     def __init__(
         self,
-        endpoint: str = "tcp://127.0.0.1:6381",
+        endpoint: str | Sequence[str] = "tcp://127.0.0.1:6381",
         timeout: float = 5.0,
         retries: int = 2,
         auth: dict[str, str] | None = None,
@@ -88,7 +94,7 @@ class Client:
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_keys: CurveClientKeys | None = None,
     ) -> None:
-        self.endpoint = endpoint
+        self.endpoints = Endpoints(endpoint)
         self._curve: tuple[bytes, KeyPair] | None = None
         if curve_server_key is not None:
             self._curve = (load_public_key(curve_server_key), client_keypair(curve_client_keys))
@@ -102,7 +108,13 @@ class Client:
         self._socket: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._retired: list[tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = []  # sockets left by a move
         self.state = ClientState.OPEN
+
+    @property
+    def endpoint(self) -> str:
+        """The server this client talks to now."""
+        return self.endpoints.current
 
     async def __aenter__(self) -> Client:
         return self
@@ -132,6 +144,14 @@ class Client:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+        retired, self._retired = self._retired, []
+        for sock, task in retired:
+            self._close_socket(sock, task)
+
+    @staticmethod
+    def _close_socket(sock: zmq.asyncio.Socket, reader: asyncio.Task[None]) -> None:
+        reader.cancel()
+        sock.close(linger=0)
 
     async def call(
         self,
@@ -155,17 +175,44 @@ class Client:
             raise RuntimeError("client is closed")
         wait = self.timeout if timeout is None else timeout
         attempts = 1 + (self.retries if may_retry else 0)
-        for _ in range(attempts):
+        timeouts = follows = 0
+        while True:
             # A new msgid per attempt: the first attempt's late reply finds no future and is dropped.
             msgid = self._next_id()
             payload = build_request(method, msgid, params, self.auth)
+            sent_to = self.endpoint
             data = await self._attempt(msgid, payload, wait)
             if data is not _TIMED_OUT:
                 try:
                     return decode_reply(dec, data, msgid)
                 except _Skip:  # the reader routes by msgid: cannot happen, but never a wrong result
                     continue
-        raise timeout_error(method, self.endpoint, wait, attempts, self._curve is not None)
+                except KvcmError as exc:
+                    if not follows_leader(exc, follows):
+                        raise
+                    await self._move(self.endpoints.follow(exc, follows))
+                    follows += 1
+                    continue
+            timeouts += 1
+            where = self.endpoint
+            # The retry (or the next call) asks another server, unless a concurrent call has
+            # moved the client already (to the leader it was told of: stay there).
+            if sent_to == where and self.endpoints.rotate():
+                await self._move(0.0)
+            if timeouts >= attempts:
+                raise timeout_error(method, where, wait, attempts, self._curve is not None)
+
+    async def _move(self, pause: float) -> None:
+        """Connect to ``self.endpoint`` (changed by the caller) for the next attempts, after
+        ``pause`` seconds. The old socket keeps its reader for a while: calls in flight on it still
+        get their replies (routed by msgid), a refusal they follow in turn."""
+        if self._socket is not None and self._reader is not None:
+            self._retired.append((self._socket, self._reader))
+        self._socket, self._reader = None, None
+        while len(self._retired) > _RETIRED_MAX:
+            self._close_socket(*self._retired.pop(0))
+        if pause:
+            await asyncio.sleep(pause)
 
     async def _attempt(self, msgid: int, payload: bytes, wait: float) -> Any:
         """The reply bytes to ``msgid``, or ``_TIMED_OUT``."""

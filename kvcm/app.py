@@ -15,14 +15,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 import msgspec
 import zmq
 
 from kvcm.config import Config, HttpConfig
-from kvcm.errors import StartRefused, Unavailable
+from kvcm.errors import KvcmError, StartRefused, Unavailable
 from kvcm.metrics import Metrics
 from kvcm.rpc.curve import CurveServer
 from kvcm.rpc.dispatch import Dispatcher, Limits, Method
@@ -33,7 +33,13 @@ from kvcm.store import DataDirLocked, LmdbStore, MemoryStore, MetaStore
 from kvcm.threads import LoopThread
 from kvcm.version import __version__
 
+if TYPE_CHECKING:  # the lease needs redis-py, an optional extra: imported where it is used
+    from kvcm.ha.lease import Lease
+
 log = logging.getLogger("kvcm.app")
+
+#: Methods every node answers whatever its role: they describe the node (and name the leader).
+ROLE_FREE = frozenset({"check_health", "get_manager_cluster_info", "get_metrics"})
 
 
 def open_store(config: Config, orphans: str = "refuse") -> MetaStore:
@@ -141,7 +147,11 @@ class App:
     ``orphans``: what to do with storages holding blocks of a data dir whose metadata is gone
     (``refuse`` to start, ``adopt`` them unindexed, or ``discard`` them)."""
 
-    def __init__(self, config: Config, orphans: str = "refuse") -> None:
+    def __init__(self, config: Config, orphans: str = "refuse", lease: Lease | None = None) -> None:
+        """``lease``: the leader lease this process holds (``ha.enabled``, from :class:`HaNode`):
+        commits carry its epoch, requests and background work run only while it is valid."""
+        self.lease = lease
+        self.term = lease.epoch if lease is not None else 0  # the lease term this App serves
         # A taken port refuses the start before the data dir is even opened; the binds below
         # still report a port taken in between (and clean up what was built).
         if endpoint_in_use(config.server.endpoint):
@@ -164,6 +174,9 @@ class App:
         self.metrics = Metrics()
         self.started_at = time.time()
         self.store = open_store(config, orphans)
+        if self.lease is not None:
+            # Before anything is loaded: any commit of a deposed leader after this is refused.
+            self.store.fencing_token = self.lease.epoch  # type: ignore[attr-defined]
         self.threads: list[Any] = []
         self.publisher: Any = None  # kvcm's own vLLM-format event publisher, when enabled
         self.event_log: Any = None  # the JSON-lines event log, when configured
@@ -192,6 +205,7 @@ class App:
                 group_commit=config.server.group_commit,
                 access_log=config.server.access_log,
                 grow=getattr(self.store, "grow", None),
+                gate=self._leader_gate if self.lease is not None else None,
             )
             self.server = Server(
                 config.server.endpoint,
@@ -255,6 +269,7 @@ class App:
                 max_body=self.config.server.max_message_bytes,
                 auth_required=self.config.auth.enabled,
                 client_options=self.curve.client_options() if self.curve is not None else None,
+                role=self.role if self.lease is not None else None,
             )
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
@@ -374,10 +389,11 @@ class App:
                                   max_pin_ttl_s=cfg.max_pin_ttl_s)
         set_wire_cache_bytes(cfg.wire_cache_bytes)
         self.cache.start()
-        self.timers.append(Timer("write-session-expiry", cfg.session_check_ms / 1000.0, self.cache.expire_sessions))
+        self.timers.append(Timer("write-session-expiry", cfg.session_check_ms / 1000.0,
+                                 self._leading(self.cache.expire_sessions)))
         # Same cadence: a tick with nothing due is one comparison per pinned instance.
-        self.timers.append(Timer("pin-expiry", cfg.session_check_ms / 1000.0, self.cache.expire_pins))
-        self.threads.append(LoopThread("deleter", self.cache.background_once, cfg.delete_poll_ms / 1000.0))
+        self.timers.append(Timer("pin-expiry", cfg.session_check_ms / 1000.0, self._leading(self.cache.expire_pins)))
+        self.threads.append(LoopThread("deleter", self._leading(self.cache.background_once), cfg.delete_poll_ms / 1000.0))
         health = StorageHealth(self.storages.backends, self.registry.set_storage_available)
         StorageAvailability(lambda: [(s.global_unique_name, s.available) for s in self.registry.list_storages()],
                             self.metrics.registry)
@@ -401,10 +417,45 @@ class App:
                                    state_dir=state_dir)
         if cfg.inline:  # a write that would exceed a quota evicts, by the group's policy, what it needs
             self.cache.set_room_maker(self.reclaimer, cfg.inline_max_blocks)
-        self.threads.append(LoopThread("reclaimer", self.reclaimer.tick, self.reclaimer.period))
+        self.threads.append(LoopThread("reclaimer", self._leading(self.reclaimer.tick), self.reclaimer.period))
+
+    def _leading(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` as a background step that does nothing once the lease is no longer valid (the
+        leader stage is being stopped; its commits would be fenced anyway)."""
+        lease = self.lease
+        if lease is None:
+            return fn
+
+        def step() -> object:
+            return fn() if self.leading() else None
+        return step
+
+    def leading(self) -> bool:
+        """This App's term is the lease's current, valid term (always true without a lease)."""
+        lease = self.lease
+        return lease is None or (lease.is_leader() and lease.epoch == self.term)
+
+    def _leader_gate(self, method: Method | None) -> KvcmError | None:
+        lease = self.lease
+        if lease is None or self.leading() or (method is not None and method.name in ROLE_FREE):
+            return None
+        from kvcm.ha.lease import not_leader
+
+        return not_leader(lease.known_holder(), lease.node_id)
+
+    def role(self) -> str:
+        return "leader" if self.lease is not None and self.leading() else "follower"
 
     def info(self) -> dict[str, Any]:
         """Facts about this node for check_health / get_manager_cluster_info."""
+        facts = self._facts()
+        if self.lease is not None:
+            from kvcm.ha.lease import lease_facts
+
+            facts.update(node_id=self.lease.node_id, ha=lease_facts(self.lease))
+        return facts
+
+    def _facts(self) -> dict[str, Any]:
         return {
             "version": __version__,
             "endpoint": getattr(self, "endpoint", self.config.server.endpoint),
@@ -445,6 +496,8 @@ class App:
             ("curve", curve),
             ("publisher", publisher),
         ]
+        if self.lease is not None:
+            rows.append(("ha", f"node {self.lease.node_id}, {self.role()}, epoch {self.lease.epoch}"))
         return [f"kvcm serving on {self.endpoint}"] + [f"  {name:<10} {value}" for name, value in rows]
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -509,4 +562,189 @@ class App:
         log.info("kvcm stopped")
 
 
-__all__ = ["App", "LoopThread", "open_store"]
+class _Follower:
+    """A follower's serving stage: the RPC port answers ``check_health`` and
+    ``get_manager_cluster_info`` and refuses everything else with ``SERVER_NOT_LEADER`` naming
+    the leader; the side HTTP port reports the role. It loads no metadata: a node builds its
+    :class:`App` (and so reads the store) only once it holds the lease, so a leader's caches
+    are never older than its term."""
+
+    def __init__(self, config: Config, lease: Lease) -> None:
+        from kvcm.api.control import cluster_info
+        from kvcm.lockfile import LockBusy, hold_lock_file
+
+        self.config = config
+        self.lease = lease
+        self.metrics = Metrics()
+        self.started_at = time.time()
+        self._lock = os.path.join(os.path.abspath(config.store.data_dir), "kvcm.lock")
+        os.makedirs(os.path.dirname(self._lock), exist_ok=True)
+        try:
+            hold_lock_file(self._lock, f"the follower {id(self):x}", f"data dir {config.store.data_dir!r}")
+        except LockBusy:
+            raise DataDirLocked(f"data dir {config.store.data_dir!r} is in use by another kvcm process (lock file "
+                                "kvcm.lock); stop it or choose another --data-dir") from None
+        methods = [
+            Method("check_health", lambda req: {"status": "ok", "is_health": True, "is_leader": False,
+                                                "node": self.info()}),
+            Method("get_manager_cluster_info", lambda req: cluster_info(self.info(), self.started_at)),
+        ]
+        self.dispatcher = Dispatcher(methods, metrics=self.metrics, gate=self._gate)
+        try:
+            self.server = Server(config.server.endpoint, self.dispatcher, metrics=self.metrics,
+                                 max_message_bytes=config.server.max_message_bytes, poll_ms=config.server.poll_ms)
+            self.endpoint = self.server.endpoint
+            self.http = SideHttp(config.http, self.metrics, self.endpoint, lambda: True, lambda: True,
+                                 role=lambda: "follower") if config.http.enabled else None
+        except BaseException:
+            if getattr(self, "server", None) is not None:
+                self.server.close_unserved()
+            self._drop_lock()
+            raise
+
+    def _gate(self, method: Method | None) -> KvcmError | None:
+        from kvcm.ha.lease import not_leader
+
+        return None if method is not None else not_leader(self.lease.known_holder(), self.lease.node_id)
+
+    def info(self) -> dict[str, Any]:
+        from kvcm.ha.lease import lease_facts
+
+        return {"version": __version__, "endpoint": self.endpoint, "node_id": self.lease.node_id,
+                "http_port": self.http.port if self.http is not None else None, "host": socket.gethostname(), "pid": os.getpid(), "started_at": self.started_at,
+                "ha": lease_facts(self.lease)}
+
+    def role(self) -> str:
+        return "follower"
+
+    def run(self, started: Callable[[], None] | None = None) -> None:
+        try:
+            if self.http is not None:
+                self.http.start()
+            if started is not None:
+                started()
+            self.server.serve()
+        finally:
+            if self.http is not None:
+                self.http.stop()
+            self._drop_lock()
+
+    def request_stop(self) -> None:
+        self.server.stop()
+
+    def _drop_lock(self) -> None:
+        from kvcm.lockfile import drop_lock_file
+
+        drop_lock_file(self._lock)
+
+
+class HaNode:
+    """``kvcm serve`` with ``ha.enabled``: a follower stage until the lease is won, then a
+    full :class:`App` for the term; back to a follower stage when the lease is lost. Each stage
+    binds the same endpoints, so clients only see refusals and a reconnect."""
+
+    def __init__(self, config: Config, orphans: str = "refuse") -> None:
+        import redis
+
+        from kvcm.ha.lease import Lease
+        from kvcm.store.redis import CONNECT_TIMEOUT_S
+
+        self.config = config
+        self.orphans = orphans
+        ha = config.ha
+        password = None
+        if config.store.redis_password_file:
+            with open(config.store.redis_password_file, encoding="utf-8") as fh:
+                password = fh.read().rstrip("\r\n")
+        # Replies within a renew interval: a Redis that hangs must not hold the renew thread past
+        # the lease's deadline (is_leader() turns false by the clock regardless).
+        client = redis.Redis.from_url(config.store.redis_url, password=password,
+                                      socket_timeout=ha.renew_ms / 1000.0,
+                                      socket_connect_timeout=min(CONNECT_TIMEOUT_S, ha.renew_ms / 1000.0))
+        self.lease = Lease(client, config.store.redis_prefix, ha.node_id,
+                           ha.advertise_endpoint or config.server.endpoint, ha.lease_ms, ha.renew_ms,
+                           on_change=self._changed)
+        self.stage: App | _Follower | None = None
+        self._stop = threading.Event()
+        self._stage_lock = threading.Lock()
+        self._announced = False
+
+    def _changed(self, leader: bool) -> None:
+        with self._stage_lock:
+            stage = self.stage
+        if stage is not None and (isinstance(stage, App) != leader or
+                                  (isinstance(stage, App) and stage.term != self.lease.epoch)):
+            log.info("node %s: role change to %s", self.lease.node_id, "leader" if leader else "follower")
+            stage.request_stop()
+
+    def run(self, started: Callable[[], None] | None = None) -> None:
+        self.lease.step()  # the first attempt before any port is bound: a free lease is taken at once
+        self.lease.start()
+        try:
+            while not self._stop.is_set():
+                self._run_stage(started)
+        finally:
+            self.lease.stop(release=True)
+
+    def _run_stage(self, started: Callable[[], None] | None) -> None:
+        leader = self.lease.is_leader()
+        self._wait_endpoint_free()
+        try:
+            stage: App | _Follower = App(self.config, self.orphans, lease=self.lease) if leader \
+                else _Follower(self.config, self.lease)
+        except DataDirLocked:
+            raise
+        except Unavailable as exc:  # Redis away while building the leader stage: follow, retry
+            log.warning("node %s: cannot start the %s stage: %s", self.lease.node_id,
+                        "leader" if leader else "follower", exc)
+            self._stop.wait(self.lease.renew_ms / 1000.0)
+            return
+        with self._stage_lock:
+            self.stage = stage
+        if self._stop.is_set() or self.lease.is_leader() != leader or (isinstance(stage, App) and self.lease.epoch != stage.term):
+            stage.request_stop()
+        stage.run(started=self._announce(started, stage))
+
+    def _wait_endpoint_free(self, timeout: float = 5.0) -> None:
+        """The last stage's sockets close in ZeroMQ's I/O thread, a moment after its stop: the
+        next stage binds the same endpoint once it is free (a port still taken past ``timeout``
+        refuses the start as usual)."""
+        if self.stage is None:
+            return
+        deadline = time.monotonic() + timeout
+        while endpoint_in_use(self.config.server.endpoint) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _announce(self, started: Callable[[], None] | None, stage: App | _Follower) -> Callable[[], None] | None:
+        if started is None or self._announced:
+            return None
+
+        def once() -> None:
+            self._announced = True
+            started()
+        return once
+
+    @property
+    def endpoint(self) -> str:
+        return self.stage.endpoint if self.stage is not None else self.config.server.endpoint
+
+    def role(self) -> str:
+        return "leader" if self.lease.is_leader() else "follower"
+
+    def startup_block(self, config_file: str | None = None) -> list[str]:
+        stage = self.stage
+        if isinstance(stage, App):
+            return stage.startup_block(config_file)
+        return [f"kvcm serving on {self.endpoint}",
+                f"  {'version':<10} {__version__}",
+                f"  {'ha':<10} node {self.lease.node_id}, follower"]
+
+    def request_stop(self) -> None:
+        """Signal-safe: ends the current stage and the loop."""
+        self._stop.set()
+        stage = self.stage
+        if stage is not None:
+            stage.request_stop()
+
+
+__all__ = ["App", "HaNode", "LoopThread", "open_store"]

@@ -158,11 +158,11 @@ def effective_config(args: argparse.Namespace) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvcm.app import App
+    from kvcm.app import App, HaNode
 
     config = effective_config(args)
     logging.basicConfig(level=config.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = App(config, orphans=args.orphans)
+    app = (HaNode if config.ha.enabled else App)(config, orphans=args.orphans)
     signal.signal(signal.SIGTERM, lambda *_: app.request_stop())
     signal.signal(signal.SIGINT, lambda *_: app.request_stop())
     app.run(started=lambda: print("\n".join(app.startup_block(args.config)), flush=True))

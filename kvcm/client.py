@@ -17,6 +17,12 @@ Errors come back as :class:`~kvcm.errors.KvcmError` subclasses, mapped in one pl
 (Lazy Pirate: drop the socket, reconnect, resend); a write such as ``start_write_cache`` is
 never sent twice behind the caller's back. Not thread-safe: one client per thread.
 
+Several servers (the leader lease, docs/ha.md): ``Client(["tcp://a:6381", "tcp://b:6381"])``
+or ``"tcp://a:6381,tcp://b:6381"``. A ``SERVER_NOT_LEADER`` answer is followed for any method
+(the follower refused before executing anything): to the ``leader_endpoint`` it names, else to
+the next endpoint after a short pause, and the request is sent again there. A timeout moves to
+the next endpoint; only an idempotent call is resent after one.
+
 CURVE (a server with ``server.curve_secret_key_file``): pass ``curve_server_key`` (the server's
 public key: z85 text or its ``.key`` certificate file) and ``curve_client_keys`` (this client's
 secret certificate file, or a ``(public, secret)`` pair); without client keys an ephemeral pair
@@ -30,7 +36,7 @@ import enum
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -152,17 +158,60 @@ def timeout_error(method: str, endpoint: str, wait: float, attempts: int, curve:
     )
 
 
+#: How many ``SERVER_NOT_LEADER`` answers one call follows before it gives up (a failover
+#: without a leader lasts about ``ha.lease_ms + ha.renew_ms``; the pauses below outlast it).
+MAX_FOLLOWS = 40
+#: The longest pause before resending when no leader is known (it grows from 20 ms).
+FOLLOW_PAUSE_MAX_S = 0.25
+
+
+class Endpoints:
+    """The servers a client may talk to and the one it talks to now (``current``)."""
+
+    def __init__(self, endpoint: str | Sequence[str]) -> None:
+        items = endpoint.split(",") if isinstance(endpoint, str) else list(endpoint)
+        self.all = [e.strip() for e in items if isinstance(e, str) and e.strip()]
+        if not self.all:
+            raise InvalidArgument("no endpoint given")
+        self.current = self.all[0]
+
+    def rotate(self) -> bool:
+        """Move to the next endpoint; False when there is only one."""
+        if len(self.all) < 2:
+            return False
+        at = self.all.index(self.current) if self.current in self.all else -1
+        self.current = self.all[(at + 1) % len(self.all)]
+        return True
+
+    def follow(self, exc: KvcmError, follows: int) -> float:
+        """Move to where a ``SERVER_NOT_LEADER`` points; returns the pause before resending."""
+        leader = exc.detail.get("leader_endpoint", "")
+        if leader and leader != self.current:
+            if leader not in self.all:
+                self.all.append(leader)
+            self.current = leader
+            return 0.0 if follows < 2 else min(0.02 * 1.5 ** follows, FOLLOW_PAUSE_MAX_S)
+        self.rotate()  # no leader known now (a failover): ask the others, a little later each time
+        return min(0.02 * 1.5 ** follows, FOLLOW_PAUSE_MAX_S)
+
+
+def follows_leader(exc: KvcmError, follows: int) -> bool:
+    """This error is a refusal a call follows (not yet too many times)."""
+    return exc.code is Code.SERVER_NOT_LEADER and follows < MAX_FOLLOWS
+
+
 class ClientState(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
 
 
 class Client:
-    """A connection to one kvcm server. Use as a context manager, or call :meth:`close`."""
+    """A connection to a kvcm server (the leader of several). Use as a context manager, or call
+    :meth:`close`."""
 
     def __init__(
         self,
-        endpoint: str = "tcp://127.0.0.1:6381",
+        endpoint: str | Sequence[str] = "tcp://127.0.0.1:6381",
         timeout: float = 5.0,
         retries: int = 2,
         auth: dict[str, str] | None = None,
@@ -170,7 +219,7 @@ class Client:
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_keys: CurveClientKeys | None = None,
     ) -> None:
-        self.endpoint = endpoint
+        self.endpoints = Endpoints(endpoint)
         self._curve: tuple[bytes, KeyPair] | None = None
         if curve_server_key is not None:
             self._curve = (load_public_key(curve_server_key), client_keypair(curve_client_keys))
@@ -184,6 +233,11 @@ class Client:
         self._socket: zmq.Socket[bytes] | None = None
         self._rcvtimeo = -1  # RCVTIMEO of the current socket (-1: none set)
         self.state = ClientState.OPEN
+
+    @property
+    def endpoint(self) -> str:
+        """The server this client talks to now."""
+        return self.endpoints.current
 
     def __enter__(self) -> Client:
         return self
@@ -215,18 +269,45 @@ class Client:
         except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond 64 bits
             raise InvalidArgument(f"{method}: params cannot be sent: {type(exc).__name__}: {exc}") from None
         may_retry = method in IDEMPOTENT_METHODS if retry is None else retry
-        attempts = 1 + (self.retries if may_retry else 0)
         wait = self.timeout if timeout is None else timeout
-        for _ in range(attempts):
+
+        def once() -> Any:
             reply = self._roundtrip(payload, msgid, wait)
-            if reply is not None:
-                return _result(reply)
+            return _NO_REPLY if reply is None else _result(reply)
+        return self._send_until_answered(method, once, may_retry, wait)
+
+    def _send_until_answered(self, method: str, once: Callable[[], Any], may_retry: bool, wait: float,
+                             first: Any = None) -> Any:
+        """Run ``once`` (one send and wait) until it answers: a timeout is retried (when
+        ``may_retry``) on the next endpoint, a ``SERVER_NOT_LEADER`` is followed. ``first``: the
+        outcome of an attempt already made (``_NO_REPLY`` or the refusal), None = none made."""
+        attempts = 1 + (self.retries if may_retry else 0)
+        timeouts = follows = 0
+        while True:
+            try:
+                if first is None:
+                    got = once()
+                else:
+                    got, first = first, None
+                    if isinstance(got, KvcmError):
+                        raise got
+            except KvcmError as exc:
+                if not follows_leader(exc, follows):
+                    raise
+                self._drop_socket()  # a late reply of the old server must not be read as this one's
+                pause = self.endpoints.follow(exc, follows)
+                follows += 1
+                if pause:
+                    time.sleep(pause)
+                continue
+            if got is not _NO_REPLY:
+                return got
             self._drop_socket()  # Lazy Pirate: a fresh socket discards any late reply
-        curve = "; CURVE handshake failed or server unreachable" if self._curve is not None else ""
-        raise Unavailable(
-            f"no reply to {method} from {self.endpoint} within {wait:g}s ({attempts} attempt(s)){curve}",
-            Code.TIMEOUT,
-        )
+            timeouts += 1
+            where = self.endpoint
+            self.endpoints.rotate()  # the next call (or the retry) asks another server
+            if timeouts >= attempts:
+                raise timeout_error(method, where, wait, attempts, self._curve is not None)
 
     def _typed(self, method: str, reply: type[T], timeout: float | None, **params: Any) -> T:
         """One typed call: the reply is decoded straight into ``reply`` (:mod:`kvcm.results`)."""
@@ -235,15 +316,24 @@ class Client:
         msgid = next(self._ids) & wire.MAX_MSGID
         payload = build_request(method, msgid, drop_unset(params), self.auth)
         dec = decoder(reply)
-        attempts = 1 + (self.retries if method in IDEMPOTENT_METHODS else 0)
         wait = self.timeout if timeout is None else timeout
-        for _ in range(attempts):
-            frame = self._exchange(payload, dec, msgid, wait)
-            if frame is not None:
-                result: T = frame
-                return result
-            self._drop_socket()  # Lazy Pirate: a fresh socket discards any late reply
-        raise timeout_error(method, self.endpoint, wait, attempts, self._curve is not None)
+
+        try:  # the common case without the retry loop's frames: one attempt, answered
+            first = self._exchange(payload, dec, msgid, wait)
+        except KvcmError as exc:
+            if not follows_leader(exc, 0):
+                raise
+            first = exc
+        if first is not None and not isinstance(first, KvcmError):
+            result: T = first
+            return result
+
+        def once() -> Any:
+            got = self._exchange(payload, dec, msgid, wait)
+            return _NO_REPLY if got is None else got
+        result = self._send_until_answered(method, once, method in IDEMPOTENT_METHODS, wait,
+                                           first=_NO_REPLY if first is None else first)
+        return result
 
     def _exchange(self, payload: bytes, dec: msgspec.msgpack.Decoder[Envelope[Any]], msgid: int,
                   wait: float) -> Any:
@@ -601,6 +691,9 @@ class Client:
             self._rcvtimeo = -1
 
 
+_NO_REPLY = object()  # an attempt that got no reply in time
+
+
 def _listed(items: Sequence[Any] | None) -> list[Any] | tuple[Any, ...] | None:
     """A sequence msgspec can encode (lists and tuples are sent as they are)."""
     return items if items is None or isinstance(items, (list, tuple)) else list(items)
@@ -613,4 +706,4 @@ def _result(reply: tuple[Any, Any]) -> Any:
     return result
 
 
-__all__ = ["IDEMPOTENT_METHODS", "METHODS", "Client", "ClientState", "KvcmError"]
+__all__ = ["IDEMPOTENT_METHODS", "METHODS", "Client", "ClientState", "Endpoints", "KvcmError"]

@@ -170,6 +170,15 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class HaConfig:
+    enabled: bool = False  # the leader lease on the Redis store (needs store.backend = "redis")
+    node_id: str = ""  # this node's name in the lease; required when enabled, unique per node
+    advertise_endpoint: str = ""  # the RPC endpoint clients are sent to when this node leads ("" = server.endpoint)
+    lease_ms: int = 3000  # a leader that does not renew within this is replaced
+    renew_ms: int = 1000  # renew (leader) or contend (follower) this often; below lease_ms / 2
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
@@ -181,6 +190,7 @@ class Config:
     publisher: PublisherConfig = field(default_factory=PublisherConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    ha: HaConfig = field(default_factory=HaConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -379,6 +389,26 @@ def validate(config: Config) -> None:
             raise ConfigError(message)
     _check_redis(config.store)
     _check_curve(config)
+    _check_ha(config)
+
+
+_NODE_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _check_ha(config: Config) -> None:
+    ha = config.ha
+    checks = [
+        (100 <= ha.lease_ms <= 600_000, "ha.lease_ms must be in 100..600000"),
+        (ha.renew_ms > 0 and 2 * ha.renew_ms < ha.lease_ms, "ha.renew_ms must be positive and below ha.lease_ms / 2"),
+        (not ha.node_id or bool(_NODE_ID.fullmatch(ha.node_id)), "ha.node_id must be 1 to 64 of A-Z a-z 0-9 _ . : -"),
+        (not ha.advertise_endpoint or ha.advertise_endpoint.startswith(("tcp://", "ipc://")),
+         "ha.advertise_endpoint must be a tcp:// or ipc:// endpoint"),
+        (not ha.enabled or bool(ha.node_id), "ha.node_id is required when ha.enabled"),
+        (not ha.enabled or config.store.backend == "redis", 'ha.enabled requires store.backend = "redis"'),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
 
 
 _REDIS_PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")

@@ -1,7 +1,9 @@
 """The one error table of kvcm, shared by server and client.
 
 Codes keep Tair KVCM's numbers where Tair has them, and add precise codes where Tair collapses
-everything into ``INTERNAL_ERROR``. On the wire an error is ``{"code", "name", "message"}``;
+everything into ``INTERNAL_ERROR``. On the wire an error is ``{"code", "name", "message"}``, plus
+``"detail"`` (a map of strings) when the error names something a client acts on (the leader's
+endpoint of ``SERVER_NOT_LEADER``);
 the server maps exceptions to it in ``dispatch`` and the client maps it back with
 :func:`error_from_wire`, each in exactly one place.
 
@@ -68,12 +70,16 @@ class KvcmError(Exception):
         super().__init__(message)
         self.code = code if code is not None else self.default_code
         self.message = message
+        self.detail: dict[str, str] = {}  # facts a client acts on, e.g. ``leader_endpoint``
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
 
     def to_wire(self) -> dict[str, Any]:
-        return {"code": int(self.code), "name": self.code.name, "message": self.message}
+        out: dict[str, Any] = {"code": int(self.code), "name": self.code.name, "message": self.message}
+        if self.detail:
+            out["detail"] = dict(self.detail)
+        return out
 
 
 class InvalidArgument(KvcmError):
@@ -165,4 +171,8 @@ def error_from_wire(obj: Any) -> KvcmError:
         code = Code(raw)
     except ValueError:
         code = Code.INTERNAL_ERROR
-    return error(code, str(obj.get("message", "")))
+    exc = error(code, str(obj.get("message", "")))
+    detail = obj.get("detail")
+    if isinstance(detail, dict):  # from the network: only string pairs are kept
+        exc.detail = {k: v for k, v in detail.items() if isinstance(k, str) and isinstance(v, str)}
+    return exc

@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     # foundations: they import nothing of kvcm but each other
     ("kvcm.errors", "kvcm.version", "kvcm.threads", "kvcm.lockfile", "kvcm.metrics", "kvcm.schema", "kvcm.kv_events", "kvcm.rpc",
      "kvcm.rpc.wire", "kvcm.rpc.curve", "kvcm.config"),
-    ("kvcm.store", "kvcm.storage"),  # metadata stores; KV-block storages
+    ("kvcm.store", "kvcm.ha", "kvcm.storage"),  # metadata stores, the leader lease; KV-block storages
     ("kvcm.control", "kvcm.policies"),  # the registry; eviction policies
     ("kvcm.cache",),  # the data plane
     ("kvcm.reclaimer", "kvcm.engines", "kvcm.publish"),  # eviction; the inbound engine tier; outbound events

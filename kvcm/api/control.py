@@ -243,8 +243,16 @@ class _Handlers:
         }
 
     def get_manager_cluster_info(self, req: Empty) -> dict[str, Any]:
-        info = self.info()
-        node_id = str(info.get("node_id") or info.get("endpoint") or "local")
+        return cluster_info(self.info(), self.started)
+
+
+def cluster_info(info: dict[str, Any], started: float) -> dict[str, Any]:
+    """``get_manager_cluster_info`` from a node's facts. With the leader lease, ``info["ha"]``
+    holds the lease's view (``is_leader``, ``leader_node_id``, ``leader_endpoint``, ``epoch``,
+    ``lease_expires_at``); without it this node is the only one and leads forever."""
+    ha = info.get("ha")
+    node_id = str(info.get("node_id") or info.get("endpoint") or "local")
+    if not isinstance(ha, dict):
         me = {**info, "node_id": node_id, "leader": True}
         return {
             "leader": True,
@@ -253,9 +261,26 @@ class _Handlers:
             "self_node_id": node_id,
             "leader_node_id": node_id,
             "leader_endpoint": me,
-            "info_updated_time": int(self.started * 1000),
+            "info_updated_time": int(started * 1000),
             "self_leader_expiration_time": 0,  # single node: the lease never expires
         }
+    leader = bool(ha.get("is_leader"))
+    me = {**info, "node_id": node_id, "leader": leader}
+    leader_node = {"node_id": ha.get("leader_node_id") or "", "endpoint": ha.get("leader_endpoint") or "",
+                   "leader": True}
+    nodes = [me] if leader or not leader_node["node_id"] else [me, leader_node]
+    return {
+        "leader": leader,
+        "self": me,
+        "nodes": nodes,
+        "self_node_id": node_id,
+        "leader_node_id": leader_node["node_id"],
+        "leader_endpoint": me if leader else leader_node,
+        "epoch": int(ha.get("epoch") or 0),
+        "info_updated_time": int(time.time() * 1000),
+        # Wall-clock ms the lease would expire without a renew (0 = not the leader).
+        "self_leader_expiration_time": int(float(ha.get("lease_expires_at") or 0) * 1000),
+    }
 
 
 #: The spec fields a data-plane user sees, per storage type: a whitelist, so a field added to a

@@ -119,6 +119,11 @@ class Limits:
 #: credentials); ``peer`` is the sender's routing identity (``b""`` in-process).
 Authorizer = Callable[[Method, Any, bytes], None]
 
+#: ``gate(method)``: None to let the request run, or the error that answers it instead, before
+#: anything else is done for it (a follower's ``SERVER_NOT_LEADER``). ``method`` is None for a
+#: name not in this table (a follower's table is small: the leader knows the name).
+Gate = Callable[[Method | None], KvcmError | None]
+
 
 class Deferred(Exception):
     """Raised by an authorize hook whose verdict is not ready yet (e.g. a password check running
@@ -174,9 +179,11 @@ class Dispatcher:
         access_log: bool = False,
         grow: Callable[[], bool] | None = None,
         limits: Limits | None = None,
+        gate: Gate | None = None,
     ) -> None:
         """``grow``: make room in the store after :class:`~kvcm.errors.StoreFull`; True when it
-        did (the failed batch is then run again, once). ``max_keys`` overrides ``limits``."""
+        did (the failed batch is then run again, once). ``max_keys`` overrides ``limits``.
+        ``gate``: the node's role check (:data:`Gate`); None = every request may run."""
         self.methods: dict[str, Method] = {}
         for method in methods:
             if method.name in self.methods:
@@ -189,6 +196,7 @@ class Dispatcher:
         self._atomic = atomic or nullcontext
         self._grow = grow
         self._authorize = authorize
+        self._gate = gate
         limits = limits or Limits()
         if max_keys is not None:
             limits = Limits(**{**limits.__dict__, "max_keys": max_keys})
@@ -298,6 +306,10 @@ class Dispatcher:
             return outcome
         method = self.methods.get(request.method)
         outcome = _Outcome(request.msgid, method, tag, peer)
+        refused = self._gate(method) if self._gate is not None and method is None else None
+        if refused is not None:
+            outcome.error = self._to_error(refused, "gate")
+            return outcome
         if method is None:
             self.metrics.bad_messages.labels("unknown_method").inc()
             outcome.error = error(Code.METHOD_NOT_FOUND, f"unknown method {request.method[:100]!r}").to_wire()
@@ -375,6 +387,10 @@ class Dispatcher:
         Raises :class:`_Carry` to keep it for a later turn, or the request's error."""
         method, params = outcome.method, outcome.params
         assert method is not None  # internal: only called for resolved methods
+        if self._gate is not None:
+            refused = self._gate(method)  # before auth: the follower did nothing, the client resends
+            if refused is not None:
+                raise refused
         if outcome.carried and time.monotonic() - outcome.since > self.limits.defer_timeout_s:
             raise error(Code.TIMEOUT, f"{method.name}: waited over {self.limits.defer_timeout_s:g}s for its turn")
         if not outcome.authorized and self._authorize is not None:

@@ -352,13 +352,17 @@ class SideHttp:
         max_body: int = 4 << 20,
         auth_required: bool = False,
         client_options: dict[str, Any] | None = None,
+        role: Callable[[], str] | None = None,
     ) -> None:
-        """``client_options``: more ``Client`` arguments for forwarding /api (CURVE keys)."""
+        """``client_options``: more ``Client`` arguments for forwarding /api (CURVE keys).
+        ``role``: the node's role under the leader lease (``leader``/``follower``), shown by
+        ``/readyz``; None without the lease."""
         self.config = config
         self.metrics = metrics
         self.rpc_endpoint = rpc_endpoint
         self.live = live
         self.ready = ready
+        self.role = role
         self.max_body = max_body
         self.auth_required = auth_required
         self._pool = _ClientPool(rpc_endpoint, client_options)
@@ -527,7 +531,7 @@ def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
             elif path == "/livez":
                 self._probe(side.live())
             elif path == "/readyz":
-                self._probe(side.ready())
+                self._ready_probe()
             elif path.startswith("/api/"):
                 raise Refused(405, "method", ServerError("use POST for /api", Code.UNSUPPORTED), [("Allow", "POST, OPTIONS")])
             else:
@@ -651,6 +655,17 @@ def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
             self.close_connection = True
             self._linger = True
             self._json(refusal.status, {"error": refusal.error.to_wire()}, refusal.headers)
+
+        def _ready_probe(self) -> None:
+            """Under the lease only the leader is ready (a follower refuses every write); the body
+            and ``X-Kvcm-Role`` name the role either way."""
+            if side.role is None:
+                self._probe(side.ready())
+                return
+            role = side.role()
+            ok = side.ready() and role == "leader"
+            self._send(200 if ok else 503, (b"ok\n" if ok else b"not ok\n") + f"role: {role}\n".encode(),
+                       "text/plain", [("X-Kvcm-Role", role)])
 
         def _probe(self, ok: bool) -> None:
             self._send(200 if ok else 503, b"ok\n" if ok else b"not ok\n", "text/plain")
