@@ -142,7 +142,10 @@ def test_two_contenders_are_never_both_leader(client, prefix):
         for x in live.values():
             x.stop()
     assert samples > 20
-    assert int(client.get(f"{{{prefix}}}:epoch")) == 5  # one term each: the first and four takeovers
+    # At least one term each: the first and four takeovers. More when a starved live holder (a
+    # loaded CI machine, 300 ms lease) missed its own renew deadline and took the lease again:
+    # a new term then, which is what the epoch is for; never two leaders at once (checked above).
+    assert int(client.get(f"{{{prefix}}}:epoch")) >= 5
 
 
 def test_release_on_stop_lets_the_other_take_over_at_once(client, prefix):
