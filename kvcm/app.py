@@ -23,6 +23,7 @@ import zmq
 
 from kvcm.config import Config, HttpConfig
 from kvcm.errors import KvcmError, StartRefused, Unavailable
+from kvcm.follower import FollowerStage
 from kvcm.metrics import Metrics
 from kvcm.rpc.curve import CurveServer
 from kvcm.rpc.dispatch import Dispatcher, Limits, Method
@@ -35,6 +36,7 @@ from kvcm.version import __version__
 
 if TYPE_CHECKING:  # the lease needs redis-py, an optional extra: imported where it is used
     from kvcm.ha.lease import Lease
+    from kvcm.store.redis import RedisStore
 
 log = logging.getLogger("kvcm.app")
 
@@ -65,9 +67,12 @@ def open_store(config: Config, orphans: str = "refuse") -> MetaStore:
     )
 
 
-def _open_redis(config: Config, orphans: str) -> MetaStore:
+def _open_redis(config: Config, orphans: str = "refuse", follower: bool = False) -> RedisStore:
     """The Redis store; the data dir keeps kvcm's local files (lock, recency, engine index,
-    the default file storage). An unreachable Redis refuses the start with the reason."""
+    the default file storage). An unreachable Redis refuses the start with the reason.
+
+    ``follower``: a follower stage's store, which reads the leader's metadata and refuses
+    every commit (the stage holds the data dir's lock itself)."""
     from kvcm.store.redis import RedisStore, redact
 
     cfg = config.store
@@ -81,12 +86,16 @@ def _open_redis(config: Config, orphans: str) -> MetaStore:
             raise StartRefused(f"cannot read store.redis_password_file: {exc.strerror}") from None
     data_dir = os.path.abspath(cfg.data_dir)
     try:
-        store = RedisStore(cfg.redis_url, data_dir, prefix=cfg.redis_prefix, password=password,
-                           wait_replicas=cfg.redis_wait_replicas, wait_timeout_ms=cfg.redis_wait_timeout_ms)
+        store = RedisStore(cfg.redis_url, None if follower else data_dir, prefix=cfg.redis_prefix,
+                           password=password, wait_replicas=cfg.redis_wait_replicas,
+                           wait_timeout_ms=cfg.redis_wait_timeout_ms)
     except Unavailable as exc:
         if isinstance(exc, DataDirLocked):
             raise
         raise StartRefused(f"the metadata store {where} cannot be reached ({exc.message}); nothing was changed") from None
+    if follower:
+        store.read_only = f"node {config.ha.node_id} is a follower: it never writes the shared store"
+        return store
     if orphans == "refuse" and store.is_empty():
         try:
             _refuse_leftovers(data_dir, f"in {where}")
@@ -195,13 +204,7 @@ class App:
                 atomic=self.store.write,
                 # Off, no hook at all: not even a call per request.
                 authorize=self.authorize if self.authorize.enabled else None,
-                limits=Limits(
-                    max_keys=config.server.max_keys,
-                    max_tokens=config.server.max_tokens,
-                    max_reply_bytes=config.server.max_reply_bytes,
-                    turn_budget_ms=config.server.turn_budget_ms,
-                    defer_timeout_s=config.server.defer_timeout_s,
-                ),
+                limits=Limits.of(config.server),
                 group_commit=config.server.group_commit,
                 access_log=config.server.access_log,
                 grow=getattr(self.store, "grow", None),
@@ -362,7 +365,10 @@ class App:
             SubscriberSettings.from_config(cfg),
             registry=self.metrics.registry,
             static_sources=cfg.sources,
+            # Nodes sharing a Redis store follow the same sources (each keeps its own index).
+            shared=self.store if self.config.store.backend == "redis" else None,
         )
+        self.engines.adopt_definitions()
         return engines_api.methods(self.engines, self.authorize)
 
     def _build_cache(self, data_dir: str | None) -> list[Method]:
@@ -562,82 +568,6 @@ class App:
         log.info("kvcm stopped")
 
 
-class _Follower:
-    """A follower's serving stage: the RPC port answers ``check_health`` and
-    ``get_manager_cluster_info`` and refuses everything else with ``SERVER_NOT_LEADER`` naming
-    the leader; the side HTTP port reports the role. It loads no metadata: a node builds its
-    :class:`App` (and so reads the store) only once it holds the lease, so a leader's caches
-    are never older than its term."""
-
-    def __init__(self, config: Config, lease: Lease) -> None:
-        from kvcm.api.control import cluster_info
-        from kvcm.lockfile import LockBusy, hold_lock_file
-
-        self.config = config
-        self.lease = lease
-        self.metrics = Metrics()
-        self.started_at = time.time()
-        self._lock = os.path.join(os.path.abspath(config.store.data_dir), "kvcm.lock")
-        os.makedirs(os.path.dirname(self._lock), exist_ok=True)
-        try:
-            hold_lock_file(self._lock, f"the follower {id(self):x}", f"data dir {config.store.data_dir!r}")
-        except LockBusy:
-            raise DataDirLocked(f"data dir {config.store.data_dir!r} is in use by another kvcm process (lock file "
-                                "kvcm.lock); stop it or choose another --data-dir") from None
-        methods = [
-            Method("check_health", lambda req: {"status": "ok", "is_health": True, "is_leader": False,
-                                                "node": self.info()}),
-            Method("get_manager_cluster_info", lambda req: cluster_info(self.info(), self.started_at)),
-        ]
-        self.dispatcher = Dispatcher(methods, metrics=self.metrics, gate=self._gate)
-        try:
-            self.server = Server(config.server.endpoint, self.dispatcher, metrics=self.metrics,
-                                 max_message_bytes=config.server.max_message_bytes, poll_ms=config.server.poll_ms)
-            self.endpoint = self.server.endpoint
-            self.http = SideHttp(config.http, self.metrics, self.endpoint, lambda: True, lambda: True,
-                                 role=lambda: "follower") if config.http.enabled else None
-        except BaseException:
-            if getattr(self, "server", None) is not None:
-                self.server.close_unserved()
-            self._drop_lock()
-            raise
-
-    def _gate(self, method: Method | None) -> KvcmError | None:
-        from kvcm.ha.lease import not_leader
-
-        return None if method is not None else not_leader(self.lease.known_holder(), self.lease.node_id)
-
-    def info(self) -> dict[str, Any]:
-        from kvcm.ha.lease import lease_facts
-
-        return {"version": __version__, "endpoint": self.endpoint, "node_id": self.lease.node_id,
-                "http_port": self.http.port if self.http is not None else None, "host": socket.gethostname(), "pid": os.getpid(), "started_at": self.started_at,
-                "ha": lease_facts(self.lease)}
-
-    def role(self) -> str:
-        return "follower"
-
-    def run(self, started: Callable[[], None] | None = None) -> None:
-        try:
-            if self.http is not None:
-                self.http.start()
-            if started is not None:
-                started()
-            self.server.serve()
-        finally:
-            if self.http is not None:
-                self.http.stop()
-            self._drop_lock()
-
-    def request_stop(self) -> None:
-        self.server.stop()
-
-    def _drop_lock(self) -> None:
-        from kvcm.lockfile import drop_lock_file
-
-        drop_lock_file(self._lock)
-
-
 class HaNode:
     """``kvcm serve`` with ``ha.enabled``: a follower stage until the lease is won, then a
     full :class:`App` for the term; back to a follower stage when the lease is lost. Each stage
@@ -664,7 +594,7 @@ class HaNode:
         self.lease = Lease(client, config.store.redis_prefix, ha.node_id,
                            ha.advertise_endpoint or config.server.endpoint, ha.lease_ms, ha.renew_ms,
                            on_change=self._changed)
-        self.stage: App | _Follower | None = None
+        self.stage: App | FollowerStage | None = None
         self._stop = threading.Event()
         self._stage_lock = threading.Lock()
         self._announced = False
@@ -690,8 +620,8 @@ class HaNode:
         leader = self.lease.is_leader()
         self._wait_endpoint_free()
         try:
-            stage: App | _Follower = App(self.config, self.orphans, lease=self.lease) if leader \
-                else _Follower(self.config, self.lease)
+            stage: App | FollowerStage = App(self.config, self.orphans, lease=self.lease) if leader \
+                else FollowerStage(self.config, self.lease, lambda: _open_redis(self.config, follower=True))
         except DataDirLocked:
             raise
         except Unavailable as exc:  # Redis away while building the leader stage: follow, retry
@@ -715,7 +645,7 @@ class HaNode:
         while endpoint_in_use(self.config.server.endpoint) and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def _announce(self, started: Callable[[], None] | None, stage: App | _Follower) -> Callable[[], None] | None:
+    def _announce(self, started: Callable[[], None] | None, stage: App | FollowerStage) -> Callable[[], None] | None:
         if started is None or self._announced:
             return None
 

@@ -176,6 +176,7 @@ class HaConfig:
     advertise_endpoint: str = ""  # the RPC endpoint clients are sent to when this node leads ("" = server.endpoint)
     lease_ms: int = 3000  # a leader that does not renew within this is replaced
     renew_ms: int = 1000  # renew (leader) or contend (follower) this often; below lease_ms / 2
+    follower_reads: bool = True  # followers answer the read RPCs from the shared store
 
 
 @dataclass(frozen=True)

@@ -73,8 +73,9 @@ def sock_dir():
 class Pair:
     """Two kvcm nodes (n1, n2) on one Redis prefix."""
 
-    def __init__(self, redis_url: str, root: str, sock_dir: str) -> None:
+    def __init__(self, redis_url: str, root: str, sock_dir: str, extra: list[str] | None = None) -> None:
         self.redis_url = redis_url
+        self.extra = list(extra or [])
         self.root = root
         self.prefix = f"h{uuid.uuid4().hex[:10]}"
         self.endpoints = {n: f"ipc://{sock_dir}/{n}" for n in ("n1", "n2")}
@@ -85,7 +86,7 @@ class Pair:
             "--set", "store.backend=redis", "--set", f"store.redis_url={self.redis_url}",
             "--set", f"store.redis_prefix={self.prefix}", "--set", "ha.enabled=true",
             "--set", f"ha.node_id={node}", "--set", f"ha.lease_ms={LEASE_MS}", "--set", f"ha.renew_ms={RENEW_MS}",
-            "--set", "cache.session_check_ms=50", "--set", "http.port=0"])
+            "--set", "cache.session_check_ms=50", "--set", "http.port=0", *self.extra])
         return self.nodes[node]
 
     def info(self, node: str) -> dict:
@@ -158,8 +159,9 @@ def test_one_leader_followers_refuse_writes_naming_it_and_clients_follow(pair):
     err, _ = _raw_call(pair.endpoints[follower], "register_instance", {"instance_id": "x"})
     assert err["code"] == Code.SERVER_NOT_LEADER
     assert err["detail"] == {"leader_endpoint": pair.endpoints[leader], "leader_node_id": leader}
-    err, _ = _raw_call(pair.endpoints[follower], "get_cache_location", {"instance_id": "x"})
-    assert err["code"] == Code.SERVER_NOT_LEADER  # reads too: a follower holds no metadata
+    err, _ = _raw_call(pair.endpoints[follower], "get_cache_location",
+                       {"instance_id": "x", "query_type": "batch_get", "block_keys": [1]})
+    assert err["code"] == Code.INSTANCE_NOT_EXIST  # reads are answered by the follower itself
     # A client of the follower alone follows to the leader, for a write and the typed path.
     with Client(pair.endpoints[follower], timeout=2.0) as c:
         register(c, "inst")

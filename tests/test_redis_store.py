@@ -58,9 +58,10 @@ def test_a_commit_cut_off_while_sent_applies_nothing(rstore, redis_server):
     """A client that dies half-way through sending the commit command: Redis never runs it."""
     with rstore.write() as txn:
         txn.put("blocks", b"a", b"1")
-    keys = [rstore.epoch_key, rstore.commit_key, rstore.hash_key("blocks"), rstore.zset_key("blocks")]
+    keys = [rstore.epoch_key, rstore.commit_key, rstore.versions_key, rstore.hash_key("blocks"),
+            rstore.zset_key("blocks")]
     args = [b"", b"cut", b"1", b"0", b"b", b"2"]
-    parts = [b"EVALSHA", rstore.commit_script.sha.encode(), b"4", *keys, *args]
+    parts = [b"EVALSHA", rstore.commit_script.sha.encode(), b"5", *keys, *args]
     command = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
     with socket.create_connection(("127.0.0.1", redis_server.port)) as conn:
         conn.sendall(command[: len(command) - 9])  # everything but the end of the last argument
@@ -241,7 +242,7 @@ def test_every_key_carries_the_hash_tag(rstore, redis_server):
         for db in ("meta", "blocks", "sessions", "engine_blocks"):
             txn.put(db, b"k", b"v")
     keys = list(_raw(redis_server).scan_iter(match=f"*{rstore.prefix}*"))
-    assert len(keys) == 9  # a hash and a sorted set per database, and the commit marker
+    assert len(keys) == 10  # a hash and a sorted set per database, the commit marker, the versions
     assert all(k.startswith(b"{" + rstore.prefix.encode() + b"}:") for k in keys)
     assert len({key_slot(k) for k in keys}) == 1  # one Redis Cluster slot: multi-key scripts work there
 
@@ -478,3 +479,30 @@ def test_an_empty_prefix_beside_stored_blocks_refuses_the_start(redis_server, tm
     with pytest.raises(StartRefused, match="missing but"):
         open_store(config)
     open_store(config, orphans="adopt").close()  # the operator's explicit choice goes on
+
+
+def test_versions_count_the_commits_that_touched_each_database(rstore):
+    """A follower's cue to forget: one more per commit that touched the database, none for
+    the others, none for an empty commit."""
+    assert rstore.versions(["blocks", "instances"]) == (0, 0)
+    with rstore.write() as txn:
+        txn.put("blocks", b"a", b"1")
+        txn.put("blocks", b"b", b"1")
+    with rstore.write() as txn:
+        txn.put("instances", b"i", b"1")
+        txn.delete("blocks", b"a")
+    with rstore.write():
+        pass
+    assert rstore.versions(["blocks", "instances", "storages"]) == (2, 1, 0)
+
+
+def test_a_read_only_store_refuses_every_commit_and_writes_nothing(rstore):
+    from kvcm.errors import Code, Unavailable
+
+    rstore.read_only = "node f is a follower"
+    with pytest.raises(Unavailable) as info, rstore.write() as txn:
+        txn.put("blocks", b"a", b"1")
+    assert info.value.code == Code.SERVER_NOT_LEADER and "follower" in info.value.message
+    with rstore.read() as view:
+        assert view.get("blocks", b"a") is None
+    assert rstore.versions(["blocks"]) == (0,)

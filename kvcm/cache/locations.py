@@ -310,11 +310,16 @@ def is_compact(addr: bytes) -> bool:
     return addr[0] < 0x80
 
 
+class UnknownSkeleton(ServerError):
+    """A record names a skeleton this process has not loaded (on a follower: one the leader
+    stored after the follower last loaded them)."""
+
+
 def skeleton_of(addr: bytes) -> Skeleton:
     sid = int.from_bytes(addr[:4], "big")
     skeleton = _by_id.get(sid)
     if skeleton is None:
-        raise ServerError(f"block record names location skeleton {sid:08x}, which this data dir does not hold",
+        raise UnknownSkeleton(f"block record names location skeleton {sid:08x}, which this data dir does not hold",
                           Code.INTERNAL_ERROR)
     return skeleton
 

@@ -54,6 +54,7 @@ class StoragePool:
         self._lock = threading.Lock()
         self.unusable: frozenset[str] = frozenset()
         self.removed: frozenset[str] = frozenset()  # removed since start: their copies are unreadable
+        self._following = False  # a follower's pool (:meth:`follow`)
 
     def open_all(self) -> None:
         for storage in self.registry.list_storages():
@@ -61,6 +62,15 @@ class StoragePool:
         self._rebuild()
         self.registry.on_change(self._on_change)
         self.registry.preflight(self.try_open)
+
+    def follow(self) -> None:
+        """Instead of :meth:`open_all` on a follower, which reads the leader's metadata and
+        opens no backend (the leader owns the storages' directories and lock files): a storage
+        is usable when the registry says it is enabled and available, and one removed since
+        this start is not."""
+        self._following = True
+        self._rebuild()
+        self.registry.on_change(self._on_change)
 
     def owner(self, storage: Any, on_foreign: str = "refuse") -> Owner:
         taken = frozenset(s.storage_id for s in self.registry.list_storages()
@@ -122,6 +132,9 @@ class StoragePool:
     def _on_change(self, kind: str, name: str) -> None:
         if kind != STORAGE:
             return
+        if self._following:
+            self._follow_change(name)
+            return
         try:
             storage = self.registry.get_storage(name)
         except Exception:  # noqa: BLE001 - NotFound: the storage was removed
@@ -141,12 +154,21 @@ class StoragePool:
             log.warning("storage %r: spec changed; it takes effect when kvcm restarts", name)
         self._rebuild()
 
+    def _follow_change(self, name: str) -> None:
+        try:
+            self.registry.get_storage(name)
+            self.removed = self.removed - {name}
+        except Exception:  # noqa: BLE001 - NotFound: the leader removed it
+            self.removed = self.removed | {name}
+        self._rebuild()
+
     def _spec_changed(self, storage: Any) -> bool:
         return bool(self._specs.get(storage.global_unique_name) != storage.storage_spec)
 
     def _rebuild(self) -> None:
+        opened = None if self._following else self._backends
         bad = {s.global_unique_name for s in self.registry.list_storages()
-               if not (s.enabled and s.available) or s.global_unique_name not in self._backends}
+               if not (s.enabled and s.available) or (opened is not None and s.global_unique_name not in opened)}
         self.unusable = frozenset(bad | set(self.removed))
 
     # -- lookups ----------------------------------------------------------------------------------

@@ -165,6 +165,25 @@ class Registry:
             for table in self._all_tables():
                 table.load(view)
 
+    @property
+    def databases(self) -> tuple[str, ...]:
+        """The store databases the registry mirrors in memory."""
+        return tuple(t.db for t in self._all_tables())
+
+    def reload(self) -> int:
+        """Read every table again (a follower, after the leader changed the registry) and tell
+        the observers about each record that changed, appeared or went; returns how many."""
+        changed: list[tuple[str, str]] = []
+        with self._store.read() as view:
+            for table in self._all_tables():
+                old = table.cache
+                table.load(view)
+                new = table.cache
+                changed += [(table.kind, name) for name in old.keys() | new.keys() if old.get(name) != new.get(name)]
+        for kind, name in changed:
+            self._notify(kind, name)
+        return len(changed)
+
     def ensure_defaults(self, data_dir: str) -> None:
         """On the first start only: a ``file`` storage under ``data_dir`` and a ``default`` group."""
         if self.roots.data_dir is None:  # a memory store: the defaults still live in data_dir
@@ -206,6 +225,9 @@ class Registry:
             cache.pop(name, None)
         else:
             cache[name] = record
+        self._notify(kind, name)
+
+    def _notify(self, kind: str, name: str) -> None:
         for callback in self._observers:
             try:
                 callback(kind, name)

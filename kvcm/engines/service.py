@@ -37,6 +37,9 @@ from kvcm.engines.subscriber import EventSubscriber
 from kvcm.errors import Code, error
 from kvcm.store.base import MetaStore
 
+#: The main store's database of event-source definitions (see ``EngineService(shared=...)``).
+DEFINITIONS = "source_defs"
+
 log = logging.getLogger("kvcm.engines")
 _ENCODER = msgspec.msgpack.Encoder()
 _REPLY_HEAD = b"\x83" + _ENCODER.encode("instance_id")
@@ -68,8 +71,12 @@ class EngineService:
         settings: SubscriberSettings | None = None,
         registry: CollectorRegistry | None = None,
         static_sources: Sequence[Any] = (),
+        shared: MetaStore | None = None,
     ) -> None:
+        """:param shared: the main metadata store, where the sources added by RPC are defined
+            once for every node (:meth:`follow_definitions`); None = this node's own only."""
         self.settings = settings or SubscriberSettings()
+        self.shared = shared
         self.instance_lookup = instance_lookup
         self.metrics = EventMetrics(registry)
         self.index = EngineIndex(store, instance_lookup)
@@ -123,6 +130,9 @@ class EngineService:
         state = self.index.add_source(spec)
         if not existed:
             self.subscriber.add(spec, state.generation, state.last_seq, state.last_ts)
+        if self.shared is not None:
+            with self.shared.write(join=True) as txn:
+                txn.put(DEFINITIONS, spec.source_id.encode(), msgspec.msgpack.encode(spec.to_dict()))
         return {"source": self._describe(state, {})}
 
     def _check_room(self) -> None:
@@ -137,7 +147,51 @@ class EngineService:
         state = self.index.remove_source(source_id)
         self.subscriber.remove(source_id)
         self.metrics.remove_source(source_id)
+        if self.shared is not None:
+            with self.shared.write(join=True) as txn:
+                txn.delete(DEFINITIONS, source_id.encode())
         return {"source_id": source_id, "instance_id": state.spec.instance_id}
+
+    def adopt_definitions(self) -> tuple[int, int]:
+        """The leader, at start. While the shared store defines no source yet (the first
+        leader, or a data dir from before shared definitions) it defines the RPC-added sources
+        this node follows there; otherwise the shared definitions win, as on a follower
+        (:meth:`follow_definitions`). Returns (added, removed) here, or (defined, 0)."""
+        if self.shared is None:
+            return 0, 0
+        with self.shared.read() as view:
+            empty = not any(True for _ in view.scan(DEFINITIONS, limit=1))
+        if not empty:
+            return self.follow_definitions()
+        mine = [s.spec for s in self.index.sources() if not s.spec.static]
+        if mine:
+            with self.shared.write() as txn:
+                for spec in mine:
+                    txn.put(DEFINITIONS, spec.source_id.encode(), msgspec.msgpack.encode(spec.to_dict()))
+        return len(mine), 0
+
+    def follow_definitions(self) -> tuple[int, int]:
+        """A follower, when the shared definitions changed: follow every source defined there,
+        drop the RPC-added ones no longer defined (the config's own stay); returns (added,
+        removed)."""
+        if self.shared is None:
+            return 0, 0
+        with self.shared.read() as view:
+            defined = {k.decode(): SourceSpec.from_dict(msgspec.msgpack.decode(v)) for k, v in view.scan(DEFINITIONS)}
+        added = removed = 0
+        for state in self.index.sources():
+            spec = state.spec
+            if not spec.static and defined.get(spec.source_id) != spec:
+                self.subscriber.remove(spec.source_id)
+                self.index.remove_source(spec.source_id)
+                self.metrics.remove_source(spec.source_id)
+                removed += 1
+        for source_id, spec in defined.items():
+            if self.index.get(source_id) is None:
+                state = self.index.add_source(spec)
+                self.subscriber.add(spec, state.generation, state.last_seq, state.last_ts)
+                added += 1
+        return added, removed
 
     def list_sources(
         self, instance_id: str | None = None, visible: Callable[[str], bool] | None = None

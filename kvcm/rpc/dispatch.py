@@ -113,6 +113,12 @@ class Limits:
     defer_timeout_s: float = 30.0
     max_carried: int = 4096
 
+    @classmethod
+    def of(cls, server: Any) -> Limits:
+        """The limits a ``server`` config section (:class:`kvcm.config.ServerConfig`) sets."""
+        return cls(max_keys=server.max_keys, max_tokens=server.max_tokens, max_reply_bytes=server.max_reply_bytes,
+                   turn_budget_ms=server.turn_budget_ms, defer_timeout_s=server.defer_timeout_s)
+
 
 #: ``authorize(method, request, peer)``: allow the call, or raise :class:`~kvcm.errors.AccessDenied`
 #: (or :class:`Deferred`). ``request`` is the validated Struct (its ``auth`` field carries the

@@ -53,6 +53,7 @@ DATABASES: tuple[str, ...] = (
     "runs",  # (instance, first key of a run) -> blocks one write session stored together
     "pins",  # (instance, block key) -> expiry of a soft pin (kvcm.cache.pins)
     "engine_sources",  # event source id -> record (config, last_seq)
+    "source_defs",  # event source id -> its definition, in the main store: every node follows it
     "engine_blocks",  # (source, medium, ...) -> engine block record
 )
 

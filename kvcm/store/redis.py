@@ -34,7 +34,7 @@ import os
 import random
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -53,8 +53,10 @@ SOCKET_TIMEOUT_S = 5.0  # one command's reply; a commit's WAIT has its own timeo
 _PAGE = 512  # keys per scan round trip
 _ABSENT = object()  # undo-log marker: the key had no overlay entry
 
-# KEYS: epoch, commit marker, then (hash, zset) per database touched.
+# KEYS: epoch, commit marker, versions, then (hash, zset) per database touched.
 # ARGV: fencing token ("" = none), commit id, then per database: #puts, #deletes, k, v, ..., k, ...
+# Each database touched counts one more version (field: its hash key), so a follower knows what
+# it must reload or forget with one HMGET.
 _COMMIT = """
 local token = ARGV[1]
 if token ~= '' then
@@ -63,7 +65,7 @@ if token ~= '' then
     return redis.error_reply('KVCMFENCED ' .. tostring(redis.call('GET', KEYS[1])))
   end
 end
-for i = 3, #KEYS, 2 do
+for i = 4, #KEYS, 2 do
   local h = redis.call('TYPE', KEYS[i])['ok']
   local z = redis.call('TYPE', KEYS[i + 1])['ok']
   if (h ~= 'none' and h ~= 'hash') or (z ~= 'none' and z ~= 'zset') then
@@ -71,8 +73,9 @@ for i = 3, #KEYS, 2 do
   end
 end
 local a = 3
-for i = 3, #KEYS, 2 do
+for i = 4, #KEYS, 2 do
   local h, z = KEYS[i], KEYS[i + 1]
+  redis.call('HINCRBY', KEYS[3], h, 1)
   local nput, ndel = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   a = a + 2
   for j = a, a + 2 * nput - 1, 2 do
@@ -424,6 +427,9 @@ class RedisStore:
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
         self.fencing_token = fencing_token
+        # Set (to the refusal's message) on a follower's store: it reads the leader's data and
+        # must never write, whatever code path tries.
+        self.read_only = ""
         self._lock_path: str | None = None
         if path is not None:
             os.makedirs(path, exist_ok=True)
@@ -442,6 +448,7 @@ class RedisStore:
         self._zset = {name: f"{tag}:z:{name}".encode() for name in DATABASES}
         self.epoch_key = f"{tag}:epoch".encode()
         self.commit_key = f"{tag}:commit".encode()
+        self.versions_key = f"{tag}:versions".encode()
         self.commit_script = self.client.register_script(_COMMIT)
         self.scan_script = self.client.register_script(_SCAN)
         self._ranks_script = self.client.register_script(_AT_RANKS)
@@ -561,11 +568,14 @@ class RedisStore:
         keys, args = self._script_input(group.overlay or {})
         if not keys:
             return None
+        if self.read_only:
+            raise Unavailable(self.read_only, Code.SERVER_NOT_LEADER)
         commit_id = f"{self._run}-{next(self._ids)}".encode()
         token = b"" if self.fencing_token is None else str(self.fencing_token).encode()
         with self._gate.exclusive():
             try:
-                self.commit_script(keys=[self.epoch_key, self.commit_key, *keys], args=[token, commit_id, *args])
+                self.commit_script(keys=[self.epoch_key, self.commit_key, self.versions_key, *keys],
+                                   args=[token, commit_id, *args])
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 self._resolve_in_doubt(commit_id, exc)
             except redis.RedisError as exc:
@@ -622,6 +632,12 @@ class RedisStore:
                              f"{self.wait_replicas} replica(s): {reason}")
 
     # -- misc ------------------------------------------------------------------------------------
+
+    def versions(self, dbs: Sequence[str]) -> tuple[int, ...]:
+        """How many commits touched each of ``dbs`` so far (0 = never): a reader that cached
+        something of a database knows it is stale when its number moved."""
+        got = _call(self.client.hmget, self.versions_key, [self._hash[db] for db in dbs])
+        return tuple(int(v) if v is not None else 0 for v in got)
 
     def sample(self, db: str, n: int, prefix: bytes = b"") -> list[tuple[bytes, bytes]]:
         """Up to ``n`` items picked uniformly at random (by rank: every score is 0)."""

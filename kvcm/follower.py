@@ -1,0 +1,274 @@
+"""A follower's serving stage (``ha.enabled``): reads from the shared store, refusals for the rest.
+
+A follower answers ``check_health`` and ``get_manager_cluster_info`` itself; with
+``ha.follower_reads`` (the default) it also answers the read RPCs (:data:`READS`) from the shared
+Redis store, so read load spreads over the nodes; everything else is ``SERVER_NOT_LEADER``
+naming the leader, which clients follow.
+
+Freshness: before each read the follower asks Redis for the version of every database it
+mirrors in memory (one ``HMGET``; each leader commit counts one more version per database it
+touched): a changed registry is read again (and its observers told), new location skeletons are
+loaded, and a changed block database clears the search cache. So a read sent to a follower after
+the leader acknowledged a write sees that write. A read is several Redis round trips and not
+one snapshot: a commit landing between them may be seen in part, like a read made during it.
+
+What a follower does not do: it writes nothing (its store refuses every commit), opens no
+storage backend (the leader owns the storages' directories and lock files), runs no background
+work, and its reads do not feed the leader's eviction recency.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvcm.config import Config
+from kvcm.errors import KvcmError, Unavailable
+from kvcm.metrics import Metrics
+from kvcm.rpc.dispatch import Dispatcher, Method
+from kvcm.rpc.http import SideHttp
+from kvcm.rpc.server import Server, Timer
+from kvcm.store import DataDirLocked, LmdbStore, MemoryStore, MetaStore
+from kvcm.version import __version__
+
+if TYPE_CHECKING:
+    from kvcm.ha.lease import Lease
+    from kvcm.store.redis import RedisStore
+
+log = logging.getLogger("kvcm.follower")
+
+REFRESH_S = 1.0  # how often an idle follower looks for what the leader changed
+
+#: What a follower answers from the shared store (with ``ha.follower_reads``).
+READS = frozenset({"get_cache_location", "get_cache_meta", "get_instance_info", "get_storage_specs",
+                   "match_engines", "list_event_sources"})
+
+
+class FollowerReads:
+    """The read side of the data plane over the shared store, kept fresh by its versions."""
+
+    def __init__(self, config: Config, store: RedisStore, data_dir: str, metrics: Metrics) -> None:
+        from kvcm.cache.blocks import RUNS_DB
+        from kvcm.cache.locations import DB as SKELETONS
+        from kvcm.cache.manager import CacheManager
+        from kvcm.cache.meta_index import DB as BLOCKS_DB
+        from kvcm.cache.storage_pool import StoragePool
+        from kvcm.control.registry import Registry
+        from kvcm.engines.service import DEFINITIONS
+        from kvcm.rpc.auth import Authenticator
+
+        self.store = store
+        self.config = config
+        self.engine_store: MetaStore | None = None
+        self.registry = Registry(store, None, config.storage.allowed_roots)
+        self.authorize = Authenticator(self.registry, config.auth)
+        try:
+            self.engines = self._build_engines(data_dir, metrics)
+            self.storages = StoragePool(self.registry, data_dir)
+            cfg = config.cache
+            self.cache = CacheManager(store, self.registry, self.storages, metrics_registry=metrics.registry,
+                                      lock_shards=config.store.lock_shards,
+                                      cache_size=config.store.search_cache_size, runs=cfg.runs)
+            self.storages.follow()
+        except BaseException:
+            self.close()
+            raise
+        self._registry_dbs = self.registry.databases
+        self._dbs = (*self._registry_dbs, DEFINITIONS, SKELETONS, BLOCKS_DB, RUNS_DB)
+        self._seen = store.versions(self._dbs)
+        self.refreshes = 0  # how often a read found the leader had changed something (tests, logs)
+
+    def _build_engines(self, data_dir: str, metrics: Metrics) -> Any:
+        """This node's own engine index, fed by the sources of the config (each node subscribes
+        to every source itself, so routers may ask any node)."""
+        from kvcm.engines.service import EngineService
+        from kvcm.engines.sources import SubscriberSettings
+
+        cfg = self.config.events
+        self.engine_store = LmdbStore(os.path.join(data_dir, "engines"), sync=cfg.sync,
+                                      map_size=self.config.store.map_size,
+                                      map_size_max=self.config.store.map_size_max) \
+            if data_dir else MemoryStore()
+        engines = EngineService(self.engine_store, lambda instance_id: self.registry.get_instance(instance_id).block_size,
+                                SubscriberSettings.from_config(cfg), registry=metrics.registry,
+                                static_sources=cfg.sources, shared=self.store)
+        engines.follow_definitions()
+        return engines
+
+    def methods(self, info: Callable[[], dict[str, Any]]) -> list[Method]:
+        from kvcm.api import control, data, engines
+
+        table = (control.methods(self.registry, info, self.authorize) + data.methods(self.cache, self.engines)
+                 + engines.methods(self.engines, self.authorize))
+        return [self._fresh(m) for m in table if m.name in READS]
+
+    def _fresh(self, method: Method) -> Method:
+        from dataclasses import replace
+
+        from kvcm.cache.locations import UnknownSkeleton
+
+        handler = method.handler
+
+        def run(req: Any) -> Any:
+            try:
+                return handler(req)
+            except UnknownSkeleton:  # stored by the leader after this read's refresh: load, once more
+                self.refresh()
+                return handler(req)
+        return replace(method, handler=run)
+
+    def refresh(self) -> None:
+        """Forget what the leader changed since the last read (one round trip when nothing did).
+        :raises Unavailable: the store cannot be reached."""
+        from kvcm.cache.locations import load as load_skeletons
+
+        versions = self.store.versions(self._dbs)
+        if versions == self._seen:
+            return
+        seen, self._seen = self._seen, versions
+        self.refreshes += 1
+        n = len(self._registry_dbs)
+        if versions[:n] != seen[:n]:
+            self.registry.reload()
+        if versions[n] != seen[n]:
+            self.engines.follow_definitions()
+        if versions[n + 1] != seen[n + 1]:
+            load_skeletons(self.store)
+        if versions[n + 2:] != seen[n + 2:]:
+            self.cache.index.cache.clear()
+
+    def start(self) -> None:
+        if self.config.events.enabled:
+            self.engines.start()
+
+    def close(self) -> None:
+        engines = getattr(self, "engines", None)
+        if engines is not None:
+            engines.stop()
+        self.authorize.close()
+        if self.engine_store is not None:
+            self.engine_store.close()
+        self.store.close()
+
+
+class FollowerStage:
+    """A follower's serving stage: the RPC port answers the role-free methods and, with
+    ``ha.follower_reads``, the reads (:class:`FollowerReads`); everything else is
+    ``SERVER_NOT_LEADER`` naming the leader. The side HTTP port reports the role. A node builds
+    its leader :class:`~kvcm.app.App` (and its caches) only once it holds the lease, so a
+    leader's caches are never older than its term."""
+
+    def __init__(self, config: Config, lease: Lease, open_store: Callable[[], RedisStore]) -> None:
+        from kvcm.api.control import cluster_info
+        from kvcm.lockfile import LockBusy, hold_lock_file
+
+        self.config = config
+        self.lease = lease
+        self.metrics = Metrics()
+        self.started_at = time.time()
+        self.reads: FollowerReads | None = None
+        self._lock = os.path.join(os.path.abspath(config.store.data_dir), "kvcm.lock")
+        os.makedirs(os.path.dirname(self._lock), exist_ok=True)
+        try:
+            hold_lock_file(self._lock, f"the follower {id(self):x}", f"data dir {config.store.data_dir!r}")
+        except LockBusy:
+            raise DataDirLocked(f"data dir {config.store.data_dir!r} is in use by another kvcm process (lock file "
+                                "kvcm.lock); stop it or choose another --data-dir") from None
+        methods = [
+            Method("check_health", lambda req: {"status": "ok", "is_health": True, "is_leader": False,
+                                                "node": self.info()}),
+            Method("get_manager_cluster_info", lambda req: cluster_info(self.info(), self.started_at)),
+        ]
+        try:
+            if config.ha.follower_reads:
+                self.reads = self._build_reads(open_store)
+            if self.reads is not None:
+                methods += self.reads.methods(self.info)
+            authorize = self.reads.authorize if self.reads is not None else None
+            self.dispatcher = Dispatcher(methods, metrics=self.metrics, gate=self._gate,
+                                         authorize=authorize if authorize is not None and authorize.enabled else None)
+            # Between reads too: new event sources are followed without waiting for a reader.
+            timers = [] if self.reads is None else [Timer("follower-refresh", REFRESH_S, self._refresh_quietly)]
+            self.server = Server(config.server.endpoint, self.dispatcher, metrics=self.metrics, timers=timers,
+                                 max_message_bytes=config.server.max_message_bytes, poll_ms=config.server.poll_ms)
+            self.endpoint = self.server.endpoint
+            self.http = SideHttp(config.http, self.metrics, self.endpoint, lambda: True, lambda: True,
+                                 role=lambda: "follower") if config.http.enabled else None
+        except BaseException:
+            if getattr(self, "server", None) is not None:
+                self.server.close_unserved()
+            if self.reads is not None:
+                self.reads.close()
+            self._drop_lock()
+            raise
+
+    def _build_reads(self, open_store: Callable[[], RedisStore]) -> FollowerReads | None:
+        """None when the shared store is not ready for reads yet (no leader ever initialised it,
+        or Redis is away): the node still follows, and refuses reads too."""
+        store = open_store()
+        try:
+            return FollowerReads(self.config, store, os.path.abspath(self.config.store.data_dir), self.metrics)
+        except (Unavailable, KvcmError) as exc:
+            log.warning("node %s: follower reads off for this stage: %s", self.lease.node_id, exc)
+            return None
+
+    def _refresh_quietly(self) -> None:
+        try:
+            if self.reads is not None:
+                self.reads.refresh()
+        except KvcmError as exc:  # Redis away: the next read says so to its caller
+            log.debug("follower refresh: %s", exc)
+
+    def _gate(self, method: Method | None) -> KvcmError | None:
+        from kvcm.ha.lease import not_leader
+
+        if method is None:
+            return not_leader(self.lease.known_holder(), self.lease.node_id)
+        if self.reads is not None and method.name in READS:
+            try:
+                self.reads.refresh()
+            except KvcmError as exc:
+                return exc
+        return None
+
+    def info(self) -> dict[str, Any]:
+        from kvcm.ha.lease import lease_facts
+
+        return {"version": __version__, "endpoint": self.endpoint, "node_id": self.lease.node_id,
+                "http_port": self.http.port if self.http is not None else None, "host": socket.gethostname(),
+                "pid": os.getpid(), "started_at": self.started_at, "ha": lease_facts(self.lease),
+                "follower_reads": self.reads is not None}
+
+    def role(self) -> str:
+        return "follower"
+
+    def run(self, started: Callable[[], None] | None = None) -> None:
+        try:
+            if self.reads is not None:
+                self.reads.start()
+            if self.http is not None:
+                self.http.start()
+            if started is not None:
+                started()
+            self.server.serve()
+        finally:
+            if self.http is not None:
+                self.http.stop()
+            if self.reads is not None:
+                self.reads.close()
+            self._drop_lock()
+
+    def request_stop(self) -> None:
+        self.server.stop()
+
+    def _drop_lock(self) -> None:
+        from kvcm.lockfile import drop_lock_file
+
+        drop_lock_file(self._lock)
+
+
+__all__ = ["READS", "FollowerReads", "FollowerStage"]
