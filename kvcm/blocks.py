@@ -32,7 +32,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -142,41 +142,44 @@ class Resolved:
     size: int
 
 
-class _Place(NamedTuple):
-    """Where one URI's bytes are, as its handler found them: ``size`` bytes at ``offset`` of an
-    open descriptor (``file``) or a mapped segment (``shm``). ``handle`` stays valid exactly as
-    long as it is the handler's cache entry ``cache[key]``: the I/O checks that identity (one
-    dict read) before using it, so an evicted, unlinked or cleared handle is never used from
-    here — the URI then takes the full path again. The place holds the handle weakly, so the
-    cache alone decides how many descriptors and mappings stay open."""
+class _Place:
+    """Where one URI's bytes are, as its handler found them: bytes ``start:end`` of an open
+    descriptor (``file``) or a mapped segment (``shm``). The place holds the handle weakly, so
+    the cache alone decides how many descriptors and mappings stay open; a handle the cache let
+    go (evicted, unlinked, cleared) is marked not ``live`` at once, so it is never used from
+    here even while a running copy still holds it — the URI then takes the full path again.
+    A slotted class, not a NamedTuple: its attributes are read on every hot-path I/O, and slot
+    reads are the interpreter's cheapest."""
 
-    kind: str  # "file" | "shm"
-    ref: Callable[[], Any]  # a weak reference to the _Fd | _Map: a remembered place never keeps it open
-    offset: int
-    size: int
-    cache: dict[Any, Any]
-    key: Any
-    path: str  # for error messages
+    __slots__ = ("end", "path", "ref", "shm", "size", "start")
+
+    def __init__(self, shm: bool, ref: Callable[[], Any], start: int, size: int, path: str) -> None:
+        self.shm = shm  # a mapped segment (else a file descriptor)
+        self.ref = ref  # a weak reference to the _Fd | _Map
+        self.start = start
+        self.end = start + size
+        self.size = size
+        self.path = path  # for error messages
 
     def write(self, data: memoryview, handle: Any) -> None:
         """Finish a write the hot path began (``handle``: the live handle it checked)."""
-        if self.kind == "shm":
-            handle.view[self.offset:self.offset + self.size] = data
+        if self.shm:
+            handle.map[self.start:self.end] = data
             return
         try:
-            if os.pwrite(handle.fd, data, self.offset) != self.size:
-                _pwrite_rest(handle.fd, data, self.offset)
+            if os.pwrite(handle.fd, data, self.start) != self.size:
+                _pwrite_rest(handle.fd, data, self.start)
         except OSError as exc:
             raise _io_error("write", self.path, exc) from exc
 
     def read_into(self, out: memoryview | bytearray, handle: Any) -> None:
         """Finish a read the hot path began (see :meth:`write`)."""
-        if self.kind == "shm":
-            out[:] = handle.view[self.offset:self.offset + self.size]
+        if self.shm:
+            memoryview(out)[:] = handle.view[self.start:self.end]
             return
         try:
-            if os.preadv(handle.fd, [out], self.offset) != self.size:
-                _pread_rest(handle.fd, memoryview(out), self.offset, self.path)
+            if os.preadv(handle.fd, [out], self.start) != self.size:
+                _pread_rest(handle.fd, memoryview(out), self.start, self.path)
         except OSError as exc:
             raise _io_error("read", self.path, exc) from exc
 
@@ -213,7 +216,7 @@ class BlockIO:
         self._refresh_lock = threading.Lock()
         # URI -> where its bytes are, for URIs met before (see _Place): a repeated block's I/O
         # skips parsing and lookups. Cleared by refresh, close, register, and when full.
-        self._places: dict[str, _Place] = {}
+        self._places: dict[str | BlockUri, _Place] = {}  # str keys only
         self._handlers: dict[str, BlockHandler] = {
             "file": FileHandler(mounts, direct, max_files),
             "shm": ShmHandler(max_segments),
@@ -298,24 +301,27 @@ class BlockIO:
 
     def write(self, uri: str | BlockUri, data: Any) -> None:
         """Write one whole block: ``data`` is any contiguous buffer of exactly the block's size."""
-        place = self._places.get(uri) if type(uri) is str else None
+        place = self._places.get(uri)  # only str keys are stored: a BlockUri never matches
         if place is not None:
-            # The hot path, inlined (each call saved is a few percent of a 64 KiB block's I/O).
-            kind, ref, offset, size, cache, key, _ = place
-            handle = ref()
-            live = handle is not None and cache.get(key) is handle  # a bool: mypy keeps handle Any
-            if live:
-                if type(data) is not bytes or len(data) != size:
-                    data = _view(data, size, writable=False)
-                if kind == "shm":
-                    handle.view[offset:offset + size] = data
-                    return
-                try:
-                    if os.pwrite(handle.fd, data, offset) == size:
+            # The hot path, inlined: every step saved is a few percent of a 64 KiB block's I/O
+            # (the copy evicts the interpreter's own data from the CPU caches each time).
+            handle = place.ref()
+            if handle is not None and handle.live:
+                if place.shm:
+                    try:
+                        handle.map[place.start:place.end] = data  # checks the buffer and its size
                         return
-                except OSError:
-                    pass  # _Place.write words it
-                place.write(data, handle)  # a short or failed write: finish it, or report it
+                    except (TypeError, ValueError, IndexError, BufferError, NotImplementedError):
+                        data = _view(data, place.size, writable=False)  # says what is wrong, or casts
+                elif type(data) is not bytes or len(data) != place.size:
+                    data = _view(data, place.size, writable=False)
+                else:
+                    try:
+                        if os.pwrite(handle.fd, data, place.start) == place.size:
+                            return
+                    except OSError:
+                        pass  # _Place.write words it
+                place.write(data, handle)  # a cast buffer, or a short or failed write: finish or report it
                 return
         block, spec = self.target(uri)
         handler = self._handlers.get(spec.type) or self._handler(block, spec)
@@ -324,23 +330,25 @@ class BlockIO:
 
     def read_into(self, uri: str | BlockUri, out: Any) -> None:
         """Read one whole block into ``out``, a writable contiguous buffer of the block's size."""
-        place = self._places.get(uri) if type(uri) is str else None
+        place = self._places.get(uri)
         if place is not None:
-            kind, ref, offset, size, cache, key, _ = place
-            handle = ref()
-            live = handle is not None and cache.get(key) is handle  # a bool: mypy keeps handle Any
-            if live:
-                if kind == "shm":
-                    dst = memoryview(out) if type(out) is bytearray and len(out) == size else _view(out, size, True)
-                    dst[:] = handle.view[offset:offset + size]
-                    return
-                # os.preadv takes a bytearray as it is: no view to make for the common case
-                view = out if type(out) is bytearray and len(out) == size else _view(out, size, writable=True)
-                try:
-                    if os.preadv(handle.fd, [view], offset) == size:
+            handle = place.ref()
+            if handle is not None and handle.live:
+                if place.shm:
+                    try:
+                        memoryview(out)[:] = handle.view[place.start:place.end]  # checks shape and size
                         return
-                except OSError:
-                    pass  # _Place.read_into words it
+                    except (TypeError, ValueError, NotImplementedError):  # NotImplemented: ndim > 1
+                        view: memoryview | bytearray = _view(out, place.size, writable=True)  # says what is wrong, or casts
+                else:
+                    # os.preadv takes a bytearray as it is: no view to make for the common case
+                    view = out if type(out) is bytearray and len(out) == place.size \
+                        else _view(out, place.size, writable=True)
+                    try:
+                        if os.preadv(handle.fd, [view], place.start) == place.size:
+                            return
+                    except OSError:
+                        pass  # _Place.read_into words it
                 place.read_into(view, handle)
                 return
         block, spec = self.target(uri)
@@ -420,11 +428,12 @@ class _Fd:
     """One open descriptor, closed when the last reference goes: an evicted entry is never
     closed under a pwrite still using it (and its number never reused meanwhile)."""
 
-    __slots__ = ("__weakref__", "fd", "size")
+    __slots__ = ("__weakref__", "fd", "live", "size")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.size = -1
+        self.live = True  # false once its cache let it go (see _Place)
 
     def __del__(self) -> None:
         try:
@@ -436,9 +445,10 @@ class _Fd:
 class _Map:
     """One segment mapped whole; unmapped when the last reference (a running copy) goes."""
 
-    __slots__ = ("__weakref__", "fd", "map", "view")
+    __slots__ = ("__weakref__", "fd", "live", "map", "view")
 
     def __init__(self, fd: _Fd) -> None:
+        self.live = True  # false once its cache let it go (see _Place)
         self.fd = fd  # kept to tell an unlinked segment (st_nlink 0) from a live one
         self.map = mmap.mmap(fd.fd, fd.size)
         self.view = memoryview(self.map)
@@ -471,13 +481,15 @@ class _Cache:
                 self._drop_unlinked(nlink)
                 item = make(key)
                 while len(self.items) >= self._limit:
-                    del self.items[next(iter(self.items))]  # the oldest
+                    self.items.pop(next(iter(self.items))).live = False  # the oldest
                 self.items[key] = item
             return item
 
     def clear(self) -> None:
         with self._lock:
-            self.items.clear()  # in place: a remembered _Place checks membership in this very dict
+            for item in self.items.values():
+                item.live = False
+            self.items.clear()
 
     def _drop_unlinked(self, nlink: Callable[[Any], int]) -> None:
         for path, item in list(self.items.items()):
@@ -486,7 +498,7 @@ class _Cache:
             except OSError:
                 gone = True
             if gone:
-                del self.items[path]
+                self.items.pop(path).live = False
 
 
 def _open_regular(path: str, flags: int, dir_fd: int | None = None) -> _Fd:
@@ -568,8 +580,7 @@ class FileHandler:
         if self._direct or not isinstance(block, FileUri):
             return None
         handle, root = self._handle(block, spec)
-        return _Place("file", weakref.ref(handle), block.offset, block.size, self._fds.items, (root, block.path),
-                      os.path.join(root, block.path))
+        return _Place(False, weakref.ref(handle), block.offset, block.size, os.path.join(root, block.path))
 
     def _handle(self, block: FileUri, spec: StorageSpec) -> tuple[_Fd, str]:
         known = self._roots.get(spec.name)
@@ -692,7 +703,7 @@ class ShmHandler:
         mapped = self._maps.items.get(key)
         if mapped is None:
             return None
-        return _Place("shm", weakref.ref(mapped), block.offset, block.size, self._maps.items, key, os.path.join(*key))
+        return _Place(True, weakref.ref(mapped), block.offset, block.size, os.path.join(*key))
 
     def _map(self, block: ShmUri, spec: StorageSpec) -> memoryview:
         shm_dir = self._dirs.get(spec.name)

@@ -373,8 +373,11 @@ def test_a_cached_descriptor_of_a_freed_file_is_let_go(env: Env, tmp_path: Any) 
         c.call("remove_cache", {"instance_id": "i-free", "block_keys": [801]})
         assert _wait(lambda: not os.path.exists(path))
         assert _open_deleted(path)  # still cached, as nothing else was opened since
+        held = next(iter(io._handlers["file"]._fds.items.values()))  # type: ignore[attr-defined]
         (other,) = env.uris("i-file", [802])
         io.write(other, payload("other"))  # a miss: the cache drops what was unlinked first
+        assert held.live is False
+        del held
         assert not _open_deleted(path)
 
 
@@ -422,7 +425,18 @@ def test_a_remembered_place_is_used_only_while_it_is_the_cached_handle(tmp_path:
         out = bytearray(size)
         io.read_into(first, out)
         assert out == b"z" * size
-        del still_used
+        again = fds[(str(tmp_path), "s4096/00000000.kv")]
+        io.write(second, b"b" * size)  # evicted once more, still held
+        path.unlink()
+        path.write_bytes(bytes(4 * size))
+        io.read_into(first, out)
+        assert out == bytes(size)  # read from the new file too, not from the old inode's "z"s
+        del again
+        assert still_used.live is False  # let go by the cache: never used from a remembered place
+        current = fds[(str(tmp_path), "s4096/00000000.kv")]
+        io._handlers["file"]._fds.clear()  # type: ignore[attr-defined]
+        assert current.live is False
+        del still_used, current
 
 
 def test_a_refresh_forgets_remembered_places(tmp_path: Any) -> None:
