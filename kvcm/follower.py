@@ -5,8 +5,8 @@ A follower answers ``check_health`` and ``get_manager_cluster_info`` itself; wit
 Redis store, so read load spreads over the nodes; everything else is ``SERVER_NOT_LEADER``
 naming the leader, which clients follow.
 
-Freshness: before each read the follower asks Redis for the version of every database it
-mirrors in memory (one ``HMGET``; each leader commit counts one more version per database it
+Freshness: at the start of each loop turn that brought requests (so before any of them runs)
+the follower asks Redis for the version of every database it mirrors in memory (one ``HMGET``; each leader commit counts one more version per database it
 touched): a changed registry is read again (and its observers told), new location skeletons are
 loaded, and a changed block database clears the search cache. So a read sent to a follower after
 the leader acknowledged a write sees that write. A read is several Redis round trips and not
@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcm.config import Config
@@ -155,6 +155,23 @@ class FollowerReads:
         self.store.close()
 
 
+class _FreshTurns:
+    """The dispatcher as the loop sees it, with ``before()`` run at the start of every turn
+    that brought requests."""
+
+    def __init__(self, dispatcher: Dispatcher, before: Callable[[], None]) -> None:
+        self._dispatcher = dispatcher
+        self._before = before
+
+    def serve(self, arrivals: Sequence[tuple[Any, bytes, bytes]]) -> list[tuple[Any, bytes | None]]:
+        if arrivals:
+            self._before()
+        return self._dispatcher.serve(arrivals)
+
+    def wait_ms(self) -> int | None:
+        return self._dispatcher.wait_ms()
+
+
 class FollowerStage:
     """A follower's serving stage: the RPC port answers the role-free methods and, with
     ``ha.follower_reads``, the reads (:class:`FollowerReads`); everything else is
@@ -171,6 +188,7 @@ class FollowerStage:
         self.metrics = Metrics()
         self.started_at = time.time()
         self.reads: FollowerReads | None = None
+        self._stale: KvcmError | None = None  # why this turn's reads cannot be fresh (Redis away)
         self._lock = os.path.join(os.path.abspath(config.store.data_dir), "kvcm.lock")
         os.makedirs(os.path.dirname(self._lock), exist_ok=True)
         try:
@@ -193,7 +211,8 @@ class FollowerStage:
                                          authorize=authorize if authorize is not None and authorize.enabled else None)
             # Between reads too: new event sources are followed without waiting for a reader.
             timers = [] if self.reads is None else [Timer("follower-refresh", REFRESH_S, self._refresh_quietly)]
-            self.server = Server(config.server.endpoint, self.dispatcher, metrics=self.metrics, timers=timers,
+            self.server = Server(config.server.endpoint, _FreshTurns(self.dispatcher, self._refresh_turn),
+                                 metrics=self.metrics, timers=timers,
                                  max_message_bytes=config.server.max_message_bytes, poll_ms=config.server.poll_ms)
             self.endpoint = self.server.endpoint
             self.http = SideHttp(config.http, self.metrics, self.endpoint, lambda: True, lambda: True,
@@ -223,16 +242,23 @@ class FollowerStage:
         except KvcmError as exc:  # Redis away: the next read says so to its caller
             log.debug("follower refresh: %s", exc)
 
+    def _refresh_turn(self) -> None:
+        """Before a loop turn's requests run: every request of the turn was sent before it began,
+        so one refresh covers every write acknowledged before any of them was sent."""
+        self._stale = None
+        if self.reads is not None:
+            try:
+                self.reads.refresh()
+            except KvcmError as exc:  # the turn's reads answer with it
+                self._stale = exc
+
     def _gate(self, method: Method | None) -> KvcmError | None:
         from kvcm.ha.lease import not_leader
 
         if method is None:
             return not_leader(self.lease.known_holder(), self.lease.node_id)
-        if self.reads is not None and method.name in READS:
-            try:
-                self.reads.refresh()
-            except KvcmError as exc:
-                return exc
+        if self._stale is not None and method.name in READS:
+            return self._stale
         return None
 
     def info(self) -> dict[str, Any]:
