@@ -10,6 +10,8 @@ import math
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,6 +19,8 @@ from kvcm.config import Config, ConfigError, ServerConfig, load, overrides_from_
 from kvcm.errors import KvcmError, StartRefused
 
 DEFAULT_ENDPOINT = ServerConfig.endpoint
+
+log = logging.getLogger("kvcm.cli")
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +36,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--data-dir", help="data directory (LMDB metadata, file storage)")
     p.add_argument("--http-port", type=int, help="side HTTP port for /metrics, /livez, /readyz (0 = any)")
     p.add_argument("--memory", action="store_true", help="keep metadata in memory only (nothing persisted)")
+    p.add_argument("--standby", action="store_true", default=None,
+                   help="if another kvcm holds the data dir, wait (binding nothing) and take over the moment it "
+                        "stops or dies (server.standby; LMDB only, with Redis see ha.enabled)")
     orphans = p.add_mutually_exclusive_group()
     orphans.add_argument("--adopt-orphans", dest="orphans", action="store_const", const="adopt", default="refuse",
                          help="storages hold blocks of lost metadata: keep the files (unindexed) and start")
@@ -150,6 +157,7 @@ def effective_config(args: argparse.Namespace) -> Config:
         ("store", "data_dir"): getattr(args, "data_dir", None),
         ("http", "port"): getattr(args, "http_port", None),
         ("store", "backend"): "memory" if getattr(args, "memory", False) else None,
+        ("server", "standby"): getattr(args, "standby", None),
     }
     for (section, key), value in flags.items():
         if value is not None:
@@ -162,11 +170,66 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = effective_config(args)
     logging.basicConfig(level=config.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = (HaNode if config.ha.enabled else App)(config, orphans=args.orphans)
-    signal.signal(signal.SIGTERM, lambda *_: app.request_stop())
-    signal.signal(signal.SIGINT, lambda *_: app.request_stop())
+    stop = threading.Event()  # a stop asked for before the app exists (standing by, building)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    lock = _stand_by(config, stop) if config.server.standby else None
+    try:
+        if stop.is_set():
+            return 0
+        app = (HaNode if config.ha.enabled else App)(config, orphans=args.orphans)
+    finally:
+        if lock is not None:
+            _drop_unclaimed(lock)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: app.request_stop())
+    if stop.is_set():  # asked while the app was being built: it stops before serving
+        app.request_stop()
     app.run(started=lambda: print("\n".join(app.startup_block(args.config)), flush=True))
     return 0
+
+
+def _stand_by(config: Config, stop: threading.Event) -> str | None:
+    """``--standby``: wait, binding nothing, until this process holds the data dir's lock (at
+    once if nobody does; else the moment its holder stops or dies), then pass the lock on to
+    the store the app opens, so no third process can take it in between. Returns the lock
+    file, or None if ``stop`` was set first."""
+    from kvcm.lockfile import pass_lock_file, wait_lock_file
+
+    data_dir = os.path.abspath(config.store.data_dir)
+    os.makedirs(data_dir, exist_ok=True)
+    lock = os.path.join(data_dir, "kvcm.lock")
+
+    def busy(pid: int | None) -> None:
+        holder = f"pid {pid}" if pid is not None else "another process"
+        log.warning("standing by for data dir %s (held by %s); taking over %s when it stops", data_dir, holder,
+                    config.server.endpoint)
+
+    if not wait_lock_file(lock, "the standby", f"data dir {data_dir!r}", stop, on_busy=busy):
+        log.info("standby stopped before taking over; it never served")
+        return None
+    pass_lock_file(lock)
+    _wait_ports_free(config, stop)
+    return lock
+
+
+def _wait_ports_free(config: Config, stop: threading.Event, timeout: float = 5.0) -> None:
+    """A holder that stopped cleanly closed its ports just before it let go of the lock, and a
+    dead one's are closed by the kernel in the same sweep as its lock: wait a moment for them
+    (a port still taken past ``timeout`` refuses the start as usual)."""
+    from kvcm.app import _http_port_in_use
+    from kvcm.rpc.server import endpoint_in_use
+
+    deadline = time.monotonic() + timeout
+    while not stop.is_set() and time.monotonic() < deadline and (
+            endpoint_in_use(config.server.endpoint) or (config.http.enabled and _http_port_in_use(config.http))):
+        stop.wait(0.01)
+
+
+def _drop_unclaimed(lock: str) -> None:
+    from kvcm.lockfile import drop_unclaimed
+
+    drop_unclaimed(lock)
 
 
 def cmd_call(args: argparse.Namespace) -> int:

@@ -50,6 +50,7 @@ class ServerConfig:
     live_after_s: float = 10.0  # /livez fails once the RPC loop has not turned for this long
     sndhwm: int = 10000  # per-peer reply queue; a peer over it loses replies (counted)
     access_log: bool = False  # one log line per request at INFO
+    standby: bool = False  # another kvcm holds the data dir: wait, bind nothing, take over when it stops or dies
 
 
 @dataclass(frozen=True)
@@ -399,6 +400,9 @@ _NODE_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 def _check_ha(config: Config) -> None:
     ha = config.ha
     checks = [
+        (not config.server.standby or (config.store.backend == "lmdb" and not ha.enabled),
+         'server.standby (--standby) is a hot standby on one host\'s LMDB data dir; with store.backend = "redis" '
+         "use ha.enabled instead (docs/ha.md)"),
         (100 <= ha.lease_ms <= 600_000, "ha.lease_ms must be in 100..600000"),
         (ha.renew_ms > 0 and 2 * ha.renew_ms < ha.lease_ms, "ha.renew_ms must be positive and below ha.lease_ms / 2"),
         (not ha.node_id or bool(_NODE_ID.fullmatch(ha.node_id)), "ha.node_id must be 1 to 64 of A-Z a-z 0-9 _ . : -"),
