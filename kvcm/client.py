@@ -617,12 +617,13 @@ class Client:
 
     def match_engines(self, *, instance_id: str, token_ids: Ints | None = None, block_keys: Ints | None = None,
                       lora_name: str | None = None, media: Sequence[str] | None = None, medium: str | None = None,
-                      group_idx: int | None = None, limit: int | None = None, trace_id: str | None = None,
-                      timeout: float | None = None) -> EngineMatches:
-        """Per engine source, the longest prefix of the query it holds, best first."""
+                      group_idx: int | None = None, limit: int | None = None, include_stale: bool | None = None,
+                      trace_id: str | None = None, timeout: float | None = None) -> EngineMatches:
+        """Per engine source, the longest prefix of the query it holds, best first (sources not
+        heard for ``events.stale_after_s`` left out unless ``include_stale``)."""
         return self._typed("match_engines", EngineMatches, timeout, instance_id=instance_id, token_ids=token_ids,
                            block_keys=block_keys, lora_name=lora_name, media=_listed(media), medium=medium,
-                           group_idx=group_idx, limit=limit, trace_id=trace_id)
+                           group_idx=group_idx, limit=limit, include_stale=include_stale, trace_id=trace_id)
 
     # system, tokens
     def get_metrics(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:

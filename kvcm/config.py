@@ -136,6 +136,9 @@ class EventsConfig:
     sync: bool = False  # fsync engine-index commits (it can be rebuilt from the engines by replay)
     sources: tuple[str, ...] = ()  # static sources, JSON objects as given to add_event_source
     max_sources: int = 128  # sources followed at most, static ones included (each: 4 ZeroMQ sockets, ~6 fds)
+    probe_interval_s: float = 5.0  # a source silent this long is probed through its replay ROUTER
+    stale_after_s: float = 30.0  # a source not heard this long is stale: left out of match_engines
+    expire_after_s: float = 600.0  # a source not heard this long loses its blocks (0 = never)
 
 
 @dataclass(frozen=True)
@@ -382,6 +385,12 @@ def validate(config: Config) -> None:
         (config.auth.failed_login_limit_per_user > 0, "auth.failed_login_limit_per_user must be positive"),
         (config.auth.failed_login_window_s > 0, "auth.failed_login_window_s must be positive"),
         (1 <= config.events.max_sources <= 16000, "events.max_sources must be in 1..16000"),
+        (config.events.probe_interval_s > 0, "events.probe_interval_s must be positive"),
+        # A live source is probed at least once before it can be called stale.
+        (config.events.stale_after_s > config.events.probe_interval_s,
+         "events.stale_after_s must be greater than events.probe_interval_s"),
+        (config.events.expire_after_s == 0 or config.events.expire_after_s >= config.events.stale_after_s,
+         "events.expire_after_s must be 0 (never) or at least events.stale_after_s"),
         (all(os.path.isabs(r) and r.isprintable() for r in config.storage.allowed_roots),
          "storage.allowed_roots: each entry must be an absolute path without control characters"),
         (config.log.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log.level must be DEBUG, INFO, WARNING or ERROR"),

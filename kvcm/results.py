@@ -189,10 +189,19 @@ class EngineMatch(msgspec.Struct, gc=False):
     media: dict[str, int]
 
 
+class SourceFreshness(msgspec.Struct, gc=False):
+    """How recently an engine source was heard: ``live``, ``replaying``, ``gap``, ``stale``, ``expired``."""
+
+    state: str
+    age_s: float
+
+
 class EngineMatches(msgspec.Struct, gc=False):
     instance_id: str
     num_blocks: int
     sources: list[EngineMatch]
+    stale_sources: int = 0  # stale sources left out (include_stale=False)
+    freshness: dict[str, SourceFreshness] = {}  # every source of the instance
 
 
 class StorageHealth(msgspec.Struct, gc=False):
@@ -247,7 +256,8 @@ HEAD = msgspec.msgpack.Decoder(Head, ext_hook=refuse_ext)
 __all__ = [
     "AdminReply", "BlockMeta", "CacheLocations", "CacheMeta", "EngineMatch", "EngineMatches", "Envelope", "Head",
     "Health", "InstanceInfo", "InstanceInfoReply", "Location", "LocationSpec", "Lost", "Mask", "ModelDeployment",
-    "Pinned", "Registered", "Removed", "SpecGroup", "SpecInfo", "StorageConfig", "StorageHealth", "StorageSpecs",
+    "Pinned", "Registered", "Removed", "SourceFreshness", "SpecGroup", "SpecInfo", "StorageConfig", "StorageHealth",
+    "StorageSpecs",
     "Unpinned",
     "WriteFinished", "WriteSession", "decoder",
 ]

@@ -62,6 +62,7 @@ class MatchEnginesRequest(_Request):
     medium: str | None = None  # shorthand for media=[medium]
     group_idx: int | None = None  # absent = full-attention-like groups
     limit: int = 0  # 0 = every source with a match
+    include_stale: bool = False  # also match sources not heard for events.stale_after_s
 
 
 #: RequestBase's fields: the dispatcher's business, never part of a source's definition.
@@ -105,6 +106,7 @@ class _Handlers:
         return Raw(self.service.match_packed(
             req.instance_id, req.token_ids, req.block_keys,
             lora_name=req.lora_name, media=media, group_idx=req.group_idx, limit=req.limit,
+            include_stale=req.include_stale,
         ))  # fmt: skip
 
 

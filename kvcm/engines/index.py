@@ -33,7 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -421,6 +421,7 @@ class EngineIndex:
         lora_name: str | None = None,
         media: Iterable[str] | None = None,
         group_idx: int | None = None,
+        exclude: Collection[str] = (),
     ) -> list[SourceMatch]:
         """Per source, the longest prefix of ``keys`` it holds, per medium; best first.
 
@@ -433,7 +434,7 @@ class EngineIndex:
             table = self._tables.get((instance_id, lora_name or ""))
             if table is None:
                 return []
-            runs = table.longest_prefixes(keys, table.allowed(wanted, group_idx))
+            runs = table.longest_prefixes(keys, table.allowed(wanted, group_idx) & ~_mask(table, exclude))
             slots = table.slots
             per_source: dict[str, SourceMatch] = {}
             for n, bits in runs:  # ascending n: a later run of a source is its better one
@@ -462,6 +463,7 @@ class EngineIndex:
         media: Iterable[str] | None = None,
         group_idx: int | None = None,
         limit: int = 0,
+        exclude: Collection[str] = (),
     ) -> bytes | None:
         """:meth:`match`'s list as msgpack bytes, assembled from per-slot pre-packed fragments
         (the RPC fast path). None if a source has several allowed slots: use :meth:`match`."""
@@ -472,7 +474,7 @@ class EngineIndex:
                 return b"\x90"
             if not table.single_slot_sources(wanted, group_idx):
                 return None
-            parts = table.packed_matches(keys, table.allowed(wanted, group_idx))
+            parts = table.packed_matches(keys, table.allowed(wanted, group_idx) & ~_mask(table, exclude))
         if limit:
             del parts[limit:]
         return _array_header(len(parts)) + b"".join(parts)
@@ -562,6 +564,15 @@ class EngineIndex:
 _BY_SOURCE = attrgetter("source_id")
 _BY_MATCH = attrgetter("matched_blocks")
 _IGNORED: Counter[str] = Counter()  # errors of the precompute pass are counted when applied
+
+
+def _mask(table: HolderTable, sources: Collection[str]) -> int:
+    """The slots of ``sources`` (a match leaves stale sources out this way)."""
+    mask = 0
+    for source_id in sources:
+        for sid in table.source_slots(source_id):
+            mask |= 1 << sid
+    return mask
 
 
 def _array_header(n: int) -> bytes:

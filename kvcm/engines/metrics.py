@@ -46,6 +46,14 @@ class EventMetrics:
         self.errors = Counter(_PREFIX + "errors", "Errors, by kind", ["source", "kind"], registry=r)
         self.status = Gauge(_PREFIX + "connection_status", "1 while connected", src, registry=r)
         self.last_seq = Gauge(_PREFIX + "last_sequence_id", "Last applied sequence number", src, registry=r)
+        self.probes = Counter(_PREFIX + "probes", "Liveness probes of a silent source (replay ROUTER)", src, registry=r)
+        self.probe_failures = Counter(_PREFIX + "probe_failures", "Liveness probes left unanswered", src, registry=r)
+        self.stale = Gauge(_PREFIX + "stale", "1 while the source is not heard for events.stale_after_s", src, registry=r)
+        self.expired = Counter(_PREFIX + "expired", "Times the source expired (not heard for events.expire_after_s)", src, registry=r)
+        self.expired_blocks = Counter(_PREFIX + "expired_blocks", "Blocks dropped when the source expired", src, registry=r)
+        self.rebuilds = Counter(
+            _PREFIX + "rebuilds", "Full rebuilds (publisher restart, replay buffer no longer reaching back)", src, registry=r
+        )
         self.blocks = Gauge(_PREFIX + "blocks_held", "Engine blocks held, by medium", ["source", "medium"], registry=r)
         self._labels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
         self._lock = threading.Lock()
@@ -70,6 +78,7 @@ class EventMetrics:
         simple = (
             self.connections, self.disconnections, self.reconnect_attempts, self.latency, self.missed,
             self.replay_requests, self.replay_success, self.replay_failures, self.status, self.last_seq,
+            self.probes, self.probe_failures, self.stale, self.expired, self.expired_blocks, self.rebuilds,
         )  # fmt: skip
         for metric in simple:
             _remove(metric, source)

@@ -34,7 +34,7 @@ from kvcm.engines.sources import (
     static_specs,
 )
 from kvcm.engines.subscriber import EventSubscriber
-from kvcm.errors import Code, error
+from kvcm.errors import Code, NotFound, error
 from kvcm.store.base import MetaStore
 
 #: The main store's database of event-source definitions (see ``EngineService(shared=...)``).
@@ -42,9 +42,11 @@ DEFINITIONS = "source_defs"
 
 log = logging.getLogger("kvcm.engines")
 _ENCODER = msgspec.msgpack.Encoder()
-_REPLY_HEAD = b"\x83" + _ENCODER.encode("instance_id")
+_REPLY_HEAD = b"\x85" + _ENCODER.encode("instance_id")
 _NUM_BLOCKS = _ENCODER.encode("num_blocks")
 _SOURCES = _ENCODER.encode("sources")
+_STALE = _ENCODER.encode("stale_sources")
+_FRESHNESS = _ENCODER.encode("freshness")
 
 
 class MatchReply(msgspec.Struct, gc=False):
@@ -53,6 +55,8 @@ class MatchReply(msgspec.Struct, gc=False):
     instance_id: str
     num_blocks: int
     sources: list[SourceMatch]
+    stale_sources: int  # the instance's stale sources left out (include_stale=False)
+    freshness: dict[str, dict[str, Any]]  # every source of the instance: {"state", "age_s"}
 
 
 class EngineService:
@@ -236,7 +240,35 @@ class EngineService:
             "blocks_held": sum(held.values()),
             "blocks_by_medium": held,
             "last_event_time": state.last_event_time or None,
+            "state": conn.get("state", "live"),
+            "age_s": round(conn.get("age_s", 0.0), 3),
+            "last_heard": conn.get("last_heard"),
+            "last_rebuild": conn.get("last_rebuild"),
+            "probes": conn.get("probes", 0),
+            "probe_failures": conn.get("probe_failures", 0),
+            "rebuilds": conn.get("rebuilds", 0),
+            "expired": conn.get("expired", 0),
+            "expired_blocks": conn.get("expired_blocks", 0),
         }
+
+    # --- liveness ---------------------------------------------------------------------------------
+
+    def freshness(self, source_id: str) -> tuple[str, float]:
+        """``(state, age_s)`` of a source: ``live``, ``replaying``, ``gap``, ``stale`` or
+        ``expired``, and seconds since it was last heard (see ``kvcm.engines.subscriber``).
+
+        :raises NotFound: for a source that is not followed."""
+        if self.index.get(source_id) is None:
+            raise NotFound(f"no event source {source_id[:200]!r}")
+        known = self.subscriber.freshness(source_id)
+        return known if known is not None else ("live", 0.0)  # added, not yet picked up
+
+    def _left_out(self, instance_id: str, include_stale: bool) -> frozenset[str]:
+        """The instance's stale sources, which a match leaves out unless asked for them."""
+        stale = self.subscriber.stale_ids
+        if include_stale or not stale:
+            return frozenset()
+        return frozenset(s for s in stale if (st := self.index.get(s)) is not None and st.spec.instance_id == instance_id)
 
     # --- queries ----------------------------------------------------------------------------------
 
@@ -254,10 +286,12 @@ class EngineService:
         media: Sequence[str] | None = None,
         group_idx: int | None = None,
         limit: int = 0,
+        include_stale: bool = False,
     ) -> dict[str, Any]:
-        """``match_engines``: per source, the longest held prefix split by medium, best first."""
+        """``match_engines``: per source, the longest held prefix split by medium, best first;
+        stale sources are left out (and counted) unless ``include_stale``."""
         reply: dict[str, Any] = msgspec.to_builtins(
-            self._match(instance_id, token_ids, block_keys, lora_name, media, group_idx, limit)
+            self._match(instance_id, token_ids, block_keys, lora_name, media, group_idx, limit, include_stale)
         )
         return reply
 
@@ -271,15 +305,21 @@ class EngineService:
         media: Sequence[str] | None = None,
         group_idx: int | None = None,
         limit: int = 0,
+        include_stale: bool = False,
     ) -> bytes:
         """:meth:`match` as msgpack bytes (the RPC path: no intermediate dicts)."""
         keys = self.keys_for(instance_id, token_ids, block_keys)
+        left_out = self._left_out(instance_id, include_stale)
         packed = self.index.match_packed(
-            instance_id, keys, lora_name=lora_name, media=media, group_idx=group_idx, limit=limit
+            instance_id, keys, lora_name=lora_name, media=media, group_idx=group_idx, limit=limit, exclude=left_out
         )
         if packed is None:  # a source with several media or groups: merge in Python
-            return _ENCODER.encode(self._match(instance_id, None, keys, lora_name, media, group_idx, limit))
-        return _REPLY_HEAD + _ENCODER.encode(instance_id) + _NUM_BLOCKS + _ENCODER.encode(len(keys)) + _SOURCES + packed
+            return _ENCODER.encode(
+                self._match(instance_id, None, keys, lora_name, media, group_idx, limit, include_stale)
+            )
+        head = _REPLY_HEAD + _ENCODER.encode(instance_id) + _NUM_BLOCKS + _ENCODER.encode(len(keys)) + _SOURCES
+        fresh = self.subscriber.instance_freshness(instance_id)[1]
+        return head + packed + _STALE + _ENCODER.encode(len(left_out)) + _FRESHNESS + fresh
 
     def _match(
         self,
@@ -290,10 +330,15 @@ class EngineService:
         media: Sequence[str] | None,
         group_idx: int | None,
         limit: int,
+        include_stale: bool = False,
     ) -> MatchReply:
         keys = self.keys_for(instance_id, token_ids, block_keys)
-        sources = self.index.match(instance_id, keys, lora_name=lora_name, media=media, group_idx=group_idx)
-        return MatchReply(instance_id, len(keys), sources[:limit] if limit > 0 else sources)
+        left_out = self._left_out(instance_id, include_stale)
+        sources = self.index.match(
+            instance_id, keys, lora_name=lora_name, media=media, group_idx=group_idx, exclude=left_out
+        )
+        fresh = self.subscriber.instance_freshness(instance_id)[0]
+        return MatchReply(instance_id, len(keys), sources[:limit] if limit > 0 else sources, len(left_out), fresh)
 
     def engine_locations(self, instance_id: str, keys: Sequence[int], lora_name: str | None = None) -> list[list[dict[str, Any]]]:
         """Per key, the engines holding it: for ``get_cache_location(include_engines=true)``."""

@@ -41,6 +41,9 @@ class SubscriberSettings:
     max_held: int = 100_000  # live messages held per source while its replay runs
     rcvhwm: int = 100_000
     max_sources: int = 128  # sources followed at most; sizes the subscriber's ZeroMQ context
+    probe_interval_s: float = 5.0  # a source silent this long is asked through its replay ROUTER
+    stale_after_s: float = 30.0  # a source not heard this long is stale (left out of matches)
+    expire_after_s: float = 600.0  # ... and after this long its blocks are dropped (0 = never)
 
     @classmethod
     def from_config(cls, cfg: Any) -> SubscriberSettings:

@@ -14,6 +14,14 @@ Per source:
 * publisher restart: a live seq below the last live seq on the same connection, or a seq at or
   below ``last_seq`` whose batch timestamp is newer than the last applied one (a duplicate keeps
   its old timestamp) -> clear that source and rebuild by replay from 0;
+* liveness: a source is *heard* on every live message and replay answer. One silent for
+  ``probe_interval_s`` is probed through its replay ROUTER: a replay from ``last_seq`` itself,
+  answered by that batch and the end marker (so a probe also catches an engine that restarted in
+  place and stayed silent). Not heard for ``stale_after_s`` it is ``stale`` (``stale_ids``,
+  left out of matches by the service); for ``expire_after_s`` it is ``expired``: its blocks
+  are dropped and counted, and it is rebuilt from 0 when heard again. A restart or a replay
+  buffer that no longer reaches back is a full rebuild (blocks dropped, ``rebuilds`` counted);
+  a gap accepted without replay leaves the source in state ``gap`` until its next rebuild;
 * a replay that does not finish within its timeout is a failure: the DEALER is re-created (so
   stale frames cannot leak into the next replay), held messages are applied with the gap
   accepted, and further replays of that source back off 1 s -> 30 s (x2). Socket set-up failures
@@ -29,7 +37,8 @@ Nothing blocks: every receive is non-blocking, each socket is drained at most ``
 per wake-up, and a silent replay endpoint only ever delays its own source.
 
 Thread ownership: every socket and :class:`_Conn` belongs to the thread calling :meth:`poll_once`
-(the subscriber thread). Other threads use :meth:`add`/:meth:`remove`/:meth:`snapshot` only.
+(the subscriber thread). Other threads use :meth:`add`/:meth:`remove`/:meth:`snapshot`, and the
+read-only :meth:`freshness`/:meth:`instance_freshness`/``stale_ids``, only.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -62,6 +72,7 @@ _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RE
 SOCKETS_PER_SOURCE = 4  # SUB, replay DEALER, and the SUB's monitor (a PAIR socket at each end)
 FDS_PER_SOURCE = 6  # one mailbox per socket, plus the SUB's and the DEALER's connection
 _SPARE_SOCKETS = 16
+_MAX_FRESH = 1024  # instances whose freshness map is cached
 _FD_RESERVE = 256  # for the rest of the process: stores, the RPC port and its peers, HTTP
 
 
@@ -94,7 +105,9 @@ def ensure_open_files(needed: int, max_sources: int) -> None:
 class _Conn:
     """Connection and sequencing state of one source (subscriber thread only)."""
 
-    def __init__(self, spec: SourceSpec, generation: int, last_seq: int, last_ts: float, cfg: SubscriberSettings) -> None:
+    def __init__(
+        self, spec: SourceSpec, generation: int, last_seq: int, last_ts: float, cfg: SubscriberSettings, now: float
+    ) -> None:
         self.spec = spec
         self.generation = generation
         self.last_seq = last_seq  # last seq applied or queued for applying
@@ -117,9 +130,17 @@ class _Conn:
         self.backoff_max = spec.backoff_max_s or cfg.backoff_max_s
         self.backoff = self.backoff_initial
         self.replay_backoff = self.backoff_initial
+        self.heard_at = now  # monotonic; a source never heard ages from when it was added
+        self.heard_wall: float | None = None  # wall time of the last message, None = never heard
+        self.probing = False  # the replay in flight is a liveness probe
+        self.probe_at = 0.0
+        self.gap = False  # a gap was accepted without replay: blocks may be stale until a rebuild
+        self.expired = False
+        self.stale = False
         self.stats: dict[str, Any] = {
             "connections": 0, "disconnections": 0, "missed": 0, "replays": 0, "replay_failures": 0,
             "duplicates": 0, "restarts": 0, "errors": 0, "errors_by_kind": {}, "last_event_time": None,
+            "probes": 0, "probe_failures": 0, "rebuilds": 0, "expired": 0, "expired_blocks": 0,
         }  # fmt: skip
 
     def next_backoff(self, attr: str, factor: float) -> float:
@@ -156,6 +177,9 @@ class EventSubscriber:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
+        #: sources not heard for ``stale_after_s`` (replaced whole, so readers need no lock)
+        self.stale_ids: frozenset[str] = frozenset()
+        self._fresh: dict[str, tuple[float, dict[str, dict[str, Any]], bytes]] = {}  # per instance
 
     # --- control (any thread) -------------------------------------------------------------------
 
@@ -173,9 +197,44 @@ class EventSubscriber:
             stats = dict(conn.stats)
             stats["errors_by_kind"] = dict(stats["errors_by_kind"])
             stats["connected"] = conn.connected
-            stats["replaying"] = conn.replay_start is not None
+            stats["replaying"] = conn.replay_start is not None and not conn.probing
+            stats["state"], stats["age_s"] = self._freshness(conn)
+            stats["last_heard"] = conn.heard_wall
             out[source_id] = stats
         return out
+
+    def freshness(self, source_id: str) -> tuple[str, float] | None:
+        """``(state, age_s)`` of a followed source (None if not followed): state is ``live``,
+        ``replaying``, ``gap``, ``stale`` or ``expired``; age is seconds since it was last heard."""
+        conn = self._conns.get(source_id)
+        return None if conn is None else self._freshness(conn)
+
+    def instance_freshness(self, instance_id: str) -> tuple[dict[str, dict[str, Any]], bytes]:
+        """``{source_id: {"state", "age_s"}}`` of the instance's sources, and its msgpack, for
+        ``match_engines`` replies. Kept for ``poll_ms`` (a reply's ages are at most that old), as
+        a router may ask thousands of times a second about an instance with a hundred sources."""
+        now = self._clock()
+        known = self._fresh.get(instance_id)
+        if known is None or now - known[0] >= self.settings.poll_ms / 1000:
+            fresh = {}
+            for source_id, conn in list(self._conns.items()):
+                if conn.spec.instance_id == instance_id:
+                    state, age = self._freshness(conn)
+                    fresh[source_id] = {"state": state, "age_s": round(age, 2)}
+            if len(self._fresh) >= _MAX_FRESH:  # instances come and go; ids are registered ones
+                self._fresh = {}
+            known = self._fresh[instance_id] = (now, fresh, msgspec.msgpack.encode(fresh))
+        return known[1], known[2]
+
+    def _freshness(self, conn: _Conn) -> tuple[str, float]:
+        age = max(0.0, self._clock() - conn.heard_at)
+        if conn.expired:
+            return "expired", age
+        if age >= self.settings.stale_after_s:
+            return "stale", age
+        if conn.replay_start is not None and not conn.probing:
+            return "replaying", age
+        return ("gap" if conn.gap else "live"), age
 
     def start(self) -> None:
         """Run :meth:`poll_once` on a daemon thread until :meth:`stop`."""
@@ -252,7 +311,7 @@ class EventSubscriber:
     def _add(self, spec: SourceSpec, generation: int, last_seq: int, last_ts: float) -> None:
         if spec.source_id in self._conns:
             self._remove(spec.source_id)
-        conn = _Conn(spec, generation, last_seq, last_ts, self.settings)
+        conn = _Conn(spec, generation, last_seq, last_ts, self.settings, self._clock())
         self._conns[spec.source_id] = conn
         self.metrics.status.labels(spec.source_id).set(0)
         self._open(conn)
@@ -327,12 +386,81 @@ class EventSubscriber:
     # --- timers -----------------------------------------------------------------------------------
 
     def _timers(self, now: float) -> None:
+        stale = []
         for conn in list(self._conns.values()):
             if conn.sub is None and now >= conn.open_at:
                 self.metrics.reconnect_attempts.labels(conn.spec.source_id).inc()
                 self._open(conn)
             if conn.replay_start is not None and now >= conn.replay_deadline:
-                self._replay_failed(conn, "replay_timeout")
+                if conn.probing:
+                    self._probe_failed(conn)
+                else:
+                    self._replay_failed(conn, "replay_timeout")
+            if self._liveness(conn, now):
+                stale.append(conn.spec.source_id)
+        if len(stale) != len(self.stale_ids) or not self.stale_ids.issuperset(stale):
+            self.stale_ids = frozenset(stale)
+
+    def _liveness(self, conn: _Conn, now: float) -> bool:
+        """Probe a silent source, mark it stale, expire it; True while it is stale."""
+        cfg, idle = self.settings, now - conn.heard_at
+        if (idle >= cfg.probe_interval_s and now >= conn.probe_at and conn.replay_start is None
+                and conn.dealer is not None and now >= conn.replay_not_before):
+            self._probe(conn, now)
+        stale = idle >= cfg.stale_after_s
+        if stale != conn.stale:
+            conn.stale = stale
+            self.metrics.stale.labels(conn.spec.source_id).set(int(stale))
+        if stale and cfg.expire_after_s > 0 and idle >= cfg.expire_after_s and not conn.expired:
+            self._expire(conn)
+        return stale
+
+    def _heard(self, conn: _Conn) -> None:
+        conn.heard_at = self._clock()
+        conn.heard_wall = time.time()
+        conn.expired = False
+
+    def _probe(self, conn: _Conn, now: float) -> None:
+        """Ask from ``last_seq`` itself, like a reconnect: the answer proves the publisher is up
+        and still the incarnation whose blocks we hold."""
+        conn.probe_at = now + self.settings.probe_interval_s
+        if conn.last_seq >= 0:
+            self._start_replay(conn, conn.last_seq, (conn.last_seq, conn.last_ts), probe=True)
+        else:
+            self._start_replay(conn, 0, probe=True)
+
+    def _probe_failed(self, conn: _Conn) -> None:
+        """An unanswered probe: the source just stays unheard (no replay backoff: probes are
+        already spaced by ``probe_interval_s``)."""
+        conn.stats["probe_failures"] += 1
+        self.metrics.probe_failures.labels(conn.spec.source_id).inc()
+        self._end_probe(conn)
+
+    def _end_probe(self, conn: _Conn) -> None:
+        conn.replay_start = None
+        conn.probing = False
+        if conn.dealer is not None:  # a late answer must not leak into the next replay
+            self._renew_dealer(conn)
+        self._release_held(conn)
+
+    def _expire(self, conn: _Conn) -> None:
+        """Not heard for ``expire_after_s``: drop its blocks; when heard again it rebuilds from 0."""
+        log.warning("source %s: not heard for %.0fs, dropping its blocks", conn.spec.source_id,
+                    self.settings.expire_after_s)
+        conn.expired = True
+        conn.gap = False
+        conn.stats["expired"] += 1
+        self.metrics.expired.labels(conn.spec.source_id).inc()
+        self._ops.append(("expire", (conn.spec.source_id, conn.generation)))
+        conn.last_seq, conn.last_ts = -1, 0.0
+
+    def _rebuild(self, conn: _Conn, reason: str) -> None:
+        """Drop every block of the source; the replay that follows (or the next events) refill it."""
+        conn.stats["rebuilds"] += 1
+        conn.stats["last_rebuild"] = reason
+        self.metrics.rebuilds.labels(conn.spec.source_id).inc()
+        conn.gap = False
+        self._ops.append(("clear", (conn.spec.source_id, conn.generation)))
 
     # --- live messages ----------------------------------------------------------------------------
 
@@ -340,6 +468,9 @@ class EventSubscriber:
         if len(frames) != 3 or len(frames[1]) != 8:
             self._error(conn, "bad_frames")
             return
+        self._heard(conn)
+        if conn.probing:  # the message answers the probe; holding it for the probe would delay it
+            self._end_probe(conn)
         seq = _SEQ.unpack(frames[1])[0]
         batch = self._decode(conn, frames[2])
         if conn.last_live is not None and seq < conn.last_live:
@@ -370,6 +501,7 @@ class EventSubscriber:
             self._start_replay(conn, last + 1)
         else:
             self._missed(conn, seq - last - 1)
+            conn.gap = True  # removals in the gap are lost: held blocks may be stale
             self._queue_apply(conn, seq, batch)
 
     def _can_replay(self, conn: _Conn, allow: bool) -> bool:
@@ -380,7 +512,7 @@ class EventSubscriber:
         log.info("source %s: publisher restart detected (seq %s after %d)", conn.spec.source_id, seq, conn.last_seq)
         conn.stats["restarts"] += 1
         self._error(conn, "publisher_restart")
-        self._ops.append(("clear", (conn.spec.source_id, conn.generation)))
+        self._rebuild(conn, "publisher_restart")
         conn.last_seq, conn.last_ts = -1, 0.0
         if conn.replay_start is not None and conn.dealer is not None:
             self._renew_dealer(conn)  # replies of the abandoned replay must not be applied
@@ -423,7 +555,9 @@ class EventSubscriber:
 
     # --- replay -----------------------------------------------------------------------------------
 
-    def _start_replay(self, conn: _Conn, start: int, check: tuple[int, float] | None = None) -> None:
+    def _start_replay(
+        self, conn: _Conn, start: int, check: tuple[int, float] | None = None, probe: bool = False
+    ) -> None:
         """Ask for every buffered batch from ``start``. With ``check = (seq, ts)`` the first reply
         must be that very batch, proving the publisher is the incarnation we last heard from."""
         if conn.dealer is None:
@@ -437,8 +571,13 @@ class EventSubscriber:
         conn.replay_start = start
         conn.replay_first = None
         conn.replay_deadline = self._clock() + conn.replay_timeout
-        conn.stats["replays"] += 1
-        self.metrics.replay_requests.labels(conn.spec.source_id).inc()
+        conn.probing = probe
+        if probe:
+            conn.stats["probes"] += 1
+            self.metrics.probes.labels(conn.spec.source_id).inc()
+        else:
+            conn.stats["replays"] += 1
+            self.metrics.replay_requests.labels(conn.spec.source_id).inc()
 
     def _on_replay(self, conn: _Conn, frames: list[bytes]) -> None:
         if frames and frames[0] == b"":
@@ -448,6 +587,7 @@ class EventSubscriber:
         if len(frames) != 2 or len(frames[0]) != 8:
             self._error(conn, "bad_replay_frames")
             return
+        self._heard(conn)  # any well-formed answer, even a late one, shows the publisher is up
         if conn.replay_start is None:
             return  # a late reply to a replay we gave up on
         if frames[0] == END_SEQ or not frames[1]:
@@ -466,6 +606,8 @@ class EventSubscriber:
             if check is not None and seq == check[0] and batch is not None and batch.ts != check[1]:
                 self._restart(conn, None, None)  # same seq, another batch: a new publisher
                 return
+            if check is not None and seq == check[0]:
+                return  # the batch we applied last, unchanged: proof, not a duplicate
             if seq > conn.replay_start:
                 self._unrecoverable(conn, seq)
         conn.replay_deadline = self._clock() + conn.replay_timeout  # progress extends the deadline
@@ -476,18 +618,22 @@ class EventSubscriber:
         self._error(conn, "replay_gap")
         if conn.last_seq >= 0:
             self._missed(conn, first - conn.last_seq - 1)
-            self._ops.append(("clear", (conn.spec.source_id, conn.generation)))
+            self._rebuild(conn, "replay_gap")
         conn.last_seq = first - 1
 
     def _replay_done(self, conn: _Conn) -> None:
         conn.replay_start = None
         conn.replay_backoff = conn.backoff_initial
-        conn.stats["replays_ok"] = conn.stats.get("replays_ok", 0) + 1
-        self.metrics.replay_success.labels(conn.spec.source_id).inc()
+        if conn.probing:
+            conn.probing = False
+        else:
+            conn.stats["replays_ok"] = conn.stats.get("replays_ok", 0) + 1
+            self.metrics.replay_success.labels(conn.spec.source_id).inc()
         self._release_held(conn)
 
     def _replay_failed(self, conn: _Conn, kind: str) -> None:
         conn.replay_start = None
+        conn.probing = False
         conn.stats["replay_failures"] += 1
         self.metrics.replay_failures.labels(conn.spec.source_id).inc()
         self._error(conn, kind)
@@ -525,6 +671,8 @@ class EventSubscriber:
             conn.last_live = None
             conn.backoff = conn.backoff_initial
             reconnect, conn.ever_connected = conn.ever_connected, True
+            if conn.probing:  # a probe sent while away: the reconnect replay below replaces it
+                self._end_probe(conn)
             if conn.dealer is not None and conn.replay_start is None:
                 # Ask from last_seq itself (applying resumes at last_seq + 1): its batch must come
                 # back unchanged, else the publisher restarted while we were away.
@@ -549,7 +697,9 @@ class EventSubscriber:
         i = 0
         while i < len(ops):
             kind, arg = ops[i]
-            if kind == "clear":
+            if kind in ("clear", "expire"):
+                if kind == "expire":
+                    self._count_expired(arg[0])
                 self.index.clear_source(arg[0], arg[1])
                 self.index.set_position(arg[0], arg[1], -1)
                 i += 1
@@ -561,6 +711,13 @@ class EventSubscriber:
             i = j
         if ops:
             self.index.flush()
+
+    def _count_expired(self, source_id: str) -> None:
+        dropped = sum(self.index.blocks_held(source_id).values())
+        self.metrics.expired_blocks.labels(source_id).inc(dropped)
+        conn = self._conns.get(source_id)
+        if conn is not None:
+            conn.stats["expired_blocks"] += dropped
 
     def _apply(self, ops: list[tuple[str, Any]]) -> None:
         items: list[Item] = [arg for _, arg in ops]
