@@ -72,7 +72,7 @@ class RegisterInstanceRequest(_Request):
     instance_group: str
     instance_id: str
     block_size: int
-    location_spec_infos: list[LocationSpecInfo]
+    location_spec_infos: list[LocationSpecInfo] = []  # none = a router-only instance (engine tier only)
     model_deployment: ModelDeployment = msgspec.field(default_factory=ModelDeployment)
     location_spec_groups: list[LocationSpecGroup] = []
 

@@ -43,6 +43,9 @@ class InstanceView:
 
     def specs_for(self, group_names: Sequence[str] | None, n: int) -> list[tuple[tuple[str, int], ...]]:
         """Specs to allocate for each of ``n`` blocks (hybrid attention: a spec group per block)."""
+        if not self.specs:
+            raise InvalidArgument(f"instance {self.instance_id!r} is a router-only instance (registered without "
+                                  f"location_spec_infos): it has no storage to write to")
         if not group_names:
             return [self.specs] * n
         if len(group_names) != n:

@@ -235,8 +235,8 @@ def check_instance(instance: Instance) -> Instance:
     if not 0 < instance.block_size <= _MAX_BLOCK_SIZE:
         raise InvalidArgument(f"block_size: must be in 1..{_MAX_BLOCK_SIZE}, got {instance.block_size}")
     specs = instance.location_spec_infos
-    if not specs or len(specs) > _MAX_SPECS:
-        raise InvalidArgument(f"location_spec_infos: between 1 and {_MAX_SPECS} specs are required")
+    if len(specs) > _MAX_SPECS:  # none: a router-only instance, refused by the write RPCs
+        raise InvalidArgument(f"location_spec_infos: at most {_MAX_SPECS} specs")
     for i, spec in enumerate(specs):
         check_name(spec.name, f"location_spec_infos[{i}].name", _ID)
         if spec.size <= 0:
