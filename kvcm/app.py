@@ -544,7 +544,11 @@ class App:
         return time.monotonic() - self.server.heartbeat < self.config.server.live_after_s
 
     def ready(self) -> bool:
-        return self.live() and not self.server.draining and not self._stopped
+        """Serving, not stopping, and the metadata store reachable (a store without a
+        ``reachable`` probe, local LMDB or memory, always is)."""
+        reachable = getattr(self.store, "reachable", None)
+        return self.live() and not self.server.draining and not self._stopped and \
+            (reachable is None or bool(reachable()))
 
     def stop(self) -> None:
         """Idempotent, in reverse order of start: front door, threads, HTTP, store last."""
@@ -563,7 +567,10 @@ class App:
         for thread in reversed(self.threads):
             thread.stop()
         if self.reclaimer is not None:
-            self.reclaimer.close()  # every thread stopped: nothing feeds it any more
+            try:
+                self.reclaimer.close()  # every thread stopped: nothing feeds it any more
+            except Unavailable as exc:  # Redis away: only its last recency sync is lost; stop goes on
+                log.warning("reclaimer: last sync skipped: %s", exc)
         self._close_parts()
         log.info("kvcm stopped")
 

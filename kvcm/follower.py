@@ -228,8 +228,8 @@ class FollowerStage:
     def _build_reads(self, open_store: Callable[[], RedisStore]) -> FollowerReads | None:
         """None when the shared store is not ready for reads yet (no leader ever initialised it,
         or Redis is away): the node still follows, and refuses reads too."""
-        store = open_store()
         try:
+            store = open_store()  # Redis away refuses the open (StartRefused): no reads this stage
             return FollowerReads(self.config, store, os.path.abspath(self.config.store.data_dir), self.metrics)
         except (Unavailable, KvcmError) as exc:
             log.warning("node %s: follower reads off for this stage: %s", self.lease.node_id, exc)

@@ -33,6 +33,7 @@ import logging
 import os
 import random
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -50,6 +51,8 @@ log = logging.getLogger("kvcm.store")
 
 CONNECT_TIMEOUT_S = 2.0  # a Redis that does not accept within this is unavailable
 SOCKET_TIMEOUT_S = 5.0  # one command's reply; a commit's WAIT has its own timeout on top
+PROBE_TIMEOUT_S = 0.5  # a readiness PING: a hung Redis makes the node unready, not the probe slow
+PROBE_EVERY_S = 1.0  # at most one readiness PING per this, however hot the probe
 _PAGE = 512  # keys per scan round trip
 _ABSENT = object()  # undo-log marker: the key had no overlay entry
 
@@ -458,6 +461,11 @@ class RedisStore:
         self._ids = itertools.count()
         self._run = uuid.uuid4().hex[:12]
         self._closed = False
+        # Its own connection with short timeouts: a probe never waits behind a data-plane command.
+        self._probe = redis.Redis.from_url(url, password=password, socket_timeout=PROBE_TIMEOUT_S,
+                                           socket_connect_timeout=PROBE_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
+        self._probe_lock = threading.Lock()
+        self._probed = (-PROBE_EVERY_S, True)  # (monotonic time, answered)
 
     def _lock_dir(self, path: str) -> str:
         lock = os.path.join(path, "kvcm.lock")
@@ -633,6 +641,20 @@ class RedisStore:
 
     # -- misc ------------------------------------------------------------------------------------
 
+    def reachable(self) -> bool:
+        """Redis answered a PING within ``PROBE_TIMEOUT_S`` (the answer is reused for
+        ``PROBE_EVERY_S``): what the readiness probe reports about the store."""
+        with self._probe_lock:
+            at, answered = self._probed
+            if time.monotonic() - at < PROBE_EVERY_S:
+                return answered
+            try:
+                answered = bool(self._probe.ping())
+            except redis.RedisError:
+                answered = False
+            self._probed = (time.monotonic(), answered)
+            return answered
+
     def versions(self, dbs: Sequence[str]) -> tuple[int, ...]:
         """How many commits touched each of ``dbs`` so far (0 = never): a reader that cached
         something of a database knows it is stale when its number moved."""
@@ -676,4 +698,5 @@ class RedisStore:
         self._closed = True
         with self._writer, self._gate.exclusive():
             self.client.close()
+        self._probe.close()
         self._release_lock()
