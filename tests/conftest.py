@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -10,6 +11,7 @@ import uuid
 import pytest
 
 from kvcm.store import LmdbStore, MemoryStore
+from kvcm.testing import default_overrides
 
 TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 
@@ -106,3 +108,72 @@ def store(request, tmp_path):
         s = MemoryStore()
     yield s
     s.close()
+
+
+# -- the data-plane suite on both stores ----------------------------------------------------------
+#
+# A module (``pytestmark``) or test marked ``both_stores`` runs once per metadata store: every
+# kvcm server it starts (``serve_in_thread``, ``start_subprocess``, the ``kvcm_server`` fixtures)
+# keeps its metadata in LMDB for ``[lmdb]`` and in the session's redis-server for ``[redis]``.
+# ``lmdb_only("why")`` keeps one test of such a module on LMDB, saying why; ``store_independent``
+# runs one once, unparametrized: it starts no server (it tests a formatter, a config check, a
+# MemoryStore...), so a second run would test nothing new. Tests of the ``store`` fixture run on
+# every store already and are left alone.
+
+STORE_BACKENDS = ("lmdb", "redis")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "both_stores: run the test once per metadata store, ids [lmdb] and [redis]")
+    config.addinivalue_line("markers", "lmdb_only(reason): a both_stores test that only means something on LMDB")
+    config.addinivalue_line("markers", "store_independent: a test of a both_stores module that starts no server")
+
+
+def pytest_generate_tests(metafunc):
+    marked = metafunc.definition.get_closest_marker
+    if marked("both_stores") is None or marked("store_independent") is not None or "store" in metafunc.fixturenames:
+        return
+    only = metafunc.definition.get_closest_marker("lmdb_only")
+    if only is not None and not (only.args and isinstance(only.args[0], str) and only.args[0].strip()):
+        pytest.fail(f"{metafunc.definition.nodeid}: lmdb_only needs its reason", pytrace=False)
+    # Module scope: a module's servers are built once per store, not once per test.
+    metafunc.parametrize("kvcm_store", ["lmdb"] if only else list(STORE_BACKENDS), indirect=True, scope="module")
+
+
+class RedisLayer:
+    """Servers on Redis, each under its own prefix named after its data dir: tests never share
+    keys, while a restart on the same data dir finds its metadata again."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.nonce = uuid.uuid4().hex[:8]  # data dirs are temp dirs, but a freed name may come back
+
+    def __call__(self, data_dir: str):
+        digest = hashlib.sha1(os.path.realpath(data_dir).encode()).hexdigest()[:16]
+        return {"store": {"backend": "redis", "redis_url": self.url, "redis_prefix": f"t{self.nonce}-{digest}"}}
+
+    def drop_keys(self) -> int:
+        """Delete every key the layer's servers wrote; how many there were."""
+        import redis
+
+        with redis.Redis.from_url(self.url) as conn:
+            keys = list(conn.scan_iter(match=f"{{t{self.nonce}-*", count=1000))
+            for i in range(0, len(keys), 500):
+                conn.delete(*keys[i:i + 500])
+        return len(keys)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kvcm_store(request):
+    """The metadata store the servers of this module use: ``lmdb`` (kvcm's default) unless a
+    ``both_stores`` parametrization says ``redis``. Module fixtures that start a server request
+    it, so they are built again for each store."""
+    backend = getattr(request, "param", "lmdb")
+    if backend == "lmdb":
+        yield backend
+        return
+    layer = RedisLayer(request.getfixturevalue("redis_server").url)
+    with default_overrides(layer):
+        yield backend
+    # A [redis] run whose servers wrote nothing to Redis would pass without testing Redis.
+    assert layer.drop_keys() > 0, f"{request.node.nodeid}: no server of the [redis] run wrote to Redis"

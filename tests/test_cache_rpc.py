@@ -24,11 +24,13 @@ from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.cache.listeners import CacheListener
 from kvcm.testing import serve_in_thread
 
+pytestmark = pytest.mark.both_stores
+
 _ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(kvcm_store):
     with serve_in_thread(overrides={"cache": {"session_check_ms": 50, "delete_poll_ms": 20}}) as srv:
         with srv.client() as c:
             add_group(c, "g0", ["default-file"], delay_ms=0)
@@ -62,6 +64,7 @@ def _check(server):
     ([456], 1, [-7046029254386352675]),
     ([-1, 0, 2**63 - 1], 3, [-1198892853929587214]),
 ])
+@pytest.mark.store_independent
 def test_hash_vectors(tokens, bs, expected):
     assert token_ids_to_block_keys(tokens, bs) == expected
 

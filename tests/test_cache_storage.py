@@ -25,6 +25,8 @@ from cache_helpers import (
 
 from kvcm.testing import serve_in_thread
 
+pytestmark = pytest.mark.both_stores
+
 FAST = {"cache": {"session_check_ms": 50, "delete_poll_ms": 20}}
 
 
@@ -217,6 +219,7 @@ def _start_bursts(endpoint, rounds):
     return ok, failed
 
 
+@pytest.mark.lmdb_only("grows the LMDB map")
 def test_full_map_that_can_grow_fails_no_request(tmp_path):
     """A request too big for the map's headroom while the map is under its growth threshold:
     the map grows and the batch runs again, instead of failing with CAPACITY_EXHAUSTED."""
@@ -236,6 +239,7 @@ def test_full_map_that_can_grow_fails_no_request(tmp_path):
         srv.app.cache.check()
 
 
+@pytest.mark.lmdb_only("fills the LMDB map to make the group commit fail")
 def test_group_that_cannot_commit_gives_its_storage_space_back(tmp_path):
     """Requests that succeeded inside a group whose shared commit then failed (here: the LMDB map
     is full and may not grow) are answered with the error, their storage space is released, and

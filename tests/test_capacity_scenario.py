@@ -113,6 +113,7 @@ def test_hot_block_outlives_cold_ones_no_write_refused_across_a_kill(tmp_path: A
         stop_subprocess(server)
 
 
+@pytest.mark.both_stores  # the kill -9 scenario above stays on LMDB: 11 s, over the suite's Redis budget
 def test_a_pinned_block_outlives_the_cold_ones_until_unpinned(sock_dir: str) -> None:
     """Over RPC: the coldest block, pinned, is passed over by the reclaimer's rounds and by
     in-line eviction; unpinned, it is the next to go."""

@@ -26,6 +26,8 @@ from kvcm.storage.file import resolve_file_uri
 from kvcm.storage.shm import resolve_shm_uri
 from kvcm.testing import serve_in_thread
 
+pytestmark = pytest.mark.both_stores
+
 SPECS = [{"name": "tp0", "size": 4096}, {"name": "tp1", "size": 4096}]
 QUIET = {"reclaim": {"enabled": False}, "cache": {"delete_poll_ms": 20, "session_check_ms": 50}}
 
@@ -215,6 +217,7 @@ def test_container_names_carry_the_storage_id_and_the_marker_names_the_data_dir(
                                                "storage_spec": {"root_path": str(tmp_path / "x")}}})
 
 
+@pytest.mark.store_independent
 def test_symlinks_out_of_a_storage_are_not_followed(tmp_path: Any) -> None:
     from kvcm.storage.backends import open_backend
 
@@ -236,6 +239,7 @@ def test_symlinks_out_of_a_storage_are_not_followed(tmp_path: Any) -> None:
     assert victim.read_bytes() == b"keep me"
 
 
+@pytest.mark.lmdb_only("builds its pre-marker registry on an LmdbStore directly")
 def test_a_storage_from_before_markers_is_adopted_and_keeps_serving(tmp_path: Any) -> None:
     """Records written before storage ids (no ``storage_id``) open once with a new id and adopt
     their directory; old-style file names are served through the metadata but never swept."""
@@ -400,6 +404,7 @@ def tempfile_dir(tmp_path: Any) -> str:
     return path
 
 
+@pytest.mark.lmdb_only("deletes data.mdb; Redis: test_redis_store.py::test_an_empty_prefix_beside_stored_blocks_refuses_the_start")
 def test_missing_metadata_refuses_to_start_and_deletes_nothing(data_with_blocks: Any) -> None:
     data, root, before = data_with_blocks
     os.unlink(os.path.join(data, "meta", "data.mdb"))
@@ -413,6 +418,7 @@ def test_missing_metadata_refuses_to_start_and_deletes_nothing(data_with_blocks:
     assert again.returncode == 2 and _snapshot(root) == before
 
 
+@pytest.mark.lmdb_only("deletes data.mdb to make the orphans")
 def test_adopt_orphans_keeps_the_files_and_discard_deletes_only_kvcms(data_with_blocks: Any) -> None:
     data, root, before = data_with_blocks
     blocks = [k for k in before if k.endswith(".kv")]
@@ -431,6 +437,7 @@ def test_adopt_orphans_keeps_the_files_and_discard_deletes_only_kvcms(data_with_
     assert left[os.path.relpath(stray, root)] == b"someone else's"  # the stray file stays
 
 
+@pytest.mark.lmdb_only("corrupts the LMDB meta pages")
 def test_corrupt_metadata_exits_2_with_one_line_and_deletes_nothing(data_with_blocks: Any) -> None:
     data, root, before = data_with_blocks
     meta = os.path.join(data, "meta", "data.mdb")
@@ -443,6 +450,7 @@ def test_corrupt_metadata_exits_2_with_one_line_and_deletes_nothing(data_with_bl
     assert _snapshot(root) == before
 
 
+@pytest.mark.lmdb_only("corrupts LMDB pages")
 def test_corrupt_pages_past_the_header_exit_2_too(data_with_blocks: Any) -> None:
     data, root, before = data_with_blocks
     meta = os.path.join(data, "meta", "data.mdb")
@@ -499,3 +507,4 @@ def test_the_default_storage_packs_blocks_into_few_files(tmp_path: Any) -> None:
         _write_blocks(c, list(range(100, 1100)), root=root)
         assert len(glob.glob(os.path.join(root, "s4096", "*.kv"))) == 1
         assert server.app.storages.get("default-file").usage()["slots_used"] == 2 * 1006
+        server.app.cache.check()  # its scans of 1006 records cross the store's scan pages

@@ -34,6 +34,8 @@ from kvcm.config import ConfigError, ReclaimConfig
 from kvcm.errors import CapacityError, KvcmError
 from kvcm.testing import RunningServer, make_test_config, serve_in_thread
 
+pytestmark = pytest.mark.both_stores
+
 BLOCK = 2048  # two specs of 1024 bytes (cache_helpers.SPECS)
 # No reclaimer thread: every eviction here is in-line, so the tests see exactly what it did.
 OVERRIDES = {"reclaim": {"enabled": False}, "cache": {"delete_poll_ms": 20, "session_check_ms": 50}}
@@ -442,10 +444,12 @@ def test_consistency_check_catches_a_wrong_counter(server):
         cache.check()
 
 
+@pytest.mark.store_independent
 def test_config_keys():
     assert ReclaimConfig().inline is True and ReclaimConfig().inline_max_blocks == 4096
 
 
+@pytest.mark.store_independent
 def test_inline_max_blocks_must_be_positive(tmp_path):
     with pytest.raises(ConfigError, match=r"reclaim\.inline_max_blocks"):
         make_test_config(str(tmp_path), f"ipc://{tmp_path}/rpc", {"reclaim": {"inline_max_blocks": 0}})

@@ -15,6 +15,7 @@ import pytest
 import zmq
 from cache_helpers import error_code, locate, register, wait_for, write
 
+from kvcm.app import open_store
 from kvcm.cache.meta_index import namespace
 from kvcm.cache.pins import DB as PINS
 from kvcm.cache.pins import Pins
@@ -25,9 +26,10 @@ from kvcm.optimizer.trace import Record
 from kvcm.optimizer.traces import dump_schema, read_trace
 from kvcm.rpc import wire
 from kvcm.store.base import from_i64, from_u64, i64, u64
-from kvcm.store.lmdb import LmdbStore
 from kvcm.store.memory import MemoryStore
-from kvcm.testing import serve_in_thread
+from kvcm.testing import make_test_config, serve_in_thread
+
+pytestmark = pytest.mark.both_stores
 
 CAP = 8
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -64,7 +66,7 @@ def check(srv) -> None:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(kvcm_store):
     with serve_in_thread(overrides=OVERRIDES) as srv:
         yield srv
 
@@ -286,6 +288,7 @@ def test_removing_an_instance_removes_its_pins(server, c, inst):
     check(server)
 
 
+@pytest.mark.store_independent
 def test_a_reregistered_id_does_not_inherit_pins_before_the_sweep():
     """The same id registered again before the sweep ran: its first pin drops the old rows."""
     store = MemoryStore()
@@ -301,6 +304,7 @@ def test_a_reregistered_id_does_not_inherit_pins_before_the_sweep():
     assert pins.pinned("i", 2.0) == {7, 8, 9}
 
 
+@pytest.mark.store_independent
 def test_two_pins_of_one_group_commit_after_a_reregistration_both_stay():
     """The first pin of the batch clears the old rows; the second must not clear the first's."""
     store = MemoryStore()
@@ -324,8 +328,9 @@ def test_pins_of_an_instance_removed_while_down_are_dropped_at_start():
         with serve_in_thread(data_dir=data, overrides=OVERRIDES) as srv, srv.client() as c:
             register(c, "alive")
             pin(c, "alive", [1])
-        # Rows of an id the registry does not know, as a removal whose clean-up never ran leaves.
-        store = LmdbStore(data)
+        # Rows of an id the registry does not know, as a removal whose clean-up never ran leaves,
+        # written to the store the servers use.
+        store = open_store(make_test_config(data, "ipc://unused"))
         with store.write() as txn:
             txn.put(PINS, namespace("gone") + i64(5), u64(int((time.time() + 600) * 1000)))
         store.close()
@@ -358,6 +363,7 @@ def test_pins_are_logged_and_the_optimizer_reads_them_back(tmp_path):
     assert trace.counts["pin_events"] == 1 and trace.counts["unpin_events"] == 1
 
 
+@pytest.mark.store_independent
 def test_kvcm_events_refuse_a_pin_without_a_ttl(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"id": "x", "source": "i", "type": "PinCache", "trigger_time_us": 1,
@@ -366,6 +372,7 @@ def test_kvcm_events_refuse_a_pin_without_a_ttl(tmp_path):
         list(read_trace(path, "kvcm_events"))
 
 
+@pytest.mark.store_independent
 def test_pin_records_round_trip_through_kvcm_schema(tmp_path):
     records = [Record(0.0, "i", "pin", [1, 2], ttl=5.0), Record(1.0, "i", "unpin", [2])]
     trace = read_trace(_schema_file(tmp_path, records), "kvcm_schema")
@@ -414,6 +421,7 @@ def _story(pin_ttl: float | None) -> list[Record]:
             Record(22.0, "i", "read", [1])]
 
 
+@pytest.mark.store_independent
 def test_replay_keeps_a_pinned_block_while_its_pin_lasts():
     assert _hits(_story(None), _spec()) == [0, 0]  # unpinned: evicted at t=3
     assert _hits(_story(10.0), _spec()) == [1, 1]  # pinned: hit at t=4; evictable after t=10: miss at t=22
@@ -422,12 +430,14 @@ def test_replay_keeps_a_pinned_block_while_its_pin_lasts():
     assert result.instances["i"].evicted_blocks == 3 and result.groups[0].tiers[0]["blocks"] == 2
 
 
+@pytest.mark.store_independent
 def test_replay_unpin_ends_the_protection():
     story = _story(100.0)
     story.insert(5, Record(10.0, "i", "unpin", [1]))
     assert _hits(story, _spec()) == [1, 1]
 
 
+@pytest.mark.store_independent
 def test_replay_with_every_block_pinned_keeps_them_all_over_the_limit():
     records = [Record(0.0, "i", "pin", [1, 2, 3], ttl=50.0)] + \
         [Record(1.0 + k, "i", "write", [k]) for k in (1, 2, 3)] + [Record(5.0, "i", "read", [1])]
@@ -435,6 +445,7 @@ def test_replay_with_every_block_pinned_keeps_them_all_over_the_limit():
     assert result.instances["i"].evicted_blocks == 0 and result.groups[0].tiers[0]["blocks"] == 3
 
 
+@pytest.mark.store_independent
 def test_replay_a_pin_outlasts_a_policys_ttl():
     records = [Record(0.0, "i", "pin", [1], ttl=100.0), Record(1.0, "i", "write", [1]),
                Record(1.0, "i", "write", [2]), Record(50.0, "i", "read", [1]), Record(50.0, "i", "read", [2]),

@@ -15,7 +15,16 @@ from block_bytes import read_problems, storage_roots, write_session
 
 from kvcm.client import Client
 from kvcm.errors import NotFound
-from kvcm.testing import serve_in_thread, start_subprocess, stop_subprocess
+from kvcm.testing import (
+    TEST_ALLOWED_ROOTS,
+    default_overrides,
+    make_test_config,
+    serve_in_thread,
+    start_subprocess,
+    stop_subprocess,
+)
+
+pytestmark = pytest.mark.both_stores
 
 KEYS = list(range(1, 101))  # blocks written with real bytes before the restart
 
@@ -117,3 +126,37 @@ def test_stop_releases_everything_it_opened_under_the_data_dir(sock_dir, tmp_pat
                                       "success_blocks": {"offset": 2}})
         assert open_under_data()  # the store and the default file storage are open
     assert open_under_data() == []
+
+
+# -- kvcm.testing's default layer, which the [redis] runs of the data-plane suite stand on ---------
+
+
+@pytest.mark.store_independent
+def test_a_default_layer_sits_under_a_tests_own_overrides_and_ends_with_its_block(tmp_path):
+    seen: list[str] = []
+
+    def layer(data_dir: str) -> dict[str, dict[str, object]]:
+        seen.append(data_dir)
+        return {"store": {"backend": "memory"}, "cache": {"max_open_sessions_per_instance": 7}}
+
+    with default_overrides(layer):
+        config = make_test_config(str(tmp_path), "ipc://unused", {"cache": {"max_open_sessions_per_instance": 9}})
+    assert config.store.backend == "memory" and config.cache.max_open_sessions_per_instance == 9
+    assert seen == [str(tmp_path)]
+    assert make_test_config(str(tmp_path), "ipc://unused").store.backend == "lmdb"
+
+
+@pytest.mark.store_independent
+def test_a_default_layer_reaches_a_subprocess_as_set_arguments(sock_dir):
+    data = os.path.join(sock_dir, "data")
+    layer = {"store": {"backend": "memory"}, "reclaim": {"enabled": False},
+             "storage": {"allowed_roots": list(TEST_ALLOWED_ROOTS)}}
+    with default_overrides(lambda _: layer):
+        server = start_subprocess(data, f"ipc://{sock_dir}/rpc")
+    try:
+        with Client(server.endpoint) as c:
+            c.call("register_instance", {"instance_group": "default", "instance_id": "i", "block_size": 4,
+                                         "location_spec_infos": [{"name": "tp0", "size": 1024}]})
+    finally:
+        assert stop_subprocess(server) == 0
+    assert not os.path.exists(os.path.join(data, "meta"))  # the memory store: no LMDB was made

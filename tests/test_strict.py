@@ -22,11 +22,13 @@ from kvcm.errors import InvalidArgument, KvcmError
 from kvcm.rpc import wire
 from kvcm.testing import serve_in_thread
 
+pytestmark = pytest.mark.both_stores
+
 KEYS = [11, 12, 13, 14]
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(kvcm_store):
     # No reclaimer: nothing may change between a refused request and the check that follows.
     with serve_in_thread(overrides={"reclaim": {"enabled": False}}) as running:
         with running.client() as c:
@@ -367,12 +369,14 @@ class _Outer(schema.RequestBase):
     ({"traceId": "x"}, "m: unknown field traceId (did you mean trace_id?)"),
     ({"zzz": 1}, "m: unknown field zzz"),
 ])
+@pytest.mark.store_independent
 def test_describe_walks_the_schema(value, text):
     with pytest.raises(msgspec.ValidationError) as info:
         msgspec.convert(value, _Outer, strict=True)
     assert str(schema.invalid("m", _Outer, info.value).message) == text
 
 
+@pytest.mark.store_independent
 def test_check_partial_follows_structs_lists_and_maps():
     schema.check_partial({"by_name": {"a": {"offset": 1}}, "pairs": [{"offset": 2}], "trace_id": 3}, _Outer, "x")
     with pytest.raises(KvcmError, match=r"x\.by_name\[\.\.\.\]\.ofset \(did you mean x\.by_name\[\.\.\.\]\.offset\?\)"):

@@ -17,6 +17,8 @@ from kvcm.control.registry import Registry
 from kvcm.errors import Code, InvalidArgument, KvcmError
 from kvcm.testing import RunningServer, serve_in_thread
 
+pytestmark = pytest.mark.both_stores
+
 ADMIN_PW = "tenant-Admin-pw"
 SERVER_ON = {"auth": {"enabled": True, "admin_user": "admin", "admin_password": ADMIN_PW}}
 SPECS = [{"name": "tp0", "size": 64}]
@@ -46,7 +48,7 @@ SCOPED: list[tuple[str, dict[str, Any]]] = [
 
 
 @pytest.fixture(scope="module")
-def tenants() -> Iterator[tuple[RunningServer, Client, Client, Client]]:
+def tenants(kvcm_store: str) -> Iterator[tuple[RunningServer, Client, Client, Client]]:
     """A server with groups ga and gb, instance ia in ga and ib in gb, an engine source on each,
     and clients for the admin, alice (ga) and bob (gb)."""
     sock_dir = tempfile.mkdtemp(prefix="kvcm-tenancy-", dir="/tmp")

@@ -24,6 +24,8 @@ from kvcm.schema import Credentials, RequestBase
 from kvcm.store import LmdbStore
 from kvcm.testing import serve_in_thread
 
+pytestmark = pytest.mark.both_stores
+
 ADMIN_PW = "t0ken-Admin-pw"
 SERVER_ON = {"auth": {"enabled": True, "admin_user": "admin", "admin_password": ADMIN_PW}}
 ADMIN = {"user": "admin", "password": ADMIN_PW}
@@ -132,6 +134,7 @@ def test_malformed_tokens_are_refused_cheaply(store, tmp_path, bad, monkeypatch)
     auth.close()
 
 
+@pytest.mark.lmdb_only("reads the stored bytes back from the LMDB files under the data dir")
 def test_only_the_digest_is_stored_and_exported(tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     with serve_in_thread(data_dir=str(tmp_path / "data"), overrides=SERVER_ON) as srv:
@@ -152,6 +155,7 @@ def test_only_the_digest_is_stored_and_exported(tmp_path, caplog):
     assert token not in caplog.text and token[5:] not in caplog.text
 
 
+@pytest.mark.store_independent
 def test_tokens_travel_in_snapshots(tmp_path):
     source = Registry(LmdbStore(str(tmp_path / "a"), map_size=1 << 20), str(tmp_path / "a-data"))
     source.add_account("admin", ADMIN_PW, "admin")
@@ -233,6 +237,7 @@ def test_kvcm_call_in_a_subprocess_reads_kvcm_password(server):
     assert ADMIN_PW not in done.stderr
 
 
+@pytest.mark.store_independent
 def test_client_variables_are_no_server_settings():
     assert CLIENT_ENV == ("KVCM_PASSWORD", "KVCM_TOKEN")
     load(None, environ={"KVCM_PASSWORD": "x", "KVCM_TOKEN": "y"})  # ignored, not refused

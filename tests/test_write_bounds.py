@@ -13,6 +13,8 @@ from kvcm.config import ConfigError
 from kvcm.errors import KvcmError
 from kvcm.testing import make_test_config, serve_in_thread
 
+pytestmark = pytest.mark.both_stores
+
 BLOCK = 2048  # two specs of 1024 bytes (cache_helpers.SPECS)
 SESSIONS_KEY = "cache.max_open_sessions_per_instance"
 BYTES_KEY = "cache.max_writing_bytes_per_instance"

@@ -9,10 +9,14 @@ with a temporary data dir.
 The pytest plugin (installed with kvcm) offers the same as the ``kvcm_server`` fixture (configured
 with ``@pytest.mark.kvcm(overrides=..., http=...)``) and ``kvcm_server_factory``
 (:mod:`kvcm.testing.pytest_plugin`).
+
+:func:`default_overrides` runs a whole suite on other settings (another metadata store, say)
+without touching its tests: every server started inside the block takes its layer.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -20,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +36,49 @@ from kvcm.testing.fake_engine import FakeEnginePublisher
 
 #: Where test servers let storages live: every temp dir a test makes, and the shm tmpfs.
 TEST_ALLOWED_ROOTS = (tempfile.gettempdir(), "/dev/shm")
+
+
+#: What a default layer gives: ``{section: {key: value}}`` for one server, from its data dir.
+DefaultLayer = Callable[[str], Mapping[str, Mapping[str, Any]]]
+
+_default_layers: list[DefaultLayer] = []
+
+
+@contextmanager
+def default_overrides(layer: DefaultLayer) -> Iterator[None]:
+    """Within the block, every server this module configures starts from ``layer(data_dir)``.
+
+    The layer sits above the test defaults and below a test's own ``overrides`` (which win), and
+    applies to :func:`make_test_config` and so to :func:`serve_in_thread`, the pytest plugin's
+    fixtures and, as ``--set`` arguments, :func:`start_subprocess`. It is called with the
+    server's data dir, so a layer can give each server its own resources (a Redis key prefix)
+    while a restart on the same data dir finds them again. Blocks nest; the innermost wins.
+
+    >>> with default_overrides(lambda data_dir: {"store": {"backend": "memory"}}):  # doctest: +SKIP
+    ...     with serve_in_thread() as server: ...
+    """
+    _default_layers.append(layer)
+    try:
+        yield
+    finally:
+        _default_layers.remove(layer)
+
+
+def _defaults_for(data_dir: str) -> dict[str, dict[str, Any]]:
+    merged: dict[str, dict[str, Any]] = {}
+    for layer in _default_layers:
+        for section, values in layer(data_dir).items():
+            merged.setdefault(section, {}).update(values)
+    return merged
+
+
+def _as_set_value(value: Any) -> str:
+    """A config value as ``--set`` text (what :func:`kvcm.config.load` parses back)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return json.dumps(list(value))
+    return str(value)
 
 
 def _short_ipc_dir() -> str:
@@ -59,14 +106,15 @@ def make_test_config(data_dir: str, endpoint: str, overrides: Mapping[str, Mappi
 
     Storages may live under the system temp dir and ``/dev/shm`` (:data:`TEST_ALLOWED_ROOTS`),
     so tests can add storages in their own temp dirs; override ``storage.allowed_roots`` to
-    test the production default (``[]``)."""
+    test the production default (``[]``). The layers of :func:`default_overrides` come next,
+    then ``overrides``."""
     layer: dict[str, dict[str, Any]] = {
         "server": {"endpoint": endpoint},
         "store": {"data_dir": data_dir},
         "http": {"port": 0},
         "storage": {"allowed_roots": list(TEST_ALLOWED_ROOTS)},
     }
-    for section, values in (overrides or {}).items():
+    for section, values in [*_defaults_for(data_dir).items(), *(overrides or {}).items()]:
         layer.setdefault(section, {}).update(values)
     return load(None, environ={}, overrides=layer)
 
@@ -111,8 +159,11 @@ def start_subprocess(
     """Start ``kvcm serve`` in a child process and wait until it answers ``check_health``.
 
     Storages may live where :func:`make_test_config` lets them, unless ``extra_args`` set
-    ``storage.allowed_roots`` themselves."""
-    extra = list(extra_args or [])
+    ``storage.allowed_roots`` themselves. The layers of :func:`default_overrides` come before
+    ``extra_args`` (a later ``--set`` wins)."""
+    extra = [arg for section, values in _defaults_for(data_dir).items() for key, value in values.items()
+             for arg in ("--set", f"{section}.{key}={_as_set_value(value)}")]
+    extra += extra_args or []
     if not any(arg.startswith("storage.allowed_roots=") for arg in extra):
         extra = ["--set", "storage.allowed_roots=" + ",".join(TEST_ALLOWED_ROOTS), *extra]
     cmd = [sys.executable, "-m", "kvcm", "serve", "--endpoint", endpoint, "--data-dir", data_dir,
@@ -164,8 +215,10 @@ def _wait_ready(endpoint: str, timeout: float = 30.0, process: subprocess.Popen[
 
 __all__ = [
     "TEST_ALLOWED_ROOTS",
+    "DefaultLayer",
     "FakeEnginePublisher",
     "RunningServer",
+    "default_overrides",
     "make_test_config",
     "serve_in_subprocess",
     "serve_in_thread",
