@@ -121,6 +121,12 @@ class Fenced(Unavailable):
     default_code = Code.SERVER_NOT_LEADER
 
 
+class InDoubt(Unavailable):
+    """Redis went away during a commit and could not say afterwards whether it applied it. The
+    commit's memory side (its callbacks, or its aborts, which give back storage slots) waits
+    until Redis can tell: the store refuses everything meanwhile (:meth:`RedisStore.settle`)."""
+
+
 class NotReplicated(Unavailable):
     """A commit applied on the primary that fewer than ``store.redis_wait_replicas`` replicas
     acknowledged in time: it is not lost now, but may be if the primary fails before they copy it."""
@@ -385,11 +391,12 @@ class _Group:
     """Per-thread group-commit state: the overlay (None until the first write block) and the
     callbacks of the savepoints that committed into it."""
 
-    __slots__ = ("aborts", "callbacks", "overlay")
+    __slots__ = ("aborts", "callbacks", "commit_id", "overlay")
 
     def __init__(self) -> None:
         self.overlay: dict[str, dict[bytes, bytes | None]] | None = None
         self.callbacks: list[Callable[[], None]] = []
+        self.commit_id = b""
         self.aborts: list[Callable[[], None]] = []
 
 
@@ -400,6 +407,13 @@ class _Reading:
         self._store = store
 
     def __enter__(self) -> RedisReadTxn:
+        if self._store.in_doubt:
+            # Settled as soon as Redis can tell; until then a read may still be answered from
+            # memory: what memory holds was committed before the doubtful commit was sent.
+            try:
+                self._store.settle()
+            except Unavailable:
+                pass
         self._store._gate.enter()
         return RedisReadTxn(self._store)
 
@@ -461,6 +475,8 @@ class RedisStore:
         self._ids = itertools.count()
         self._run = uuid.uuid4().hex[:12]
         self._closed = False
+        self.in_doubt: list[_Group] = []  # commits whose outcome Redis could not tell (settle)
+        self._doubt_lock = threading.RLock()
         # Its own connection with short timeouts: a probe never waits behind a data-plane command.
         self._probe = redis.Redis.from_url(url, password=password, socket_timeout=PROBE_TIMEOUT_S,
                                            socket_connect_timeout=PROBE_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
@@ -508,6 +524,8 @@ class RedisStore:
 
     @contextmanager
     def group(self) -> Iterator[None]:
+        if self.in_doubt:
+            self.settle()
         if getattr(self._local, "group", None) is not None:
             yield  # already inside a group on this thread: join it
             return
@@ -524,6 +542,12 @@ class RedisStore:
         shortfall: NotReplicated | None = None
         try:
             shortfall = self._commit(group)
+        except InDoubt:
+            # Neither its aborts (slots given back that Redis may hold as serving, then handed
+            # out twice) nor its callbacks: whichever is true is run once Redis can tell.
+            with self._doubt_lock:
+                self.in_doubt.append(group)
+            raise
         except BaseException:
             run_aborts(group.aborts)  # a failed commit applied nothing
             raise
@@ -578,7 +602,9 @@ class RedisStore:
             return None
         if self.read_only:
             raise Unavailable(self.read_only, Code.SERVER_NOT_LEADER)
-        commit_id = f"{self._run}-{next(self._ids)}".encode()
+        if self.in_doubt:  # another thread's commit: settled first, its marker is about to be overwritten
+            self.settle()
+        commit_id = group.commit_id = f"{self._run}-{next(self._ids)}".encode()
         token = b"" if self.fencing_token is None else str(self.fencing_token).encode()
         with self._gate.exclusive():
             try:
@@ -617,13 +643,39 @@ class RedisStore:
         try:
             marker = self.client.get(self.commit_key)
         except redis.RedisError:
-            log.error("metadata commit %s: outcome unknown, Redis unreachable (%s); a restart of kvcm "
-                      "re-reads what was committed", commit_id.decode(), exc)
-            raise Unavailable(f"metadata store (Redis) unavailable during a commit, outcome unknown: {exc}",
-                              Code.SERVICE_NOT_READY) from None
+            log.error("metadata commit %s: outcome unknown, Redis unreachable (%s); settled when Redis "
+                      "answers again", commit_id.decode(), exc)
+            raise InDoubt(f"metadata store (Redis) unavailable during a commit, outcome unknown: {exc}",
+                          Code.SERVICE_NOT_READY) from None
         if marker != commit_id:
             raise Unavailable(f"metadata store (Redis) unavailable: {exc}", Code.SERVICE_NOT_READY) from None
         log.warning("metadata commit %s was applied although its reply was lost (%s)", commit_id.decode(), exc)
+
+    def settle(self) -> None:
+        """Run the memory side of every commit left in doubt (its callbacks if Redis applied it,
+        else its aborts), oldest first, once Redis answers; until then every write of this store
+        is refused, so no slot is handed out twice and no later commit overwrites the marker
+        that tells. Reads settle first when they can. :raises Unavailable: Redis still cannot
+        tell."""
+        with self._doubt_lock:
+            while self.in_doubt:
+                group = self.in_doubt[0]
+                try:
+                    marker = self.client.get(self.commit_key)
+                except redis.RedisError as exc:
+                    raise Unavailable(f"metadata store (Redis) unavailable; a commit made when it went away "
+                                      f"is still in doubt: {exc}", Code.SERVICE_NOT_READY) from None
+                # Nothing of this process committed since (everything waited here), so the marker
+                # names this commit iff Redis applied it.
+                applied = marker == group.commit_id
+                self.in_doubt.pop(0)
+                log.warning("metadata commit %s %s", group.commit_id.decode(),
+                            "was applied after all" if applied else "was not applied")
+                if applied:
+                    for fn in group.callbacks:
+                        fn()
+                else:
+                    run_aborts(group.aborts)
 
     def _wait_replicas(self) -> NotReplicated | None:
         if self.wait_replicas <= 0:
