@@ -135,6 +135,33 @@ def decode(value: bytes) -> Record:
     return _decode_v1(value)
 
 
+def mark_sole(value: bytes, now: float) -> tuple[bytes, Location, int | None] | None:
+    """``(new value, the location, its run)`` for a format 2 record whose only location is
+    serving with a compact address, made ``deleting`` at ``now``: the same bytes as
+    ``encode`` of the decoded, marked record, without building one (eviction marks many of
+    them, and the location and record objects were most of its cost). None for any other record.
+
+    The location returned is as marked (``deleting``); its times are those :func:`decode`
+    would give."""
+    if value[0] != ONE:
+        return None
+    end = 2 + value[1]
+    addr = value[2:end]
+    body = _decode(value[end:])
+    items = body[3]
+    if len(items) != 1 or addr[0] >= 0x80:
+        return None
+    item = items[0]
+    base, run = body[1], body[4]
+    item[1], item[5] = Status.DELETING, addr
+    body[2] = round(now * 1000) - base
+    storage, storage_type, nbytes = facts(addr)
+    created, written = base + item[2], item[3]
+    loc = Location(item[0], Status.DELETING, storage, storage_type, nbytes, created / 1000,
+                   0.0 if written is None else (created + written) / 1000, item[4], addr)
+    return b"\x03" + _encode(body), loc, run
+
+
 def _from_body(body: list[Any], head: bytes) -> Record:
     parent, base, updated, items, run = body
     locs = []

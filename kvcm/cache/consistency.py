@@ -89,7 +89,7 @@ def check_being_freed(s: CacheState) -> None:
             loc = None if raw is None else next((x for x in decode(raw).locs if x.id == loc_id), None)
             assert loc is not None and loc.status == Status.DELETING, \
                 f"pending delete of {instance!r} block {key} names no deleting copy {loc_id!r}"
-            assert not rest or rest == [loc.nbytes, loc.type], \
+            assert rest[:4] == [loc.nbytes, loc.type, loc.storage, loc.addr][: len(rest[:4])], \
                 f"pending delete of {instance!r} block {key} says {rest}, the copy is {loc.nbytes} bytes of {loc.type}"
             assert owners.get(ns, (group, ""))[0] == group, f"pending delete of {instance!r} names group {group!r}"
             deleting[(ns, key, loc_id)] += 1

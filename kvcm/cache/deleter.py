@@ -12,10 +12,19 @@ means a freed slot cannot be handed out again before its metadata is gone (alloc
 in write transactions too); a crash after the free and before the commit only repeats the free
 after restart, where the metadata still reserves the slot.
 
-An entry is ``[group, instance, key, location id, bytes, storage type]``: the last two let the
-"being freed" counter (:class:`kvcm.cache.usage.BeingFreed`) be rebuilt from this database
-alone at start-up (:func:`pending_bytes`). Entries written before those two fields existed
-(four fields) are looked up in their block record instead.
+An entry is ``[group, instance, key, location id, bytes, storage type, storage, address, value,
+copies]``. Bytes and type let the "being freed" counter (:class:`kvcm.cache.usage.BeingFreed`) be
+rebuilt from this database alone at start-up (:func:`pending_bytes`). The rest lets the deleter
+drop a dead record without decoding it: when one marking made *every* copy of a record
+``deleting``, each of its entries carries ``value``, the record's stored bytes right after that
+marking, and ``copies``, how many copies it has. When the deleter holds all ``copies`` entries
+of a record and the stored bytes are still ``value`` (no write touched the record since, so
+every copy is still the one marked), it deletes the key and frees the URIs the entries'
+addresses name (:meth:`~kvcm.cache.meta_index.MetaIndex.delete_unchanged`). Otherwise —
+``value`` nil (a copy marked alone), the record changed, the entries split across chunks — the
+record is decoded and each named copy dropped if it is still ``deleting``, as before.
+Entries written before those fields existed (six fields, or four, without bytes and type: those
+are looked up in their block record) take that path.
 
 Thread ownership: :meth:`Deleter.run_once` on the deleter thread; :func:`schedule` on whichever
 thread owns the write transaction.
@@ -34,6 +43,7 @@ from typing import Any
 import msgpack
 
 from kvcm.cache.blocks import Location, Record, Status, decode
+from kvcm.cache.locations import uris as location_uris
 from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.meta_index import KEEP, MetaIndex, namespace
 from kvcm.cache.usage import BeingFreed, FreeKey
@@ -52,13 +62,23 @@ def schedule(txn: WriteTxn, due: float, group: str, instance: str, key: int, loc
     schedule_many(txn, due, group, instance, [(key, loc)])
 
 
-def schedule_many(txn: WriteTxn, due: float, group: str, instance: str, marked: list[tuple[int, Location]]) -> None:
-    """:func:`schedule` for several ``(key, location)`` of one instance, in one ``put_many``."""
+Whole = dict[int, tuple[bytes, int]]  # key -> (stored value after the marking, copies in it)
+
+
+def schedule_many(txn: WriteTxn, due: float, group: str, instance: str, marked: list[tuple[int, Location]],
+                  whole: Whole | None = None) -> None:
+    """:func:`schedule` for several ``(key, location)`` of one instance, in one ``put_many``.
+
+    ``whole``: the keys whose every copy this marking made ``deleting``, with the record's
+    stored value and copy count (module docstring: the deleter then needs no decode)."""
     if not marked:
         return
-    due_ms, pack = u64(max(0, int(due * 1000))), msgpack.Packer().pack
-    txn.put_many(DB, [(due_ms + u64(next(_seq) & 0xFFFFFFFFFFFFFFFF),
-                       pack([group, instance, key, loc.id, loc.nbytes, loc.type])) for key, loc in marked])
+    due_ms, pack, seq = u64(max(0, int(due * 1000))), msgpack.Packer().pack, _seq
+    dead = whole or {}
+    txn.put_many(DB, [(due_ms + u64(next(seq) & 0xFFFFFFFFFFFFFFFF),
+                       pack([group, instance, key, loc.id, loc.nbytes, loc.type, loc.storage, loc.addr,
+                             *dead.get(key, (None, 0))]))
+                      for key, loc in marked])
 
 
 def pending_bytes(view: ReadTxn) -> dict[FreeKey, int]:
@@ -125,15 +145,23 @@ class Deleter:
                 return total
 
     def _free_chunk(self, entries: list[tuple[bytes, bytes]]) -> int:
-        by_instance: dict[tuple[str, str], dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+        slow: dict[tuple[str, str], dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+        fast: dict[tuple[str, str], dict[int, list[list[Any]]]] = defaultdict(lambda: defaultdict(list))
         for _, value in entries:
-            group, instance, key, loc_id = msgpack.unpackb(value)[:4]
-            by_instance[(group, instance)][key].add(loc_id)
+            fields = msgpack.unpackb(value)
+            group, instance, key, loc_id = fields[:4]
+            if len(fields) >= 10 and fields[8] is not None:
+                fast[(group, instance)][key].append(fields)
+            else:
+                slow[(group, instance)][key].add(loc_id)
         with self.store.write() as txn:
             doomed: dict[str, list[str]] = defaultdict(list)  # storage -> uris
             deltas: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
-            for (group, instance), wanted in by_instance.items():
-                self._drop(txn, group, instance, wanted, doomed, deltas)
+            for (group, instance), by_key in fast.items():
+                self._drop_whole(txn, group, instance, by_key, doomed, deltas, slow[(group, instance)])
+            for (group, instance), wanted in slow.items():
+                if wanted:
+                    self._drop(txn, group, instance, wanted, doomed, deltas)
             txn.delete_many(DB, [k for k, _ in entries])
             self.usage_add(txn, dict(deltas))
             # Every dropped location was deleting: its bytes leave the being-freed count too.
@@ -146,6 +174,31 @@ class Deleter:
                 self._free_storage(name, uris)  # last: a failure rolls the whole chunk back
         self.freed += sum(-d[1] for d in deltas.values())
         return freed
+
+    def _drop_whole(self, txn: WriteTxn, group: str, instance: str, by_key: dict[int, list[list[Any]]],
+                    doomed: dict[str, list[str]], deltas: dict[tuple[str, str, str], list[int]],
+                    slow: dict[int, set[str]]) -> None:
+        """Records every copy of which one marking made ``deleting``: deleted by a byte
+        compare when this chunk holds all their entries (module docstring); the others, and
+        those whose record changed since, go to ``slow`` (decoded, compare-and-delete)."""
+        ready: list[tuple[int, bytes]] = []
+        for key, group_entries in by_key.items():
+            value, copies = group_entries[0][8:10]
+            if (len(group_entries) == copies == len({f[3] for f in group_entries})
+                    and all(f[8] == value for f in group_entries)):
+                ready.append((key, value))
+            else:
+                slow[key].update(f[3] for f in group_entries)
+        deleted = self.index.delete_unchanged(txn, namespace(instance), ready) if ready else []
+        for (key, _), gone in zip(ready, deleted):
+            if not gone:
+                slow[key].update(f[3] for f in by_key[key])
+                continue
+            for f in by_key[key]:
+                doomed[f[6]].extend(location_uris(f[7]))
+                delta = deltas[(group, instance, f[5])]
+                delta[0] -= int(f[4])
+                delta[1] -= 1
 
     def _drop(self, txn: WriteTxn, group: str, instance: str, wanted: dict[int, set[str]],
               doomed: dict[str, list[str]], deltas: dict[tuple[str, str, str], list[int]]) -> None:

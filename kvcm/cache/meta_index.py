@@ -31,6 +31,8 @@ _SIGN = 1 << 63  # i64(): sign bit flipped so signed keys sort numerically
 _MIN_HIT_RATIO = 0.05  # below this the search cache is mostly bypassed (SearchCache.worth_it)
 KEEP = object()  # modifier result: leave the key as it is
 Modifier = Callable[[int, int, Any], Any]  # (index, key, record or None) -> record | None | KEEP
+# (index, key, stored value) -> (new value, the record's tag before the change), or None: decode
+RawModifier = Callable[[int, int, bytes], tuple[bytes, Any] | None]
 
 
 def _same(value: Any) -> Any:
@@ -250,11 +252,16 @@ class MetaIndex:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def read_modify_write(self, txn: WriteTxn, ns: bytes, keys: Sequence[int], fn: Modifier) -> list[Any]:
+    def read_modify_write(self, txn: WriteTxn, ns: bytes, keys: Sequence[int], fn: Modifier,
+                          values: dict[int, bytes] | None = None, raw: RawModifier | None = None) -> list[Any]:
         """Apply ``fn(index, key, record)`` to every key; returns what ``fn`` returned, per index.
 
         ``fn`` returns the new record, ``None`` to delete the key, or :data:`KEEP`.
         It must not do IO or take locks. The caller's write transaction must be open.
+        ``values`` gets the stored bytes of every key written (what :meth:`delete_unchanged`
+        later compares against). ``raw(index, key, value)``, tried first on every stored value,
+        may rewrite the bytes itself (a change it can make without decoding the record) and
+        return ``(new value, tag)``; on None ``fn`` gets the decoded record as usual.
         """
         results: list[Any] = [KEEP] * len(keys)
         written: list[bytes] = []
@@ -266,7 +273,7 @@ class MetaIndex:
             for batch in batches:
                 taken = self.locks.acquire([keys[i] for i in batch])
                 try:
-                    self._modify_batch(txn, ns, keys, batch, fn, results, written)
+                    self._modify_batch(txn, ns, keys, batch, fn, results, written, values, raw)
                 finally:
                     self.locks.release(taken)
         finally:
@@ -277,7 +284,8 @@ class MetaIndex:
         return results
 
     def _modify_batch(self, txn: WriteTxn, ns: bytes, keys: Sequence[int], batch: Sequence[int], fn: Modifier,
-                      results: list[Any], written: list[bytes]) -> None:
+                      results: list[Any], written: list[bytes], values: dict[int, bytes] | None = None,
+                      raw_fn: RawModifier | None = None) -> None:
         """One batch: one ``get_many``, the modifiers in request order, one ``put_many``.
 
         ``staged`` holds the batch's own new values, so a key repeated in the batch sees its
@@ -289,18 +297,26 @@ class MetaIndex:
         existed: set[bytes] = set()
         dropped: set[Any] = set()  # tags dropped in this batch: a run's blocks often change together
         decode, encode, tag_of = self.decode, self.encode, self._tag
+        value: bytes | None
         for i, dbkey, raw in zip(batch, dbkeys, stored):
             if dbkey in staged:
                 raw = staged[dbkey]
             elif raw is not None:
                 existed.add(dbkey)
-            old = None if raw is None else decode(raw)
-            tag = None if old is None or tag_of is None else tag_of(old)  # before fn mutates it
-            new = fn(i, keys[i], old)
-            results[i] = new
-            if new is KEEP or (new is None and raw is None):
-                continue
-            staged[dbkey] = None if new is None else encode(new)
+            hit = None if raw_fn is None or raw is None else raw_fn(i, keys[i], raw)
+            if hit is not None:
+                results[i] = value, tag = hit
+                staged[dbkey] = value
+            else:
+                old = None if raw is None else decode(raw)
+                tag = None if old is None or tag_of is None else tag_of(old)  # before fn mutates it
+                new = fn(i, keys[i], old)
+                results[i] = new
+                if new is KEEP or (new is None and raw is None):
+                    continue
+                staged[dbkey] = value = None if new is None else encode(new)
+            if values is not None and value is not None:
+                values[keys[i]] = value
             if tag is not None and self._drop_tag is not None and tag not in dropped:
                 dropped.add(tag)
                 self._drop_tag(txn, ns, tag)
@@ -311,6 +327,35 @@ class MetaIndex:
             txn.put_many(DB, [(k, v) for k, v in staged.items() if v is not None])
             txn.delete_many(DB, [k for k, v in staged.items() if v is None and k in existed])
             written.extend(staged)
+
+    def delete_unchanged(self, txn: WriteTxn, ns: bytes, expected: Sequence[tuple[int, bytes]]) -> list[bool]:
+        """Delete each key whose stored value is still byte for byte ``expected`` (a
+        compare-and-delete that decodes nothing); per item, whether it was deleted.
+
+        Equal bytes mean no write touched the record since that value was stored, so whatever
+        the caller knew of it then still holds. The record's tag is not dropped: it was when
+        that value was written, and a tag built since cannot include an unchanged record."""
+        pack, off = _U64.pack, _SIGN
+        dbkeys = [ns + pack(k + off) for k, _ in expected]
+        with self._writers_lock:
+            self._writers += 1
+        taken = self.locks.acquire([k for k, _ in expected])  # ascending, as every batch takes them
+        try:
+            stored = txn.get_many(DB, dbkeys)
+            same = [raw is not None and raw == value for raw, (_, value) in zip(stored, expected)]
+            doomed = [(k, raw) for k, raw, ok in zip(dbkeys, stored, same) if ok]
+            if doomed:
+                remember = getattr(txn, "remember", None)
+                if remember is not None:  # the values just read are the ones the deletes remove
+                    remember(DB, doomed)
+                gone = [k for k, _ in doomed]
+                txn.delete_many(DB, gone)
+                txn.on_commit(lambda: self.cache.invalidate(gone))
+        finally:
+            self.locks.release(taken)
+            with self._writers_lock:
+                self._writers -= 1
+        return same
 
     def put_records(self, txn: WriteTxn, ns: bytes, items: Sequence[tuple[int, Any]], absent: bool = False) -> None:
         """Blind upserts (new blocks, bulk loads, restores); invalidates like any write.

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from kvcm.cache.blocks import Location, Record, Status, decode
+from kvcm.cache.blocks import Location, Record, Status, decode, mark_sole
 from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.deleter import schedule_many
 from kvcm.cache.keys import derive_keys
@@ -45,12 +45,14 @@ def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, ke
     now = s.clock()
     marked: list[tuple[int, Location]] = []
     gone: list[int] = []
+    dead: dict[int, int] = {}  # key -> copies, for records every copy of which this call marked
     freed = [0, 0]  # serving bytes, writing bytes
 
     def modify(_: int, key: int, record: Record | None) -> Any:
         if record is None:
             return KEEP
         had = any(x.status == Status.SERVING for x in record.locs)
+        before = len(marked)
         for loc in record.locs:
             if loc.status == Status.DELETING or (serving_only and loc.status != Status.SERVING):
                 continue
@@ -69,13 +71,32 @@ def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, ke
         if not marked or marked[-1][0] != key:
             return KEEP
         record.updated = now
+        if len(marked) - before == len(record.locs):
+            dead[key] = len(record.locs)  # the deleter may then drop it without decoding it
         if marked_keys is not None:
             marked_keys.append(key)
         return record
 
-    s.index.read_modify_write(txn, namespace(instance_id), list(dict.fromkeys(keys)), modify)
+    def sole(_: int, key: int, value: bytes) -> tuple[bytes, int | None] | None:
+        """The common eviction victim, a record of one serving copy, without decoding it
+        (the same result as ``modify``)."""
+        hit = mark_sole(value, now)
+        if hit is None or (storage_type is not None and hit[1].type != storage_type):
+            return None
+        loc = hit[1]
+        freed[0] += loc.nbytes
+        marked.append((key, loc))
+        gone.append(key)
+        dead[key] = 1
+        if marked_keys is not None:
+            marked_keys.append(key)
+        return hit[0], hit[2]
+
+    values: dict[int, bytes] = {}
+    s.index.read_modify_write(txn, namespace(instance_id), list(dict.fromkeys(keys)), modify, values,
+                              raw=sole if only is None else None)
     freeing: dict[FreeKey, int] = defaultdict(int)
-    schedule_many(txn, now + delay, group, instance_id, marked)
+    schedule_many(txn, now + delay, group, instance_id, marked, {k: (values[k], n) for k, n in dead.items()})
     for _, loc in marked:
         freeing[(group, loc.type)] += loc.nbytes
     s.being_freed.add(txn, freeing)
