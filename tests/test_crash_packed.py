@@ -1,5 +1,5 @@
 """kill -9 during write bursts with real bytes, on a packed ``file`` storage (256 blocks per file)
-and the default storage: ten cycles.
+and the default storage: six cycles (forty in the slow run).
 
 Clients write a pattern unique to each (instance, key, spec) at the URIs they were handed, then
 finish; some remove blocks they wrote. After every kill the data dir is opened again and: every
@@ -129,7 +129,7 @@ def _check_after_kill(data: str, ledger: Ledger, cycle: int) -> None:
                 f"cycle {cycle}: files on disk of {storage!r} differ from its containers"
 
 
-@pytest.mark.parametrize("cycles", [10, pytest.param(40, marks=[pytest.mark.slow, pytest.mark.timeout(900)])])
+@pytest.mark.parametrize("cycles", [6, pytest.param(40, marks=[pytest.mark.slow, pytest.mark.timeout(900)])])
 def test_kill_during_byte_bursts_on_packed_files(tmp_path, sock_dir, cycles):
     data, packed_root = str(tmp_path / "data"), str(tmp_path / "packed")
     ledger = Ledger()

@@ -61,7 +61,7 @@ def test_structured_requests_are_deterministic():
 def test_short_coverage_guided_run_finds_nothing():
     pytest.importorskip("atheris")
     before = set(os.listdir(os.path.join(HERE, "fuzz", "crashes")))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "fuzz"), "--seconds", "6"],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "fuzz"), "--seconds", "4"],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
