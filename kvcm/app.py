@@ -67,6 +67,17 @@ def open_store(config: Config, orphans: str = "refuse") -> MetaStore:
     )
 
 
+def redis_password(config: Config) -> str | None:
+    """The Redis password of ``store.redis_password_file`` (None: none, or the URL's own)."""
+    if not config.store.redis_password_file:
+        return None
+    try:
+        with open(config.store.redis_password_file, encoding="utf-8") as fh:
+            return fh.read().rstrip("\r\n")
+    except OSError as exc:
+        raise StartRefused(f"cannot read store.redis_password_file: {exc.strerror}") from None
+
+
 def _open_redis(config: Config, orphans: str = "refuse", follower: bool = False) -> RedisStore:
     """The Redis store; the data dir keeps kvcm's local files (lock, recency, engine index,
     the default file storage). An unreachable Redis refuses the start with the reason.
@@ -77,13 +88,7 @@ def _open_redis(config: Config, orphans: str = "refuse", follower: bool = False)
 
     cfg = config.store
     where = f"Redis {redact(cfg.redis_url)} (prefix {cfg.redis_prefix})"
-    password = None
-    if cfg.redis_password_file:
-        try:
-            with open(cfg.redis_password_file, encoding="utf-8") as fh:
-                password = fh.read().rstrip("\r\n")
-        except OSError as exc:
-            raise StartRefused(f"cannot read store.redis_password_file: {exc.strerror}") from None
+    password = redis_password(config)
     data_dir = os.path.abspath(cfg.data_dir)
     try:
         store = RedisStore(cfg.redis_url, None if follower else data_dir, prefix=cfg.redis_prefix,
@@ -589,10 +594,7 @@ class HaNode:
         self.config = config
         self.orphans = orphans
         ha = config.ha
-        password = None
-        if config.store.redis_password_file:
-            with open(config.store.redis_password_file, encoding="utf-8") as fh:
-                password = fh.read().rstrip("\r\n")
+        password = redis_password(config)
         # Replies within a renew interval: a Redis that hangs must not hold the renew thread past
         # the lease's deadline (is_leader() turns false by the clock regardless).
         client = redis.Redis.from_url(config.store.redis_url, password=password,

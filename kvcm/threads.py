@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger("kvcm.threads")
+
+REPEAT_LOG_S = 30.0  # the same failure again is one line per this, not a traceback per iteration
 
 
 class LoopThread:
@@ -25,6 +28,7 @@ class LoopThread:
         self._thread = threading.Thread(target=self._run, name=f"kvcm-{name}", daemon=True)
         self.iterations = 0
         self.failures = 0
+        self._last_failure = ("", 0.0, 0)  # (message, when logged, repeats since)
 
     def start(self) -> None:
         self._thread.start()
@@ -33,11 +37,25 @@ class LoopThread:
         while not self._stop.is_set():
             try:
                 self._body()
-            except Exception:
+            except Exception as exc:  # noqa: BLE001 - a loop survives and logs any failing iteration
                 self.failures += 1
-                log.exception("%s: iteration failed", self.name)
+                self._log_failure(exc)
             self.iterations += 1
             self._stop.wait(self._interval)
+
+    def _log_failure(self, exc: Exception) -> None:
+        """A new failure with its traceback; the same one again (a store away for a while, each
+        iteration failing alike) at most once per :data:`REPEAT_LOG_S`, with its count."""
+        message, logged, repeats = self._last_failure
+        now = time.monotonic()
+        if str(exc) != message:
+            log.exception("%s: iteration failed", self.name)
+            self._last_failure = (str(exc), now, 0)
+        elif now - logged >= REPEAT_LOG_S:
+            log.error("%s: iteration still failing (%d more times): %s", self.name, repeats + 1, exc)
+            self._last_failure = (message, now, 0)
+        else:
+            self._last_failure = (message, logged, repeats + 1)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Idempotent; joins the thread (if it was started) for up to ``timeout`` seconds."""
