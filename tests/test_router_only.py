@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from cache_helpers import wait_for
 
 from kvcm.errors import InvalidArgument
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
 
 BLOCK = 4
 TOKENS = list(range(100, 132))  # 8 full blocks
-
-
-def _wait(fn, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def test_router_only_instance_follows_engines_and_refuses_writes():
@@ -35,7 +25,7 @@ def test_router_only_instance_follows_engines_and_refuses_writes():
             reply = kv.call("match_engines", {"instance_id": "llm", "token_ids": TOKENS})
             return any(s["source_id"] == "pod-a" and s["media"].get("GPU") == 3 for s in reply["sources"])
 
-        assert _wait(held), "the engine's blocks never showed"
+        assert wait_for(held), "the engine's blocks never showed"
         with pytest.raises(InvalidArgument, match="router-only instance"):
             kv.call("start_write_cache", {"instance_id": "llm", "block_keys": [1, 2]})
         located = kv.call("get_cache_location", {"instance_id": "llm", "query_type": "prefix_match",
