@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import time
 import uuid
 from typing import Any
@@ -101,3 +102,12 @@ def wait_for(cond, timeout=10.0, interval=0.05) -> Any:
 
 def uris(location: dict[str, Any]) -> list[str]:
     return [s["uri"] for s in location["location_specs"]]
+
+
+def hard_close(sock: Any) -> None:
+    """Shut a socket down, then close it: a close alone leaves another thread's recv on it blocked."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

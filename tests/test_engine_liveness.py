@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 from prometheus_client import generate_latest
+from test_engine_subscriber import pump
 
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.config import ConfigError, load
@@ -61,13 +62,6 @@ def pubs() -> Iterator[Callable[..., FakeEnginePublisher]]:
         pub.close()
 
 
-def pump(svc: EngineService, pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout * TIME_FACTOR
-    while time.monotonic() < deadline:
-        svc.subscriber.poll_once(0.01)
-        if pred():
-            return
-    raise AssertionError(f"condition not reached; sources={svc.list_sources()}")
 
 
 def pump_for(svc: EngineService, seconds: float) -> None:

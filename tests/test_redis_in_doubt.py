@@ -11,6 +11,7 @@ import threading
 import uuid
 
 import pytest
+from cache_helpers import hard_close
 
 from kvcm.errors import Code, Unavailable
 from kvcm.store.redis import InDoubt, RedisStore
@@ -74,11 +75,7 @@ class CuttingProxy:
         with self.lock:
             conns, self.conns = self.conns, []
         for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            conn.close()
+            hard_close(conn)
 
     def close(self) -> None:
         self.listener.close()

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 import redis
-from cache_helpers import finish, register, start, wait_for
+from cache_helpers import finish, hard_close, register, start, wait_for
 from redis.crc import key_slot
 
 from kvcm.errors import Code, KvcmError, ServerError, Unavailable
@@ -109,12 +109,8 @@ class _LosingProxy:
                 dst.sendall(data)
         except OSError:
             pass
-        for sock in (src, dst):  # shutdown first: a close alone leaves the other thread's recv blocked
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
+        for sock in (src, dst):
+            hard_close(sock)
 
     def close(self) -> None:
         self.listener.close()
