@@ -296,11 +296,14 @@ def test_vanished_file_is_lost_not_served_and_can_be_rewritten(tmp_path: Any) ->
     with serve_in_thread(data_dir=data, overrides=QUIET) as server, server.client() as c:
         assert locate(c, [1, 2, 3]) == []
         metas = c.call("get_cache_meta", {"instance_id": "inst", "block_keys": [1, 2, 3]})["metas"]
-        assert {m["status"] for m in metas} == {"not_found"}
+        # Never served again: deleting until the deleter has dropped them, then gone.
+        assert {m["status"] for m in metas} <= {"deleting", "not_found"}
         assert _lost_metric(server, "startup") == 3  # copies (a copy holds every spec of a block)
         # The deleter frees lost copies at once: their slots and usage come back.
         assert wait_for(lambda: server.app.storages.get("default-file").usage()["slots_used"] == 0)
         assert wait_for(lambda: server.app.cache.usage("default")["bytes"] == 0)  # usage released
+        assert wait_for(lambda: {m["status"] for m in c.call(
+            "get_cache_meta", {"instance_id": "inst", "block_keys": [1, 2, 3]})["metas"]} == {"not_found"})
         session = start(c, [1, 2, 3])
         assert session["block_mask"] != {"offset": 3} and len(session["locations"]) == 3
         rewritten = {k: [s["uri"] for s in loc["location_specs"]] for k, loc in zip([1, 2, 3], session["locations"])}
