@@ -485,3 +485,114 @@ def test_the_prefix_a_write_builds_on_is_not_evicted_for_it(server):
     finish(c, session, instance="a")
     assert [len(x["location_specs"]) for x in locate(c, [1, 10], instance="a")] == [2, 2]
     cache.check()
+
+
+# -- without a grace delay: victims dropped in the write's transaction, freed after its commit ----
+
+
+def _uris(session: dict[str, Any]) -> list[list[str]]:
+    return [[s["uri"] for s in loc["location_specs"]] for loc in session["locations"]]
+
+
+def _slots(srv: RunningServer) -> int:
+    return int(srv.app.storages.get("default-file").usage()["slots_used"])
+
+
+def test_without_a_delay_victims_are_dropped_and_their_slots_reused_at_once(server):
+    from kvcm.blocks import BlockIO
+
+    srv, c = server
+    full_group(c, delay_ms=0)
+    cache = srv.app.cache
+    cache.set_room_maker(OldestFirst(cache))
+    assert _slots(srv) == 4 * 2  # two specs a block
+    with BlockIO.for_instance(c, "a") as io:
+        session = start(c, [10, 11], "a")
+        # Gone in the write's own commit: no deleting state, nothing left for the deleter.
+        assert statuses(c, [1, 2, 3, 4]) == ["not_found", "not_found", "serving", "serving"]
+        assert cache.deleter.pending() == 0 and freeing(srv) == {}
+        assert cache.usage("g")["bytes"] == 4 * BLOCK  # 2 kept + 2 writing
+        assert _slots(srv) == 4 * 2  # the victims' slots were given back as the new ones were taken
+        for key, uris in zip([10, 11], _uris(session)):
+            for n, uri in enumerate(uris):
+                io.write(uri, bytes([key, n]) * 512)
+        finish(c, session, instance="a")
+        cache.check()
+        # The next eviction reuses the slots freed now; every block reads its own bytes.
+        write(c, [12], "a")
+        for key, uris in zip([10, 11], _uris(session)):
+            assert [bytes(io.read(u)) for u in uris] == [bytes([key, n]) * 512 for n in range(len(uris))]
+    assert statuses(c, [3, 4, 10, 11, 12]) == ["not_found"] + ["serving"] * 4
+    assert _slots(srv) == 4 * 2
+    cache.check()
+
+
+def test_without_a_delay_a_rolled_back_request_keeps_its_victims_and_their_bytes(server):
+    srv, c = server
+    full_group(c, delay_ms=0)
+    cache = srv.app.cache
+    maker = OldestFirst(cache)
+    cache.set_room_maker(maker)
+    with pytest.raises(RuntimeError), cache.store.write():
+        cache.start_write_cache("a", [10, 11], None)
+        raise RuntimeError("a later failure in the same transaction")
+    assert maker.given_back == [[("a", 1, "file"), ("a", 2, "file")]]
+    assert statuses(c, [1, 2, 3, 4, 10, 11]) == ["serving"] * 4 + ["not_found"] * 2
+    assert cache.usage("g")["bytes"] == 4 * BLOCK and _slots(srv) == 4 * 2
+    cache.check()  # the victims' slots are still reserved for them, on disk too
+    write(c, [10], "a")
+    assert statuses(c, [1]) == ["not_found"]
+    cache.check()
+
+
+def test_without_a_delay_a_free_lost_after_the_commit_is_given_back_by_a_restart(tmp_path):
+    data = str(tmp_path / "data")
+    with serve_in_thread(data_dir=data, overrides=OVERRIDES) as srv, srv.client() as c:
+        full_group(c, delay_ms=0)
+        cache = srv.app.cache
+        cache.set_room_maker(OldestFirst(cache))
+
+        def crash(name: str, uris: list[str]) -> None:
+            raise OSError("the process died between the commit and the free")
+
+        cache.deleter.free_storage = crash  # type: ignore[method-assign]
+        write(c, [10], "a")  # the victim's record is gone; its slot was never given back
+        assert statuses(c, [1, 10]) == ["not_found", "serving"]
+        assert _slots(srv) == 5 * 2
+    with serve_in_thread(data_dir=data, overrides=OVERRIDES) as srv, srv.client() as c:
+        assert _slots(srv) == 4 * 2  # the start-up reserve counts only what the metadata names
+        assert statuses(c, [1, 2, 10]) == ["not_found", "serving", "serving"]
+        srv.app.cache.check()
+
+
+def test_without_a_delay_a_victim_of_another_type_is_not_dropped(server):
+    srv, c = server
+    full_group(c, delay_ms=0)
+    cache = srv.app.cache
+    maker = Fixed([("a", 1, "shm"), ("a", 2, "file")])  # block 1 has no shm copy: nothing to take
+    cache.set_room_maker(maker)
+    write(c, [10], "a")
+    assert statuses(c, [1, 2, 10]) == ["serving", "not_found", "serving"]
+    cache.check()
+
+
+@pytest.mark.parametrize("delay_ms", [0, 60_000])
+def test_listeners_hear_an_in_line_eviction_once_it_commits(server, delay_ms):
+    from kvcm.cache.listeners import CacheListener
+
+    srv, c = server
+    full_group(c, delay_ms=delay_ms)
+    cache = srv.app.cache
+    heard: list[tuple[str, str, list[int]]] = []
+
+    class Recorder(CacheListener):
+        def on_removed(self, instance_id: str, keys: list[int]) -> None:
+            heard.append(("removed", instance_id, list(keys)))
+
+        def on_evicted(self, instance_id: str, keys: list[int], delay_s: float) -> None:
+            heard.append(("evicted", instance_id, list(keys)))
+
+    cache.set_room_maker(OldestFirst(cache))
+    cache.add_listener(Recorder())
+    write(c, [10], "a")
+    assert ("removed", "a", [1]) in heard and ("evicted", "a", [1]) in heard

@@ -135,14 +135,9 @@ def decode(value: bytes) -> Record:
     return _decode_v1(value)
 
 
-def mark_sole(value: bytes, now: float) -> tuple[bytes, Location, int | None] | None:
-    """``(new value, the location, its run)`` for a format 2 record whose only location is
-    serving with a compact address, made ``deleting`` at ``now``: the same bytes as
-    ``encode`` of the decoded, marked record, without building one (eviction marks many of
-    them, and the location and record objects were most of its cost). None for any other record.
-
-    The location returned is as marked (``deleting``); its times are those :func:`decode`
-    would give."""
+def _sole(value: bytes) -> tuple[list[Any], bytes, list[Any]] | None:
+    """``(body, address, item)`` of a format 2 record whose only location is serving with a
+    compact address (the common eviction victim), decoded no further; None for any other."""
     if value[0] != ONE:
         return None
     end = 2 + value[1]
@@ -151,15 +146,42 @@ def mark_sole(value: bytes, now: float) -> tuple[bytes, Location, int | None] | 
     items = body[3]
     if len(items) != 1 or addr[0] >= 0x80:
         return None
-    item = items[0]
-    base, run = body[1], body[4]
-    item[1], item[5] = Status.DELETING, addr
-    body[2] = round(now * 1000) - base
+    return body, addr, items[0]
+
+
+def _sole_location(body: list[Any], addr: bytes, item: list[Any], status: int) -> Location:
     storage, storage_type, nbytes = facts(addr)
-    created, written = base + item[2], item[3]
-    loc = Location(item[0], Status.DELETING, storage, storage_type, nbytes, created / 1000,
-                   0.0 if written is None else (created + written) / 1000, item[4], addr)
-    return b"\x03" + _encode(body), loc, run
+    created, written = body[1] + item[2], item[3]
+    return Location(item[0], status, storage, storage_type, nbytes, created / 1000,
+                    0.0 if written is None else (created + written) / 1000, item[4], addr)
+
+
+def sole_serving(value: bytes) -> tuple[Location, int | None] | None:
+    """``(the location, the record's run)`` of a record :func:`mark_sole` would mark, read
+    without building the record (an eviction that frees at once drops such records whole)."""
+    hit = _sole(value)
+    if hit is None:
+        return None
+    body, addr, item = hit
+    return _sole_location(body, addr, item, Status.SERVING), body[4]
+
+
+def mark_sole(value: bytes, now: float) -> tuple[bytes, Location, int | None] | None:
+    """``(new value, the location, its run)`` for a format 2 record whose only location is
+    serving with a compact address, made ``deleting`` at ``now``: the same bytes as
+    ``encode`` of the decoded, marked record, without building one (eviction marks many of
+    them, and the location and record objects were most of its cost). None for any other record.
+
+    The location returned is as marked (``deleting``); its times are those :func:`decode`
+    would give."""
+    hit = _sole(value)
+    if hit is None:
+        return None
+    body, addr, item = hit
+    loc = _sole_location(body, addr, item, Status.DELETING)
+    item[1], item[5] = Status.DELETING, addr
+    body[2] = round(now * 1000) - body[1]
+    return b"\x03" + _encode(body), loc, body[4]
 
 
 def _from_body(body: list[Any], head: bytes) -> Record:

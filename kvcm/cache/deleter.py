@@ -171,7 +171,7 @@ class Deleter:
             self.being_freed.add(txn, freeing)
             freed = sum(len(uris) for uris in doomed.values())
             for name, uris in doomed.items():
-                self._free_storage(name, uris)  # last: a failure rolls the whole chunk back
+                self.free_storage(name, uris)  # last: a failure rolls the whole chunk back
         self.freed += sum(-d[1] for d in deltas.values())
         return freed
 
@@ -224,7 +224,8 @@ class Deleter:
 
         self.index.read_modify_write(txn, namespace(instance), list(wanted), modify)
 
-    def _free_storage(self, name: str, uris: list[str]) -> None:
+    def free_storage(self, name: str, uris: list[str]) -> None:
+        """Free ``uris`` on storage ``name``, whose metadata no longer names them."""
         backend = self.storage(name)
         if backend is None:
             # The storage was removed or never opened: nothing of ours to free there any more.

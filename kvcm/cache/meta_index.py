@@ -32,7 +32,7 @@ _MIN_HIT_RATIO = 0.05  # below this the search cache is mostly bypassed (SearchC
 KEEP = object()  # modifier result: leave the key as it is
 Modifier = Callable[[int, int, Any], Any]  # (index, key, record or None) -> record | None | KEEP
 # (index, key, stored value) -> (new value, the record's tag before the change), or None: decode
-RawModifier = Callable[[int, int, bytes], tuple[bytes, Any] | None]
+RawModifier = Callable[[int, int, bytes], tuple[bytes | None, Any] | None]  # new value (None: delete), tag
 
 
 def _same(value: Any) -> Any:
@@ -261,7 +261,8 @@ class MetaIndex:
         ``values`` gets the stored bytes of every key written (what :meth:`delete_unchanged`
         later compares against). ``raw(index, key, value)``, tried first on every stored value,
         may rewrite the bytes itself (a change it can make without decoding the record) and
-        return ``(new value, tag)``; on None ``fn`` gets the decoded record as usual.
+        return ``(new value, tag)`` (a new value None deletes the key, and its tag goes with
+        it); on None ``fn`` gets the decoded record as usual.
         """
         results: list[Any] = [KEEP] * len(keys)
         written: list[bytes] = []

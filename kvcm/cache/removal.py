@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from kvcm.cache.blocks import Location, Record, Status, decode, mark_sole
+from kvcm.cache.blocks import Location, Record, Status, decode, mark_sole, sole_serving
 from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.deleter import schedule_many
 from kvcm.cache.keys import derive_keys
@@ -106,14 +106,22 @@ def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, ke
     return len(marked), freed[0]
 
 
-def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Victim], marked: list[Victim]) -> int:
-    """In-line eviction (:mod:`kvcm.cache.room`): mark the serving copy of each victim's type
-    ``deleting`` in the request's transaction ``txn``, freed after the group's delay as usual.
+def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Victim], marked: list[Victim],
+                 dropped: dict[str, int] | None = None) -> int:
+    """In-line eviction (:mod:`kvcm.cache.room`): take the serving copy of each victim's type
+    out of service in the request's transaction ``txn``.
+
+    With a grace delay the copy is marked ``deleting`` and freed after it, as every removal is.
+    Without one (``delay_before_delete_ms = 0``) a record whose only copy is that serving one
+    is dropped in ``txn`` and its bytes freed right after the commit (:func:`drop_sole`): the
+    same outcome as the deleter's next poll, minus the ``deleting`` state, the delete entry and
+    the deleter's second transaction. Other records are marked as with a delay.
 
     Victims of instances outside ``group`` are skipped (evicting them would free nothing this
     group counts); so are victims with no serving copy of that type left. ``marked`` gets the
-    victims marked, as they are marked (so an abort half-way gives back exactly those). Returns
-    the serving bytes marked."""
+    victims taken, as they are taken (so an abort half-way gives back exactly those);
+    ``dropped`` gets the bytes dropped per type (no longer in the group's usage). Returns the
+    serving bytes taken."""
     delay = s.delay(group)
     by_instance: dict[tuple[str, str], list[int]] = defaultdict(list)
     for instance_id, key, kind in dict.fromkeys(victims):
@@ -122,12 +130,66 @@ def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Vic
     freed = 0
     for (instance_id, kind), keys in by_instance.items():
         done: list[int] = []
+        if delay == 0:
+            nbytes, keys = drop_sole(s, txn, instance_id, group, keys, kind, done)
+            freed += nbytes
+            if dropped is not None and nbytes:
+                dropped[kind] = dropped.get(kind, 0) + nbytes
         freed += mark_deleting(s, txn, instance_id, group, keys, delay, serving_only=True, storage_type=kind,
-                               marked_keys=done)[1]
+                               marked_keys=done)[1] if keys else 0
         marked.extend((instance_id, key, kind) for key in done)
         if done and s.listeners:
             txn.on_commit(_tell_evicted(s, instance_id, done, delay))
     return freed
+
+
+def drop_sole(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: Sequence[int], storage_type: str,
+              dropped_keys: list[int]) -> tuple[int, list[int]]:
+    """Drop, in ``txn``, each record of ``keys`` whose only copy is a serving one of
+    ``storage_type``, and free its bytes once ``txn`` commits; ``(bytes dropped, the other keys
+    that have a record)``. ``dropped_keys`` gets the keys dropped.
+
+    Freeing after the commit keeps the deleter's rule that no metadata names a freed slot: the
+    record is gone before its bytes are, and a slot goes back to its storage only after both
+    (a crash in between leaves bytes nothing names, which the storage's start-up reserve gives
+    back). Callers: eviction without a grace delay only."""
+    locs: list[Location] = []
+    gone: list[int] = []
+    other: list[int] = []
+
+    def raw(_: int, key: int, value: bytes) -> tuple[None, int | None] | None:
+        hit = sole_serving(value)
+        if hit is None or hit[0].type != storage_type:
+            return None
+        locs.append(hit[0])
+        gone.append(key)
+        return None, hit[1]  # no new value: the key is deleted, its run's tag dropped
+
+    def modify(_: int, key: int, record: Record | None) -> Any:
+        if record is not None:
+            other.append(key)
+        return KEEP
+
+    s.index.read_modify_write(txn, namespace(instance_id), list(dict.fromkeys(keys)), modify, raw=raw)
+    if not locs:
+        return 0, other
+    nbytes = sum(loc.nbytes for loc in locs)
+    s.usage_book.add(txn, {(group, instance_id, storage_type): [-nbytes, -len(locs)]})
+    doomed: dict[str, list[str]] = defaultdict(list)
+    for loc in locs:
+        doomed[loc.storage].extend(loc.uris())
+    dropped_keys.extend(gone)
+    txn.on_commit(lambda: _free_after_commit(s, doomed))
+    txn.on_commit(lambda: s.listeners.removed(instance_id, gone))
+    return nbytes, other
+
+
+def _free_after_commit(s: CacheState, doomed: dict[str, list[str]]) -> None:
+    for name, uris in doomed.items():
+        try:
+            s.deleter.free_storage(name, uris)
+        except Exception:  # the metadata is gone already: the slots stay taken until a restart
+            log.exception("storage %r: freeing %d evicted location(s) failed", name, len(uris))
 
 
 def _tell_evicted(s: CacheState, instance_id: str, keys: list[int], delay: float) -> Callable[[], None]:

@@ -189,7 +189,9 @@ def _targets(s: CacheState, txn: WriteTxn, group: GroupView, needed: int,
     maker = s.room_maker
     why = "no room maker (in-line eviction off): the reclaimer's next round frees space"
     if isinstance(admitted, CapacityError) and maker is not None:
-        why = _InlineEviction(s, txn, maker, group, needed, used_total, used_by_type, spare).run()
+        eviction = _InlineEviction(s, txn, maker, group, needed, used_total, used_by_type, spare)
+        why = eviction.run()
+        used_total, used_by_type = eviction.used()
         admitted = admit()
     if not isinstance(admitted, CapacityError):
         return admitted
@@ -222,6 +224,7 @@ class _InlineEviction:
     spare: frozenset[tuple[str, int]]
     marked: list[Victim] = field(default_factory=list)
     spared: list[Victim] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)  # type -> bytes dropped (out of the usage)
 
     def run(self) -> str:
         """Returns why the write still does not fit ("" if it does)."""
@@ -236,8 +239,16 @@ class _InlineEviction:
                 except Exception:
                     log.exception("in-line eviction: the room maker failed to take victims back")
 
+    def used(self) -> tuple[int, dict[str, int]]:
+        """The group's usage in ``txn`` now: as read before, less what was dropped."""
+        by_type = dict(self.used_by_type)
+        for kind, nbytes in self.dropped.items():
+            by_type[kind] = by_type.get(kind, 0) - nbytes
+        return self.used_total - sum(self.dropped.values()), by_type
+
     def missing(self) -> dict[str, int]:
-        return shortfall(self.group, self.needed, self.used_total, self.used_by_type,
+        used_total, used_by_type = self.used()
+        return shortfall(self.group, self.needed, used_total, used_by_type,
                          self.s.being_freed.of(self.group.name), self.s.pool.storage_type, self.s.pool.usable)
 
     def _rounds(self) -> str:
@@ -259,7 +270,7 @@ class _InlineEviction:
             offered = room.victims[:left]
             self.spared.extend(v for v in offered if (v[0], v[1]) in self.spare)
             evict_inline(self.s, self.txn, self.group.name, [v for v in offered if (v[0], v[1]) not in self.spare],
-                         self.marked)
+                         self.marked, self.dropped)
             why = room.why
             needs = self.missing()
             if not needs:
