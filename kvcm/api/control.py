@@ -263,6 +263,7 @@ def cluster_info(info: dict[str, Any], started: float) -> dict[str, Any]:
             "leader_endpoint": me,
             "info_updated_time": int(started * 1000),
             "self_leader_expiration_time": 0,  # single node: the lease never expires
+            "self_leader_since_time": int(started * 1000),
         }
     leader = bool(ha.get("is_leader"))
     me = {**info, "node_id": node_id, "leader": leader}
@@ -280,6 +281,8 @@ def cluster_info(info: dict[str, Any], started: float) -> dict[str, Any]:
         "info_updated_time": int(time.time() * 1000),
         # Wall-clock ms the lease would expire without a renew (0 = not the leader).
         "self_leader_expiration_time": int(float(ha.get("lease_expires_at") or 0) * 1000),
+        # Wall-clock ms this node won its current term (0 = not the leader): failover timing.
+        "self_leader_since_time": int(float(ha.get("leader_since") or 0) * 1000),
     }
 
 

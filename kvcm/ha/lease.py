@@ -127,6 +127,7 @@ class Lease:
         self._record: bytes | None = None  # our record while we hold (or think we hold) the lease
         self._deadline = 0.0  # monotonic: act as leader until then
         self._expires_wall = 0.0  # wall-clock estimate of the Redis expiry, for display only
+        self._since_wall = 0.0  # wall-clock time the current term's lease was won (0: not leader)
         self.holder: Holder | None = None  # the last holder seen (ourselves included)
         self._holder_at = 0.0  # monotonic time self.holder was read
         self.epoch = 0  # our term's epoch while leader
@@ -138,6 +139,10 @@ class Lease:
 
     def is_leader(self) -> bool:
         return self._record is not None and time.monotonic() < self._deadline
+
+    def since(self) -> float:
+        """Wall-clock time (seconds) this node sent the acquire that won its current term; 0 = none."""
+        return self._since_wall if self.is_leader() else 0.0
 
     def expires_at(self) -> float:
         """Wall-clock time (seconds) the lease would expire in Redis without a renew; 0 = none."""
@@ -160,6 +165,7 @@ class Lease:
         self.epoch = self.holder.epoch
         self._record = raw if isinstance(raw, bytes) else str(raw).encode()
         self._extend(sent, wall)
+        self._since_wall = wall
         log.info("lease acquired: node %s is leader, epoch %d", self.node_id, self.epoch)
         return True
 
@@ -278,6 +284,7 @@ def lease_facts(lease: Lease) -> dict[str, Any]:
         "leader_endpoint": lease.endpoint if leader else (holder.endpoint if holder else ""),
         "epoch": lease.epoch if leader else (holder.epoch if holder else 0),
         "lease_expires_at": lease.expires_at(),
+        "leader_since": lease.since(),
     }
 
 
