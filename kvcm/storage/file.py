@@ -49,6 +49,8 @@ log = logging.getLogger("kvcm.storage")
 _NO_SPACE = {28, 122}  # ENOSPC, EDQUOT: the storage is full, not broken
 _STATVFS_TTL = 0.05  # seconds a free-space reading is reused (charged with allocations meanwhile)
 
+_PUNCH_FDS = 16  # container descriptors a storage keeps open for freeing
+
 
 class DirectoryStorage(ABC):
     """Slot allocation over sparse container files in one directory.
@@ -82,6 +84,7 @@ class DirectoryStorage(ABC):
         # Containers whose bytes are (partly) gone: name -> bytes still on disk (0 = missing).
         # Their slots past that size are lost; nothing new is allocated in them.
         self._damaged: dict[str, int] = {}
+        self._punch_fds: dict[str, int] = {}  # container -> descriptor kept for freeing, least recent first
         self._found_size: dict[str, int] = {}  # bytes on disk of containers adopted at start-up
         self._next_index = 0
         self._opened = False
@@ -204,6 +207,9 @@ class DirectoryStorage(ABC):
     def close(self) -> None:
         """Stop allocating. Files stay: they hold data a restarted kvcm will serve again."""
         with self._lock:
+            for fd in self._punch_fds.values():
+                os.close(fd)
+            self._punch_fds.clear()
             if self._opened:
                 self._opened = False
                 drop_lock_file(self.path_of(self._lock_name()))
@@ -327,6 +333,9 @@ class DirectoryStorage(ABC):
     def _drop(self, container: Container) -> None:
         self._pool.remove(container)
         self._damaged.pop(container.name, None)
+        fd = self._punch_fds.pop(container.name, None)
+        if fd is not None:
+            os.close(fd)
         try:
             os.unlink(self.path_of(container.name))
         except FileNotFoundError:
@@ -335,17 +344,29 @@ class DirectoryStorage(ABC):
             log.warning("storage %s: cannot remove %s: %s", self.name, container.name, exc)
 
     def _punch(self, container: Container, slots: list[int]) -> None:
-        try:
-            fd = os.open(self.path_of(container.name), os.O_WRONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            log.warning("storage %s: cannot open %s to free slots: %s", self.name, container.name, exc)
+        fd = self._punch_fd(container.name)
+        if fd is None:
             return
-        try:
-            for first, n in slot_runs(slots):
-                if not punch_hole(fd, first * container.size, n * container.size):
-                    break  # unsupported here: the slot is reused later, only the space waits
-        finally:
-            os.close(fd)
+        for first, n in slot_runs(slots):
+            if not punch_hole(fd, first * container.size, n * container.size):
+                break  # unsupported here: the slot is reused later, only the space waits
+
+    def _punch_fd(self, name: str) -> int | None:
+        """A descriptor of container ``name`` for freeing, kept open (frees come in streams to
+        the same few files: an open and a close per free were most of its cost). Opened once,
+        it stays on the file kvcm created even if the path is later replaced: a free never
+        punches a file put there by someone else. At most ``_PUNCH_FDS`` are kept."""
+        fd = self._punch_fds.pop(name, None)
+        if fd is None:
+            try:
+                fd = os.open(self.path_of(name), os.O_WRONLY | os.O_NOFOLLOW)
+            except OSError as exc:
+                log.warning("storage %s: cannot open %s to free slots: %s", self.name, name, exc)
+                return None
+            while len(self._punch_fds) >= _PUNCH_FDS:
+                os.close(self._punch_fds.pop(next(iter(self._punch_fds))))
+        self._punch_fds[name] = fd  # the most recent last
+        return fd
 
     # ------------------------------------------------------------------------------ recovery
 
@@ -476,6 +497,9 @@ class DirectoryStorage(ABC):
         self._damaged[container.name] = present
         container.lost = True
         self._pool.withdraw(container)
+        fd = self._punch_fds.pop(container.name, None)
+        if fd is not None:  # a vanished file's space is held as long as a descriptor is open
+            os.close(fd)
 
     def inventory(self) -> Inventory:
         """Every reserved slot as its URI, and the kvcm-named containers on disk, read under the
