@@ -483,6 +483,8 @@ class App:
         ``kvcm serving on ENDPOINT`` (scripts wait for it)."""
         cfg = self.config
         http = f"{cfg.http.host}:{self.http.port}" if self.http is not None else "off"
+        if self.http is not None and self.http.admin_port is not None:
+            http += f", admin {cfg.http.host}:{self.http.admin_port}"  # Tair's AdminService (http.admin_port)
         # A memory store still keeps the default file storage's blocks under the data dir.
         store = "memory (metadata not persisted)" if self.store.path is None else \
             f"lmdb, sync {'on' if cfg.store.sync else 'off'}"

@@ -62,6 +62,7 @@ class HttpConfig:
     read_timeout_s: float = 10.0  # a whole request (line, headers, body) must arrive within this
     idle_timeout_s: float = 5.0  # a kept-alive connection with no new request is closed after this
     max_connections: int = 64  # open connections (one thread each); more get 503 and are closed
+    admin_port: int = -1  # a second HTTP port serving only Tair's admin RPCs (Tair uses 6492); -1 = off, 0 picks a free port
 
 
 @dataclass(frozen=True)
@@ -354,6 +355,9 @@ def validate(config: Config) -> None:
         (config.server.live_after_s > config.server.poll_ms / 1000,
          "server.live_after_s must be longer than one poll (server.poll_ms)"),
         (0 <= config.http.port < 65536, "http.port must be in 0..65535"),
+        (-1 <= config.http.admin_port < 65536, "http.admin_port must be -1 (off) or in 0..65535"),
+        (config.http.admin_port in (-1, 0) or config.http.admin_port != config.http.port,
+         "http.admin_port must differ from http.port"),
         (0 < config.http.read_timeout_s <= 3600, "http.read_timeout_s must be in (0, 3600]"),
         (0 < config.http.idle_timeout_s <= 3600, "http.idle_timeout_s must be in (0, 3600]"),
         (0 < config.http.max_connections <= 10000, "http.max_connections must be in 1..10000"),

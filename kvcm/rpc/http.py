@@ -1,5 +1,9 @@
 """The side HTTP port: ``/metrics`` (Prometheus), ``/livez``, ``/readyz`` and ``POST /api/<method>``.
 
+``POST /api/<lowerCamelName>`` is Tair KVCM's RPC of that name, in Tair's JSON (:mod:`kvcm.tair`;
+kvcm's own names are snake_case, so the two never clash). With ``http.admin_port`` a second
+listener serves Tair's AdminService RPCs and nothing else, and the side port Tair's MetaService.
+
 ``/api`` calls are forwarded to the RPC front door through pooled :class:`~kvcm.client.Client`\\ s,
 so every method still runs on the RPC thread, with the same validation, auth and group commit.
 Replies are JSON: ``{"result": {...}}`` with status 200, or ``{"error": {"code", "name",
@@ -63,8 +67,9 @@ from typing import Any
 
 from kvcm.client import Client
 from kvcm.config import HttpConfig
-from kvcm.errors import AccessDenied, Code, InvalidArgument, KvcmError, ServerError, error
+from kvcm.errors import AccessDenied, Code, InvalidArgument, KvcmError, ServerError, StartRefused, error
 from kvcm.metrics import Metrics
+from kvcm.tair import translate as tair
 
 log = logging.getLogger("kvcm.rpc.http")
 
@@ -73,6 +78,7 @@ _MAX_CACHED_TOKENS = 1024
 _LINGER_S = 1.0  # after a refusal, unread request bytes are drained this long before closing
 _LINGER_BYTES = 1 << 20
 _RPC_TIMEOUT_S = 30.0
+_ASK_TIMEOUT_S = 1.0  # another node's cluster info (the leader's HTTP port, for Tair's getClusterInfo)
 _METHOD_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 _BEARER = re.compile(r"bearer +([A-Za-z0-9._~+/-]{1,4096}=*)", re.IGNORECASE)
 _DIGITS = re.compile(r"[0-9]{1,19}")
@@ -366,6 +372,7 @@ class SideHttp:
         self.max_body = max_body
         self.auth_required = auth_required
         self._pool = _ClientPool(rpc_endpoint, client_options)
+        self._client_options = client_options or {}
         self._tokens: dict[bytes, float] = {}  # sha256(token) -> when its whoami answer expires
         self._tokens_lock = threading.Lock()
         kind = _Server6 if ":" in config.host else _BoundedServer
@@ -373,16 +380,51 @@ class SideHttp:
         self.port = int(self._httpd.server_address[1])
         self.authorities = Authorities(config.host, self.port, config.allowed_hosts)
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvcm-http", daemon=True)
+        self._admin = self._bind_admin(kind) if config.admin_port >= 0 else None
+        self.admin_port = int(self._admin.server_address[1]) if self._admin is not None else None
+        self.admin_authorities = Authorities(config.host, self.admin_port or 0, config.allowed_hosts)
+        self._admin_thread = None if self._admin is None else threading.Thread(
+            target=self._admin.serve_forever, name="kvcm-http-admin", daemon=True)
+
+    def _bind_admin(self, kind: type[_BoundedServer]) -> _BoundedServer:
+        """Tair's port layout: its AdminService on a port of its own (``http.admin_port``)."""
+        try:
+            return kind((self.config.host, self.config.admin_port), _handler_for(self, admin=True),
+                        self.config.max_connections, self.refused)
+        except OSError as exc:
+            self._httpd.server_close()
+            raise StartRefused(f"cannot bind the admin HTTP port {self.config.host}:{self.config.admin_port} "
+                               f"({exc.strerror or exc}); change http.admin_port") from None
 
     def start(self) -> None:
         self._thread.start()
+        if self._admin_thread is not None:
+            self._admin_thread.start()
 
     def stop(self) -> None:
-        if self._thread.is_alive():
-            self._httpd.shutdown()
-        self._httpd.close_connections()
-        self._httpd.server_close()
+        for httpd, thread in ((self._httpd, self._thread), (self._admin, self._admin_thread)):
+            if httpd is None or thread is None:
+                continue
+            if thread.is_alive():
+                httpd.shutdown()
+            httpd.close_connections()
+            httpd.server_close()
         self._pool.close()
+
+    def tair(self, name: str, params: dict[str, Any], admin: bool, local_ip: str) -> tuple[int, dict[str, Any]]:
+        """A Tair RPC (``POST /api/<lowerCamelName>``) through :mod:`kvcm.tair`."""
+        surface = "admin" if admin else "meta" if self.admin_port is not None else "both"
+        ctx = tair.Context(http_port=self.port, admin_port=self.admin_port, local_host=local_ip, ask=self._ask)
+        return tair.serve(name, params, surface, ctx, self.call)
+
+    def _ask(self, endpoint: str) -> dict[str, Any] | None:
+        """``get_manager_cluster_info`` of another node (the leader), or None if it does not answer."""
+        try:
+            with Client(endpoint, timeout=_ASK_TIMEOUT_S, retries=0, **self._client_options) as client:
+                info: dict[str, Any] = client.call("get_manager_cluster_info", {}, retry=False)
+                return info
+        except KvcmError:
+            return None
 
     def call(self, method: str, params: dict[str, Any]) -> Any:
         return self._pool.call(method, params)
@@ -405,7 +447,8 @@ class SideHttp:
             self._tokens[digest] = now + _TOKEN_CACHE_S
 
 
-def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
+def _handler_for(side: SideHttp, admin: bool = False) -> type[BaseHTTPRequestHandler]:
+    """``admin``: the handler of the admin port, which serves Tair's AdminService RPCs only."""
     read_timeout = side.config.read_timeout_s
     idle_timeout = side.config.idle_timeout_s
 
@@ -415,6 +458,9 @@ def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
 
         def setup(self) -> None:
             self.connection = self.request
+            # A reply is two writes (headers, body): with Nagle on, the body waits for the
+            # client's delayed ACK of the headers, 40 ms on Linux, on every kept-alive request.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._reader = _DeadlineReader(self.connection)
             self._reader.deadline = time.monotonic() + read_timeout
             self._buffered = io.BufferedReader(self._reader)
@@ -510,7 +556,7 @@ def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
             hosts = self.headers.get_all("Host") or []
             if len(hosts) != 1:
                 raise Refused(400, "host", InvalidArgument("exactly one Host header is required"))
-            if not side.authorities.accepts(hosts[0], self._local_ip()):
+            if not self._authorities().accepts(hosts[0], self._local_ip()):
                 raise Refused(421, "host", AccessDenied(
                     "Host is not an address of this server (add the name to http.allowed_hosts)",
                     Code.PERMISSION_DENIED))
@@ -518,12 +564,18 @@ def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
         def _check_origin(self) -> None:
             origins = self.headers.get_all("Origin") or []
             site = (self.headers.get("Sec-Fetch-Site") or "none").strip().lower()
-            foreign = len(origins) > 1 or any(not side.authorities.accepts_origin(o, self._local_ip()) for o in origins)
+            foreign = len(origins) > 1 or any(not self._authorities().accepts_origin(o, self._local_ip())
+                                              for o in origins)
             if foreign or site not in ("none", "same-origin"):
                 raise Refused(403, "origin", AccessDenied("cross-origin requests are refused", Code.PERMISSION_DENIED))
 
+        def _authorities(self) -> Authorities:
+            return side.admin_authorities if admin else side.authorities
+
         def _get(self) -> None:
             path = self._path()
+            if admin and not path.startswith("/api/"):
+                raise Refused(404, "path", error(Code.NOT_FOUND, "no such path (the admin port serves /api only)"))
             if path == "/metrics":
                 if side.auth_required:
                     self._check_bearer()
@@ -571,12 +623,18 @@ def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
         def _post(self) -> None:
             path = self._path()
             name = path[len("/api/"):]
-            if not path.startswith("/api/") or not _METHOD_NAME.fullmatch(name):
+            is_tair = path.startswith("/api/") and tair.TAIR_NAME.fullmatch(name) is not None
+            if not is_tair and (admin or not path.startswith("/api/") or not _METHOD_NAME.fullmatch(name)):
                 raise Refused(404, "path", error(Code.NOT_FOUND, "no such path"))
             bearer = self._bearer() if side.auth_required else None
             try:
                 params = self._body()
             except KvcmError as exc:  # read whole but unusable: answer and close
+                if is_tair:  # Tair's server answers a body it cannot parse with 400 and {}
+                    side.refused("body")
+                    self.close_connection = self._linger = True
+                    self._json(400, {})
+                    return
                 raise Refused(http_status(exc.code), "body", exc) from None
             if side.auth_required and "auth" not in params:
                 if bearer is None:
@@ -587,7 +645,10 @@ def _handler_for(side: SideHttp) -> type[BaseHTTPRequestHandler]:
                 # Every HTTP user reaches the RPC port through this side's few connections: name
                 # the remote address, so one address's failed logins do not rate-limit the others.
                 auth["client"] = str(self.client_address[0])[:64]
-            self._forward(name, params)
+            if is_tair:
+                self._json(*side.tair(name, params, admin, self._local_ip()))
+            else:
+                self._forward(name, params)
 
         def _forward(self, name: str, params: dict[str, Any]) -> None:
             try:

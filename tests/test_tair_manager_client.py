@@ -1,0 +1,246 @@
+"""A connector's save and load against ``kvcm serve`` through a client that uses only the documented
+calls of Tair's ``kv_cache_manager/py_connector/common/manager_client.py``: the same method names,
+the same request dicts, the same checks (HTTP 200 and ``header.status.code == "OK"``) and the same
+leader discovery (``getClusterInfo`` -> ``http://{host}:{meta_http_port}``, rediscovery on
+``SERVER_NOT_LEADER``). Written here from its documentation; Tair's code is not copied."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import urllib.parse
+
+import pytest
+import requests
+
+from kvcm import Client
+from kvcm.errors import KvcmError
+from kvcm.testing import serve_in_subprocess, start_subprocess, stop_subprocess
+
+BLOCK = 4  # tokens per block
+SPEC_BYTES = 256
+
+
+class ManagerClient:
+    """Tair's KvCacheManagerClient surface: ``method(data, check_response=True) -> dict``."""
+
+    def __init__(self, base_url: str, *, instance_id: str = "", auto_discover_leader: bool = False,
+                 leader_retry_count: int = 1) -> None:
+        self.base_url = base_url
+        self._discovery_url = base_url  # discovery always asks the address it was given
+        self._instance_id = instance_id
+        self._auto = auto_discover_leader
+        self._retries = leader_retry_count
+        self.session = requests.Session()
+        self.headers = {"Accept": "application/json", "Content-Type": "application/json"}
+        if auto_discover_leader:
+            self.discover_leader()
+
+    def discover_leader(self) -> bool:
+        try:
+            reply = requests.post(self._discovery_url + "/api/getClusterInfo", headers=self.headers, timeout=5,
+                                  json={"trace_id": f"leader_discovery_{time.monotonic()}",
+                                        "instance_id": self._instance_id})
+        except requests.ConnectionError:
+            return False
+        data = reply.json() if reply.status_code == 200 else {}
+        leader = data.get("leader_endpoint") or {}
+        if data.get("header", {}).get("status", {}).get("code") != "OK" or not leader.get("host") \
+                or not leader.get("meta_http_port"):
+            return False
+        self.base_url = f"http://{leader['host']}:{leader['meta_http_port']}"
+        return True
+
+    def _api(self, endpoint: str, data: dict, check_response: bool) -> dict:
+        retries = self._retries if self._auto else 0
+        while True:
+            response = self.session.post(self.base_url + endpoint, json=data, headers=self.headers)
+            body = response.json()
+            code = body.get("header", {}).get("status", {}).get("code")
+            if self._auto and code == "SERVER_NOT_LEADER" and retries > 0:
+                retries -= 1
+                if self.discover_leader():
+                    continue
+            if check_response:
+                if response.status_code != 200:
+                    raise AssertionError(f"Request to {endpoint} failed with status code {response.status_code}")
+                if body["header"]["status"]["code"] != "OK":
+                    raise AssertionError(f"Request to {endpoint} failed with error: "
+                                         f"{body['header']['status']['message']}")
+            return body
+
+    def register_instance(self, data: dict, check_response: bool = True) -> dict:
+        return self._api("/api/registerInstance", data, check_response)
+
+    def get_instance_info(self, data: dict, check_response: bool = True) -> dict:
+        return self._api("/api/getInstanceInfo", data, check_response)
+
+    def get_cache_location(self, data: dict, check_response: bool = True) -> dict:
+        return self._api("/api/getCacheLocation", data, check_response)
+
+    def start_write_cache(self, data: dict, check_response: bool = True) -> dict:
+        return self._api("/api/startWriteCache", data, check_response)
+
+    def finish_write_cache(self, data: dict, check_response: bool = True) -> dict:
+        return self._api("/api/finishWriteCache", data, check_response)
+
+    def remove_cache(self, data: dict, check_response: bool = True) -> dict:
+        return self._api("/api/removeCache", data, check_response)
+
+    def trim_cache(self, data: dict, check_response: bool = True) -> dict:
+        return self._api("/api/trimCache", data, check_response)
+
+    def get_cluster_info(self, data: dict, check_response: bool = True) -> dict:
+        return self._api("/api/getClusterInfo", data, check_response)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+# -- a connector's block I/O, from what registerInstance says -------------------------------------
+
+
+def _roots(registered: dict) -> dict[str, str]:
+    """Storage name -> root path of the NFS storages in ``storage_configs`` (a JSON string)."""
+    return {s["global_unique_name"]: s["nfs"]["root_path"] for s in json.loads(registered["storage_configs"]) if "nfs" in s}
+
+
+def _place(uri: str, roots: dict[str, str]) -> tuple[str, int, int]:
+    """(path, offset, size) of a kvcm file URI: ``file://<storage>/<path>?blkid=<slot>&size=<size>``."""
+    parsed = urllib.parse.urlsplit(uri)
+    query = dict(urllib.parse.parse_qsl(parsed.query))
+    size = int(query["size"])
+    return os.path.join(roots[parsed.netloc], parsed.path.lstrip("/")), int(query.get("blkid", 0)) * size, size
+
+
+def _block(key: int, spec: str) -> bytes:
+    return (f"{key}:{spec}:".encode() * SPEC_BYTES)[:SPEC_BYTES]
+
+
+def _save_and_load(client: ManagerClient, instance_id: str) -> None:
+    registered = client.register_instance({
+        "trace_id": "connector", "instance_group": "default", "instance_id": instance_id, "block_size": BLOCK,
+        "location_spec_infos": [{"name": "tp0", "size": SPEC_BYTES}, {"name": "tp1", "size": SPEC_BYTES}],
+        "model_deployment": {"model_name": "qwen", "dtype": "bf16", "tp_size": 2}})
+    roots = _roots(registered)
+    keys = [str((1 << 60) + i) for i in range(4)]  # a connector's int64 block hashes
+    # save: ask where, write the bytes there, say which succeeded
+    started = client.start_write_cache({"trace_id": "save", "instance_id": instance_id, "block_keys": keys,
+                                        "write_timeout_seconds": 30})
+    assert started["block_mask"] == {"offset": 0}
+    for key, location in zip(keys, started["locations"]):
+        for spec in location["location_specs"]:
+            path, offset, size = _place(spec["uri"], roots)
+            fd = os.open(path, os.O_RDWR)
+            try:
+                assert os.pwrite(fd, _block(int(key), spec["name"]), offset) == size
+            finally:
+                os.close(fd)
+    client.finish_write_cache({"instance_id": instance_id, "write_session_id": started["write_session_id"],
+                               "success_blocks": {"offset": len(started["locations"])}})
+    # load: a prompt that shares the first three blocks
+    query = [*keys[:3], str((1 << 61) + 7)]
+    found = client.get_cache_location({"trace_id": "load", "instance_id": instance_id,
+                                       "query_type": "QT_PREFIX_MATCH", "block_keys": query,
+                                       "block_mask": {"offset": 1}})  # the first block is on the GPU
+    assert len(found["locations"]) == 2
+    for key, location in zip(query[1:], found["locations"]):
+        for spec in location["location_specs"]:
+            path, offset, size = _place(spec["uri"], roots)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                assert f.read(size) == _block(int(key), spec["name"])
+    again = client.start_write_cache({"instance_id": instance_id, "block_keys": keys})
+    assert again["block_mask"] == {"offset": 4}
+    client.finish_write_cache({"instance_id": instance_id, "write_session_id": again["write_session_id"],
+                               "success_blocks": {"offset": 0}})
+    client.remove_cache({"instance_id": instance_id, "block_keys": keys[3:]})
+    client.trim_cache({"instance_id": instance_id, "strategy": "TS_REMOVE_ALL_CACHE"})
+    assert client.get_cache_location({"instance_id": instance_id, "query_type": "QT_PREFIX_MATCH",
+                                      "block_keys": keys})["locations"] == []
+    with pytest.raises(AssertionError, match="is not registered"):
+        client.get_instance_info({"instance_id": "nobody"})
+
+
+def _http_port(endpoint: str) -> int:
+    with Client(endpoint, timeout=5.0) as c:
+        return int(c.call("check_health")["node"]["http_port"])
+
+
+def test_a_connector_saves_and_loads_through_tair_s_manager_client():
+    with serve_in_subprocess() as server:
+        url = f"http://127.0.0.1:{_http_port(server.endpoint)}"
+        client = ManagerClient(url, instance_id="llm", auto_discover_leader=True)
+        try:
+            assert client.base_url == url  # one node: it names itself the leader
+            info = client.get_cluster_info({"instance_id": "llm"})
+            assert info["leader_endpoint"]["host"] == "127.0.0.1"
+            _save_and_load(client, "llm")
+        finally:
+            client.close()
+
+
+# -- leader discovery under the leader lease ------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _leader(endpoints: dict[str, str]) -> str:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for node, endpoint in endpoints.items():
+            try:
+                with Client(endpoint, timeout=1.0, retries=0) as c:
+                    if c.call("get_manager_cluster_info")["leader"]:
+                        return node
+            except KvcmError:
+                pass
+        time.sleep(0.05)
+    raise AssertionError("no leader")
+
+
+def test_leader_discovery_through_get_cluster_info_follows_the_lease(redis_factory, tmp_path):
+    redis = redis_factory()
+    endpoints = {n: f"tcp://127.0.0.1:{_free_port()}" for n in ("n1", "n2")}
+    common = ["--set", "store.backend=redis", "--set", f"store.redis_url={redis.url}",
+              "--set", "store.redis_prefix=tair", "--set", "ha.enabled=true",
+              "--set", "ha.lease_ms=1500", "--set", "ha.renew_ms=500"]
+    # Fixed HTTP ports, as in production: each role change rebinds the node's side port.
+    ports = {n: _free_port() for n in endpoints}
+    urls = {n: f"http://127.0.0.1:{port}" for n, port in ports.items()}
+    nodes = {}
+    try:
+        for node in endpoints:
+            nodes[node] = start_subprocess(str(tmp_path / node), endpoints[node],
+                                           [*common, "--set", f"ha.node_id={node}", "--http-port", str(ports[node])])
+        leader = _leader(endpoints)
+        follower = "n2" if leader == "n1" else "n1"
+        assert {n: _http_port(e) for n, e in endpoints.items()} == ports
+        assert urls["n1"] != urls["n2"]  # so the follower must learn the leader's own port
+        # With discovery, the follower's getClusterInfo sends the client to the leader.
+        client = ManagerClient(urls[follower], instance_id="llm", auto_discover_leader=True)
+        assert client.base_url == urls[leader]
+        # A client of the follower without discovery is served too: the follower's side port
+        # forwards through a kvcm client, which follows SERVER_NOT_LEADER to the leader.
+        plain = ManagerClient(urls[follower])
+        plain.register_instance({"instance_group": "default", "instance_id": "x", "block_size": BLOCK,
+                                 "location_spec_infos": [{"name": "tp0", "size": 64}]})
+        plain.close()
+        _save_and_load(client, "llm")
+        # The leader goes away: the follower takes the lease, and discovery now names it.
+        stop_subprocess(nodes.pop(leader), kill=True)
+        deadline = time.monotonic() + 20
+        while not (client.discover_leader() and client.base_url == urls[follower]):
+            assert time.monotonic() < deadline, "the follower never became the leader"
+            time.sleep(0.1)
+        assert client.get_cluster_info({"instance_id": "llm"})["leader_node_id"] == follower
+        client.close()
+    finally:
+        for server in nodes.values():
+            stop_subprocess(server, kill=True)
