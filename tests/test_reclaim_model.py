@@ -359,7 +359,7 @@ POLICIES = [("lru", 0), ("lfu", 0), ("ttl", TTL_S), ("leaf_lru", 0), ("lru", TTL
 POLICY_IDS = [f"{p}-ttl{t}" for p, t in POLICIES]
 # Derandomized: the same streams in every run, as tests/test_cache_model.py. No explain phase:
 # it traces every line of the server code and makes a shrink take minutes.
-SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
+SETTINGS = settings(max_examples=50, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow],
                     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink])
 
