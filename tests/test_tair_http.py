@@ -13,8 +13,11 @@ import uuid
 import pytest
 import requests
 
-from kvcm.errors import Code, Unavailable
+from kvcm import Client
+from kvcm.blocks import BlockIO
+from kvcm.errors import Code, ServerError, Unavailable
 from kvcm.tair import translate
+from kvcm.tair.uris import Roots
 from kvcm.testing import serve_in_thread
 
 BIG = (1 << 53) + 1  # the first integer a double cannot hold
@@ -431,3 +434,144 @@ def test_admin_port_serves_admin_routes_only_and_the_side_port_meta_only():
         foreign = requests.post(admin.url + "listStorage", json={}, headers={"Origin": "http://evil.example"},
                                 timeout=10)
         assert foreign.status_code == 403
+
+
+# -- URIs in Tair's form ----------------------------------------------------------------------------
+
+
+def _own(server, method: str, params: dict) -> dict:
+    """kvcm's own route on the same port (kvcm's JSON, kvcm's URIs)."""
+    reply = requests.post(f"http://127.0.0.1:{server.http_port}/api/{method}", json=params, timeout=10)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["result"]
+
+
+def _tier(tair: Tair, kind: str, spec: dict) -> tuple[str, str, str]:
+    """A storage of its own group and an instance of that group: (storage, group, instance)."""
+    tag = uuid.uuid4().hex[:6]
+    storage, group, instance_id = f"{kind}-{tag}", f"g-{tag}", f"i-{tag}"
+    tair.call("addStorage", {"storage": {"global_unique_name": storage, kind: spec}})
+    tair.call("createInstanceGroup", {"instance_group": {"name": group, "storage_candidates": [storage]}})
+    tair.call("registerInstance", {"instance_group": group, "instance_id": instance_id, "block_size": 4,
+                                   "location_spec_infos": [{"name": "tp0", "size": 64}]})
+    return storage, group, instance_id
+
+
+def _drop(tair: Tair, storage: str, group: str, instance_id: str) -> None:
+    tair.call("trimCache", {"instance_id": instance_id, "strategy": "TS_REMOVE_ALL_META"})
+    tair.call("removeInstance", {"instance_group": group, "instance_id": instance_id})
+    tair.call("removeInstanceGroup", {"name": group})
+    tair.call("removeStorage", {"storage_unique_name": storage})
+
+
+def _split(uri: str) -> tuple[str, str, dict[str, int]]:
+    """(scheme://host, path, numeric params) of a URI in the unescaped form both sides use."""
+    scheme, _, rest = uri.partition("://")
+    base, _, query = rest.partition("?")
+    host, slash, path = base.partition("/")
+    return f"{scheme}://{host}", slash + path, {k: int(v) for k, v in (p.split("=") for p in query.split("&"))}
+
+
+@pytest.mark.parametrize("kind", ["nfs", "shm"])
+def test_file_and_shm_uris_name_the_whole_path_and_the_same_bytes(tair, server, kind):
+    root = tempfile.mkdtemp(prefix="kvcm-tair-uri-")
+    spec = {"root_path": root} if kind == "nfs" else {"shm_dir": root, "segment_size": 1 << 16}
+    storage, group, instance_id = _tier(tair, kind, spec)
+    started = tair.call("startWriteCache", {"instance_id": instance_id, "block_keys": [1, 2]})
+    tair_uris = [loc["location_specs"][0]["uri"] for loc in started["locations"]]
+    for i, uri in enumerate(tair_uris):  # as Tair's reader does: the path as it is, no root joined
+        _, path, params = _split(uri)
+        assert path.startswith(root + "/"), uri
+        with open(path, "r+b") as f:
+            f.seek(params.get("offset", params.get("blkid", 0) * params["size"]))
+            f.write(bytes([i + 1]) * params["size"])
+    tair.call("finishWriteCache", {"instance_id": instance_id, "write_session_id": started["write_session_id"],
+                                   "success_blocks": {"offset": 2}, "locations": started["locations"]})
+    own = _own(server, "get_cache_location", {"instance_id": instance_id, "query_type": "batch_get", "block_keys": [1, 2]})
+    kvcm_uris = [loc["location_specs"][0]["uri"] for loc in own["locations"]]
+    with Client(server.endpoint, timeout=5.0) as kv:
+        blocks = BlockIO.for_instance(kv, instance_id)
+        try:
+            for i, (tair_uri, kvcm_uri) in enumerate(zip(tair_uris, kvcm_uris)):
+                host, path, _ = _split(kvcm_uri)
+                assert host == f"{'file' if kind == 'nfs' else 'shm'}://{storage}"
+                assert tair_uri == host + root + kvcm_uri[len(host):]  # the directory, joined once
+                assert bytes(blocks.read(kvcm_uri)) == bytes([i + 1]) * 64
+        finally:
+            blocks.close()
+    # getCacheMeta's locations, and every copy's location at detail_level 2, are Tair's too
+    meta = tair.call("getCacheMeta", {"instance_id": instance_id, "block_keys": [1, 2], "detail_level": 2})
+    assert [loc["location_specs"][0]["uri"] for loc in meta["locations"]] == tair_uris
+    assert [json.loads(m)["all"][0]["location"]["location_specs"][0]["uri"] for m in meta["metas"]] == tair_uris
+    _drop(tair, storage, group, instance_id)
+
+
+def test_uris_coming_back_must_name_a_block_under_the_storage_s_root(tair):
+    root = tempfile.mkdtemp(prefix="kvcm-tair-uri-")
+    storage, group, instance_id = _tier(tair, "nfs", {"root_path": root})
+    started = tair.call("startWriteCache", {"instance_id": instance_id, "block_keys": [1]})
+    good = started["locations"][0]["location_specs"][0]["uri"]
+    host, path, _ = _split(good)
+    query = good.partition("?")[2]
+    bad = {
+        "outside the root": f"{host}/etc/passwd?{query}",
+        "a sibling sharing the prefix": f"{host}{root}x{path[len(root):]}?{query}",
+        "dot-dot out of the root": f"{host}{root}/../x/{path.rsplit('/', 1)[1]}?{query}",
+        "not a file kvcm names": f"{host}{root}/s64/other.kv?{query}",
+        "kvcm's relative form": f"{host}{path[len(root):]}?{query}",
+        "an unknown storage": good.replace(storage, "nobody", 1),
+        "a file URI naming a shm storage": good.replace("file://", "shm://", 1),
+    }
+    for why, uri in bad.items():
+        location = {**started["locations"][0], "location_specs": [{"name": "tp0", "uri": uri}]}
+        reply = tair.call("finishWriteCache", {"instance_id": instance_id, "write_session_id": started["write_session_id"],
+                                               "success_blocks": {"offset": 1}, "locations": [location]},
+                          code="INVALID_ARGUMENT")
+        assert "locations[0].location_specs[0].uri" in reply["header"]["status"]["message"], why
+    tair.call("finishWriteCache", {"instance_id": instance_id, "write_session_id": started["write_session_id"],
+                                   "success_blocks": {"offset": 1}, "locations": [{"spec_size": 1, "bogus": 1}]},
+              code="INVALID_ARGUMENT")
+    # the refusals left the session alone: the good URIs finish it
+    tair.call("finishWriteCache", {"instance_id": instance_id, "write_session_id": started["write_session_id"],
+                                   "success_blocks": {"offset": 1}, "locations": started["locations"]})
+    assert _found(tair, instance_id, [1]) == 1
+    _drop(tair, storage, group, instance_id)
+
+
+def test_a_moved_root_shows_in_the_next_reply(tair):
+    root = tempfile.mkdtemp(prefix="kvcm-tair-uri-")
+    storage, group, instance_id = _tier(tair, "nfs", {"root_path": os.path.join(root, "a")})
+    first = tair.call("startWriteCache", {"instance_id": instance_id, "block_keys": [1]})
+    assert _split(first["locations"][0]["location_specs"][0]["uri"])[1].startswith(os.path.join(root, "a") + "/")
+    tair.call("finishWriteCache", {"instance_id": instance_id, "write_session_id": first["write_session_id"],
+                                   "success_blocks": {"offset": 0}})
+    tair.call("updateStorage", {"storage": {"global_unique_name": storage, "nfs": {"root_path": os.path.join(root, "b")}}})
+    second = tair.call("startWriteCache", {"instance_id": instance_id, "block_keys": [2]})
+    assert _split(second["locations"][0]["location_specs"][0]["uri"])[1].startswith(os.path.join(root, "b") + "/")
+    tair.call("finishWriteCache", {"instance_id": instance_id, "write_session_id": second["write_session_id"],
+                                   "success_blocks": {"offset": 0}})
+    _drop(tair, storage, group, instance_id)
+
+
+def test_roots_expire_and_an_unknown_name_asks_once_per_call():
+    now = [0.0]
+    asked: list[str] = []
+    specs = {"storages": [{"global_unique_name": "n", "storage_type": "file", "storage_spec": {"root_path": "/r/"}}]}
+
+    def fetch(method: str) -> dict:
+        asked.append(method)
+        return specs if method == "get_storage_specs" else {"storage": []}
+
+    roots = Roots(ttl_s=2.0, clock=lambda: now[0])
+    uri = "file://n/s64/0000000a-00000000.kv?blkid=1&size=64"
+    assert roots.translator(fetch).out(uri) == "file://n/r/s64/0000000a-00000000.kv?blkid=1&size=64"
+    assert roots.translator(fetch).out(uri).startswith("file://n/r/") and asked == ["get_storage_specs"]
+    now[0] = 2.5  # expired: asked again
+    roots.translator(fetch).out(uri)
+    assert asked == ["get_storage_specs"] * 2
+    translator = roots.translator(fetch)
+    for _ in range(3):  # a name no storage has: one refresh per call, then INTERNAL_ERROR, never kvcm's form
+        with pytest.raises(ServerError, match="'m'"):
+            translator.out("file://m/s64/0000000a-00000000.kv?blkid=1&size=64")
+    assert asked == ["get_storage_specs"] * 3 + ["list_storage"]
+    assert translator.out("pace://p/4096?media_type=dram&node_id=1&range_id=2&size=64").startswith("pace://p/4096")

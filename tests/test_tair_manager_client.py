@@ -16,6 +16,7 @@ import pytest
 import requests
 
 from kvcm import Client
+from kvcm.blocks import BlockIO
 from kvcm.errors import KvcmError
 from kvcm.testing import serve_in_subprocess, start_subprocess, stop_subprocess
 
@@ -107,12 +108,31 @@ def _roots(registered: dict) -> dict[str, str]:
     return {s["global_unique_name"]: s["nfs"]["root_path"] for s in json.loads(registered["storage_configs"]) if "nfs" in s}
 
 
-def _place(uri: str, roots: dict[str, str]) -> tuple[str, int, int]:
-    """(path, offset, size) of a kvcm file URI: ``file://<storage>/<path>?blkid=<slot>&size=<size>``."""
+def _place(uri: str) -> tuple[str, int, int]:
+    """(path, offset, size) of a Tair NFS URI, as Tair's file transfer reads it: the URI path is
+    the file, opened as it is (no root joined), the block is at ``blkid × size`` (blkid 0 if absent)."""
     parsed = urllib.parse.urlsplit(uri)
+    assert parsed.scheme == "file" and parsed.netloc and parsed.path.startswith("/"), uri
     query = dict(urllib.parse.parse_qsl(parsed.query))
     size = int(query["size"])
-    return os.path.join(roots[parsed.netloc], parsed.path.lstrip("/")), int(query.get("blkid", 0)) * size, size
+    return parsed.path, int(query.get("blkid", 0)) * size, size
+
+
+def _tair_write(uri: str, data: bytes) -> None:
+    path, offset, size = _place(uri)
+    assert len(data) == size
+    fd = os.open(path, os.O_RDWR)  # the file exists: kvcm created it when it handed the URI out
+    try:
+        assert os.pwrite(fd, data, offset) == size
+    finally:
+        os.close(fd)
+
+
+def _tair_read(uri: str) -> bytes:
+    path, offset, size = _place(uri)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
 
 
 def _block(key: int, spec: str) -> bytes:
@@ -132,14 +152,11 @@ def _save_and_load(client: ManagerClient, instance_id: str) -> None:
     assert started["block_mask"] == {"offset": 0}
     for key, location in zip(keys, started["locations"]):
         for spec in location["location_specs"]:
-            path, offset, size = _place(spec["uri"], roots)
-            fd = os.open(path, os.O_RDWR)
-            try:
-                assert os.pwrite(fd, _block(int(key), spec["name"]), offset) == size
-            finally:
-                os.close(fd)
+            assert any(_place(spec["uri"])[0].startswith(root + "/") for root in roots.values()), spec["uri"]
+            _tair_write(spec["uri"], _block(int(key), spec["name"]))
     client.finish_write_cache({"instance_id": instance_id, "write_session_id": started["write_session_id"],
-                               "success_blocks": {"offset": len(started["locations"])}})
+                               "success_blocks": {"offset": len(started["locations"])},
+                               "locations": started["locations"]})  # a connector sends them back
     # load: a prompt that shares the first three blocks
     query = [*keys[:3], str((1 << 61) + 7)]
     found = client.get_cache_location({"trace_id": "load", "instance_id": instance_id,
@@ -148,10 +165,7 @@ def _save_and_load(client: ManagerClient, instance_id: str) -> None:
     assert len(found["locations"]) == 2
     for key, location in zip(query[1:], found["locations"]):
         for spec in location["location_specs"]:
-            path, offset, size = _place(spec["uri"], roots)
-            with open(path, "rb") as f:
-                f.seek(offset)
-                assert f.read(size) == _block(int(key), spec["name"])
+            assert _tair_read(spec["uri"]) == _block(int(key), spec["name"])
     again = client.start_write_cache({"instance_id": instance_id, "block_keys": keys})
     assert again["block_mask"] == {"offset": 4}
     client.finish_write_cache({"instance_id": instance_id, "write_session_id": again["write_session_id"],
@@ -179,6 +193,48 @@ def test_a_connector_saves_and_loads_through_tair_s_manager_client():
             assert info["leader_endpoint"]["host"] == "127.0.0.1"
             _save_and_load(client, "llm")
         finally:
+            client.close()
+
+
+def _kvcm_uris(kv: Client, instance_id: str, keys: list[int]) -> list[str]:
+    found = kv.call("get_cache_location", {"instance_id": instance_id, "query_type": "batch_get", "block_keys": keys})
+    return [spec["uri"] for loc in found["locations"] for spec in loc["location_specs"]]
+
+
+def test_tair_s_absolute_uri_and_kvcm_s_own_uri_name_the_same_bytes():
+    """A Tair reader opens only the path its URI names; kvcm's own client reads through kvcm's URI
+    of the same block (BlockIO): what one writes, the other reads, both ways."""
+    with serve_in_subprocess() as server, Client(server.endpoint, timeout=5.0) as kv:
+        client = ManagerClient(f"http://127.0.0.1:{_http_port(server.endpoint)}")
+        registered = client.register_instance({"instance_group": "default", "instance_id": "x", "block_size": BLOCK,
+                                               "location_spec_infos": [{"name": "tp0", "size": SPEC_BYTES}]})
+        (name, root), = _roots(registered).items()
+        blocks = BlockIO.for_instance(kv, "x")
+        try:
+            # Tair writes through its URI; kvcm reads through its own.
+            started = client.start_write_cache({"instance_id": "x", "block_keys": ["11", "12"]})
+            tair_uris = [loc["location_specs"][0]["uri"] for loc in started["locations"]]
+            for key, uri in zip((11, 12), tair_uris):
+                _tair_write(uri, _block(key, "tp0"))
+            client.finish_write_cache({"instance_id": "x", "write_session_id": started["write_session_id"],
+                                       "success_blocks": {"offset": 2}, "locations": started["locations"]})
+            kvcm_uris = _kvcm_uris(kv, "x", [11, 12])
+            for key, tair_uri, kvcm_uri in zip((11, 12), tair_uris, kvcm_uris):
+                prefix = f"file://{name}"
+                assert kvcm_uri.startswith(prefix + "/s") and tair_uri == prefix + root + kvcm_uri[len(prefix):]
+                assert bytes(blocks.read(kvcm_uri)) == _block(key, "tp0")
+            # kvcm writes through its URI; Tair reads through its own.
+            own = kv.call("start_write_cache", {"instance_id": "x", "block_keys": [21, 22]})
+            for key, loc in zip((21, 22), own["locations"]):
+                blocks.write(loc["location_specs"][0]["uri"], _block(key, "tp0"))
+            kv.call("finish_write_cache", {"instance_id": "x", "write_session_id": own["write_session_id"],
+                                           "success_blocks": {"offset": 2}})
+            found = client.get_cache_location({"instance_id": "x", "query_type": "QT_BATCH_GET",
+                                               "block_keys": ["21", "22"]})
+            assert [_tair_read(loc["location_specs"][0]["uri"]) for loc in found["locations"]] == \
+                [_block(21, "tp0"), _block(22, "tp0")]
+        finally:
+            blocks.close()
             client.close()
 
 

@@ -372,6 +372,7 @@ class SideHttp:
         self.max_body = max_body
         self.auth_required = auth_required
         self._pool = _ClientPool(rpc_endpoint, client_options)
+        self._tair_roots = tair.Roots()  # storage directories for Tair's URIs, across calls
         self._client_options = client_options or {}
         self._tokens: dict[bytes, float] = {}  # sha256(token) -> when its whoami answer expires
         self._tokens_lock = threading.Lock()
@@ -414,7 +415,8 @@ class SideHttp:
     def tair(self, name: str, params: dict[str, Any], admin: bool, local_ip: str) -> tuple[int, dict[str, Any]]:
         """A Tair RPC (``POST /api/<lowerCamelName>``) through :mod:`kvcm.tair`."""
         surface = "admin" if admin else "meta" if self.admin_port is not None else "both"
-        ctx = tair.Context(http_port=self.port, admin_port=self.admin_port, local_host=local_ip, ask=self._ask)
+        ctx = tair.Context(http_port=self.port, admin_port=self.admin_port, local_host=local_ip, ask=self._ask,
+                          roots=self._tair_roots)
         return tair.serve(name, params, surface, ctx, self.call)
 
     def _ask(self, endpoint: str) -> dict[str, Any] | None:

@@ -254,10 +254,14 @@ def mask_out(mask: Mapping[str, Any]) -> dict[str, Any]:
     return {"offset": mask.get("offset", 0)}
 
 
-def locations_out(locations: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def locations_out(locations: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """kvcm's locations (``{type, spec_size, location_specs}``, their URIs already Tair's:
+    :mod:`kvcm.tair.uris`) in Tair's shape, changed in place: a forwarded reply is the call's
+    own, and a lookup's reply has a location per key."""
     out = STORAGE_TYPE.out
-    return [{"type": out(loc["type"]), "spec_size": loc["spec_size"], "location_specs": loc["location_specs"]}
-            for loc in locations]
+    for loc in locations:
+        loc["type"] = out(loc["type"])
+    return locations
 
 
 # -- storages -------------------------------------------------------------------------------------

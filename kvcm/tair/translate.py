@@ -17,11 +17,13 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError
 from kvcm.tair import shapes as s
+from kvcm.tair.uris import Fetch, Translator
+from kvcm.tair.uris import Roots as Roots  # re-exported: the listener keeps one
 
 log = logging.getLogger("kvcm.tair")
 
@@ -52,9 +54,10 @@ TAIR_CODES: dict[Code, str] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class Context:
-    """What a reply may need about the listener a call came in on."""
+    """What a reply may need about the listener a call came in on. One per call (so :func:`serve`
+    sets ``uris`` on it rather than copying it)."""
 
     http_port: int  # the side port (Tair's meta HTTP port)
     admin_port: int | None  # http.admin_port when serving, else None
@@ -62,6 +65,16 @@ class Context:
     #: ``get_manager_cluster_info`` of the node at an RPC endpoint (None when it does not answer):
     #: a follower asks the leader for its HTTP port, which the lease does not record.
     ask: Callable[[str], Mapping[str, Any] | None] = lambda endpoint: None
+    #: the storages' directories, kept by the listener across calls (Tair's URIs carry them)
+    roots: Roots = field(default_factory=Roots)
+    #: this call's URI translation (set by :func:`serve`)
+    uris: Translator | None = None
+
+    def tair_uris(self, locations: list[Any]) -> list[Any]:
+        """kvcm's locations with Tair's URIs (changed in place)."""
+        if self.uris is None:
+            raise ServerError("tair: a location reply without a URI translator")
+        return self.uris.locations_out(locations)
 
 
 @dataclass(frozen=True)
@@ -134,9 +147,11 @@ def start_write_cache_in(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def finish_write_cache_in(body: dict[str, Any]) -> dict[str, Any]:
-    out = {"instance_id": s.text(body.get("instance_id"), "instance_id"),
-           "write_session_id": s.text(body.get("write_session_id"), "write_session_id")}
-    s.messages(body.get("locations"), "locations")  # accepted and ignored, as by Tair
+    out: dict[str, Any] = {"instance_id": s.text(body.get("instance_id"), "instance_id"),
+                           "write_session_id": s.text(body.get("write_session_id"), "write_session_id")}
+    locations = s.messages(body.get("locations"), "locations")  # ignored by kvcm, as by Tair
+    if locations:
+        out["locations"] = locations  # checked and made kvcm's URIs by serve (they need the roots)
     return _mask(out, body, "success_blocks")
 
 
@@ -238,7 +253,7 @@ def _empty(result: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _locations(result: Any, ctx: Context) -> dict[str, Any]:
-    return {"locations": s.locations_out(result["locations"])}
+    return {"locations": s.locations_out(ctx.tair_uris(result["locations"]))}
 
 
 def _location_len(result: Any, ctx: Context) -> dict[str, Any]:
@@ -246,13 +261,15 @@ def _location_len(result: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _meta(result: Any, ctx: Context) -> dict[str, Any]:
-    return {"locations": s.locations_out(result["locations"]),
+    # detail_level 2 lists every copy's location
+    ctx.tair_uris([copy["location"] for meta in result["metas"] for copy in meta.get("all") or ()])
+    return {"locations": s.locations_out(ctx.tair_uris(result["locations"])),
             "metas": [json.dumps(meta, separators=(",", ":")) for meta in result["metas"]]}
 
 
 def _write_started(result: Any, ctx: Context) -> dict[str, Any]:
     return {"write_session_id": result["write_session_id"], "block_mask": s.mask_out(result["block_mask"]),
-            "locations": s.locations_out(result["locations"])}
+            "locations": s.locations_out(ctx.tair_uris(result["locations"]))}
 
 
 def _registered(result: Any, ctx: Context) -> dict[str, Any]:
@@ -457,7 +474,14 @@ def serve(name: str, body: dict[str, Any], surface: str, ctx: Context,
             params["trace_id"] = trace_id
         if auth is not None:
             params["auth"] = auth
-        reply = rpc.reply(forward(rpc.kvcm, params), ctx)
+        uris = ctx.roots.translator(_fetcher(forward, params))
+        if "locations" in params:
+            params["locations"] = _locations_in(params["locations"], uris)
+        result = forward(rpc.kvcm, params)
+        if rpc.kvcm in _STORAGE_CHANGES:
+            ctx.roots.clear()
+        ctx.uris = uris
+        reply = rpc.reply(result, ctx)
     except InvalidArgument as exc:
         if exc.code is Code.INVALID_ARGUMENT and not exc.message.startswith(rpc.kvcm + ":"):
             exc = InvalidArgument(f"{name}: {exc.message}")  # a translator's own check names the Tair RPC
@@ -468,6 +492,42 @@ def serve(name: str, body: dict[str, Any], surface: str, ctx: Context,
         log.exception("tair: %s failed", name)
         return 200, failure(ServerError(f"internal error: {type(exc).__name__}"), trace_id)
     return 200, {"header": header("OK", "", trace_id), **reply}
+
+
+#: kvcm RPCs after which the cached storage directories may be wrong.
+_STORAGE_CHANGES = frozenset({"add_storage", "update_storage", "remove_storage", "load_config_snapshot"})
+_LOCATION = frozenset({"type", "spec_size", "location_specs"})
+_SPEC = frozenset({"name", "uri"})
+
+
+def _fetcher(forward: Callable[[str, dict[str, Any]], Any], params: Mapping[str, Any]) -> Fetch:
+    """The storages' specs, asked with the call's own instance and credentials."""
+
+    def fetch(method: str) -> Any:
+        call: dict[str, Any] = {"instance_id": params.get("instance_id", "")} if method == "get_storage_specs" else {}
+        for key in ("trace_id", "auth"):
+            if key in params:
+                call[key] = params[key]
+        return forward(method, call)
+
+    return fetch
+
+
+def _locations_in(locations: list[Any], uris: Translator) -> list[dict[str, Any]]:
+    """``finishWriteCache.locations`` in kvcm's shape: each URI back in kvcm's form, refused
+    (INVALID_ARGUMENT) unless it names a block file under its storage's directory."""
+    out = []
+    for i, raw in enumerate(locations):
+        where = f"locations[{i}]"
+        loc = s.message(raw, where, _LOCATION)
+        specs = []
+        for j, raw_spec in enumerate(s.messages(loc.get("location_specs"), f"{where}.location_specs")):
+            at = f"{where}.location_specs[{j}]"
+            spec = s.message(raw_spec, at, _SPEC)
+            specs.append({"name": s.text(spec.get("name"), f"{at}.name"), "uri": uris.into(spec.get("uri"), f"{at}.uri")})
+        out.append({"type": s.STORAGE_TYPE.to_kvcm(loc.get("type"), f"{where}.type") or "unspecified",
+                    "spec_size": s.int32(loc.get("spec_size"), f"{where}.spec_size"), "location_specs": specs})
+    return out
 
 
 def _not_here(name: str, surface: str) -> KvcmError:
