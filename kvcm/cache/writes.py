@@ -185,14 +185,16 @@ def _targets(s: CacheState, txn: WriteTxn, group: GroupView, needed: int,
                 raise
             return exc
 
-    admitted = admit()
     maker = s.room_maker
     why = "no room maker (in-line eviction off): the reclaimer's next round frees space"
-    if isinstance(admitted, CapacityError) and maker is not None:
+    if maker is not None:
         eviction = _InlineEviction(s, txn, maker, group, needed, used_total, used_by_type, spare)
-        why = eviction.run()
-        used_total, used_by_type = eviction.used()
-        admitted = admit()
+        if eviction.missing():  # it does not fit as is (what admit() would refuse): make room first
+            why = eviction.run()
+            used_total, used_by_type = eviction.used()
+        else:  # it fits, or evicting cannot help (the refusal below, if any, says which)
+            why = eviction.nothing_to_evict()
+    admitted = admit()
     if not isinstance(admitted, CapacityError):
         return admitted
     refused = admitted
@@ -251,10 +253,13 @@ class _InlineEviction:
         return shortfall(self.group, self.needed, used_total, used_by_type,
                          self.s.being_freed.of(self.group.name), self.s.pool.storage_type, self.s.pool.usable)
 
+    def nothing_to_evict(self) -> str:
+        return f"nothing to evict for: {self.needed} bytes do not fit the quota even in an empty group"
+
     def _rounds(self) -> str:
         needs = self.missing()
         if not needs:
-            return f"nothing to evict for: {self.needed} bytes do not fit the quota even in an empty group"
+            return self.nothing_to_evict()
         why = ""
         for _ in range(INLINE_ROUNDS):
             left = self.s.inline_limit - len(self.marked)
