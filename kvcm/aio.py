@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -54,6 +54,7 @@ from kvcm.results import (
     EngineMatches,
     Envelope,
     Health,
+    HostCacheState,
     InstanceInfoReply,
     Lost,
     Mask,
@@ -61,6 +62,7 @@ from kvcm.results import (
     Pinned,
     Registered,
     Removed,
+    Routed,
     SpecGroup,
     SpecInfo,
     StorageSpecs,
@@ -504,13 +506,39 @@ class Client:
 
     async def match_engines(self, *, instance_id: str, token_ids: Ints | None = None, block_keys: Ints | None = None,
                             lora_name: str | None = None, media: Sequence[str] | None = None, medium: str | None = None,
-                            group_idx: int | None = None, limit: int | None = None, include_stale: bool | None = None,
-                            trace_id: str | None = None, timeout: float | None = None) -> EngineMatches:
-        """Per engine source, the longest prefix of the query it holds, best first (sources not
-        heard for ``events.stale_after_s`` left out unless ``include_stale``)."""
+                            group_idx: int | None = None, limit: int | None = None, top_k: int | None = None,
+                            loads: Mapping[str, float] | None = None, include_stale: bool | None = None,
+                            include_storage: bool | None = None, trace_id: str | None = None,
+                            timeout: float | None = None) -> EngineMatches:
+        """Per engine source and pod, the longest prefix of the query it holds, scored, best first
+        (sources not heard for ``events.stale_after_s`` left out unless ``include_stale``;
+        ``include_storage`` adds kvcm's own storage tier as ``storage``)."""
         return await self._typed("match_engines", EngineMatches, timeout, instance_id=instance_id, token_ids=token_ids,
                                  block_keys=block_keys, lora_name=lora_name, media=_listed(media), medium=medium,
-                                 group_idx=group_idx, limit=limit, include_stale=include_stale, trace_id=trace_id)
+                                 group_idx=group_idx, limit=limit, top_k=top_k,
+                                 loads=None if loads is None else dict(loads), include_stale=include_stale,
+                                 include_storage=include_storage, trace_id=trace_id)
+
+    async def note_routed(self, *, instance_id: str, source_id: str, token_ids: Ints | None = None,
+                          block_keys: Ints | None = None, ttl_s: float | None = None, lora_name: str | None = None,
+                          trace_id: str | None = None, timeout: float | None = None) -> Routed:
+        """The router sent this prompt to ``source_id``: count its blocks there, ``speculative``,
+        until the engine's event confirms them or ``ttl_s`` ends."""
+        return await self._typed("note_routed", Routed, timeout, instance_id=instance_id, source_id=source_id,
+                                 token_ids=token_ids, block_keys=block_keys, ttl_s=ttl_s, lora_name=lora_name,
+                                 trace_id=trace_id)
+
+    async def get_host_cache_state(self, *, instance_id: str, block_cache_keys: Ints | None = None,
+                                   block_keys: Ints | None = None, token_ids: Ints | None = None,
+                                   medium: Sequence[str] | None = None, top_k: int | None = None,
+                                   loads: Mapping[str, float] | None = None, include_stale: bool | None = None,
+                                   include_storage: bool | None = None, trace_id: str | None = None,
+                                   timeout: float | None = None) -> HostCacheState:
+        """Tair KVCM's ``GetHostCacheState``: per host (pod), local and global prefix hits."""
+        return await self._typed("get_host_cache_state", HostCacheState, timeout, instance_id=instance_id,
+                                 block_cache_keys=block_cache_keys, block_keys=block_keys, token_ids=token_ids,
+                                 medium=_listed(medium), top_k=top_k, loads=None if loads is None else dict(loads),
+                                 include_stale=include_stale, include_storage=include_storage, trace_id=trace_id)
 
     # system, tokens
     async def get_metrics(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:

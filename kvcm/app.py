@@ -374,7 +374,7 @@ class App:
             shared=self.store if self.config.store.backend == "redis" else None,
         )
         self.engines.adopt_definitions()
-        return engines_api.methods(self.engines, self.authorize)
+        return engines_api.methods(self.engines, self.authorize, lambda: getattr(self, "cache", None))
 
     def _build_cache(self, data_dir: str | None) -> list[Method]:
         """The data plane: storages, block index, write sessions, deleter, health."""

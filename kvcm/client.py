@@ -36,7 +36,7 @@ import enum
 import itertools
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -51,6 +51,7 @@ from kvcm.results import (
     EngineMatches,
     Envelope,
     Health,
+    HostCacheState,
     InstanceInfoReply,
     Lost,
     Mask,
@@ -58,6 +59,7 @@ from kvcm.results import (
     Pinned,
     Registered,
     Removed,
+    Routed,
     SpecGroup,
     SpecInfo,
     StorageSpecs,
@@ -78,7 +80,7 @@ METHODS: tuple[str, ...] = (
     "delete_account", "disable_storage", "enable_storage", "finish_write_cache", "gen_config_snapshot",
     "get_cache_location", "get_cache_meta", "get_instance_group", "get_instance_info", "get_manager_cluster_info",
     "get_metrics", "get_storage_specs", "list_account", "list_event_sources", "list_instance_groups", "list_instance_info",
-    "list_storage", "list_tokens", "load_config_snapshot", "match_engines", "pin_cache", "register_instance",
+    "list_storage", "list_tokens", "load_config_snapshot", "match_engines", "note_routed", "get_host_cache_state", "pin_cache", "register_instance",
     "remove_cache", "remove_event_source", "remove_instance", "remove_instance_group", "remove_storage",
     "report_lost", "revoke_token", "start_write_cache", "trim_cache", "unpin_cache", "update_account",
     "update_instance_group", "update_storage", "whoami",
@@ -90,7 +92,7 @@ IDEMPOTENT_METHODS = frozenset(
         "check_health", "get_manager_cluster_info", "get_metrics", "get_instance_info",
         "list_instance_info", "get_cache_location", "get_cache_meta", "get_instance_group",
         "list_instance_groups", "list_storage", "list_account", "gen_config_snapshot", "whoami", "list_tokens",
-        "register_instance", "list_event_sources", "match_engines", "enable_storage",
+        "register_instance", "list_event_sources", "match_engines", "get_host_cache_state", "enable_storage",
         "disable_storage", "get_storage_specs",
     }
 )
@@ -617,13 +619,39 @@ class Client:
 
     def match_engines(self, *, instance_id: str, token_ids: Ints | None = None, block_keys: Ints | None = None,
                       lora_name: str | None = None, media: Sequence[str] | None = None, medium: str | None = None,
-                      group_idx: int | None = None, limit: int | None = None, include_stale: bool | None = None,
-                      trace_id: str | None = None, timeout: float | None = None) -> EngineMatches:
-        """Per engine source, the longest prefix of the query it holds, best first (sources not
-        heard for ``events.stale_after_s`` left out unless ``include_stale``)."""
+                      group_idx: int | None = None, limit: int | None = None, top_k: int | None = None,
+                      loads: Mapping[str, float] | None = None, include_stale: bool | None = None,
+                      include_storage: bool | None = None, trace_id: str | None = None,
+                      timeout: float | None = None) -> EngineMatches:
+        """Per engine source and pod, the longest prefix of the query it holds, scored, best first
+        (sources not heard for ``events.stale_after_s`` left out unless ``include_stale``;
+        ``include_storage`` adds kvcm's own storage tier as ``storage``)."""
         return self._typed("match_engines", EngineMatches, timeout, instance_id=instance_id, token_ids=token_ids,
                            block_keys=block_keys, lora_name=lora_name, media=_listed(media), medium=medium,
-                           group_idx=group_idx, limit=limit, include_stale=include_stale, trace_id=trace_id)
+                           group_idx=group_idx, limit=limit, top_k=top_k,
+                           loads=None if loads is None else dict(loads), include_stale=include_stale,
+                           include_storage=include_storage, trace_id=trace_id)
+
+    def note_routed(self, *, instance_id: str, source_id: str, token_ids: Ints | None = None,
+                    block_keys: Ints | None = None, ttl_s: float | None = None, lora_name: str | None = None,
+                    trace_id: str | None = None, timeout: float | None = None) -> Routed:
+        """The router sent this prompt to ``source_id``: count its blocks there, ``speculative``,
+        until the engine's event confirms them or ``ttl_s`` ends."""
+        return self._typed("note_routed", Routed, timeout, instance_id=instance_id, source_id=source_id,
+                           token_ids=token_ids, block_keys=block_keys, ttl_s=ttl_s, lora_name=lora_name,
+                           trace_id=trace_id)
+
+    def get_host_cache_state(self, *, instance_id: str, block_cache_keys: Ints | None = None,
+                             block_keys: Ints | None = None, token_ids: Ints | None = None,
+                             medium: Sequence[str] | None = None, top_k: int | None = None,
+                             loads: Mapping[str, float] | None = None, include_stale: bool | None = None,
+                             include_storage: bool | None = None, trace_id: str | None = None,
+                             timeout: float | None = None) -> HostCacheState:
+        """Tair KVCM's ``GetHostCacheState``: per host (pod), local and global prefix hits."""
+        return self._typed("get_host_cache_state", HostCacheState, timeout, instance_id=instance_id,
+                           block_cache_keys=block_cache_keys, block_keys=block_keys, token_ids=token_ids,
+                           medium=_listed(medium), top_k=top_k, loads=None if loads is None else dict(loads),
+                           include_stale=include_stale, include_storage=include_storage, trace_id=trace_id)
 
     # system, tokens
     def get_metrics(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:

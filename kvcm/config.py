@@ -140,6 +140,10 @@ class EventsConfig:
     probe_interval_s: float = 5.0  # a source silent this long is probed through its replay ROUTER
     stale_after_s: float = 30.0  # a source not heard this long is stale: left out of match_engines
     expire_after_s: float = 600.0  # a source not heard this long loses its blocks (0 = never)
+    tier_weights: str = "GPU=1.0,CPU=0.8,DISK=0.6,STORAGE=0.5,*=0.5"  # match_engines' score weight per medium (* = any other)
+    speculative_weight: float = 0.9  # score weight of a block note_routed says is on its way to a source
+    speculative_max_entries: int = 1000  # note_routed entries kept at most (the oldest dropped, counted)
+    speculative_max_ttl_s: float = 60.0  # the longest ttl_s note_routed accepts
 
 
 @dataclass(frozen=True)
@@ -395,6 +399,9 @@ def validate(config: Config) -> None:
          "events.stale_after_s must be greater than events.probe_interval_s"),
         (config.events.expire_after_s == 0 or config.events.expire_after_s >= config.events.stale_after_s,
          "events.expire_after_s must be 0 (never) or at least events.stale_after_s"),
+        (0 <= config.events.speculative_weight <= 1000, "events.speculative_weight must be in 0..1000"),
+        (1 <= config.events.speculative_max_entries <= 10_000_000, "events.speculative_max_entries must be in 1..10000000"),
+        (0 < config.events.speculative_max_ttl_s <= 3600, "events.speculative_max_ttl_s must be in (0, 3600]"),
         (all(os.path.isabs(r) and r.isprintable() for r in config.storage.allowed_roots),
          "storage.allowed_roots: each entry must be an absolute path without control characters"),
         (config.log.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log.level must be DEBUG, INFO, WARNING or ERROR"),

@@ -45,7 +45,7 @@ REFRESH_S = 1.0  # how often an idle follower looks for what the leader changed
 
 #: What a follower answers from the shared store (with ``ha.follower_reads``).
 READS = frozenset({"get_cache_location", "get_cache_meta", "get_instance_info", "get_storage_specs",
-                   "match_engines", "list_event_sources"})
+                   "match_engines", "get_host_cache_state", "list_event_sources"})
 
 
 class FollowerReads:
@@ -103,7 +103,7 @@ class FollowerReads:
         from kvcm.api import control, data, engines
 
         table = (control.methods(self.registry, info, self.authorize) + data.methods(self.cache, self.engines)
-                 + engines.methods(self.engines, self.authorize))
+                 + engines.methods(self.engines, self.authorize, lambda: self.cache))
         return [self._fresh(m) for m in table if m.name in READS]
 
     def _fresh(self, method: Method) -> Method:

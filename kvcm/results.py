@@ -181,12 +181,30 @@ class InstanceInfoReply(msgspec.Struct, gc=False):
 
 
 class EngineMatch(msgspec.Struct, gc=False):
-    """One engine source: the longest prefix of the query it holds, per medium."""
+    """One engine source: the longest prefix of the query it holds, per medium, and its score
+    (docs/routers.md)."""
 
     source_id: str
     dp_rank: int
     matched_blocks: int
     media: dict[str, int]
+    pod: str = ""
+    matched_tokens: int = 0
+    media_tokens: dict[str, int] = {}
+    score: float = 0.0
+    speculative: bool = False  # counts blocks note_routed said are on their way (speculative_blocks of them)
+    speculative_blocks: int = 0
+
+
+class EnginePod(msgspec.Struct, gc=False):
+    """One pod of a ``match_engines`` reply: its best rank's figures and its ranks, best first."""
+
+    pod: str
+    score: float
+    matched_blocks: int
+    matched_tokens: int
+    best_source: str
+    sources: list[str]
 
 
 class SourceFreshness(msgspec.Struct, gc=False):
@@ -202,6 +220,39 @@ class EngineMatches(msgspec.Struct, gc=False):
     sources: list[EngineMatch]
     stale_sources: int = 0  # stale sources left out (include_stale=False)
     freshness: dict[str, SourceFreshness] = {}  # every source of the instance
+    num_tokens: int = 0
+    pods: list[EnginePod] = []
+    storage: EngineMatch | None = None  # kvcm's own storage tier as a pseudo-source (include_storage)
+
+
+class Routed(msgspec.Struct, gc=False):
+    """``note_routed``: the speculative entry recorded."""
+
+    instance_id: str
+    source_id: str
+    num_blocks: int
+    ttl_s: float
+
+
+class HostCacheMatch(msgspec.Struct, gc=False):
+    """One host (a pod) of ``get_host_cache_state``, in Tair KVCM's shape (docs/routers.md)."""
+
+    host_ip_port: str
+    local: int
+    p2p_1_fetch: int
+    p2p_1_total_match: int
+    score: float = 0.0
+    best_source: str = ""
+    sources: list[str] = []
+
+
+class HostCacheState(msgspec.Struct, gc=False):
+    instance_id: str
+    num_blocks: int
+    hosts: list[HostCacheMatch]
+    storage: int = 0  # the storage tier's prefix (include_storage)
+    # the longest prefix held anywhere, as the reply's "global" (a Python keyword)
+    global_: int = msgspec.field(default=0, name="global")
 
 
 class StorageHealth(msgspec.Struct, gc=False):
@@ -254,10 +305,9 @@ def decoder(result: Any) -> msgspec.msgpack.Decoder[Envelope[Any]]:
 HEAD = msgspec.msgpack.Decoder(Head, ext_hook=refuse_ext)
 
 __all__ = [
-    "AdminReply", "BlockMeta", "CacheLocations", "CacheMeta", "EngineMatch", "EngineMatches", "Envelope", "Head",
-    "Health", "InstanceInfo", "InstanceInfoReply", "Location", "LocationSpec", "Lost", "Mask", "ModelDeployment",
-    "Pinned", "Registered", "Removed", "SourceFreshness", "SpecGroup", "SpecInfo", "StorageConfig", "StorageHealth",
-    "StorageSpecs",
-    "Unpinned",
+    "AdminReply", "BlockMeta", "CacheLocations", "CacheMeta", "EngineMatch", "EngineMatches", "EnginePod", "Envelope",
+    "Head", "Health", "HostCacheMatch", "HostCacheState", "InstanceInfo", "InstanceInfoReply", "Location",
+    "LocationSpec", "Lost", "Mask", "ModelDeployment", "Pinned", "Registered", "Removed", "Routed", "SourceFreshness",
+    "SpecGroup", "SpecInfo", "StorageConfig", "StorageHealth", "StorageSpecs", "Unpinned",
     "WriteFinished", "WriteSession", "decoder",
 ]

@@ -155,6 +155,10 @@ def test_every_node_follows_the_event_sources_defined_once(pair):
         engine.store([11, 12, 13], tokens[:12], block_size=4)
         for node in (leader, follower):
             assert wait_for(lambda n=node: _engine_match(pair.endpoints[n], tokens) == {"pod-a": 3}, timeout=10)
+        err, state = _raw_call(pair.endpoints[follower], "get_host_cache_state", {"instance_id": "llm",
+                                                                                  "token_ids": tokens})
+        assert err is None, err  # the Tair-named alias is a read a follower answers too
+        assert [(h["host_ip_port"], h["local"]) for h in state["hosts"]] == [("pod-a", 3)]
         c.call("remove_event_source", {"source_id": "pod-a"})
         assert _engine_match(pair.endpoints[follower], tokens) == {}
 

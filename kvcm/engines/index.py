@@ -34,7 +34,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
-from operator import attrgetter
+from itertools import accumulate, compress, islice, repeat
+from operator import and_, attrgetter, is_, ne, xor
 from typing import Any
 
 from kvcm.engines.entries import (
@@ -58,8 +59,9 @@ from kvcm.engines.entries import (
     normalize_medium,
 )
 from kvcm.engines.hashing import Chain, chain_states, hash_chains
+from kvcm.engines.scoring import ENTRY, POD_ENTRY, Fragment, fragment
 from kvcm.engines.sources import SourceSpec
-from kvcm.engines.table import MAIN_KINDS, HolderTable
+from kvcm.engines.table import MAIN_KINDS, HolderTable, Slot
 from kvcm.errors import Conflict, KvcmError, NotFound
 from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, hash_to_u64
 from kvcm.store.base import MetaStore
@@ -77,6 +79,10 @@ class EngineIndex:
         self._generation = 0
         self._dirty: set[str] = set()
         self._sizes: dict[str, int | None] = {}
+        self._pods_distinct: dict[str, tuple[int, bool]] = {}  # instance -> (source generation, answer)
+        # match_engines' encoded runs per table: (table, block size, its slots, {(length, slot bits): run},
+        # whether its slots weigh the same)
+        self._runs: dict[tuple[str, str], tuple[HolderTable, int, list[Slot | None], dict[tuple[int, int], Run], bool]] = {}
 
     # --- sources ----------------------------------------------------------------------------
 
@@ -479,6 +485,115 @@ class EngineIndex:
             del parts[limit:]
         return _array_header(len(parts)) + b"".join(parts)
 
+    def ranked(
+        self,
+        instance_id: str,
+        keys: Sequence[int],
+        *,
+        block_size: int,
+        weight: Callable[[str], float],
+        lora_name: str | None = None,
+        media: Iterable[str] | None = None,
+        group_idx: int | None = None,
+        exclude: Collection[str] = (),
+    ) -> tuple[list[Run], bool] | None:
+        """``match_engines``' fast path: the matching sources as :data:`Run` s, longest match
+        first, each run's sources in source id order (so that a stable sort by score, best
+        first, keeps that order among equal scores), and whether every slot of the table has
+        the same weight (then that order *is* the ranking). None if a source has several
+        allowed slots (media or groups to merge): use :meth:`match`.
+
+        Only C-level iteration touches the keys and the holder masks: the positions where the
+        masks change, the running AND there (``accumulate``), and one memo lookup per *run*
+        ``(length, slots dropping out there)``, whose fragments are kept while the table's
+        slots stay the same objects. Python code runs per run not seen before only.
+        """
+        wanted = None if media is None else frozenset(normalize_medium(m) for m in media)
+        lora = lora_name or ""
+        with self._lock:
+            table = self._tables.get((instance_id, lora))
+            if table is None or not keys:
+                return [], True
+            if not table.single_slot_sources(wanted, group_idx):
+                return None
+            allowed = table.allowed(wanted, group_idx)
+            if exclude:
+                allowed &= ~_mask(table, exclude)
+            masks = list(map(table.holders.get, keys, repeat(0)))
+            # The running AND of the masks can only change where a mask differs from the one
+            # before: there, and only there, it is computed (``held``); ``gone`` are the slots
+            # it loses at each such position, which hold exactly that many keys.
+            changed = list(map(ne, masks, islice(masks, 1, None)))
+            held = list(accumulate(compress(islice(masks, 1, None), changed), and_, initial=masks[0] & allowed))
+            gone = list(map(xor, held, islice(held, 1, None)))
+            # (a position where a mask changed but the running AND did not is an empty run)
+            runs = list(zip(compress(range(1, len(keys)), changed), gone))
+            if held[-1]:
+                runs.append((len(keys), held[-1]))
+            if not runs:
+                return [], True
+            memo, uniform = self._run_memo(instance_id, lora, table, block_size, weight)
+            found = list(map(memo.get, runs))
+            if None in found:
+                found = [f if f is not None else self._run_fragments(memo, table.slots, run, block_size, weight)
+                         for f, run in zip(found, runs)]  # fmt: skip
+        found.reverse()
+        return found, uniform  # type: ignore[return-value]  # no None left
+
+    def pods_distinct(self, instance_id: str) -> bool:
+        """Whether every source of the instance is its own pod (no DP ranks to group), kept
+        until a source is added."""
+        known = self._pods_distinct.get(instance_id)
+        if known is not None and known[0] == self._generation:
+            return known[1]
+        with self._lock:
+            pods = [s.spec.pod or s.spec.source_id for s in self._sources.values() if s.spec.instance_id == instance_id]
+            if len(self._pods_distinct) >= _MAX_RUN_TABLES:
+                self._pods_distinct.clear()
+            self._pods_distinct[instance_id] = (self._generation, len(pods) == len(set(pods)))
+            return len(pods) == len(set(pods))
+
+    def _run_memo(
+        self, instance_id: str, lora: str, table: HolderTable, block_size: int, weight: Callable[[str], float]
+    ) -> tuple[dict[tuple[int, int], Run], bool]:
+        """The table's runs memo, emptied when any slot id came to name another slot, and
+        whether all its slots weigh the same."""
+        known = self._runs.get((instance_id, lora))
+        if (known is None or known[0] is not table or known[1] != block_size or len(known[3]) >= _MAX_RUNS
+                or len(known[2]) != len(table.slots) or not all(map(is_, known[2], table.slots))):
+            if len(self._runs) >= _MAX_RUN_TABLES:
+                self._runs.clear()
+            uniform = len({weight(slot.medium) for slot in table.slots if slot is not None}) <= 1
+            known = self._runs[(instance_id, lora)] = (table, block_size, list(table.slots), {}, uniform)
+        return known[3], known[4]
+
+    def _run_fragments(
+        self,
+        memo: dict[tuple[int, int], Run],
+        slots: list[Slot | None],
+        run: tuple[int, int],
+        block_size: int,
+        weight: Callable[[str], float],
+    ) -> Run:
+        """Encode the fragments of one run (its slots in source id order) and memoise them."""
+        n, bits = run
+        found: list[Slot] = []
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            slot = slots[low.bit_length() - 1]
+            if slot is not None:
+                found.append(slot)
+        found.sort(key=_BY_SOURCE)
+        frags = [self._fragment(slot, n, block_size, weight) for slot in found]
+        entry = memo[run] = (frags, b"".join(f[ENTRY] for f in frags), b"".join(f[POD_ENTRY] for f in frags), len(frags))
+        return entry
+
+    def _fragment(self, slot: Slot, n: int, block_size: int, weight: Callable[[str], float]) -> Fragment:
+        state = self._sources.get(slot.source_id)
+        pod = (state.spec.pod if state is not None else "") or slot.source_id
+        return fragment(slot.source_id, slot.dp_rank, pod, {slot.medium: n}, n, block_size, weight(slot.medium) * n)
+
     def locations(
         self, instance_id: str, keys: Sequence[int], *, lora_name: str | None = None
     ) -> list[list[dict[str, Any]]]:
@@ -564,6 +679,11 @@ class EngineIndex:
 _BY_SOURCE = attrgetter("source_id")
 _BY_MATCH = attrgetter("matched_blocks")
 _IGNORED: Counter[str] = Counter()  # errors of the precompute pass are counted when applied
+#: One run of a match: the sources holding exactly the same number of the query's keys, in
+#: source id order, as fragments, as their joined ``sources`` and ``pods`` entries, and how many.
+Run = tuple[list[Fragment], bytes, bytes, int]
+_MAX_RUNS = 65_536  # memoised runs per table (a few hundred bytes each), then started afresh
+_MAX_RUN_TABLES = 4096  # (instance, adapter) namespaces whose runs are kept
 
 
 def _mask(table: HolderTable, sources: Collection[str]) -> int:

@@ -16,7 +16,8 @@ with a ConfigError.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import msgspec
@@ -25,16 +26,32 @@ from prometheus_client import CollectorRegistry
 from kvcm.cache.keys import derive_keys
 from kvcm.config import ConfigError
 from kvcm.engines.entries import SourceMatch, SourceState
-from kvcm.engines.index import EngineIndex
+from kvcm.engines.index import EngineIndex, Run
 from kvcm.engines.metrics import EventMetrics
+from kvcm.engines.scoring import (
+    ENTRY,
+    STORAGE,
+    Fragment,
+    encode_loaded,
+    encode_pods,
+    encode_runs,
+    encode_sources,
+    fragment,
+    map_header,
+    order_ties,
+    parse_weights,
+    sort_ranked,
+    with_loads,
+)
 from kvcm.engines.sources import (
     SourceSpec,
     SubscriberSettings,
     build_spec,
     static_specs,
 )
+from kvcm.engines.speculative import SpeculativeEntries, with_speculative
 from kvcm.engines.subscriber import EventSubscriber
-from kvcm.errors import Code, NotFound, error
+from kvcm.errors import Code, InvalidArgument, NotFound, error
 from kvcm.store.base import MetaStore
 
 #: The main store's database of event-source definitions (see ``EngineService(shared=...)``).
@@ -42,21 +59,17 @@ DEFINITIONS = "source_defs"
 
 log = logging.getLogger("kvcm.engines")
 _ENCODER = msgspec.msgpack.Encoder()
-_REPLY_HEAD = b"\x85" + _ENCODER.encode("instance_id")
+# match_engines' reply: {instance_id, num_blocks, num_tokens, sources, pods, stale_sources,
+# freshness[, storage]}, assembled from encoded pieces (kvcm.engines.scoring).
+_REPLY_HEAD = map_header(7) + _ENCODER.encode("instance_id")
+_REPLY_HEAD_STORAGE = map_header(8) + _ENCODER.encode("instance_id")
 _NUM_BLOCKS = _ENCODER.encode("num_blocks")
+_NUM_TOKENS = _ENCODER.encode("num_tokens")
 _SOURCES = _ENCODER.encode("sources")
+_PODS = _ENCODER.encode("pods")
 _STALE = _ENCODER.encode("stale_sources")
 _FRESHNESS = _ENCODER.encode("freshness")
-
-
-class MatchReply(msgspec.Struct, gc=False):
-    """The ``match_engines`` result map."""
-
-    instance_id: str
-    num_blocks: int
-    sources: list[SourceMatch]
-    stale_sources: int  # the instance's stale sources left out (include_stale=False)
-    freshness: dict[str, dict[str, Any]]  # every source of the instance: {"state", "age_s"}
+_STORAGE = _ENCODER.encode(STORAGE)
 
 
 class EngineService:
@@ -82,6 +95,11 @@ class EngineService:
         self.settings = settings or SubscriberSettings()
         self.shared = shared
         self.instance_lookup = instance_lookup
+        try:
+            self.weights = parse_weights(self.settings.tier_weights)
+        except ValueError as exc:
+            raise ConfigError(f"events.tier_weights: {exc}") from None
+        self.speculative = SpeculativeEntries(self.settings.speculative_max_entries, self.settings.speculative_max_ttl_s)
         self.metrics = EventMetrics(registry)
         self.index = EngineIndex(store, instance_lookup)
         self.subscriber = EventSubscriber(self.index, self.settings, self.metrics)
@@ -150,6 +168,7 @@ class EngineService:
         """Stop following a source and drop exactly its blocks and metrics."""
         state = self.index.remove_source(source_id)
         self.subscriber.remove(source_id)
+        self.speculative.forget_source(source_id)
         self.metrics.remove_source(source_id)
         if self.shared is not None:
             with self.shared.write(join=True) as txn:
@@ -224,6 +243,7 @@ class EngineService:
             "replay_endpoint": spec.replay_endpoint,
             "topic": spec.topic,
             "dp_rank": spec.dp_rank,
+            "pod": spec.pod or spec.source_id,
             "static": spec.static,
             "connected": bool(conn.get("connected", False)),
             "replaying": bool(conn.get("replaying", False)),
@@ -281,18 +301,10 @@ class EngineService:
         instance_id: str,
         token_ids: Sequence[int] | None = None,
         block_keys: Sequence[int] | None = None,
-        *,
-        lora_name: str | None = None,
-        media: Sequence[str] | None = None,
-        group_idx: int | None = None,
-        limit: int = 0,
-        include_stale: bool = False,
+        **options: Any,
     ) -> dict[str, Any]:
-        """``match_engines``: per source, the longest held prefix split by medium, best first;
-        stale sources are left out (and counted) unless ``include_stale``."""
-        reply: dict[str, Any] = msgspec.to_builtins(
-            self._match(instance_id, token_ids, block_keys, lora_name, media, group_idx, limit, include_stale)
-        )
+        """``match_engines`` as a map (:meth:`match_packed`'s options)."""
+        reply: dict[str, Any] = msgspec.msgpack.decode(self.match_packed(instance_id, token_ids, block_keys, **options))
         return reply
 
     def match_packed(
@@ -306,39 +318,135 @@ class EngineService:
         group_idx: int | None = None,
         limit: int = 0,
         include_stale: bool = False,
+        loads: Mapping[str, float] | None = None,
+        storage: Mapping[str, int] | None = None,
     ) -> bytes:
-        """:meth:`match` as msgpack bytes (the RPC path: no intermediate dicts)."""
-        keys = self.keys_for(instance_id, token_ids, block_keys)
+        """``match_engines``' reply bytes: per source and per pod, the longest held prefix split
+        by medium, scored (:mod:`kvcm.engines.scoring`), best first; ``limit`` keeps the best
+        N sources; stale sources are left out (and counted) unless ``include_stale``;
+        ``storage`` (storage type -> blocks of the storage tier's prefix) adds the ``storage``
+        pseudo-source."""
+        block_size = self.instance_lookup(instance_id)
+        keys = derive_keys(block_keys, token_ids, block_size)
         left_out = self._left_out(instance_id, include_stale)
-        packed = self.index.match_packed(
-            instance_id, keys, lora_name=lora_name, media=media, group_idx=group_idx, limit=limit, exclude=left_out
-        )
-        if packed is None:  # a source with several media or groups: merge in Python
-            return _ENCODER.encode(
-                self._match(instance_id, None, keys, lora_name, media, group_idx, limit, include_stale)
-            )
-        head = _REPLY_HEAD + _ENCODER.encode(instance_id) + _NUM_BLOCKS + _ENCODER.encode(len(keys)) + _SOURCES
-        fresh = self.subscriber.instance_freshness(instance_id)[1]
-        return head + packed + _STALE + _ENCODER.encode(len(left_out)) + _FRESHNESS + fresh
+        distinct = self.index.pods_distinct(instance_id)
+        runs = self.index.ranked(instance_id, keys, block_size=block_size, weight=self.weights.of,
+                                 lora_name=lora_name, media=media, group_idx=group_idx, exclude=left_out)  # fmt: skip
+        if runs is not None and runs[1] and not loads and limit <= 0 and not self.speculative.active(instance_id):
+            # every source weighs the same: the walk's order is the ranking, kept encoded per run
+            middle = encode_runs(runs[0], block_size, distinct, _SOURCES, _PODS)
+        else:
+            ranked, in_order = self._matched(instance_id, keys, block_size, lora_name, media, group_idx, left_out, runs)
+            if loads:
+                if not in_order:
+                    order_ties(ranked)
+                sources, pods = encode_loaded(ranked, loads, limit, block_size, distinct)
+            else:
+                sort_ranked(ranked, in_order)
+                if limit > 0:
+                    del ranked[limit:]
+                sources, pods = encode_sources(ranked), encode_pods(ranked, block_size, distinct)
+            middle = [_SOURCES, sources, _PODS, pods]
+        num_tokens = len(token_ids) if token_ids else len(keys) * block_size
+        parts = [
+            _REPLY_HEAD if storage is None else _REPLY_HEAD_STORAGE, _ENCODER.encode(instance_id),
+            _NUM_BLOCKS, _ENCODER.encode(len(keys)), _NUM_TOKENS, _ENCODER.encode(num_tokens), *middle,
+            _STALE, _ENCODER.encode(len(left_out)), _FRESHNESS, self.subscriber.instance_freshness(instance_id)[1],
+        ]  # fmt: skip
+        if storage is not None:
+            parts += (_STORAGE, self.storage_fragment(storage, block_size)[ENTRY])
+        return b"".join(parts)
 
-    def _match(
+    def ranked(
         self,
         instance_id: str,
-        token_ids: Sequence[int] | None,
-        block_keys: Sequence[int] | None,
+        keys: Sequence[int],
+        block_size: int,
+        lora_name: str | None = None,
+        media: Sequence[str] | None = None,
+        group_idx: int | None = None,
+        include_stale: bool = False,
+        loads: Mapping[str, float] | None = None,
+    ) -> list[Fragment]:
+        """The matching sources' fragments, best first (speculative entries and loads in;
+        stale sources left out unless ``include_stale``)."""
+        left_out = self._left_out(instance_id, include_stale)
+        runs = self.index.ranked(instance_id, keys, block_size=block_size, weight=self.weights.of,
+                                 lora_name=lora_name, media=media, group_idx=group_idx, exclude=left_out)  # fmt: skip
+        ranked, in_order = self._matched(instance_id, keys, block_size, lora_name, media, group_idx, left_out, runs)
+        if loads:
+            ranked = with_loads(ranked, loads)
+        sort_ranked(ranked, in_order)
+        return ranked
+
+    def _matched(
+        self,
+        instance_id: str,
+        keys: Sequence[int],
+        block_size: int,
         lora_name: str | None,
         media: Sequence[str] | None,
         group_idx: int | None,
-        limit: int,
-        include_stale: bool = False,
-    ) -> MatchReply:
-        keys = self.keys_for(instance_id, token_ids, block_keys)
+        left_out: frozenset[str],
+        runs: tuple[list[Run], bool] | None,
+    ) -> tuple[list[Fragment], bool]:
+        """The matching sources' fragments, speculative entries in, and whether they are in
+        tie order already (:func:`~kvcm.engines.scoring.sort_ranked`). ``runs``: the index's
+        fast-path answer (:meth:`EngineIndex.ranked`), None if a source needs merging."""
+        ranked = None if runs is None else list(chain.from_iterable(run[0] for run in runs[0]))
+        in_order = ranked is not None
+        if ranked is None:  # a source with several media or groups: merge per source first
+            found = self.index.match(instance_id, keys, lora_name=lora_name, media=media, group_idx=group_idx,
+                                     exclude=left_out)  # fmt: skip
+            ranked = [self._merged_fragment(m, block_size) for m in found]
+        if self.speculative.active(instance_id):
+            ranked = with_speculative(self.speculative, self.index, instance_id, lora_name, keys, ranked, block_size,
+                                      left_out, self.settings.speculative_weight)  # fmt: skip
+            in_order = False
+        return ranked, in_order
+
+    def _merged_fragment(self, m: SourceMatch, block_size: int) -> Fragment:
+        state = self.index.get(m.source_id)
+        pod = (state.spec.pod if state is not None else "") or m.source_id
+        return fragment(m.source_id, m.dp_rank, pod, m.media, m.matched_blocks, block_size,
+                        self.weights.weighted_blocks(m.media))  # fmt: skip
+
+    def storage_fragment(self, storage: Mapping[str, int], block_size: int) -> Fragment:
+        """The storage tier as a pseudo-source: per storage type its blocks of the prefix, each
+        at its storage type's weight (the types hold disjoint blocks of one prefix)."""
+        total = sum(storage.values())
+        score = sum(self.weights.of_storage(t) * n for t, n in storage.items())
+        return fragment(STORAGE, 0, STORAGE, storage, total, block_size, score)
+
+    def pods_of(self, instance_id: str, include_stale: bool = False) -> dict[str, list[str]]:
+        """The instance's pods (stale sources left out unless ``include_stale``), each with its
+        sources by id."""
         left_out = self._left_out(instance_id, include_stale)
-        sources = self.index.match(
-            instance_id, keys, lora_name=lora_name, media=media, group_idx=group_idx, exclude=left_out
-        )
-        fresh = self.subscriber.instance_freshness(instance_id)[0]
-        return MatchReply(instance_id, len(keys), sources[:limit] if limit > 0 else sources, len(left_out), fresh)
+        pods: dict[str, list[str]] = {}
+        for state in sorted(self.index.sources(), key=lambda s: s.spec.source_id):
+            spec = state.spec
+            if spec.instance_id == instance_id and spec.source_id not in left_out:
+                pods.setdefault(spec.pod or spec.source_id, []).append(spec.source_id)
+        return pods
+
+    # --- speculative entries ----------------------------------------------------------------------
+
+    def note_routed(self, instance_id: str, source_id: str, token_ids: Sequence[int] | None,
+                    block_keys: Sequence[int] | None, ttl_s: float, lora_name: str | None = None) -> dict[str, Any]:
+        """A router sent this prompt to ``source_id``: count its blocks for that source until
+        the engine's event confirms them or ``ttl_s`` ends (:mod:`kvcm.engines.speculative`)."""
+        state = self.index.get(source_id)
+        if state is None:
+            raise NotFound(f"no event source {source_id[:200]!r}")
+        if state.spec.instance_id != instance_id:
+            raise InvalidArgument(f"event source {source_id[:200]!r} belongs to instance "
+                                  f"{state.spec.instance_id[:200]!r}, not {instance_id[:200]!r}")  # fmt: skip
+        if not 0 < ttl_s <= self.speculative.max_ttl_s:
+            raise InvalidArgument(f"ttl_s must be in (0, {self.speculative.max_ttl_s:g}] "
+                                  f"(events.speculative_max_ttl_s), got {ttl_s}")  # fmt: skip
+        keys = self.keys_for(instance_id, token_ids, block_keys)
+        self.speculative.note(instance_id, source_id, keys, ttl_s, lora_name)
+        return {"instance_id": instance_id, "source_id": source_id, "num_blocks": len(keys), "ttl_s": ttl_s}
 
     def engine_locations(self, instance_id: str, keys: Sequence[int], lora_name: str | None = None) -> list[list[dict[str, Any]]]:
         """Per key, the engines holding it: for ``get_cache_location(include_engines=true)``."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcm.config import ConfigError
+from kvcm.engines.scoring import DEFAULT_TIER_WEIGHTS
 from kvcm.errors import InvalidArgument
 from kvcm.schema import suggest
 
@@ -44,6 +45,10 @@ class SubscriberSettings:
     probe_interval_s: float = 5.0  # a source silent this long is asked through its replay ROUTER
     stale_after_s: float = 30.0  # a source not heard this long is stale (left out of matches)
     expire_after_s: float = 600.0  # ... and after this long its blocks are dropped (0 = never)
+    tier_weights: str = DEFAULT_TIER_WEIGHTS  # match_engines' score weight per medium (kvcm.engines.scoring)
+    speculative_weight: float = 0.9  # weight of a note_routed block (kvcm.engines.speculative)
+    speculative_max_entries: int = 1000
+    speculative_max_ttl_s: float = 60.0
 
     @classmethod
     def from_config(cls, cfg: Any) -> SubscriberSettings:
@@ -54,7 +59,7 @@ class SubscriberSettings:
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """One event source. ``source_id`` is the pod key (unique), ``dp_rank`` its DP rank."""
+    """One event source. ``source_id`` is unique, ``dp_rank`` its DP rank within ``pod``."""
 
     source_id: str
     instance_id: str
@@ -67,6 +72,9 @@ class SourceSpec:
     backoff_max_s: float | None = None
     poll_ms: int | None = None
     static: bool = False  # comes from the config file (re-added at every start)
+    # The pod whose DP rank this is, grouping ranks in match_engines; "" = source_id. Stored as
+    # given so that specs persisted before the field existed stay equal to their re-added self.
+    pod: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,6 +126,10 @@ def build_spec(params: dict[str, Any], settings: SubscriberSettings) -> SourceSp
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 4096:
         raise InvalidArgument(f"dp_rank must be an int in [0, 4096), got {rank!r}")
     endpoint, replay = _endpoints(params, settings, rank)
+    pod = params.get("pod")
+    pod = "" if pod is None else pod
+    if pod != "" and (not isinstance(pod, str) or not _ID.match(pod)):
+        raise InvalidArgument(f"pod must be 1-200 chars of [A-Za-z0-9._:@/-], got {str(pod)[:40]!r}")
     topic = params.get("topic") or ""
     if not isinstance(topic, str):
         raise InvalidArgument("topic must be a string")
@@ -133,6 +145,7 @@ def build_spec(params: dict[str, Any], settings: SubscriberSettings) -> SourceSp
         backoff_max_s=_positive(params, "backoff_max_s", _MAX_SECONDS),
         poll_ms=_positive_int(params, "poll_ms", _MAX_POLL_MS),
         static=bool(params.get("static", False)),
+        pod=pod,
     )
 
 
@@ -190,7 +203,7 @@ def _port(params: dict[str, Any], name: str, default: int, rank: int) -> int:
 #: What a source description may hold: ``add_event_source``'s fields (and ``static``, set here).
 _KEYS = frozenset({"source_id", "instance_id", "endpoint", "replay_endpoint", "host", "port", "replay_port",
                    "replay", "topic", "dp_rank", "replay_timeout_s", "backoff_initial_s", "backoff_max_s",
-                   "poll_ms", "static"})
+                   "poll_ms", "static", "pod"})
 
 
 def _check_keys(params: dict[str, Any]) -> None:
