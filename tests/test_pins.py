@@ -281,7 +281,7 @@ def test_removing_an_instance_removes_its_pins(server, c, inst):
     write(c, [1], inst)
     c.call("remove_instance", {"instance_id": inst})
     assert not pins.is_pinned(inst, 1, time.time()) and pins.count(inst) == 0  # at once
-    assert wait_for(lambda: stored_pins(server.app.store, inst) == {})  # rows: at the next sweep
+    assert wait_for(lambda: stored_pins(server.app.store, inst) == {}, timeout=30)  # rows: at the next sweep
     register(c, inst)
     assert pins.count(inst) == 0
     assert pin(c, inst, list(range(CAP)))["pinned"] == CAP  # nothing of the old instance counts
