@@ -25,7 +25,7 @@ from kvcm.config import Config, HttpConfig
 from kvcm.errors import KvcmError, StartRefused, Unavailable
 from kvcm.follower import FollowerStage
 from kvcm.metrics import Metrics
-from kvcm.rpc.curve import CurveServer
+from kvcm.rpc.curve import CurveServer, serve_curve
 from kvcm.rpc.dispatch import Dispatcher, Limits, Method
 from kvcm.rpc.http import SideHttp
 from kvcm.rpc.server import AddressInUse, Server, Timer, endpoint_in_use
@@ -290,19 +290,7 @@ class App:
     def _build_curve(self) -> CurveServer | None:
         """CURVE for the RPC port (and the publisher with publisher.curve); None = plaintext."""
         cfg = self.config.server
-        if not cfg.curve_secret_key_file:
-            return None
-        from prometheus_client import Counter
-
-        from kvcm.rpc.curve import load_keypair
-
-        rejected = Counter("kvcm_curve_rejected_clients", "CURVE connection attempts refused by client key",
-                           registry=self.metrics.registry)
-        curve = CurveServer(load_keypair(cfg.curve_secret_key_file), cfg.curve_allowed_clients_dir or None,
-                            on_reject=rejected.inc)
-        admits = f"client keys in {cfg.curve_allowed_clients_dir}" if cfg.curve_allowed_clients_dir else "any client key"
-        log.info("CURVE on: server public key %s, admitting %s", curve.keys.public.decode(), admits)
-        return curve.start()
+        return serve_curve(cfg.curve_secret_key_file, cfg.curve_allowed_clients_dir, self.metrics.registry)
 
     def _build_services(self) -> list[Method]:
         """Every service of the process; returns the RPC method table."""

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from kvcm.config import Config
 from kvcm.errors import KvcmError, Unavailable
 from kvcm.metrics import Metrics
+from kvcm.rpc.curve import CurveServer, serve_curve
 from kvcm.rpc.dispatch import Dispatcher, Method
 from kvcm.rpc.http import SideHttp
 from kvcm.rpc.server import Server, Timer
@@ -188,6 +189,7 @@ class FollowerStage:
         self.metrics = Metrics()
         self.started_at = time.time()
         self.reads: FollowerReads | None = None
+        self.curve: CurveServer | None = None
         self._stale: KvcmError | None = None  # why this turn's reads cannot be fresh (Redis away)
         self._lock = os.path.join(os.path.abspath(config.store.data_dir), "kvcm.lock")
         os.makedirs(os.path.dirname(self._lock), exist_ok=True)
@@ -211,15 +213,25 @@ class FollowerStage:
                                          authorize=authorize if authorize is not None and authorize.enabled else None)
             # Between reads too: new event sources are followed without waiting for a reader.
             timers = [] if self.reads is None else [Timer("follower-refresh", REFRESH_S, self._refresh_quietly)]
+            # The same front door as the leader's: CURVE on the RPC port, credentials on the side
+            # port (a follower serves reads and /metrics too).
+            self.curve = serve_curve(config.server.curve_secret_key_file, config.server.curve_allowed_clients_dir,
+                                     self.metrics.registry)
             self.server = Server(config.server.endpoint, _FreshTurns(self.dispatcher, self._refresh_turn),
                                  metrics=self.metrics, timers=timers,
-                                 max_message_bytes=config.server.max_message_bytes, poll_ms=config.server.poll_ms)
+                                 max_message_bytes=config.server.max_message_bytes, poll_ms=config.server.poll_ms,
+                                 context=self.curve.context if self.curve is not None else None,
+                                 socket_setup=self.curve.setup if self.curve is not None else None)
             self.endpoint = self.server.endpoint
             self.http = SideHttp(config.http, self.metrics, self.endpoint, lambda: True, lambda: True,
+                                 max_body=config.server.max_message_bytes, auth_required=config.auth.enabled,
+                                 client_options=self.curve.client_options() if self.curve is not None else None,
                                  role=lambda: "follower") if config.http.enabled else None
         except BaseException:
             if getattr(self, "server", None) is not None:
                 self.server.close_unserved()
+            if self.curve is not None:
+                self.curve.stop()
             if self.reads is not None:
                 self.reads.close()
             self._drop_lock()
@@ -286,6 +298,8 @@ class FollowerStage:
                 self.http.stop()
             if self.reads is not None:
                 self.reads.close()
+            if self.curve is not None:
+                self.curve.stop()
             self._drop_lock()
 
     def request_stop(self) -> None:

@@ -15,7 +15,7 @@ import requests
 
 from kvcm import Client
 from kvcm.blocks import BlockIO
-from kvcm.errors import Code, ServerError, Unavailable
+from kvcm.errors import AccessDenied, Code, ServerError, Unavailable
 from kvcm.tair import translate
 from kvcm.tair.uris import Roots
 from kvcm.testing import serve_in_thread
@@ -575,3 +575,80 @@ def test_roots_expire_and_an_unknown_name_asks_once_per_call():
             translator.out("file://m/s64/0000000a-00000000.kv?blkid=1&size=64")
     assert asked == ["get_storage_specs"] * 3 + ["list_storage"]
     assert translator.out("pace://p/4096?media_type=dram&node_id=1&range_id=2&size=64").startswith("pace://p/4096")
+
+
+# -- auth on --------------------------------------------------------------------------------------
+
+
+ADMIN_PW = "Tair-admin-passw0rd"
+
+
+def _status(reply: requests.Response) -> dict:
+    assert reply.status_code == 200, reply.text  # Tair's client reads the header's status, not HTTP's
+    return reply.json()["header"]["status"]
+
+
+def test_auth_on_a_user_s_token_saves_and_loads_and_nothing_else_gets_in():
+    """``auth.enabled``: a connector holding a data-plane user's token (``Authorization: Bearer``)
+    does a save and load with Tair's URIs (the directories asked with its own credentials, which
+    cannot call ``list_storage``); no credentials and an admin RPC are refused, by kvcm's name."""
+    with serve_in_thread(overrides={"auth": {"enabled": True, "admin_password": ADMIN_PW}}) as server:
+        admin = {"user": "admin", "password": ADMIN_PW}
+        anonymous = Tair(server.http_port)
+        anonymous.call("addAccount", {"user_name": "connector", "password": "Connector-passw0rd", "role": "ROLE_USER",
+                                      "auth": admin})  # kvcm's body credentials, on Tair's route too
+        with server.client(auth=admin) as kv:
+            token = kv.call("add_token", {"user_name": "connector", "name": "vllm"})["token"]
+        user = Tair(server.http_port)
+        user.session.headers["Authorization"] = f"Bearer {token}"
+        try:
+            registered = user.call("registerInstance", {"instance_group": "default", "instance_id": "llm",
+                                                        "block_size": 4, "location_spec_infos": [{"name": "tp0", "size": 64}]})
+            (root,) = [s["nfs"]["root_path"] for s in json.loads(registered["storage_configs"])]
+            started = user.call("startWriteCache", {"instance_id": "llm", "block_keys": [str(BIG), "2"]})
+            for i, loc in enumerate(started["locations"]):
+                _, path, query = _split(loc["location_specs"][0]["uri"])
+                assert path.startswith(root.rstrip("/") + "/"), loc  # Tair's whole path, never kvcm's relative one
+                with open(path, "r+b") as f:
+                    f.seek(int(query["blkid"]) * int(query["size"]))
+                    f.write(bytes([i + 1]) * int(query["size"]))
+            user.call("finishWriteCache", {"instance_id": "llm", "write_session_id": started["write_session_id"],
+                                           "success_blocks": {"offset": 2}, "locations": started["locations"]})
+            found = user.call("getCacheLocation", {"instance_id": "llm", "query_type": "QT_PREFIX_MATCH",
+                                                   "block_keys": [str(BIG), "2", "3"]})
+            assert len(found["locations"]) == 2
+            for i, loc in enumerate(found["locations"]):  # what the connector wrote, read where Tair's URI says
+                _, path, query = _split(loc["location_specs"][0]["uri"])
+                with open(path, "rb") as f:
+                    f.seek(int(query["blkid"]) * int(query["size"]))
+                    assert f.read(int(query["size"])) == bytes([i + 1]) * int(query["size"])
+            # An admin RPC with a user's token: PERMISSION_DENIED by name.
+            status = _status(user.raw("listStorage", {}))
+            assert status["code"] == "INVALID_ARGUMENT" and status["message"].startswith("PERMISSION_DENIED: "), status
+            # No credentials, or a token that is not one: UNAUTHENTICATED by name, in Tair's reply.
+            for headers in ({}, {"Authorization": "Bearer not-a-real-token"}, {"Authorization": "Basic eDp5"}):
+                reply = anonymous.session.post(anonymous.url + "getCacheLocation", headers={**HEADERS, **headers},
+                                               data=json.dumps({"trace_id": "t", "instance_id": "llm",
+                                                                "query_type": "QT_PREFIX_MATCH", "block_keys": ["2"]}))
+                status = _status(reply)
+                assert status["code"] == "INVALID_ARGUMENT" and status["message"].startswith("UNAUTHENTICATED: "), \
+                    (headers, status)
+                assert reply.json()["header"]["request_id"].startswith("t_") and "locations" not in reply.json()
+            # The refusals kept the connection usable: the user's next call is served.
+            assert len(user.call("getCacheLocation", {"instance_id": "llm", "query_type": "QT_BATCH_GET",
+                                                      "block_keys": ["2"]})["locations"]) == 1
+        finally:
+            user.session.close()
+            anonymous.session.close()
+
+
+def test_a_storage_the_group_no_longer_lists_is_a_clear_error_for_a_non_admin():
+    """``list_storage`` is admin-only with auth on: a location on a storage the caller's group no
+    longer lists has no Tair form for a user, and says why, never kvcm's relative URI."""
+    def fetch(method: str) -> dict:
+        if method == "list_storage":
+            raise AccessDenied("list_storage needs the admin role", Code.PERMISSION_DENIED)
+        return {"storages": []}
+
+    with pytest.raises(ServerError, match=r"'old'.*list_storage: PERMISSION_DENIED.*no Tair form"):
+        Roots().translator(fetch).out("file://old/s64/0000000a-00000000.kv?blkid=1&size=64")

@@ -292,11 +292,72 @@ def test_leader_discovery_through_get_cluster_info_follows_the_lease(redis_facto
         # The leader goes away: the follower takes the lease, and discovery now names it.
         stop_subprocess(nodes.pop(leader), kill=True)
         deadline = time.monotonic() + 20
-        while not (client.discover_leader() and client.base_url == urls[follower]):
+        # (Until it does, it names the dead leader, with its own HTTP port: the leader cannot say.)
+        while not (client.discover_leader() and client.base_url == urls[follower]
+                   and client.get_cluster_info({"instance_id": "llm"})["leader_node_id"] == follower):
             assert time.monotonic() < deadline, "the follower never became the leader"
             time.sleep(0.1)
-        assert client.get_cluster_info({"instance_id": "llm"})["leader_node_id"] == follower
         client.close()
     finally:
         for server in nodes.values():
             stop_subprocess(server, kill=True)
+
+
+def _tair_status(url: str, method: str, body: dict) -> dict:
+    """One Tair call; the timeout bounds how long a follower may take to answer (Tair's own client
+    gives up after a second by default), so an answer after the RPC timeout fails here."""
+    reply = requests.post(f"{url}/api/{method}", json=body, timeout=5)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["header"]["status"]
+
+
+def test_a_follower_answers_server_not_leader_at_once_while_its_leader_is_stopped_or_unknown(redis_factory, tmp_path):
+    """The side port follows SERVER_NOT_LEADER only to a leader that answers: a stopped leader
+    (its lease not yet expired) or none known is Tair's SERVER_NOT_LEADER, by name and at once,
+    naming the leader where one is known, so Tair's client rediscovers instead of timing out."""
+    import signal
+
+    import redis as redis_py
+
+    server = redis_factory()
+    endpoints = {n: f"tcp://127.0.0.1:{_free_port()}" for n in ("n1", "n2")}
+    ports = {n: _free_port() for n in endpoints}
+    # A long lease: the stopped leader stays the named holder for the whole test.
+    common = ["--set", "store.backend=redis", "--set", f"store.redis_url={server.url}",
+              "--set", "store.redis_prefix=stale", "--set", "ha.enabled=true",
+              "--set", "ha.lease_ms=30000", "--set", "ha.renew_ms=500"]
+    nodes = {"n1": start_subprocess(str(tmp_path / "n1"), endpoints["n1"],
+                                    [*common, "--set", "ha.node_id=n1", "--http-port", str(ports["n1"])])}
+    try:
+        assert _leader({"n1": endpoints["n1"]}) == "n1"
+        nodes["n2"] = start_subprocess(str(tmp_path / "n2"), endpoints["n2"],
+                                       [*common, "--set", "ha.node_id=n2", "--http-port", str(ports["n2"])])
+        follower = f"http://127.0.0.1:{ports['n2']}"
+        register = {"instance_group": "default", "instance_id": "x", "block_size": BLOCK,
+                    "location_spec_infos": [{"name": "tp0", "size": 64}]}
+        # While the leader answers, the follower forwards to it (and Tair's client is served)...
+        assert _tair_status(follower, "registerInstance", register)["code"] == "OK"
+        os.kill(nodes["n1"].process.pid, signal.SIGSTOP)
+        time.sleep(1.2)  # past the second the follower trusts its last look at the leader
+        # ...and once it stops, every call starts at the follower again and is refused there.
+        status = _tair_status(follower, "registerInstance", register)
+        assert status["code"] == "SERVER_NOT_LEADER", status
+        assert f"the leader is n1 at {endpoints['n1']}" in status["message"] and "does not answer" in status["message"]
+        # Reads are the follower's own: answered, whatever the leader does.
+        status = _tair_status(follower, "getCacheLocation", {"instance_id": "nobody", "query_type": "QT_BATCH_GET",
+                                                              "block_keys": ["1"]})
+        assert status["code"] == "INSTANCE_NOT_EXIST", status
+        # No leader known (a lease record no node wrote holds the key): refused at once, naming none.
+        with redis_py.Redis.from_url(server.url) as conn:
+            conn.set("{stale}:leader", b"not a record", px=30000)
+        deadline = time.monotonic() + 10
+        while "no leader is known" not in (status := _tair_status(follower, "startWriteCache", {
+                "instance_id": "x", "block_keys": ["1"]}))["message"]:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        assert status["code"] == "SERVER_NOT_LEADER", status
+    finally:
+        for server_proc in nodes.values():
+            if server_proc.process is not None:
+                os.kill(server_proc.process.pid, signal.SIGCONT)
+            stop_subprocess(server_proc, kill=True)

@@ -278,3 +278,19 @@ class CurveServer:
             self._auth = None
         if not self.context.closed:
             self.context.term()
+
+
+def serve_curve(secret_key_file: str, allowed_clients_dir: str, registry: Any) -> CurveServer | None:
+    """CURVE for a node's RPC port (``server.curve_secret_key_file``; every stage of a node, leader
+    or follower, binds the same way), started; None (plaintext) without a key file. Refused
+    connections count in ``kvcm_curve_rejected_clients`` of the Prometheus ``registry``."""
+    if not secret_key_file:
+        return None
+    from prometheus_client import Counter
+
+    rejected = Counter("kvcm_curve_rejected_clients", "CURVE connection attempts refused by client key",
+                       registry=registry)
+    curve = CurveServer(load_keypair(secret_key_file), allowed_clients_dir or None, on_reject=rejected.inc)
+    admits = f"client keys in {allowed_clients_dir}" if allowed_clients_dir else "any client key"
+    log.info("CURVE on: server public key %s, admitting %s", curve.keys.public.decode(), admits)
+    return curve.start()

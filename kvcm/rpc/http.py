@@ -28,7 +28,8 @@ Status  When
 204     ``OPTIONS`` of a known path (an ``Allow`` header, no CORS headers)
 400     bad request line or headers, two ``Content-Length``, ``Content-Length`` with
         ``Transfer-Encoding``, a body that is not a JSON object; INVALID_ARGUMENT from the call
-401     auth on and no or bad credentials (``WWW-Authenticate: Bearer``); UNAUTHENTICATED
+401     auth on and no or bad credentials (``WWW-Authenticate: Bearer``; Tair's routes answer 200 in
+        Tair's reply, docs/tair.md); UNAUTHENTICATED
 403     a foreign ``Origin`` or a cross-site ``Sec-Fetch-Site``; PERMISSION_DENIED
 404     unknown path; METHOD_NOT_FOUND, NOT_FOUND, INSTANCE_NOT_EXIST, WRITE_SESSION_*
 405     a method other than GET (probes, metrics), POST (``/api``) or OPTIONS
@@ -65,9 +66,9 @@ from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from kvcm.client import Client
+from kvcm.client import Client, Endpoints
 from kvcm.config import HttpConfig
-from kvcm.errors import AccessDenied, Code, InvalidArgument, KvcmError, ServerError, StartRefused, error
+from kvcm.errors import AccessDenied, Code, InvalidArgument, KvcmError, ServerError, StartRefused, Unavailable, error
 from kvcm.metrics import Metrics
 from kvcm.tair import translate as tair
 
@@ -78,7 +79,11 @@ _MAX_CACHED_TOKENS = 1024
 _LINGER_S = 1.0  # after a refusal, unread request bytes are drained this long before closing
 _LINGER_BYTES = 1 << 20
 _RPC_TIMEOUT_S = 30.0
-_ASK_TIMEOUT_S = 1.0  # another node's cluster info (the leader's HTTP port, for Tair's getClusterInfo)
+# The leader's cluster info, asked by a follower for Tair's getClusterInfo (its HTTP port) and
+# before a Tair call follows SERVER_NOT_LEADER to it: well under Tair's client timeout (1 s by
+# default), so a dead leader is reported before the client gives up. The verdict is kept briefly.
+_ASK_TIMEOUT_S = 0.5
+_LEADER_VERDICT_S = 1.0
 _METHOD_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 _BEARER = re.compile(r"bearer +([A-Za-z0-9._~+/-]{1,4096}=*)", re.IGNORECASE)
 _DIGITS = re.compile(r"[0-9]{1,19}")
@@ -313,13 +318,23 @@ class _Server6(_BoundedServer):
 # -- the side port --------------------------------------------------------------------------------
 
 
+class _NoFollow(Endpoints):
+    """Endpoints that never follow: a SERVER_NOT_LEADER is the call's answer (Tair's calls, which
+    :meth:`SideHttp.tair_call` sends on to the leader only when it answers)."""
+
+    def follow(self, exc: KvcmError, follows: int) -> float:
+        raise exc
+
+
 class _ClientPool:
     """RPC clients for handler threads: a client is used by one thread at a time, and connection
-    threads come and go, so clients are pooled rather than kept per thread."""
+    threads come and go, so clients are pooled rather than kept per thread.
+    ``follow=False``: SERVER_NOT_LEADER is not followed (:class:`_NoFollow`)."""
 
-    def __init__(self, endpoint: str, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, endpoint: str, options: dict[str, Any] | None = None, follow: bool = True) -> None:
         self._endpoint = endpoint
         self._options = options or {}  # more Client arguments (CURVE keys)
+        self._follow = follow
         self._idle: list[Client] = []
         self._lock = threading.Lock()
 
@@ -328,6 +343,8 @@ class _ClientPool:
             client = self._idle.pop() if self._idle else None
         if client is None:
             client = Client(self._endpoint, timeout=_RPC_TIMEOUT_S, retries=0, **self._options)
+            if not self._follow:
+                client.endpoints = _NoFollow(self._endpoint)
         try:
             return client.call(method, params, retry=False)
         finally:
@@ -372,7 +389,11 @@ class SideHttp:
         self.max_body = max_body
         self.auth_required = auth_required
         self._pool = _ClientPool(rpc_endpoint, client_options)
+        self._tair_pool = _ClientPool(rpc_endpoint, client_options, follow=False)
+        self._leader_pools: dict[str, _ClientPool] = {}  # Tair calls a follower sends on, by leader
         self._tair_roots = tair.Roots()  # storage directories for Tair's URIs, across calls
+        self._leaders: dict[str, tuple[dict[str, Any] | None, float]] = {}  # endpoint -> (info, until)
+        self._leaders_lock = threading.Lock()
         self._client_options = client_options or {}
         self._tokens: dict[bytes, float] = {}  # sha256(token) -> when its whoami answer expires
         self._tokens_lock = threading.Lock()
@@ -411,22 +432,72 @@ class SideHttp:
             httpd.close_connections()
             httpd.server_close()
         self._pool.close()
+        self._tair_pool.close()
+        with self._leaders_lock:
+            pools, self._leader_pools = list(self._leader_pools.values()), {}
+        for pool in pools:
+            pool.close()
 
     def tair(self, name: str, params: dict[str, Any], admin: bool, local_ip: str) -> tuple[int, dict[str, Any]]:
         """A Tair RPC (``POST /api/<lowerCamelName>``) through :mod:`kvcm.tair`."""
         surface = "admin" if admin else "meta" if self.admin_port is not None else "both"
         ctx = tair.Context(http_port=self.port, admin_port=self.admin_port, local_host=local_ip, ask=self._ask,
                           roots=self._tair_roots)
-        return tair.serve(name, params, surface, ctx, self.call)
+        return tair.serve(name, params, surface, ctx, self.tair_call)
+
+    def tair_call(self, method: str, params: dict[str, Any]) -> Any:
+        """A translated Tair call: to this node, and from a follower on to the leader it names only
+        if that leader answers now. Otherwise its SERVER_NOT_LEADER is the answer at once, naming
+        the leader, rather than a wait of the RPC timeout on a dead or stopped one: Tair's client
+        rediscovers on it and retries. Every call starts here, so a follower answers reads itself."""
+        try:
+            return self._tair_pool.call(method, params)
+        except KvcmError as exc:
+            leader = str(exc.detail.get("leader_endpoint") or "")
+            if exc.code is not Code.SERVER_NOT_LEADER or not leader or leader == self.rpc_endpoint:
+                raise
+            if not self._leader_answers(leader):
+                stale = Unavailable(f"{exc.message}, which does not answer now; retry", Code.SERVER_NOT_LEADER)
+                stale.detail = dict(exc.detail)
+                raise stale from None
+        return self._leader_pool(leader).call(method, params)  # a deposed leader's refusal is the answer
+
+    def _leader_pool(self, endpoint: str) -> _ClientPool:
+        stale: list[_ClientPool] = []
+        with self._leaders_lock:
+            pool = self._leader_pools.get(endpoint)
+            if pool is None:
+                if len(self._leader_pools) >= 4:
+                    stale, self._leader_pools = list(self._leader_pools.values()), {}
+                pool = self._leader_pools[endpoint] = _ClientPool(endpoint, self._client_options, follow=False)
+        for old in stale:  # leaders of past terms: idle clients closed, a busy one is dropped with its pool
+            old.close()
+        return pool
 
     def _ask(self, endpoint: str) -> dict[str, Any] | None:
-        """``get_manager_cluster_info`` of another node (the leader), or None if it does not answer."""
+        """``get_manager_cluster_info`` of another node (the leader), or None if it does not
+        answer within ``_ASK_TIMEOUT_S``; either answer is remembered ``_LEADER_VERDICT_S``."""
+        now = time.monotonic()
+        with self._leaders_lock:
+            known = self._leaders.get(endpoint)
+        if known is not None and known[1] > now:
+            return known[0]
+        info: dict[str, Any] | None = None
         try:
             with Client(endpoint, timeout=_ASK_TIMEOUT_S, retries=0, **self._client_options) as client:
-                info: dict[str, Any] = client.call("get_manager_cluster_info", {}, retry=False)
-                return info
+                info = client.call("get_manager_cluster_info", {}, retry=False)
         except KvcmError:
-            return None
+            pass
+        with self._leaders_lock:
+            if len(self._leaders) >= 64:
+                self._leaders.clear()
+            self._leaders[endpoint] = (info, time.monotonic() + _LEADER_VERDICT_S)
+        return info
+
+    def _leader_answers(self, endpoint: str) -> bool:
+        """The node at ``endpoint`` answers now and says it leads."""
+        info = self._ask(endpoint)
+        return info is not None and bool(info.get("leader"))
 
     def call(self, method: str, params: dict[str, Any]) -> Any:
         return self._pool.call(method, params)
@@ -628,16 +699,19 @@ def _handler_for(side: SideHttp, admin: bool = False) -> type[BaseHTTPRequestHan
             is_tair = path.startswith("/api/") and tair.TAIR_NAME.fullmatch(name) is not None
             if not is_tair and (admin or not path.startswith("/api/") or not _METHOD_NAME.fullmatch(name)):
                 raise Refused(404, "path", error(Code.NOT_FOUND, "no such path"))
+            if is_tair:
+                self._tair_post(name)
+                return
             bearer = self._bearer() if side.auth_required else None
             try:
                 params = self._body()
             except KvcmError as exc:  # read whole but unusable: answer and close
-                if is_tair:  # Tair's server answers a body it cannot parse with 400 and {}
-                    side.refused("body")
-                    self.close_connection = self._linger = True
-                    self._json(400, {})
-                    return
                 raise Refused(http_status(exc.code), "body", exc) from None
+            self._credentials(params, bearer)
+            self._forward(name, params)
+
+        def _credentials(self, params: dict[str, Any], bearer: str | None) -> None:
+            """The call's ``auth``: the body's own, else the bearer token (Refused without either)."""
             if side.auth_required and "auth" not in params:
                 if bearer is None:
                     raise _unauthenticated('credentials required: Authorization: Bearer <token>, or "auth" in the body')
@@ -647,10 +721,24 @@ def _handler_for(side: SideHttp, admin: bool = False) -> type[BaseHTTPRequestHan
                 # Every HTTP user reaches the RPC port through this side's few connections: name
                 # the remote address, so one address's failed logins do not rate-limit the others.
                 auth["client"] = str(self.client_address[0])[:64]
-            if is_tair:
-                self._json(*side.tair(name, params, admin, self._local_ip()))
-            else:
-                self._forward(name, params)
+
+        def _tair_post(self, name: str) -> None:
+            """A Tair call: every answer is Tair's (missing credentials too: HTTP 200 and the
+            header's status, which Tair's client reads), except a body that does not parse."""
+            try:
+                params = self._body()
+            except KvcmError:  # Tair's server answers a body it cannot parse with 400 and {}
+                side.refused("body")
+                self.close_connection = self._linger = True
+                self._json(400, {})
+                return
+            try:
+                self._credentials(params, self._bearer() if side.auth_required else None)
+            except Refused as refusal:
+                side.refused(refusal.reason)
+                self._json(200, tair.refused(refusal.error, params), refusal.headers)
+                return
+            self._json(*side.tair(name, params, admin, self._local_ip()))
 
         def _forward(self, name: str, params: dict[str, Any]) -> None:
             try:

@@ -457,6 +457,12 @@ def failure(exc: KvcmError, trace_id: str) -> dict[str, Any]:
     return {"header": header(code, message, trace_id)}
 
 
+def refused(exc: KvcmError, body: Mapping[str, Any]) -> dict[str, Any]:
+    """The Tair reply to a call the HTTP side refused before translating it (no credentials)."""
+    trace_id = body.get("trace_id")
+    return failure(exc, trace_id if isinstance(trace_id, str) else "")
+
+
 def serve(name: str, body: dict[str, Any], surface: str, ctx: Context,
           forward: Callable[[str, dict[str, Any]], Any]) -> tuple[int, dict[str, Any]]:
     """(HTTP status, Tair reply) of one call; logical errors are 200 with their Tair code."""

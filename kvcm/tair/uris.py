@@ -109,6 +109,7 @@ class Translator:
         self._roots = roots
         self._fetch = fetch
         self._asked = False
+        self._why = ""  # why list_storage could not be read (a non-admin caller with auth on)
         self._memo = roots.memo()
 
     def directory(self, name: str, kind: str) -> tuple[str, float] | None:
@@ -121,8 +122,8 @@ class Translator:
             if found is None:  # a storage the group no longer lists still holds blocks
                 try:
                     self._roots.learn(self._fetch("list_storage").get("storage") or [])
-                except KvcmError:  # list_storage is admin-only when auth is on
-                    pass
+                except KvcmError as exc:  # list_storage is admin-only when auth is on
+                    self._why = f" (its group does not list it, and list_storage: {exc.code.name})"
                 found = self._roots.cached(name, kind)
         return found
 
@@ -137,8 +138,8 @@ class Translator:
             found = self.directory(name, kind)
             if found is None:
                 # Never kvcm's relative path: a Tair reader would open it from "/".
-                raise ServerError(f"storage {name!r}: its {DIR_FIELD[kind]} is unknown or cannot be written in "
-                                  "a URI, so this location has no Tair form")
+                raise ServerError(f"storage {name!r}: its {DIR_FIELD[kind]} is unknown{self._why} or cannot be "
+                                  "written in a URI, so this location has no Tair form")
             tair = uri[:slash] + found[0] + uri[slash:]
             self._roots.remember(uri, tair, found[1])
         return tair
