@@ -36,6 +36,7 @@ from kvcm.client import (
     Endpoints,
     Ints,
     QueryType,
+    ReportOp,
     TrimStrategy,
     _listed,
     _Skip,
@@ -53,6 +54,7 @@ from kvcm.results import (
     CacheMeta,
     EngineMatches,
     Envelope,
+    EventsReported,
     Health,
     HostCacheState,
     InstanceInfoReply,
@@ -539,6 +541,18 @@ class Client:
                                  block_cache_keys=block_cache_keys, block_keys=block_keys, token_ids=token_ids,
                                  medium=_listed(medium), top_k=top_k, loads=None if loads is None else dict(loads),
                                  include_stale=include_stale, include_storage=include_storage, trace_id=trace_id)
+
+    async def report_events(self, *, source_id: str, op: ReportOp, generation: int | None = None,
+                            instance_id: str | None = None, dp_rank: int | None = None, pod: str | None = None, medium: str | None = None, seq: int | None = None,
+                            ts: float | None = None, events: Sequence[dict[str, Any]] | None = None,
+                            payloads: Sequence[dict[str, Any]] | None = None, trace_id: str | None = None,
+                            timeout: float | None = None) -> EventsReported:
+        """A push source's report (docs/engines.md#push-ingestion): ``register``, ``heartbeat``,
+        ``payloads`` (``[{"seq", "payload"}]``, vLLM-encoded), ``events`` / ``snapshot`` (decoded
+        ``add`` / ``remove`` / ``clear`` events) or ``down``; ``resync`` in the reply asks for a snapshot."""
+        return await self._typed("report_events", EventsReported, timeout, source_id=source_id, op=op,
+                                 generation=generation, instance_id=instance_id, dp_rank=dp_rank, pod=pod, medium=medium,
+                                 seq=seq, ts=ts, events=_listed(events), payloads=_listed(payloads), trace_id=trace_id)
 
     # system, tokens
     async def get_metrics(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:

@@ -50,6 +50,7 @@ from kvcm.results import (
     CacheMeta,
     EngineMatches,
     Envelope,
+    EventsReported,
     Health,
     HostCacheState,
     InstanceInfoReply,
@@ -82,7 +83,7 @@ METHODS: tuple[str, ...] = (
     "get_metrics", "get_storage_specs", "list_account", "list_event_sources", "list_instance_groups", "list_instance_info",
     "list_storage", "list_tokens", "load_config_snapshot", "match_engines", "note_routed", "get_host_cache_state", "pin_cache", "register_instance",
     "remove_cache", "remove_event_source", "remove_instance", "remove_instance_group", "remove_storage",
-    "report_lost", "revoke_token", "start_write_cache", "trim_cache", "unpin_cache", "update_account",
+    "report_events", "report_lost", "revoke_token", "start_write_cache", "trim_cache", "unpin_cache", "update_account",
     "update_instance_group", "update_storage", "whoami",
 )
 
@@ -103,6 +104,7 @@ T = TypeVar("T")
 Ints = list[int] | tuple[int, ...]
 QueryType = Literal["prefix_match", "batch_get", "reverse_roll_sw_match"]
 TrimStrategy = Literal["remove_all_cache", "remove_all_meta", "timestamp"]
+ReportOp = Literal["register", "heartbeat", "payloads", "events", "snapshot", "down"]
 
 # One encoder for every request: msgspec writes the envelope and its params (dicts, lists,
 # Structs such as Mask) in one C call, into a fresh bytes of the exact size.
@@ -652,6 +654,18 @@ class Client:
                            block_cache_keys=block_cache_keys, block_keys=block_keys, token_ids=token_ids,
                            medium=_listed(medium), top_k=top_k, loads=None if loads is None else dict(loads),
                            include_stale=include_stale, include_storage=include_storage, trace_id=trace_id)
+
+    def report_events(self, *, source_id: str, op: ReportOp, generation: int | None = None,
+                      instance_id: str | None = None, dp_rank: int | None = None, pod: str | None = None, medium: str | None = None, seq: int | None = None,
+                      ts: float | None = None, events: Sequence[dict[str, Any]] | None = None,
+                      payloads: Sequence[dict[str, Any]] | None = None, trace_id: str | None = None,
+                      timeout: float | None = None) -> EventsReported:
+        """A push source's report (docs/engines.md#push-ingestion): ``register``, ``heartbeat``,
+        ``payloads`` (``[{"seq", "payload"}]``, vLLM-encoded), ``events`` / ``snapshot`` (decoded
+        ``add`` / ``remove`` / ``clear`` events) or ``down``; ``resync`` in the reply asks for a snapshot."""
+        return self._typed("report_events", EventsReported, timeout, source_id=source_id, op=op,
+                           generation=generation, instance_id=instance_id, dp_rank=dp_rank, pod=pod, medium=medium,
+                           seq=seq, ts=ts, events=_listed(events), payloads=_listed(payloads), trace_id=trace_id)
 
     # system, tokens
     def get_metrics(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:

@@ -255,6 +255,21 @@ class HostCacheState(msgspec.Struct, gc=False):
     global_: int = msgspec.field(default=0, name="global")
 
 
+class EventsReported(msgspec.Struct, gc=False):
+    """``report_events``: where the push source stands after the report. ``resync`` asks for a
+    snapshot (a seq gap, or the source expired: its blocks may be missing or stale)."""
+
+    source_id: str
+    generation: int
+    state: str  # live, gap, stale, expired; "down" after op down
+    resync: bool
+    last_seq: int = -1
+    applied_blocks: int = 0
+    duplicates: int = 0  # batches at or below last_seq, ignored
+    missed: int = 0  # batches skipped by a seq gap
+    errors: dict[str, int] = {}
+
+
 class StorageHealth(msgspec.Struct, gc=False):
     enabled: bool
     available: bool
@@ -306,8 +321,8 @@ HEAD = msgspec.msgpack.Decoder(Head, ext_hook=refuse_ext)
 
 __all__ = [
     "AdminReply", "BlockMeta", "CacheLocations", "CacheMeta", "EngineMatch", "EngineMatches", "EnginePod", "Envelope",
-    "Head", "Health", "HostCacheMatch", "HostCacheState", "InstanceInfo", "InstanceInfoReply", "Location",
-    "LocationSpec", "Lost", "Mask", "ModelDeployment", "Pinned", "Registered", "Removed", "Routed", "SourceFreshness",
-    "SpecGroup", "SpecInfo", "StorageConfig", "StorageHealth", "StorageSpecs", "Unpinned",
+    "EventsReported", "Head", "Health", "HostCacheMatch", "HostCacheState", "InstanceInfo", "InstanceInfoReply",
+    "Location", "LocationSpec", "Lost", "Mask", "ModelDeployment", "Pinned", "Registered", "Removed", "Routed",
+    "SourceFreshness", "SpecGroup", "SpecInfo", "StorageConfig", "StorageHealth", "StorageSpecs", "Unpinned",
     "WriteFinished", "WriteSession", "decoder",
 ]

@@ -1,5 +1,5 @@
 """Engine-tier RPCs: ``add_event_source``, ``remove_event_source``, ``list_event_sources``,
-``match_engines``, ``note_routed``, ``get_host_cache_state``.
+``match_engines``, ``note_routed``, ``get_host_cache_state``, ``report_events``.
 
 ``match_engines`` is what a KV-aware router asks: for this prompt (``token_ids``, hashed with the
 instance's block size, or ready ``block_keys``), how many leading blocks does each engine source
@@ -12,19 +12,24 @@ naming the field); replies are plain maps.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from kvcm.cache.manager import CacheManager
+from kvcm.engines.push import Report
 from kvcm.engines.scoring import BLOCKS, MAX_LOAD, SCORE, SOURCE, pod_summary
 from kvcm.engines.service import EngineService
-from kvcm.errors import InvalidArgument
+from kvcm.engines.sources import SourceSpec
+from kvcm.errors import Code, InvalidArgument, error
+from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Estimate, Method, TokenWork
 from kvcm.rpc.wire import Raw
-from kvcm.schema import Keys, RequestBase, Tokens
+from kvcm.schema import KEYS_CEILING, Keys, RequestBase, Tokens
 
 #: ``loads``: source id -> load, each checked while decoding (a router sends a hundred per call).
 #: NaN fails the bounds too.
@@ -242,12 +247,192 @@ _MATCH_US_PER_KEY = 0.5
 _MAX_TOP_K = 1 << 16
 
 
+# --- report_events (push sources: kvcm/engines/push.py) ------------------------------------------
+
+#: An engine block hash: an int (unsigned 64-bit, or SGLang's signed int64) or up to 64 bytes.
+#: (msgpack itself bounds ints to that range; msgspec cannot express a bound past int64.)
+Hash = int | Annotated[bytes, msgspec.Meta(max_length=64)]
+Hashes = Annotated[list[Hash], msgspec.Meta(max_length=KEYS_CEILING)]
+Name = Annotated[str, msgspec.Meta(max_length=200)]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+#: Bounds of one report: what one turn's budget can apply (docs/engines.md#push-ingestion).
+MAX_REPORT_EVENTS = 4096
+MAX_REPORT_PAYLOADS = 1024
+MAX_REPORT_BLOCKS = 65536
+MAX_REPORT_TOKENS = 1 << 20
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class AddEvent(_Strict, tag="add", tag_field="type"):
+    """``BlockStored``: consecutive full blocks, each the parent of the next."""
+
+    block_hashes: Hashes
+    parent_block_hash: Hash | None = None
+    token_ids: Tokens = []
+    block_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    medium: Annotated[str, msgspec.Meta(max_length=32)] | None = None  # absent = the source's medium
+    lora_name: Name | None = None
+    group_idx: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
+    kv_cache_spec_kind: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+
+
+class RemoveEvent(_Strict, tag="remove", tag_field="type"):
+    """``BlockRemoved``: one holding of each block, on one medium."""
+
+    block_hashes: Hashes
+    medium: Annotated[str, msgspec.Meta(max_length=32)] | None = None
+    group_idx: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
+
+
+class ClearEvent(_Strict, tag="clear", tag_field="type"):
+    """``AllBlocksCleared``."""
+
+
+class Payload(_Strict):
+    """One vLLM ``KVEventBatch`` as the engine encoded it: ``payload`` (msgpack bin) or
+    ``payload_b64`` (base64 text, for JSON over HTTP)."""
+
+    seq: Seq
+    payload: bytes | None = None
+    payload_b64: str | None = None
+
+
+class ReportEventsRequest(_Request, dict=True):  # dict: the handler keeps its Report on it
+    source_id: Name
+    op: Literal["register", "heartbeat", "payloads", "events", "snapshot", "down"]
+    generation: Seq = 0
+    # register
+    instance_id: str | None = None
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, lt=4096)] | None = None
+    pod: Name | None = None
+    medium: Annotated[str, msgspec.Meta(max_length=32)] | None = None
+    # events, snapshot
+    seq: Seq | None = None
+    ts: float | None = None
+    events: Annotated[list[AddEvent | RemoveEvent | ClearEvent], msgspec.Meta(max_length=MAX_REPORT_EVENTS)] = []
+    # payloads
+    payloads: Annotated[list[Payload], msgspec.Meta(max_length=MAX_REPORT_PAYLOADS)] = []
+
+
+#: The fields each op takes besides source_id, op and generation (any other one given is refused).
+_OP_FIELDS = {
+    "register": frozenset({"instance_id", "dp_rank", "pod", "medium"}),
+    "heartbeat": frozenset(),
+    "payloads": frozenset({"payloads"}),
+    "events": frozenset({"seq", "ts", "events"}),
+    "snapshot": frozenset({"seq", "ts", "events"}),
+    "down": frozenset(),
+}
+_OP_DEFAULTS: dict[str, Any] = {"instance_id": None, "dp_rank": None, "pod": None, "medium": None, "seq": None, "ts": None,
+                "events": [], "payloads": []}  # fmt: skip
+
+# RPC-thread work of a report, in microseconds (measured by scripts/bench_events, with margin).
+_US_PER_BLOCK = 3.0
+_US_PER_TOKEN = 0.15
+_US_PER_PAYLOAD_BYTE = 0.12
+_US_PER_REPORT = 30.0
+#: Payloads estimated above this are refused on their size alone, without decoding them.
+_DECODE_CEILING_US = 100_000.0
+
+
+def report(req: ReportEventsRequest) -> Report:
+    """The request as a :class:`~kvcm.engines.push.Report`; INVALID_ARGUMENT naming a field
+    the op does not take."""
+    for name, default in _OP_DEFAULTS.items():
+        if getattr(req, name) != default and name not in _OP_FIELDS[req.op]:
+            raise InvalidArgument(f"report_events: op {req.op} does not take the field {name}")
+    if req.op == "events" and req.seq is None:
+        raise InvalidArgument("report_events: op events needs seq (the batch's sequence number)")
+    if req.op == "payloads" and not req.payloads:
+        raise InvalidArgument("report_events: op payloads needs payloads")
+    if req.op == "snapshot" and any(type(e) is not AddEvent for e in req.events):
+        raise InvalidArgument("report_events: a snapshot holds add events only (it replaces the source's blocks)")
+    return Report(
+        source_id=req.source_id, op=req.op, generation=req.generation, instance_id=req.instance_id,
+        dp_rank=req.dp_rank or 0, pod=req.pod or "", medium=req.medium or "", seq=req.seq, ts=req.ts,
+        events=[_event(e) for e in req.events], payloads=[(p.seq, _payload(i, p)) for i, p in enumerate(req.payloads)],
+    )  # fmt: skip
+
+
+def _work(r: Report) -> tuple[int, int]:
+    """Blocks and tokens of the report's (decoded) batches."""
+    blocks = tokens = 0
+    for _, batch in r.batches or ():
+        for e in batch.events if batch is not None else ():
+            if type(e) is BlockStored:
+                blocks, tokens = blocks + len(e.block_hashes), tokens + len(e.token_ids)
+            elif type(e) is BlockRemoved:
+                blocks += len(e.block_hashes)
+    return blocks, tokens
+
+
+def _event(e: AddEvent | RemoveEvent | ClearEvent) -> Event:
+    if type(e) is AddEvent:
+        return BlockStored(list(e.block_hashes), e.parent_block_hash, e.token_ids, e.block_size, None, e.medium,
+                           e.lora_name, None, e.group_idx, e.kv_cache_spec_kind)  # fmt: skip
+    if type(e) is RemoveEvent:
+        return BlockRemoved(list(e.block_hashes), e.medium, e.group_idx)
+    return AllBlocksCleared()
+
+
+def _payload(i: int, p: Payload) -> bytes:
+    if (p.payload is None) == (p.payload_b64 is None):
+        raise InvalidArgument(f"report_events: payloads[{i}] needs exactly one of payload and payload_b64")
+    if p.payload is not None:
+        return p.payload
+    try:
+        return base64.b64decode(p.payload_b64 or "", validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgument(f"report_events: payloads[{i}].payload_b64 is not base64") from None
+
+
+class _Reports:
+    """``report_events``: the cost hook converts, decodes and pools each report of a turn
+    (``EngineService.push.prepare``) before any runs; the handler applies it."""
+
+    def __init__(self, service: EngineService, auth: Authenticator | None) -> None:
+        self.service = service
+        self.auth = auth
+
+    def prepared(self, req: ReportEventsRequest) -> Report:
+        """The request's Report, made once (kept on the request: a carried one is costed again)."""
+        made: Report | None = req.__dict__.get("report")
+        if made is None:
+            made = req.__dict__["report"] = report(req)
+        return made
+
+    def cost(self, req: ReportEventsRequest) -> Estimate:
+        made = self.prepared(req)
+        size = sum(len(p) for _, p in made.payloads)
+        if size * _US_PER_PAYLOAD_BYTE <= _DECODE_CEILING_US:
+            self.service.push.prepare(made)
+        blocks, tokens = _work(made)
+        if blocks > MAX_REPORT_BLOCKS or tokens > MAX_REPORT_TOKENS:
+            raise error(Code.TOO_MANY_KEYS, f"report_events: {blocks} blocks and {tokens} tokens; a report takes "
+                                            f"at most {MAX_REPORT_BLOCKS} blocks and {MAX_REPORT_TOKENS} tokens")
+        return Estimate(_US_PER_REPORT + blocks * _US_PER_BLOCK + tokens * _US_PER_TOKEN + size * _US_PER_PAYLOAD_BYTE)
+
+    def report_events(self, req: ReportEventsRequest) -> dict[str, Any]:
+        made = self.prepared(req)
+        if self.auth is None or not self.auth.enabled:
+            return self.service.report_events(made)
+        auth = self.auth
+
+        def authorize(spec: SourceSpec) -> None:
+            auth.check_reporter(req, spec.owner, spec.instance_id, spec.source_id)
+
+        return self.service.report_events(made, auth.caller(req) or "", authorize)
+
+
 def methods(
     service: EngineService, auth: Authenticator | None = None, cache: Callable[[], CacheManager | None] | None = None
 ) -> list[Method]:
     """The engine-tier method table for the dispatcher; ``auth`` filters ``list_event_sources``;
     ``cache`` returns the data plane (built after the engine tier) for ``include_storage``."""
-    h = _Handlers(service, auth, cache)
+    h, reports = _Handlers(service, auth, cache), _Reports(service, auth)
     return [
         Method("add_event_source", h.add_event_source, AddEventSourceRequest, writes=True, admin=True),
         Method("remove_event_source", h.remove_event_source, RemoveEventSourceRequest, writes=True, idempotent=False, admin=True),
@@ -256,4 +441,5 @@ def methods(
         Method("note_routed", h.note_routed, NoteRoutedRequest, idempotent=False, tokens=h.match_tokens),
         Method("get_host_cache_state", h.get_host_cache_state, GetHostCacheStateRequest, cost=h.host_cost,
                tokens=h.match_tokens),
+        Method("report_events", reports.report_events, ReportEventsRequest, idempotent=False, cost=reports.cost),
     ]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import and_, rshift
 from typing import Any
 
 import msgspec
@@ -34,6 +36,12 @@ ENC = msgspec.msgpack.Encoder()
 DEC = msgspec.msgpack.Decoder()
 
 
+def block_id(group: int, h: int) -> int:
+    """A block's key in ``SourceState.blocks``: its group and engine hash in one int (not a
+    tuple: ints are not tracked by the garbage collector, and group 0's ids are the hashes)."""
+    return group << 64 | h
+
+
 def normalize_medium(medium: str | None) -> str:
     """``None`` is the GPU block pool; spellings are upper-cased (LMCache sent ``cpu``)."""
     return "GPU" if not medium else medium.upper()
@@ -48,27 +56,29 @@ class SourceMatch(msgspec.Struct, gc=False):
     media: dict[str, int]
 
 
-class EngineBlock:
-    """One engine block of one source: its kvcm keys, chain end state, and holdings per medium."""
+class EngineBlock(msgspec.Struct, array_like=True, gc=False):
+    """One engine block of one source: its kvcm keys, chain end state, and holdings per medium.
 
-    __slots__ = ("end", "keys", "lora", "pos", "refs")
+    A Struct without GC tracking (it holds no references that could form a cycle): the index
+    keeps one per engine block, and as tracked objects their collection cost more than building
+    them. Encoded as the array ``[lora, end, pos, keys, refs]`` (the persisted record).
+    ``refs`` (holdings per medium) is replaced, never changed in place: blocks share it."""
 
-    def __init__(self, lora: str, end: int, pos: int, keys: tuple[int, ...]) -> None:
-        self.lora = lora
-        self.end = end
-        self.pos = pos
-        self.keys = keys
-        self.refs: dict[str, int] = {}
+    lora: str
+    end: int
+    pos: int
+    keys: tuple[int, ...]
+    refs: dict[str, int] = msgspec.field(default_factory=dict)
 
     def pack(self) -> bytes:
-        return ENC.encode((self.lora, self.end, self.pos, self.keys, self.refs))
+        return ENC.encode(self)
 
     @classmethod
     def unpack(cls, raw: bytes) -> EngineBlock:
-        lora, end, pos, keys, refs = DEC.decode(raw)
-        blk = cls(lora, end, pos, tuple(keys))
-        blk.refs = dict(refs)
-        return blk
+        return _BLOCK_DEC.decode(raw)
+
+
+_BLOCK_DEC = msgspec.msgpack.Decoder(EngineBlock)
 
 
 @dataclass
@@ -81,9 +91,9 @@ class SourceState:
     last_seq: int = -1
     last_ts: float = 0.0
     last_event_time: float = 0.0
-    blocks: dict[tuple[int, int], EngineBlock] = field(default_factory=dict)
+    blocks: dict[int, EngineBlock] = field(default_factory=dict)  # by block_id(group, engine hash)
     groups: dict[int, str | None] = field(default_factory=dict)
-    dirty: set[tuple[int, int]] = field(default_factory=set)
+    dirty: set[int] = field(default_factory=set)  # block ids changed since the last flush
     cleared: bool = False
 
     def record(self) -> bytes:
@@ -135,19 +145,23 @@ def new_block(lora: str, states: list[int], i: int, size: int, pos: int, step: i
 
 
 def flush_source(txn: Any, state: SourceState) -> int:
+    """Write the source's changed blocks and its record. C-level iteration over the dirty
+    blocks (key packing, record encoding and the sort run in map/zip/sorted), not a Python
+    step each: this is most of the engine tier's persisting."""
     if state.cleared:
         delete_blocks(txn, state.number)
         state.cleared = False
-    puts, dels = [], []
-    pack_key, encode, number, blocks = BLOCK_KEY.pack, ENC.encode, state.number, state.blocks
-    for dirty in state.dirty:
-        key = pack_key(number, *dirty)
-        blk = blocks.get(dirty)
-        if blk is None:
-            dels.append(key)
-        else:
-            puts.append((key, encode((blk.lora, blk.end, blk.pos, blk.keys, blk.refs))))
-    puts.sort()  # B-tree inserts in key order touch each page once
+    # In block id order, which is the packed keys' order: B-tree inserts in key order touch each
+    # page once, and sorting the ints is cheaper than sorting the packed pairs.
+    ids = sorted(state.dirty)
+    keys = list(map(BLOCK_KEY.pack, repeat(state.number), map(rshift, ids, repeat(64)), map(and_, ids, repeat(M64))))
+    found = list(map(state.blocks.get, ids))
+    dels: list[bytes] = []
+    if None in found:  # removed blocks: their records go
+        dels = [k for k, blk in zip(keys, found) if blk is None]
+        kept = [(k, blk) for k, blk in zip(keys, found) if blk is not None]
+        keys, found = [k for k, _ in kept], [blk for _, blk in kept]
+    puts = list(zip(keys, map(ENC.encode, found)))
     txn.put_many(BLOCKS_DB, puts)
     if dels:
         txn.delete_many(BLOCKS_DB, dels)

@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import accumulate, compress, islice, repeat
-from operator import and_, attrgetter, is_, ne, xor
+from operator import and_, attrgetter, is_, ne, or_, xor
 from typing import Any
 
 from kvcm.engines.entries import (
@@ -53,17 +53,18 @@ from kvcm.engines.entries import (
     NullTxn,
     SourceMatch,
     SourceState,
+    block_id,
     delete_blocks,
     flush_source,
     new_block,
     normalize_medium,
 )
-from kvcm.engines.hashing import Chain, chain_states, hash_chains
+from kvcm.engines.hashing import Chain, Precomputed, chain_states, hash_chains
 from kvcm.engines.scoring import ENTRY, POD_ENTRY, Fragment, fragment
 from kvcm.engines.sources import SourceSpec
 from kvcm.engines.table import MAIN_KINDS, HolderTable, Slot
 from kvcm.errors import Conflict, KvcmError, NotFound
-from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, hash_to_u64
+from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, ExternalBlockHash, hash_to_u64
 from kvcm.store.base import MetaStore
 
 
@@ -119,6 +120,12 @@ class EngineIndex:
     def get(self, source_id: str) -> SourceState | None:
         return self._sources.get(source_id)
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The index's lock, for callers that must change it together with their own state
+        (push sources: :mod:`kvcm.engines.push`). Never open a transaction while holding it."""
+        return self._lock
+
     def sources(self) -> list[SourceState]:
         with self._lock:
             return list(self._sources.values())
@@ -173,14 +180,34 @@ class EngineIndex:
     def apply(self, source_id: str, generation: int, seq: int, batch: DecodedBatch) -> ApplyStats | None:
         return self.apply_many([(source_id, generation, seq, batch)])[0]
 
-    def apply_many(self, items: Sequence[Item]) -> list[ApplyStats | None]:
-        """Apply batches in order; ``None`` for a batch whose source is gone (stale generation)."""
+    def replace_source(self, item: Item, hashed: Precomputed | None = None) -> ApplyStats | None:
+        """A snapshot: drop every block of the source and apply ``item`` in one step, so neither a
+        query nor a flush ever sees the source half replaced (``hashed``: see :meth:`apply_many`)."""
+        with self._lock:
+            if not self.clear_source(item[0], item[1]):
+                return None
+            return self.apply_many([item], hashed)[0]
+
+    def apply_many(self, items: Sequence[Item], hashed: Precomputed | None = None) -> list[ApplyStats | None]:
+        """Apply batches in order; ``None`` for a batch whose source is gone (stale generation).
+
+        ``hashed``: chain states of (some of) their stores, from :meth:`precompute` over a larger
+        set of batches (push reports hash a whole dispatcher turn together); each is used only
+        if the seed it assumed is the one the store's parent gives when applied."""
         with self._lock:
             self._sizes = {}
-            pre = self._precompute(items)
+            pre = self._precompute(items, hashed or {})
+            if hashed:
+                pre = {**hashed, **pre}
             return [self._apply_one(item, pre) for item in items]
 
-    def _apply_one(self, item: Item, pre: dict[int, list[int]]) -> ApplyStats | None:
+    def precompute(self, items: Sequence[Item]) -> Precomputed:
+        """Chain states of the stores in ``items``, for a later :meth:`apply_many` of them."""
+        with self._lock:
+            self._sizes = {}
+            return self._precompute(items, {})
+
+    def _apply_one(self, item: Item, pre: Precomputed) -> ApplyStats | None:
         source_id, generation, seq, batch = item
         state = self._sources.get(source_id)
         if state is None or state.generation != generation:
@@ -204,10 +231,10 @@ class EngineIndex:
         self._dirty.add(source_id)
         return stats
 
-    def _stored(self, state: SourceState, ev: BlockStored, pre: dict[int, list[int]], errors: Counter[str]) -> int:
+    def _stored(self, state: SourceState, ev: BlockStored, pre: Precomputed, errors: Counter[str]) -> int:
         group = ev.group_idx or 0
         medium = normalize_medium(ev.medium)
-        hashes = [h & M64 if type(h) is int else hash_to_u64(h) for h in ev.block_hashes]
+        hashes = _u64_hashes(ev.block_hashes)
         if ev.kv_cache_spec_kind is not None or group not in state.groups:
             state.groups[group] = ev.kv_cache_spec_kind
         if not ev.token_ids or ev.block_size <= 0:
@@ -216,18 +243,52 @@ class EngineIndex:
         if plan is None:
             return 0
         seed, pos, step, block_size = plan
-        states = pre.get(id(ev))
-        if states is None:
-            states = chain_states(seed, ev.token_ids, step)
+        found = pre.get(id(ev))
+        states = found[1] if found is not None and found[0] == seed & M64 else chain_states(seed, ev.token_ids, step)
         lora = ev.lora_name or ""
-        gained: list[int] = []  # keys this medium starts holding: one table update for all
-        touched: list[tuple[int, int]] = []
         blocks = state.blocks
         size = ev.block_size
         same = step == block_size == size  # the common case: no re-chunking, one key per block
-        for i, h in enumerate(hashes):
-            key = (group, h)
-            touched.append(key)
+        touched = hashes if not group else list(map(or_, repeat(group << 64), hashes))  # block ids
+        gained = None
+        if same and len(states) == len(hashes) and blocks.keys().isdisjoint(touched):
+            gained = self._new_blocks(blocks, touched, states, lora, medium, pos, size)
+        if gained is None:
+            gained = self._update_blocks(state, touched, states, lora, medium, group, pos, step, block_size, size)
+        if gained:
+            table = self._table(state.spec.instance_id, lora)
+            main = state.groups.get(group) in MAIN_KINDS
+            table.hold(table.slot(state.spec.source_id, medium, group, main, state.spec.dp_rank), gained)
+        state.dirty.update(touched)
+        return len(hashes)
+
+    @staticmethod
+    def _new_blocks(
+        blocks: dict[int, EngineBlock], touched: list[int], states: list[int], lora: str,
+        medium: str, pos: int, size: int,
+    ) -> list[int] | None:
+        """The common store: every block new to the source, one kvcm key each. Built with
+        C-level iteration (map, zip, dict.update) instead of a Python step per block. None (and
+        nothing changed) when the store names a block twice: the caller takes the general path."""
+        keys = [u - TWO64 if u >= TOP else u for u in states]
+        ends = range(pos + size, pos + (len(keys) + 1) * size, size)
+        before = len(blocks)
+        blocks.update(zip(touched, map(EngineBlock, repeat(lora), states, ends, zip(keys), repeat(_held_once(medium)))))
+        if len(blocks) - before != len(touched):
+            for key in touched:  # all were new: undo
+                blocks.pop(key, None)
+            return None
+        return keys
+
+    def _update_blocks(
+        self, state: SourceState, touched: list[int], states: list[int], lora: str, medium: str,
+        group: int, pos: int, step: int, block_size: int, size: int,
+    ) -> list[int]:
+        """Any store, one block at a time (held ones gain a holding): the keys newly held."""
+        gained: list[int] = []  # keys this medium starts holding: one table update for all
+        blocks = state.blocks
+        same = step == block_size == size
+        for i, key in enumerate(touched):
             blk = blocks.get(key)
             if blk is None:  # the common case: a new block, first held in this medium
                 if same:
@@ -238,23 +299,16 @@ class EngineIndex:
                 else:
                     blk = blocks[key] = new_block(lora, states, i, size, pos, step, block_size)
                     gained.extend(blk.keys)
-                blk.refs[medium] = 1
+                blk.refs = _held_once(medium)
                 continue
-            refs = blk.refs
-            count = refs.get(medium, 0)
-            refs[medium] = count + 1
+            count = blk.refs.get(medium, 0)
+            if not count and blk.keys and blk.lora != lora:
+                self._hold(state, blk, medium, group)  # the same engine hash under another adapter
+                continue
+            blk.refs = {**blk.refs, medium: count + 1}
             if not count and blk.keys:
-                if blk.lora == lora:
-                    gained.extend(blk.keys)
-                else:  # the same engine hash seen under another adapter: keep its namespace
-                    blk.refs[medium] = count
-                    self._hold(state, blk, medium, group)
-        if gained:
-            table = self._table(state.spec.instance_id, lora)
-            main = state.groups.get(group) in MAIN_KINDS
-            table.hold(table.slot(state.spec.source_id, medium, group, main, state.spec.dp_rank), gained)
-        state.dirty.update(touched)
-        return len(hashes)
+                gained.extend(blk.keys)
+        return gained
 
     def _plan(
         self, state: SourceState, ev: BlockStored, hashes: list[int], group: int, errors: Counter[str]
@@ -271,7 +325,7 @@ class EngineIndex:
             return None
         seed, pos = 0, 0
         if ev.parent_block_hash is not None:
-            parent = state.blocks.get((group, hash_to_u64(ev.parent_block_hash)))
+            parent = state.blocks.get(block_id(group, hash_to_u64(ev.parent_block_hash)))
             if parent is None:
                 errors["unknown_parent"] += 1
                 return None
@@ -301,12 +355,13 @@ class EngineIndex:
     ) -> int:
         done = 0
         for h in hashes:
-            blk = state.blocks.get((group, h))
+            key = block_id(group, h)
+            blk = state.blocks.get(key)
             if blk is None:
                 errors["unknown_hash"] += 1
                 continue
             self._hold(state, blk, medium, group)
-            state.dirty.add((group, h))
+            state.dirty.add(key)
             done += 1
         return done
 
@@ -315,20 +370,20 @@ class EngineIndex:
         medium = normalize_medium(ev.medium)
         done = 0
         for raw in ev.block_hashes:
-            h = hash_to_u64(raw)
-            blk = state.blocks.get((group, h))
+            key = block_id(group, hash_to_u64(raw))
+            blk = state.blocks.get(key)
             if blk is None or medium not in blk.refs:
                 continue  # unknown removes are no-ops (edge 16)
             self._release(state, blk, medium, group)
             if not blk.refs:
-                del state.blocks[(group, h)]
-            state.dirty.add((group, h))
+                del state.blocks[key]
+            state.dirty.add(key)
             done += 1
         return done
 
     def _hold(self, state: SourceState, blk: EngineBlock, medium: str, group: int) -> None:
         count = blk.refs.get(medium, 0)
-        blk.refs[medium] = count + 1
+        blk.refs = {**blk.refs, medium: count + 1}
         if count == 0 and blk.keys:
             table = self._table(state.spec.instance_id, blk.lora)
             kind = state.groups.get(group)
@@ -337,9 +392,9 @@ class EngineIndex:
     def _release(self, state: SourceState, blk: EngineBlock, medium: str, group: int) -> None:
         count = blk.refs[medium]
         if count > 1:
-            blk.refs[medium] = count - 1
+            blk.refs = {**blk.refs, medium: count - 1}
             return
-        del blk.refs[medium]
+        blk.refs = {m: n for m, n in blk.refs.items() if m != medium}
         table = self._tables.get((state.spec.instance_id, blk.lora))
         if table is None or not blk.keys:
             return
@@ -359,8 +414,8 @@ class EngineIndex:
 
     # --- vectorised re-hashing across the stores of one drain -----------------------------------
 
-    def _precompute(self, items: Sequence[Item]) -> dict[int, list[int]]:
-        """Chain states of the stores in ``items``, hashed together (numpy across chains).
+    def _precompute(self, items: Sequence[Item], known: Precomputed) -> Precomputed:
+        """Chain states of the stores in ``items`` (but those ``known``), hashed together.
 
         A store whose parent is the last block of an earlier store of the same drain continues
         that store's chain (its tokens are appended), so one vLLM request's successive events
@@ -373,10 +428,10 @@ class EngineIndex:
             if state is None or state.generation != generation:
                 continue
             for ev in batch.events:
-                if type(ev) is BlockStored and ev.token_ids and ev.block_size > 0:
+                if type(ev) is BlockStored and ev.token_ids and ev.block_size > 0 and id(ev) not in known:
                     jobs.append((state, ev))
-        if len(jobs) < 12:
-            return {}  # below that the scalar path in _stored is as fast
+        if len(jobs) < 2:
+            return {}  # one chain: the scalar path in _stored is as fast
         return hash_chains(self._chains(jobs))
 
     def _chains(self, jobs: list[tuple[SourceState, BlockStored]]) -> list[Chain]:
@@ -397,8 +452,7 @@ class EngineIndex:
             else:
                 chain = Chain(seed, step)
                 chains.append(chain)
-            chain.events.append(ev)
-            chain.tokens.extend(ev.token_ids)
+            chain.add(ev)
             tails[(source_id, group, hash_to_u64(ev.block_hashes[-1]))] = chain
         return chains
 
@@ -412,7 +466,7 @@ class EngineIndex:
         step = min(ev.block_size, block_size)
         if ev.parent_block_hash is None:
             return 0, step
-        parent = state.blocks.get((ev.group_idx or 0, hash_to_u64(ev.parent_block_hash)))
+        parent = state.blocks.get(block_id(ev.group_idx or 0, hash_to_u64(ev.parent_block_hash)))
         if parent is None:
             return None, step
         return None if parent.pos % step else (parent.end, step)
@@ -667,10 +721,10 @@ class EngineIndex:
 
     def _load_block(self, state: SourceState, group: int, h: int, blk: EngineBlock) -> None:
         refs, blk.refs = blk.refs, {}
-        state.blocks[(group, h)] = blk
+        state.blocks[block_id(group, h)] = blk
         for medium, count in refs.items():
             self._hold(state, blk, medium, group)
-            blk.refs[medium] = count
+            blk.refs = {**blk.refs, medium: count}
 
     def _txn(self) -> Any:
         return self._store.write() if self._store is not None else NullTxn()
@@ -684,6 +738,31 @@ _IGNORED: Counter[str] = Counter()  # errors of the precompute pass are counted 
 Run = tuple[list[Fragment], bytes, bytes, int]
 _MAX_RUNS = 65_536  # memoised runs per table (a few hundred bytes each), then started afresh
 _MAX_RUN_TABLES = 4096  # (instance, adapter) namespaces whose runs are kept
+
+
+#: ``EngineBlock.refs`` is copy-on-write: a block's map is replaced, never changed in place, so
+#: the blocks held once on one medium (nearly all) share one map instead of a dict each.
+_ONCE: dict[str, dict[str, int]] = {}
+
+
+def _held_once(medium: str) -> dict[str, int]:
+    """The shared ``{medium: 1}`` (never to be changed in place)."""
+    found = _ONCE.get(medium)
+    if found is None:
+        if len(_ONCE) >= 1024:  # media are a handful; a flood of names must not grow this
+            _ONCE.clear()
+        found = _ONCE[medium] = {medium: 1}
+    return found
+
+
+def _u64_hashes(raw: list[ExternalBlockHash]) -> list[int]:
+    """Engine hashes as unsigned 64-bit ints; vLLM's own (ints, none negative) as they are."""
+    try:
+        if raw and min(raw) >= 0 and max(raw) <= M64:  # type: ignore[operator]
+            return raw  # type: ignore[return-value]
+    except TypeError:  # bytes among them
+        pass
+    return [h & M64 if type(h) is int else hash_to_u64(h) for h in raw]
 
 
 def _mask(table: HolderTable, sources: Collection[str]) -> int:

@@ -28,6 +28,7 @@ from kvcm.config import ConfigError
 from kvcm.engines.entries import SourceMatch, SourceState
 from kvcm.engines.index import EngineIndex, Run
 from kvcm.engines.metrics import EventMetrics
+from kvcm.engines.push import Authorize, PushIngest, Report
 from kvcm.engines.scoring import (
     ENTRY,
     STORAGE,
@@ -103,6 +104,7 @@ class EngineService:
         self.metrics = EventMetrics(registry)
         self.index = EngineIndex(store, instance_lookup)
         self.subscriber = EventSubscriber(self.index, self.settings, self.metrics)
+        self.push = PushIngest(self.index, self.subscriber, self.metrics, instance_lookup, self._check_room)
         loaded = self.index.load()
         statics = static_specs(tuple(static_sources), self.settings)
         self._check_start_count(loaded, statics)
@@ -164,13 +166,18 @@ class EngineService:
                         f"{count} event sources are followed, the most allowed (events.max_sources={limit}); "
                         f"remove one first")
 
+    def report_events(self, report: Report, caller: str = "", authorize: Authorize | None = None) -> dict[str, Any]:
+        """``report_events``: a push source registers, heartbeats, reports or goes down
+        (:mod:`kvcm.engines.push`). Push sources are this node's own: never shared definitions."""
+        return self.push.report(report, caller, authorize)
+
     def remove_source(self, source_id: str) -> dict[str, Any]:
         """Stop following a source and drop exactly its blocks and metrics."""
         state = self.index.remove_source(source_id)
         self.subscriber.remove(source_id)
         self.speculative.forget_source(source_id)
         self.metrics.remove_source(source_id)
-        if self.shared is not None:
+        if self.shared is not None and not state.spec.push:
             with self.shared.write(join=True) as txn:
                 txn.delete(DEFINITIONS, source_id.encode())
         return {"source_id": source_id, "instance_id": state.spec.instance_id}
@@ -186,7 +193,7 @@ class EngineService:
             empty = not any(True for _ in view.scan(DEFINITIONS, limit=1))
         if not empty:
             return self.follow_definitions()
-        mine = [s.spec for s in self.index.sources() if not s.spec.static]
+        mine = [s.spec for s in self.index.sources() if not s.spec.static and not s.spec.push]
         if mine:
             with self.shared.write() as txn:
                 for spec in mine:
@@ -204,7 +211,7 @@ class EngineService:
         added = removed = 0
         for state in self.index.sources():
             spec = state.spec
-            if not spec.static and defined.get(spec.source_id) != spec:
+            if not spec.static and not spec.push and defined.get(spec.source_id) != spec:
                 self.subscriber.remove(spec.source_id)
                 self.index.remove_source(spec.source_id)
                 self.metrics.remove_source(spec.source_id)
@@ -245,6 +252,7 @@ class EngineService:
             "dp_rank": spec.dp_rank,
             "pod": spec.pod or spec.source_id,
             "static": spec.static,
+            "kind": spec.kind,
             "connected": bool(conn.get("connected", False)),
             "replaying": bool(conn.get("replaying", False)),
             "last_seq": state.last_seq,
@@ -269,6 +277,7 @@ class EngineService:
             "rebuilds": conn.get("rebuilds", 0),
             "expired": conn.get("expired", 0),
             "expired_blocks": conn.get("expired_blocks", 0),
+            **({"generation": spec.generation, "medium": spec.medium or "GPU"} if spec.push else {}),
         }
 
     # --- liveness ---------------------------------------------------------------------------------

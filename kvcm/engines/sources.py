@@ -24,6 +24,7 @@ from kvcm.errors import InvalidArgument
 from kvcm.schema import suggest
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
+PUSH = "push"
 _ID = re.compile(r"^[A-Za-z0-9._:@/\-\[\]]{1,200}$")
 
 
@@ -75,14 +76,29 @@ class SourceSpec:
     # The pod whose DP rank this is, grouping ranks in match_engines; "" = source_id. Stored as
     # given so that specs persisted before the field existed stay equal to their re-added self.
     pod: str = ""
+    #: ``zmq`` (kvcm subscribes to ``endpoint``) or ``push`` (the engine reports through
+    #: ``report_events``; ``endpoint`` is empty). The fields below are push sources' only.
+    kind: str = "zmq"
+    medium: str = ""  # what a reported event without a medium is held on ("" = GPU)
+    generation: int = 0  # the reporter's incarnation: a higher one replaces the source
+    owner: str = ""  # the account that registered it (auth on), the only non-admin that may report
+
+    @property
+    def push(self) -> bool:
+        return self.kind == PUSH
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Every field is a scalar: a shallow copy is asdict()'s result without its deep copies
+        # (this runs at every flush of the source's position).
+        return {name: getattr(self, name) for name in _SPEC_FIELDS}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SourceSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(SourceSpec))
 
 
 def tcp_endpoint(host: str, port: int) -> str:
@@ -213,6 +229,28 @@ def _check_keys(params: dict[str, Any]) -> None:
             guess = suggest(str(key), _KEYS)
             hint = f" (did you mean {guess}?)" if guess else ""
             raise InvalidArgument(f"unknown field {str(key)[:100]}{hint}")
+
+
+def push_spec(
+    source_id: str, instance_id: str, *, dp_rank: int = 0, pod: str = "", medium: str = "", generation: int = 0,
+    owner: str = "",
+) -> SourceSpec:
+    """The spec of a source registered through ``report_events`` (validated like ``build_spec``)."""
+    if not isinstance(source_id, str) or not _ID.match(source_id):
+        raise InvalidArgument(f"source_id must be 1-200 chars of [A-Za-z0-9._:@/-], got {str(source_id)[:200]!r}")
+    if not instance_id:
+        raise InvalidArgument("instance_id is required")
+    if not 0 <= dp_rank < 4096:
+        raise InvalidArgument(f"dp_rank must be an int in [0, 4096), got {dp_rank}")
+    if pod and not _ID.match(pod):
+        raise InvalidArgument(f"pod must be 1-200 chars of [A-Za-z0-9._:@/-], got {pod[:200]!r}")
+    if medium and not _MEDIUM.match(medium):
+        raise InvalidArgument(f"medium must be 1-32 chars of [A-Za-z0-9_-], got {medium[:40]!r}")
+    return SourceSpec(source_id=source_id, instance_id=instance_id, endpoint="", dp_rank=dp_rank, pod=pod,
+                      kind=PUSH, medium=medium.upper(), generation=generation, owner=owner)
+
+
+_MEDIUM = re.compile(r"^[A-Za-z0-9_\-]{1,32}$")
 
 
 def static_specs(entries: tuple[str, ...] | list[Any], settings: SubscriberSettings) -> list[SourceSpec]:

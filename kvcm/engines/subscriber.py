@@ -36,9 +36,17 @@ is raised (soft up to hard) or start-up refused when they cannot fit.
 Nothing blocks: every receive is non-blocking, each socket is drained at most ``_DRAIN`` messages
 per wake-up, and a silent replay endpoint only ever delays its own source.
 
-Thread ownership: every socket and :class:`_Conn` belongs to the thread calling :meth:`poll_once`
+Thread ownership: every socket and :class:`SourceConn` belongs to the thread calling :meth:`poll_once`
 (the subscriber thread). Other threads use :meth:`add`/:meth:`remove`/:meth:`snapshot`, and the
 read-only :meth:`freshness`/:meth:`instance_freshness`/``stale_ids``, only.
+
+Push sources (``spec.kind == "push"``, fed by ``report_events``: :mod:`kvcm.engines.push`) have a
+:class:`SourceConn` without sockets, so liveness, ``stale_ids`` and freshness treat them exactly
+like ZeroMQ sources. They are added and removed at once (:meth:`add_push`, :meth:`remove`), not at
+the next wake-up, because the report that registers one is answered before that. Their sequencing
+fields belong to the RPC thread, which changes them, and marks them heard (:meth:`heard_push`),
+holding the index lock; the subscriber thread only ages them, and expires one under the same
+lock after checking it was not heard meanwhile, so an expiry never drops a report it raced with.
 """
 
 from __future__ import annotations
@@ -102,8 +110,9 @@ def ensure_open_files(needed: int, max_sources: int) -> None:
     log.info("raised the open-file limit from %d to %d for events.max_sources=%d", soft, needed, max_sources)
 
 
-class _Conn:
-    """Connection and sequencing state of one source (subscriber thread only)."""
+class SourceConn:
+    """Connection and sequencing state of one source (subscriber thread only; a push source's
+    sequencing fields are the RPC thread's, see the module docstring)."""
 
     def __init__(
         self, spec: SourceSpec, generation: int, last_seq: int, last_ts: float, cfg: SubscriberSettings, now: float
@@ -169,8 +178,8 @@ class EventSubscriber:
         except BaseException:
             self._ctx.term()
             raise
-        self._conns: dict[str, _Conn] = {}
-        self._owner: dict[Any, tuple[_Conn, str]] = {}
+        self._conns: dict[str, SourceConn] = {}
+        self._owner: dict[Any, tuple[SourceConn, str]] = {}
         self._poller = zmq.Poller()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._ops: list[tuple[str, Any]] = []
@@ -184,11 +193,37 @@ class EventSubscriber:
     # --- control (any thread) -------------------------------------------------------------------
 
     def add(self, spec: SourceSpec, generation: int, last_seq: int = -1, last_ts: float = 0.0) -> None:
-        """Start following a source (takes effect at the next :meth:`poll_once`)."""
+        """Start following a source (takes effect at the next :meth:`poll_once`; a push source at once)."""
+        if spec.push:  # loaded at start-up: it cannot be replayed, so it needs a snapshot
+            self.add_push(spec, generation, last_seq, last_ts).gap = True
+            return
         self._commands.put(lambda: self._add(spec, generation, last_seq, last_ts))
 
     def remove(self, source_id: str) -> None:
+        conn = self._conns.get(source_id)
+        if conn is not None and conn.spec.push:
+            self._conns.pop(source_id, None)
+            self.metrics.remove_source(source_id)
+            return
         self._commands.put(lambda: self._remove(source_id))
+
+    def add_push(self, spec: SourceSpec, generation: int, last_seq: int = -1, last_ts: float = 0.0) -> SourceConn:
+        """A push source's liveness and counters, in effect at once (no sockets: see the module docstring)."""
+        conn = SourceConn(spec, generation, last_seq, last_ts, self.settings, self._clock())
+        conn.connected = True  # it reaches us; "connected" means nothing more for a push source
+        self._conns[spec.source_id] = conn
+        return conn
+
+    def push_conn(self, source_id: str) -> SourceConn | None:
+        conn = self._conns.get(source_id)
+        return conn if conn is not None and conn.spec.push else None
+
+    def heard_push(self, conn: SourceConn) -> None:
+        """A report or heartbeat arrived (RPC thread, index lock held). A stale source is matched
+        again from the very next query, not only after the subscriber's next timer pass."""
+        self._heard(conn)
+        if conn.spec.source_id in self.stale_ids:
+            self.stale_ids = self.stale_ids - {conn.spec.source_id}
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Connection facts per source, for ``list_event_sources``."""
@@ -226,7 +261,7 @@ class EventSubscriber:
             known = self._fresh[instance_id] = (now, fresh, msgspec.msgpack.encode(fresh))
         return known[1], known[2]
 
-    def _freshness(self, conn: _Conn) -> tuple[str, float]:
+    def _freshness(self, conn: SourceConn) -> tuple[str, float]:
         age = max(0.0, self._clock() - conn.heard_at)
         if conn.expired:
             return "expired", age
@@ -235,6 +270,11 @@ class EventSubscriber:
         if conn.replay_start is not None and not conn.probing:
             return "replaying", age
         return ("gap" if conn.gap else "live"), age
+
+    @property
+    def running(self) -> bool:
+        """The subscriber thread runs (and so flushes the index at every wake-up)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     def start(self) -> None:
         """Run :meth:`poll_once` on a daemon thread until :meth:`stop`."""
@@ -288,9 +328,10 @@ class EventSubscriber:
                 handled += self._drain(owner[0], owner[1], sock)
         self._timers(self._clock())
         self._apply_ops()
+        self.index.flush()  # push sources' reports since the last wake-up (kvcm.engines.push)
         return handled
 
-    def _drain(self, conn: _Conn, role: str, sock: zmq.Socket[bytes]) -> int:
+    def _drain(self, conn: SourceConn, role: str, sock: zmq.Socket[bytes]) -> int:
         n = 0
         while n < _DRAIN and sock in self._owner:
             try:
@@ -311,7 +352,7 @@ class EventSubscriber:
     def _add(self, spec: SourceSpec, generation: int, last_seq: int, last_ts: float) -> None:
         if spec.source_id in self._conns:
             self._remove(spec.source_id)
-        conn = _Conn(spec, generation, last_seq, last_ts, self.settings, self._clock())
+        conn = SourceConn(spec, generation, last_seq, last_ts, self.settings, self._clock())
         self._conns[spec.source_id] = conn
         self.metrics.status.labels(spec.source_id).set(0)
         self._open(conn)
@@ -323,7 +364,7 @@ class EventSubscriber:
             self._ops = [op for op in self._ops if op[1][0] != source_id]
             self.metrics.remove_source(source_id)  # again: closing set the status gauge
 
-    def _open(self, conn: _Conn) -> None:
+    def _open(self, conn: SourceConn) -> None:
         """Create and connect the source's sockets; on failure, retry after a backoff."""
         try:
             conn.sub = self._socket(zmq.SUB, conn)
@@ -344,13 +385,13 @@ class EventSubscriber:
         self._own(conn.sub, conn, "sub")
         self._own(conn.monitor, conn, "monitor")
 
-    def _open_dealer(self, conn: _Conn) -> None:
+    def _open_dealer(self, conn: SourceConn) -> None:
         assert conn.spec.replay_endpoint
         conn.dealer = self._socket(zmq.DEALER, conn)
         conn.dealer.connect(conn.spec.replay_endpoint)
         self._own(conn.dealer, conn, "dealer")
 
-    def _socket(self, kind: int, conn: _Conn) -> zmq.Socket[bytes]:
+    def _socket(self, kind: int, conn: SourceConn) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(conn.backoff_initial * 1000)))
@@ -359,7 +400,7 @@ class EventSubscriber:
             sock.setsockopt(zmq.IPV6, 1)
         return sock
 
-    def _own(self, sock: zmq.Socket[bytes] | None, conn: _Conn, role: str) -> None:
+    def _own(self, sock: zmq.Socket[bytes] | None, conn: SourceConn, role: str) -> None:
         if sock is not None:
             self._owner[sock] = (conn, role)
             self._poller.register(sock, zmq.POLLIN)
@@ -370,7 +411,7 @@ class EventSubscriber:
         if sock is not None:
             sock.close(linger=0)
 
-    def _close_sockets(self, conn: _Conn) -> None:
+    def _close_sockets(self, conn: SourceConn) -> None:
         if conn.sub is not None:
             try:
                 conn.sub.disable_monitor()
@@ -388,7 +429,7 @@ class EventSubscriber:
     def _timers(self, now: float) -> None:
         stale = []
         for conn in list(self._conns.values()):
-            if conn.sub is None and now >= conn.open_at:
+            if conn.sub is None and now >= conn.open_at and not conn.spec.push:
                 self.metrics.reconnect_attempts.labels(conn.spec.source_id).inc()
                 self._open(conn)
             if conn.replay_start is not None and now >= conn.replay_deadline:
@@ -401,7 +442,7 @@ class EventSubscriber:
         if len(stale) != len(self.stale_ids) or not self.stale_ids.issuperset(stale):
             self.stale_ids = frozenset(stale)
 
-    def _liveness(self, conn: _Conn, now: float) -> bool:
+    def _liveness(self, conn: SourceConn, now: float) -> bool:
         """Probe a silent source, mark it stale, expire it; True while it is stale."""
         cfg, idle = self.settings, now - conn.heard_at
         if (idle >= cfg.probe_interval_s and now >= conn.probe_at and conn.replay_start is None
@@ -412,15 +453,18 @@ class EventSubscriber:
             conn.stale = stale
             self.metrics.stale.labels(conn.spec.source_id).set(int(stale))
         if stale and cfg.expire_after_s > 0 and idle >= cfg.expire_after_s and not conn.expired:
-            self._expire(conn)
+            if conn.spec.push:
+                self._expire_push(conn)
+            else:
+                self._expire(conn)
         return stale
 
-    def _heard(self, conn: _Conn) -> None:
+    def _heard(self, conn: SourceConn) -> None:
         conn.heard_at = self._clock()
         conn.heard_wall = time.time()
         conn.expired = False
 
-    def _probe(self, conn: _Conn, now: float) -> None:
+    def _probe(self, conn: SourceConn, now: float) -> None:
         """Ask from ``last_seq`` itself, like a reconnect: the answer proves the publisher is up
         and still the incarnation whose blocks we hold."""
         conn.probe_at = now + self.settings.probe_interval_s
@@ -429,21 +473,21 @@ class EventSubscriber:
         else:
             self._start_replay(conn, 0, probe=True)
 
-    def _probe_failed(self, conn: _Conn) -> None:
+    def _probe_failed(self, conn: SourceConn) -> None:
         """An unanswered probe: the source just stays unheard (no replay backoff: probes are
         already spaced by ``probe_interval_s``)."""
         conn.stats["probe_failures"] += 1
         self.metrics.probe_failures.labels(conn.spec.source_id).inc()
         self._end_probe(conn)
 
-    def _end_probe(self, conn: _Conn) -> None:
+    def _end_probe(self, conn: SourceConn) -> None:
         conn.replay_start = None
         conn.probing = False
         if conn.dealer is not None:  # a late answer must not leak into the next replay
             self._renew_dealer(conn)
         self._release_held(conn)
 
-    def _expire(self, conn: _Conn) -> None:
+    def _expire(self, conn: SourceConn) -> None:
         """Not heard for ``expire_after_s``: drop its blocks; when heard again it rebuilds from 0."""
         log.warning("source %s: not heard for %.0fs, dropping its blocks", conn.spec.source_id,
                     self.settings.expire_after_s)
@@ -454,7 +498,22 @@ class EventSubscriber:
         self._ops.append(("expire", (conn.spec.source_id, conn.generation)))
         conn.last_seq, conn.last_ts = -1, 0.0
 
-    def _rebuild(self, conn: _Conn, reason: str) -> None:
+    def _expire_push(self, conn: SourceConn) -> None:
+        """:meth:`_expire` for a push source, at once and under the index lock (see the module
+        docstring). It cannot be replayed: ``gap`` stays set, so its replies ask for a snapshot."""
+        with self.index.lock:
+            if self._clock() - conn.heard_at < self.settings.expire_after_s or conn.expired:
+                return  # reported meanwhile
+            log.warning("push source %s: not heard for %.0fs, dropping its blocks", conn.spec.source_id,
+                        self.settings.expire_after_s)
+            conn.expired = conn.gap = True
+            conn.stats["expired"] += 1
+            self.metrics.expired.labels(conn.spec.source_id).inc()
+            self._count_expired(conn.spec.source_id)
+            self.index.clear_source(conn.spec.source_id, conn.generation)
+        self.index.flush()
+
+    def _rebuild(self, conn: SourceConn, reason: str) -> None:
         """Drop every block of the source; the replay that follows (or the next events) refill it."""
         conn.stats["rebuilds"] += 1
         conn.stats["last_rebuild"] = reason
@@ -464,7 +523,7 @@ class EventSubscriber:
 
     # --- live messages ----------------------------------------------------------------------------
 
-    def _on_live(self, conn: _Conn, frames: list[bytes]) -> None:
+    def _on_live(self, conn: SourceConn, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             self._error(conn, "bad_frames")
             return
@@ -483,7 +542,7 @@ class EventSubscriber:
             return
         self._sequence(conn, seq, batch, allow_replay=True)
 
-    def _sequence(self, conn: _Conn, seq: int, batch: DecodedBatch | None, allow_replay: bool) -> None:
+    def _sequence(self, conn: SourceConn, seq: int, batch: DecodedBatch | None, allow_replay: bool) -> None:
         """Place one batch (live or replayed) against ``last_seq``: apply, drop, replay or reset."""
         last = conn.last_seq
         if seq == last + 1 or (last < 0 and not self._can_replay(conn, allow_replay)):
@@ -504,10 +563,10 @@ class EventSubscriber:
             conn.gap = True  # removals in the gap are lost: held blocks may be stale
             self._queue_apply(conn, seq, batch)
 
-    def _can_replay(self, conn: _Conn, allow: bool) -> bool:
+    def _can_replay(self, conn: SourceConn, allow: bool) -> bool:
         return allow and conn.dealer is not None and self._clock() >= conn.replay_not_before
 
-    def _restart(self, conn: _Conn, seq: int | None, batch: DecodedBatch | None) -> None:
+    def _restart(self, conn: SourceConn, seq: int | None, batch: DecodedBatch | None) -> None:
         """The publisher restarted (its seq went back): clear the source and rebuild by replay."""
         log.info("source %s: publisher restart detected (seq %s after %d)", conn.spec.source_id, seq, conn.last_seq)
         conn.stats["restarts"] += 1
@@ -524,13 +583,13 @@ class EventSubscriber:
         else:
             self._release_held(conn)
 
-    def _hold(self, conn: _Conn, seq: int, batch: DecodedBatch | None) -> None:
+    def _hold(self, conn: SourceConn, seq: int, batch: DecodedBatch | None) -> None:
         if len(conn.held) >= self.settings.max_held:
             conn.held.pop(0)
             self._error(conn, "held_overflow")
         conn.held.append((seq, batch))
 
-    def _queue_apply(self, conn: _Conn, seq: int, batch: DecodedBatch | None) -> None:
+    def _queue_apply(self, conn: SourceConn, seq: int, batch: DecodedBatch | None) -> None:
         conn.last_seq = seq
         if batch is not None:
             conn.last_ts = batch.ts
@@ -538,7 +597,7 @@ class EventSubscriber:
         empty = DecodedBatch(conn.last_ts, [])
         self._ops.append(("apply", (conn.spec.source_id, conn.generation, seq, batch or empty)))
 
-    def _decode(self, conn: _Conn, payload: bytes) -> DecodedBatch | None:
+    def _decode(self, conn: SourceConn, payload: bytes) -> DecodedBatch | None:
         """The batch, or None for garbage (counted; its seq is still consumed)."""
         try:
             batch = decode_batch(payload)
@@ -556,7 +615,7 @@ class EventSubscriber:
     # --- replay -----------------------------------------------------------------------------------
 
     def _start_replay(
-        self, conn: _Conn, start: int, check: tuple[int, float] | None = None, probe: bool = False
+        self, conn: SourceConn, start: int, check: tuple[int, float] | None = None, probe: bool = False
     ) -> None:
         """Ask for every buffered batch from ``start``. With ``check = (seq, ts)`` the first reply
         must be that very batch, proving the publisher is the incarnation we last heard from."""
@@ -579,7 +638,7 @@ class EventSubscriber:
             conn.stats["replays"] += 1
             self.metrics.replay_requests.labels(conn.spec.source_id).inc()
 
-    def _on_replay(self, conn: _Conn, frames: list[bytes]) -> None:
+    def _on_replay(self, conn: SourceConn, frames: list[bytes]) -> None:
         if frames and frames[0] == b"":
             frames = frames[1:]
         if len(frames) == 3:
@@ -613,7 +672,7 @@ class EventSubscriber:
         conn.replay_deadline = self._clock() + conn.replay_timeout  # progress extends the deadline
         self._sequence(conn, seq, batch, allow_replay=False)
 
-    def _unrecoverable(self, conn: _Conn, first: int) -> None:
+    def _unrecoverable(self, conn: SourceConn, first: int) -> None:
         """The publisher no longer buffers the gap: drop the source's (possibly stale) blocks."""
         self._error(conn, "replay_gap")
         if conn.last_seq >= 0:
@@ -621,7 +680,7 @@ class EventSubscriber:
             self._rebuild(conn, "replay_gap")
         conn.last_seq = first - 1
 
-    def _replay_done(self, conn: _Conn) -> None:
+    def _replay_done(self, conn: SourceConn) -> None:
         conn.replay_start = None
         conn.replay_backoff = conn.backoff_initial
         if conn.probing:
@@ -631,7 +690,7 @@ class EventSubscriber:
             self.metrics.replay_success.labels(conn.spec.source_id).inc()
         self._release_held(conn)
 
-    def _replay_failed(self, conn: _Conn, kind: str) -> None:
+    def _replay_failed(self, conn: SourceConn, kind: str) -> None:
         conn.replay_start = None
         conn.probing = False
         conn.stats["replay_failures"] += 1
@@ -642,7 +701,7 @@ class EventSubscriber:
             self._renew_dealer(conn)
         self._release_held(conn)
 
-    def _renew_dealer(self, conn: _Conn) -> None:
+    def _renew_dealer(self, conn: SourceConn) -> None:
         self._disown(conn.dealer)
         conn.dealer = None
         try:
@@ -650,14 +709,14 @@ class EventSubscriber:
         except zmq.ZMQError:
             self._error(conn, "connect")
 
-    def _release_held(self, conn: _Conn) -> None:
+    def _release_held(self, conn: SourceConn) -> None:
         held, conn.held = sorted(conn.held, key=lambda x: x[0]), []
         for seq, batch in held:
             self._sequence(conn, seq, batch, allow_replay=False)
 
     # --- connection monitor ------------------------------------------------------------------------
 
-    def _on_monitor(self, conn: _Conn, frames: list[bytes]) -> None:
+    def _on_monitor(self, conn: SourceConn, frames: list[bytes]) -> None:
         try:
             event = parse_monitor_message(frames)["event"]
         except Exception:  # noqa: BLE001 - a malformed monitor frame is not worth dying for
@@ -738,12 +797,16 @@ class EventSubscriber:
 
     # --- counting ---------------------------------------------------------------------------------------
 
-    def _missed(self, conn: _Conn, n: int) -> None:
+    def _missed(self, conn: SourceConn, n: int) -> None:
         if n > 0:
             conn.stats["missed"] += n
             self.metrics.missed.labels(conn.spec.source_id).inc(n)
 
-    def _error(self, conn: _Conn, kind: str, n: int = 1) -> None:
+    def count_error(self, conn: SourceConn, kind: str, n: int = 1) -> None:
+        """Count ``n`` errors of ``kind`` for a source (push sources count their own)."""
+        self._error(conn, kind, n)
+
+    def _error(self, conn: SourceConn, kind: str, n: int = 1) -> None:
         conn.stats["errors"] += n
         by_kind = conn.stats["errors_by_kind"]
         by_kind[kind] = by_kind.get(kind, 0) + n

@@ -16,10 +16,11 @@ Thread ownership: none of its own; :class:`~kvcm.engines.index.EngineIndex` guar
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress, count, islice, repeat
-from operator import ne
+from operator import ne, or_
 
 import msgspec
 
@@ -105,8 +106,16 @@ class HolderTable:
 
     # --- holdings -------------------------------------------------------------------------------
 
-    def hold(self, sid: int, keys: Iterable[int]) -> None:
+    def hold(self, sid: int, keys: Sequence[int]) -> None:
         refs, holders, bit = self.refs[sid], self.holders, 1 << sid
+        if refs.keys().isdisjoint(keys):
+            # The common case (keys the slot does not hold yet): C-level iteration only.
+            before = len(refs)
+            refs.update(zip(keys, repeat(1)))
+            if len(refs) - before != len(keys):  # a key given twice holds twice
+                refs.update(Counter(keys))
+            holders.update(zip(keys, map(or_, map(holders.get, keys, repeat(0)), repeat(bit))))
+            return
         for key in keys:
             count = refs.get(key, 0)
             refs[key] = count + 1

@@ -56,7 +56,7 @@ from kvcm.control.records import (
     token_digest,
 )
 from kvcm.control.registry import ACCOUNT, TOKEN, Registry, instance_not_found
-from kvcm.errors import AccessDenied, Code, Conflict, Unavailable
+from kvcm.errors import AccessDenied, Code, Conflict, NotFound, Unavailable
 from kvcm.rpc.dispatch import Deferred, Method
 from kvcm.schema import Credentials
 
@@ -275,6 +275,21 @@ class Authenticator:
             return group is not None and principal.may_use(group)
 
         return visible
+
+    def check_reporter(self, request: Any, owner: str, instance_id: str, source_id: str) -> None:
+        """``report_events`` for an already registered push source: an admin may report for any;
+        anyone else only for a source its own account registered (``owner``), of an instance in
+        its groups. Another tenant's source answers as a missing one, like its instances do."""
+        principal = self.principal(request)
+        if principal is None or principal.admin:
+            return
+        group = self._registry.group_of(instance_id)
+        if group is None or not principal.may_use(group):
+            raise NotFound(f"event source {source_id[:200]!r} is not registered: report_events needs a push "
+                           f"source (op register first)")
+        if owner != principal.user_name:
+            raise AccessDenied(f"report_events: event source {source_id[:200]!r} was registered by another "
+                               f"account; only it (or an admin) may report for it", Code.PERMISSION_DENIED)
 
     def caller(self, request: Any) -> str | None:
         """The account name of the caller of ``request`` (None when auth is off)."""

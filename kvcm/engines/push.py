@@ -1,0 +1,355 @@
+"""Push ingestion: engines that cannot expose a ZeroMQ PUB socket report through ``report_events``.
+
+LMCache in multi-process mode, storage tiers, SGLang behind HTTP and TRT-LLM can call an RPC but
+not host a socket kvcm subscribes to. A *push source* registers itself, heartbeats, and sends its
+batches; kvcm applies them to the same :class:`~kvcm.engines.index.EngineIndex` as the
+subscriber's, so ``match_engines`` sees push and ZeroMQ sources alike. One report is one
+:class:`Report`, with an ``op``:
+
+* ``register``: create the source (``instance_id``, ``dp_rank``, ``pod``, ``medium``) at a
+  ``generation``; the same registration again is a no-op, a higher generation replaces the
+  source (a restarted engine: its blocks are dropped);
+* ``heartbeat``: heard, nothing else;
+* ``payloads``: vLLM-encoded ``KVEventBatch`` bytes with their seq, decoded by the subscriber's
+  own lenient codec (:func:`kvcm.kv_events.decode_batch`: a broken event is counted and skipped);
+* ``events``: one batch of decoded events (``BlockStored`` / ``BlockRemoved`` /
+  ``AllBlocksCleared``) at a seq;
+* ``snapshot``: the source's whole content (stores only), replacing every block it held in one
+  step; a higher generation here also replaces the registration;
+* ``down``: the engine is going away: the source and its blocks are dropped.
+
+Generations: a report of a generation lower than the source's is refused (VERSION_CONFLICT): it
+comes from an engine incarnation that was replaced, and applying it would mix two caches. Only
+``register`` and ``snapshot`` may raise the generation; any other op at a higher one is refused
+too (the reporter must say what the new incarnation holds first).
+
+Sequence numbers: within a generation, a batch at or below the last applied seq is a duplicate
+(ignored, counted: a retried report is harmless); one past ``last_seq + 1`` is a gap. A push
+source cannot be replayed, so the batch is applied, the missed batches are counted, the source's
+state is ``gap``, and every reply says ``resync: true`` until a snapshot arrives. An expired push
+source (not heard for ``events.expire_after_s``: its blocks were dropped) is in the same state
+when heard again. The first batch after a registration, or after a snapshot sent without a seq,
+sets the baseline.
+
+Liveness is the subscriber's (:class:`~kvcm.engines.subscriber.EventSubscriber` keeps a socket-less
+connection per push source): every report is heard, so a source that neither reports nor
+heartbeats turns stale and then expires exactly like a silent ZeroMQ publisher.
+
+Each report is applied before it is answered. ``register``, ``snapshot`` and ``down`` are also
+persisted before the answer; batches (``payloads``, ``events``) are persisted with the
+subscriber's next wake-up (within ``events.poll_ms``: one engine-store transaction for all the
+reports since, like the ZeroMQ sources' batches). A kvcm crash can therefore lose the last
+acknowledged batches, and since no push source can be replayed, every push source loaded at
+start-up is in state ``gap`` (``resync: true``) until its next snapshot.
+
+Speed: a reporter sends one batch per request, and one chain's re-hash is the slow part of
+applying it. :meth:`PushIngest.prepare` is called for every report of a dispatcher turn before
+any of them runs (the method's cost hook, which needs the decoded sizes anyway): it decodes the
+batches and pools them, and the first report applied hashes the whole pool at once
+(:func:`kvcm.engines.hashing.chain_states_many`); the rest find their states ready.
+
+Thread ownership: the RPC thread calls :meth:`PushIngest.prepare` and :meth:`PushIngest.report`;
+they change a push source's sequencing state and the index under the index lock (see
+``kvcm.engines.subscriber``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcm.engines.entries import ApplyStats, Item, SourceState
+from kvcm.engines.hashing import Precomputed
+from kvcm.engines.index import EngineIndex
+from kvcm.engines.metrics import EventMetrics
+from kvcm.engines.sources import SourceSpec, push_spec
+from kvcm.engines.subscriber import EventSubscriber, SourceConn
+from kvcm.errors import Code, Conflict, InvalidArgument, NotFound, error
+from kvcm.kv_events import BlockRemoved, BlockStored, DecodedBatch, Event, EventDecodeError, decode_batch
+
+OPS = ("register", "heartbeat", "payloads", "events", "snapshot", "down")
+#: Batches pooled for one turn's hashing at most (beyond, reports hash on their own).
+MAX_POOL = 4096
+
+#: ``authorize(spec)``: allow the caller to report for this registered source, or raise.
+Authorize = Callable[[SourceSpec], None]
+
+
+@dataclass
+class Report:
+    """One ``report_events`` request, validated by the API layer (``kvcm/api/engines.py``)."""
+
+    source_id: str
+    op: str
+    generation: int = 0
+    instance_id: str | None = None
+    dp_rank: int = 0
+    pod: str = ""
+    medium: str = ""
+    seq: int | None = None
+    ts: float | None = None
+    events: list[Event] = field(default_factory=list)
+    payloads: list[tuple[int, bytes]] = field(default_factory=list)
+    #: ``(seq, batch)`` decoded by :meth:`PushIngest.prepare` (None: a payload that is no batch)
+    batches: list[tuple[int, DecodedBatch | None]] | None = None
+
+
+@dataclass
+class _Outcome:
+    applied: int = 0
+    duplicates: int = 0
+    missed: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+class PushIngest:
+    """``report_events`` over the engine index and the subscriber's liveness (module docstring)."""
+
+    def __init__(
+        self,
+        index: EngineIndex,
+        subscriber: EventSubscriber,
+        metrics: EventMetrics,
+        instance_lookup: Callable[[str], int],
+        check_room: Callable[[], None],
+    ) -> None:
+        self.index = index
+        self.subscriber = subscriber
+        self.metrics = metrics
+        self.instance_lookup = instance_lookup
+        self.check_room = check_room
+        self._pool: list[Item] = []
+        self._hashed: Precomputed | None = None  # the pool's states, once the first report used them
+        self._reported = False  # a report ran since the pool began: the next prepare starts a new one
+
+    def prepare(self, r: Report) -> None:
+        """Decode the report's batches and pool them for hashing with the rest of the turn (see
+        the module docstring). Idempotent; for a report of an unknown source it only decodes."""
+        if r.batches is None:
+            r.batches = _batches(r)
+        if self._reported:  # reports ran since: this is a new turn, and it pools only its own
+            self._pool, self._hashed, self._reported = [], None, False
+        state = self.index.get(r.source_id)
+        if state is None or not state.spec.push or len(self._pool) >= MAX_POOL:
+            return
+        self._pool += [(r.source_id, state.generation, seq, b) for seq, b in r.batches if b is not None]
+
+    def _pooled(self) -> Precomputed:
+        if self._hashed is None:
+            self._hashed = self.index.precompute(self._pool) if len(self._pool) > 1 else {}
+        return self._hashed
+
+    def report(self, r: Report, caller: str = "", authorize: Authorize | None = None) -> dict[str, Any]:
+        """Handle one report; ``caller`` is the account name that becomes a new source's owner."""
+        self._reported = True
+        if r.op == "register":
+            return self._register(r, caller, authorize)
+        state = self.index.get(r.source_id)
+        if state is None or not state.spec.push:
+            what = "is a ZeroMQ source (add_event_source)" if state is not None else "is not registered"
+            raise NotFound(f"event source {r.source_id[:200]!r} {what}: report_events needs a push source "
+                           f"(op register first)")
+        if authorize is not None:
+            authorize(state.spec)
+        state = self._generation(state, r)
+        if r.op == "down":
+            return self._down(state)
+        conn = self._conn(state)
+        outcome = _Outcome()
+        if r.batches is None:
+            r.batches = _batches(r)
+        if r.op == "snapshot":
+            self._snapshot(state, conn, r, outcome)
+        else:
+            items = self._place(state, conn, r, outcome)
+            with self.index.lock:
+                self.subscriber.heard_push(conn)
+                results = self.index.apply_many(items, self._pooled()) if items else []
+            self._count(conn, items, results, outcome)
+        if r.op == "snapshot" or not self.subscriber.running:
+            self.index.flush()  # batches wait for the subscriber's next wake-up (module docstring)
+        return self._reply(state.spec, conn, outcome)
+
+    # --- registration -----------------------------------------------------------------------------
+
+    def _register(self, r: Report, caller: str, authorize: Authorize | None) -> dict[str, Any]:
+        if r.instance_id is None:
+            raise InvalidArgument("report_events: op register needs instance_id")
+        spec = push_spec(r.source_id, r.instance_id, dp_rank=r.dp_rank, pod=r.pod, medium=r.medium,
+                         generation=r.generation, owner=caller)  # fmt: skip
+        state = self.index.get(r.source_id)
+        if state is None:
+            self.instance_lookup(spec.instance_id)  # raises NotFound for an unknown instance
+            self.check_room()
+            state = self._create(spec)
+            return self._reply(spec, self._conn(state), _Outcome())
+        old = state.spec
+        if not old.push:
+            raise Conflict(f"event source {r.source_id[:200]!r} is a ZeroMQ source (add_event_source); "
+                           f"a push source needs another source_id")
+        if authorize is not None:
+            authorize(old)
+        self._check_not_older(old, r.generation)
+        spec = dataclasses.replace(spec, owner=old.owner)  # an admin re-registering keeps the owner
+        if spec != old:
+            if r.generation == old.generation:
+                raise Conflict(f"push source {r.source_id[:200]!r} is registered at generation {old.generation} "
+                               f"with other fields; register with a higher generation to replace it")
+            self.instance_lookup(spec.instance_id)
+            state = self._replace(state, spec)
+        conn = self._conn(state)
+        with self.index.lock:
+            self.subscriber.heard_push(conn)
+        return self._reply(spec, conn, _Outcome())
+
+    def _create(self, spec: SourceSpec) -> SourceState:
+        state = self.index.add_source(spec)
+        with self.index.lock:
+            conn = self.subscriber.add_push(spec, state.generation)
+            self.subscriber.heard_push(conn)
+        return state
+
+    def _replace(self, state: SourceState, spec: SourceSpec) -> SourceState:
+        """A new incarnation: the old one's blocks, position and counters are dropped."""
+        self.subscriber.remove(state.spec.source_id)
+        self.index.remove_source(state.spec.source_id)
+        return self._create(spec)
+
+    def _generation(self, state: SourceState, r: Report) -> SourceState:
+        """The source to apply ``r`` to: refused if older; replaced by a snapshot's newer one."""
+        spec = state.spec
+        self._check_not_older(spec, r.generation)
+        if r.generation == spec.generation:
+            return state
+        if r.op != "snapshot":
+            raise error(Code.VERSION_CONFLICT,
+                        f"push source {spec.source_id[:200]!r} is at generation {spec.generation}; a new generation "
+                        f"({r.generation}) starts with op register or snapshot")  # fmt: skip
+        return self._replace(state, dataclasses.replace(spec, generation=r.generation))
+
+    @staticmethod
+    def _check_not_older(spec: SourceSpec, generation: int) -> None:
+        if generation < spec.generation:
+            raise error(Code.VERSION_CONFLICT,
+                        f"push source {spec.source_id[:200]!r} is at generation {spec.generation}: a report of "
+                        f"generation {generation} comes from a replaced engine and is refused")  # fmt: skip
+
+    def _down(self, state: SourceState) -> dict[str, Any]:
+        source_id = state.spec.source_id
+        self.subscriber.remove(source_id)
+        self.index.remove_source(source_id)
+        return {"source_id": source_id, "generation": state.spec.generation, "state": "down", "resync": False,
+                "last_seq": state.last_seq}
+
+    def _conn(self, state: SourceState) -> SourceConn:
+        conn = self.subscriber.push_conn(state.spec.source_id)
+        if conn is None:  # removed by a race: follow it again, not knowing what it missed
+            conn = self.subscriber.add_push(state.spec, state.generation, state.last_seq, state.last_ts)
+            conn.gap = True
+        return conn
+
+    # --- batches --------------------------------------------------------------------------------------
+
+    def _place(self, state: SourceState, conn: SourceConn, r: Report, outcome: _Outcome) -> list[Item]:
+        """The report's batches in seq order against ``last_seq``: duplicates dropped, gaps counted."""
+        items: list[Item] = []
+        for seq, batch in sorted(r.batches or (), key=lambda b: b[0]):
+            self._received(conn, batch, outcome)
+            last = conn.last_seq
+            if last >= 0 and seq <= last:
+                outcome.duplicates += 1
+                conn.stats["duplicates"] += 1
+                continue
+            if last >= 0 and seq > last + 1:
+                outcome.missed += seq - last - 1
+                conn.stats["missed"] += seq - last - 1
+                self.metrics.missed.labels(state.spec.source_id).inc(seq - last - 1)
+                conn.gap = True  # removals may be among the missed: held blocks may be stale
+            conn.last_seq = seq
+            if batch is None:
+                batch = DecodedBatch(conn.last_ts, [])  # garbage: its seq is still consumed
+            _default_medium(batch.events, state.spec.medium)
+            conn.last_ts = batch.ts
+            items.append((state.spec.source_id, state.generation, seq, batch))
+        return items
+
+    def _snapshot(self, state: SourceState, conn: SourceConn, r: Report, outcome: _Outcome) -> None:
+        assert r.batches  # internal: _batches gives a snapshot its one batch
+        seq, batch = r.batches[0]
+        assert batch is not None  # internal: decoded events always make a batch
+        _default_medium(batch.events, state.spec.medium)
+        item: Item = (state.spec.source_id, state.generation, seq, batch)
+        with self.index.lock:
+            self.subscriber.heard_push(conn)
+            result = self.index.replace_source(item, self._pooled())
+            conn.last_seq, conn.last_ts = seq, batch.ts
+            conn.gap = conn.expired = False
+        self._count(conn, [item], [result], outcome)
+
+    def _received(self, conn: SourceConn, batch: DecodedBatch | None, outcome: _Outcome) -> None:
+        """Counted like the subscriber's: garbage, broken events, another DP rank's batch."""
+        if batch is None:
+            outcome.errors["decode"] += 1
+            return
+        for event in batch.events:
+            self.metrics.event(self.metrics.received, "received", conn.spec.source_id, type(event).__name__)
+        outcome.errors.update(batch.errors)
+        if batch.data_parallel_rank is not None and batch.data_parallel_rank != conn.spec.dp_rank:
+            outcome.errors["dp_rank_mismatch"] += 1
+
+    def _count(self, conn: SourceConn, items: Sequence[Item], results: Sequence[ApplyStats | None],
+               outcome: _Outcome) -> None:  # fmt: skip
+        source_id = conn.spec.source_id
+        for item, stats in zip(items, results):
+            if stats is None:
+                continue
+            outcome.applied += stats.blocks
+            self.metrics.last_seq.labels(source_id).set(item[2])
+            for event_type, n in stats.processed.items():
+                self.metrics.event(self.metrics.processed, "processed", source_id, event_type, n)
+            for kind, n in stats.errors.items():
+                if kind not in ("unknown_event", "bad_event"):  # decode kinds: counted on receipt
+                    outcome.errors[kind] += n
+        if items:
+            conn.stats["last_event_time"] = time.time()
+        for kind, n in outcome.errors.items():
+            self.subscriber.count_error(conn, kind, n)
+
+    def _reply(self, spec: SourceSpec, conn: SourceConn, outcome: _Outcome) -> dict[str, Any]:
+        state, _ = self.subscriber.freshness(spec.source_id) or ("live", 0.0)
+        return {
+            "source_id": spec.source_id, "generation": spec.generation, "state": state,
+            "resync": conn.gap, "last_seq": conn.last_seq, "applied_blocks": outcome.applied,
+            "duplicates": outcome.duplicates, "missed": outcome.missed, "errors": dict(outcome.errors),
+        }  # fmt: skip
+
+
+def _batches(r: Report) -> list[tuple[int, DecodedBatch | None]]:
+    """The report's ``(seq, batch)``: payloads decoded leniently, like the subscriber does
+    (garbage is None, broken events are skipped and named in ``batch.errors``)."""
+    if r.op == "payloads":
+        return [(seq, _decode(payload)) for seq, payload in r.payloads]
+    if r.op in ("events", "snapshot"):
+        seq = -1 if r.seq is None else r.seq  # a snapshot without seq: the next batch sets it
+        return [(seq, DecodedBatch(time.time() if r.ts is None else r.ts, list(r.events)))]
+    return []
+
+
+def _decode(payload: bytes) -> DecodedBatch | None:
+    try:
+        return decode_batch(payload)
+    except EventDecodeError:
+        return None
+
+
+def _default_medium(events: Sequence[Event], medium: str) -> None:
+    """Events that name no medium are held on the source's registered one."""
+    if not medium:
+        return
+    for event in events:
+        if (type(event) is BlockStored or type(event) is BlockRemoved) and event.medium is None:
+            event.medium = medium
