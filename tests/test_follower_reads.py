@@ -11,7 +11,7 @@ from cache_helpers import add_file_storage, add_group, register, write
 from test_ha import Pair, _raw_call
 
 from kvcm import Client
-from kvcm.errors import Code
+from kvcm.errors import Code, KvcmError
 
 
 def _follower(p: Pair) -> tuple[str, str]:
@@ -199,3 +199,50 @@ def test_a_leader_start_defines_its_own_sources_once_then_follows_the_shared_one
             assert sources(server) == ["a"]
     finally:
         shared.close()
+
+
+def test_a_follower_s_front_door_is_the_leader_s_curve_on_rpc_and_credentials_on_http(redis_server, tmp_path):
+    """A follower serves reads and /metrics: with CURVE and auth configured, its RPC port takes
+    only the allowed client keys and its side port asks for credentials, as the leader's do."""
+    import threading
+    import urllib.error
+    import urllib.request
+    import uuid
+
+    import redis
+    from zmq.auth import create_certificates
+
+    from kvcm.config import load
+    from kvcm.follower import FollowerStage
+    from kvcm.ha.lease import Lease
+
+    _, server_secret = create_certificates(str(tmp_path), "server")
+    alice_public, alice_secret = create_certificates(str(tmp_path), "alice")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    shutil.copy(alice_public, allowed)
+    prefix = f"fd{uuid.uuid4().hex[:8]}"
+    config = load(None, environ={}, overrides={
+        "server": {"endpoint": f"ipc://{tmp_path}/f.sock", "curve_secret_key_file": server_secret,
+                   "curve_allowed_clients_dir": str(allowed)},
+        "store": {"backend": "redis", "redis_url": redis_server.url, "redis_prefix": prefix,
+                  "data_dir": str(tmp_path / "d")},
+        "http": {"port": 0}, "auth": {"enabled": True},
+        "ha": {"enabled": True, "node_id": "f1", "follower_reads": False}})
+    lease = Lease(redis.Redis.from_url(redis_server.url), prefix, "f1", config.server.endpoint)
+    stage = FollowerStage(config, lease, lambda: None)  # type: ignore[arg-type, return-value]
+    thread = threading.Thread(target=stage.run, daemon=True)
+    thread.start()
+    try:
+        with Client(stage.endpoint, timeout=1.0, retries=0) as plain, pytest.raises(KvcmError):
+            plain.call("check_health", retry=False)  # plaintext: never answered
+        with Client(stage.endpoint, timeout=5.0, curve_server_key=server_secret.replace(".key_secret", ".key"),
+                    curve_client_keys=alice_secret) as kv:
+            assert kv.call("check_health")["is_leader"] is False
+        assert stage.http is not None
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{stage.http.port}/metrics", timeout=5)
+        assert refused.value.code == 401
+    finally:
+        stage.request_stop()
+        thread.join(10)
