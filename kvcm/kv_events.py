@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import Annotated, Any, Literal, TypeAlias
 
 import msgspec
 
@@ -47,6 +47,12 @@ class EventDecodeError(ValueError):
 # --- decoded events (what consumers see) ------------------------------------------------------
 
 
+#: A KV-cache group index: an engine's groups are few, and the engine index keys blocks by it in
+#: 32 bits. One out of range is a broken event (dropped and counted like any other), never a
+#: value that would make every later persist of the index fail.
+GroupIdx = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+
+
 class BlockStored(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Consecutive full blocks of one request; block *i*'s parent is block *i-1*."""
 
@@ -58,7 +64,7 @@ class BlockStored(msgspec.Struct, tag=True, array_like=True, gc=False):
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
-    group_idx: int | None = None
+    group_idx: GroupIdx | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
 
@@ -68,7 +74,7 @@ class BlockRemoved(msgspec.Struct, tag=True, array_like=True, gc=False):
 
     block_hashes: list[ExternalBlockHash]
     medium: str | None = None
-    group_idx: int | None = None
+    group_idx: GroupIdx | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -89,7 +95,7 @@ class _BlockStoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", gc=Fa
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
-    group_idx: int | None = None
+    group_idx: GroupIdx | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
 
@@ -97,7 +103,7 @@ class _BlockStoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", gc=Fa
 class _BlockRemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
     block_hashes: list[ExternalBlockHash]
     medium: str | None = None
-    group_idx: int | None = None
+    group_idx: GroupIdx | None = None
 
 
 class _AllBlocksClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):

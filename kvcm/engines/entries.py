@@ -16,8 +16,8 @@ import struct
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import and_, rshift
-from typing import Any
+from operator import and_, or_, rshift
+from typing import Any, Literal
 
 import msgspec
 
@@ -34,6 +34,7 @@ TOP = 1 << 63
 M64 = TWO64 - 1
 ENC = msgspec.msgpack.Encoder()
 DEC = msgspec.msgpack.Decoder()
+_BIG: Literal["big"] = "big"
 
 
 def block_id(group: int, h: int) -> int:
@@ -154,20 +155,29 @@ def flush_source(txn: Any, state: SourceState) -> int:
     # In block id order, which is the packed keys' order: B-tree inserts in key order touch each
     # page once, and sorting the ints is cheaper than sorting the packed pairs.
     ids = sorted(state.dirty)
-    keys = list(map(BLOCK_KEY.pack, repeat(state.number), map(rshift, ids, repeat(64)), map(and_, ids, repeat(M64))))
+    keys = block_keys(state.number, ids)
     found = list(map(state.blocks.get, ids))
     dels: list[bytes] = []
     if None in found:  # removed blocks: their records go
         dels = [k for k, blk in zip(keys, found) if blk is None]
         kept = [(k, blk) for k, blk in zip(keys, found) if blk is not None]
         keys, found = [k for k, _ in kept], [blk for _, blk in kept]
-    puts = list(zip(keys, map(ENC.encode, found)))
-    txn.put_many(BLOCKS_DB, puts)
+    txn.put_many(BLOCKS_DB, zip(keys, map(ENC.encode, found)))  # consumed in C, no list of pairs
     if dels:
         txn.delete_many(BLOCKS_DB, dels)
     txn.put(SOURCES_DB, state.spec.source_id.encode(), state.record())
     state.dirty.clear()
-    return len(puts) + len(dels) + 1
+    return len(keys) + len(dels) + 1
+
+
+def block_keys(number: int, ids: list[int]) -> list[bytes]:
+    """Persisted keys of the sorted block ``ids``: ``number | id`` as one 16-byte big-endian int
+    is exactly ``BLOCK_KEY.pack(number, group, hash)``, and one ``to_bytes`` per block costs a
+    third of the three-field pack. Ids outside ``[0, 2**96)`` (a group that does not fit its
+    u32) go through the pack, which refuses them as it always did."""
+    if not ids or ids[0] < 0 or ids[-1] >> 96:
+        return list(map(BLOCK_KEY.pack, repeat(number), map(rshift, ids, repeat(64)), map(and_, ids, repeat(M64))))
+    return list(map(int.to_bytes, map(or_, repeat(number << 96), ids), repeat(16), repeat(_BIG)))
 
 
 def delete_blocks(txn: Any, number: int) -> None:

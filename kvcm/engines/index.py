@@ -30,10 +30,12 @@ is always opened *before* taking the lock (the store's documented lock order).
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from itertools import accumulate, compress, islice, repeat
 from operator import and_, attrgetter, is_, ne, or_, xor
 from typing import Any
@@ -194,16 +196,16 @@ class EngineIndex:
         ``hashed``: chain states of (some of) their stores, from :meth:`precompute` over a larger
         set of batches (push reports hash a whole dispatcher turn together); each is used only
         if the seed it assumed is the one the store's parent gives when applied."""
-        with self._lock:
+        with self._lock, gc_paused():
             self._sizes = {}
             pre = self._precompute(items, hashed or {})
-            if hashed:
-                pre = {**hashed, **pre}
+            if hashed:  # the pool's states are read, never changed: no copy unless both hold some
+                pre = {**hashed, **pre} if pre else hashed
             return [self._apply_one(item, pre) for item in items]
 
     def precompute(self, items: Sequence[Item]) -> Precomputed:
         """Chain states of the stores in ``items``, for a later :meth:`apply_many` of them."""
-        with self._lock:
+        with self._lock, gc_paused():
             self._sizes = {}
             return self._precompute(items, {})
 
@@ -678,7 +680,7 @@ class EngineIndex:
                         state.cleared = False
                 self._dirty.clear()
             return 0
-        with self._store.write() as txn, self._lock:
+        with self._store.write() as txn, self._lock, gc_paused():
             written = 0
             try:
                 for source_id in self._dirty:
@@ -743,6 +745,23 @@ _MAX_RUN_TABLES = 4096  # (instance, adapter) namespaces whose runs are kept
 #: ``EngineBlock.refs`` is copy-on-write: a block's map is replaced, never changed in place, so
 #: the blocks held once on one medium (nearly all) share one map instead of a dict each.
 _ONCE: dict[str, dict[str, int]] = {}
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic collector off while a drain is applied, hashed or flushed. Each engine block
+    brings a tracked tuple (its keys), so a 64-block store alone nears the young generation's
+    threshold, and every collection during the drain re-walks the drain's token lists; one
+    collection after it does that walk once. Left alone when it is already off (the process's
+    choice, or another thread's pause: at worst that thread's drain runs with it back on)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _held_once(medium: str) -> dict[str, int]:

@@ -66,7 +66,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvcm.config import ConfigError
 from kvcm.engines.entries import Item
-from kvcm.engines.index import EngineIndex
+from kvcm.engines.index import EngineIndex, gc_paused
 from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.sources import SourceSpec, SubscriberSettings, is_ipv6
 from kvcm.kv_events import DecodedBatch, EventDecodeError, decode_batch
@@ -322,13 +322,14 @@ class EventSubscriber:
         events = dict(self._poller.poll(int(timeout * 1000))) if self._owner else {}
         if not self._owner and timeout > 0:
             self._stop.wait(timeout)
-        for sock in events:
-            owner = self._owner.get(sock)
-            if owner is not None:
-                handled += self._drain(owner[0], owner[1], sock)
-        self._timers(self._clock())
-        self._apply_ops()
-        self.index.flush()  # push sources' reports since the last wake-up (kvcm.engines.push)
+        with gc_paused():  # decoded batches and new blocks: one collection after, not one per few batches
+            for sock in events:
+                owner = self._owner.get(sock)
+                if owner is not None:
+                    handled += self._drain(owner[0], owner[1], sock)
+            self._timers(self._clock())
+            self._apply_ops()
+            self.index.flush()  # push sources' reports since the last wake-up (kvcm.engines.push)
         return handled
 
     def _drain(self, conn: SourceConn, role: str, sock: zmq.Socket[bytes]) -> int:
