@@ -317,3 +317,30 @@ def test_the_fast_walk_agrees_with_the_index_match_on_random_holdings():
                 assert [s["score"] for s in reply["sources"]] == [float(n) for n, _ in expected]
     finally:
         svc.stop()
+
+
+def test_a_source_added_again_with_another_pod_only_shows_its_new_pod():
+    """The runs memo keeps encoded entries while the table's slots compare equal: a source
+    removed and added again with the same rank and medium gets an equal slot, yet its new pod
+    must show (the memo starts afresh when a source is added)."""
+    from kvcm.cache.keys import token_ids_to_block_keys as keys_of
+    from kvcm.engines.service import EngineService
+    from kvcm.engines.sources import SourceSpec
+    from kvcm.kv_events import BlockStored, DecodedBatch
+
+    svc = EngineService(None, lambda _: BLOCK)
+    query = keys_of(TOKENS, BLOCK)
+    try:
+        state = svc.index.add_source(SourceSpec("s0", "llm", "tcp://127.0.0.1:2"))  # keeps the table
+        event = BlockStored([1, 2], None, TOKENS[: 2 * BLOCK], BLOCK, None, "GPU", None)
+        svc.index.apply("s0", state.generation, 0, DecodedBatch(1.0, [event]))
+        for pod in ("pod-a", "rack-1"):
+            state = svc.index.add_source(SourceSpec("s1", "llm", "tcp://127.0.0.1:1", pod=pod))
+            event = BlockStored([1, 2, 3], None, TOKENS[: 3 * BLOCK], BLOCK, None, "GPU", None)
+            svc.index.apply("s1", state.generation, 0, DecodedBatch(1.0, [event]))
+            reply = svc.match("llm", block_keys=query)
+            assert [(s["pod"], s["matched_blocks"]) for s in reply["sources"]] == [(pod, 3), ("s0", 2)]
+            assert [p["pod"] for p in reply["pods"]] == [pod, "s0"]
+            svc.index.remove_source("s1")
+    finally:
+        svc.stop()

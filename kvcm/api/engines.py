@@ -223,6 +223,8 @@ _LOCATIONS = msgspec.msgpack.Decoder(_Locations)
 
 
 def _top_k(limit: int, top_k: int) -> int:
+    if not limit and not top_k:  # the usual request: every source, nothing to check
+        return 0
     for name, value in (("limit", limit), ("top_k", top_k)):
         if not 0 <= value <= _MAX_TOP_K:
             raise InvalidArgument(f"{name} must be in 0..{_MAX_TOP_K}, got {value}")

@@ -37,8 +37,8 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import accumulate, compress, islice, repeat
-from operator import and_, attrgetter, is_, ne, or_, xor
-from typing import Any
+from operator import and_, attrgetter, ne, or_
+from typing import Any, cast
 
 from kvcm.engines.entries import (
     BLOCK_KEY,
@@ -83,9 +83,9 @@ class EngineIndex:
         self._dirty: set[str] = set()
         self._sizes: dict[str, int | None] = {}
         self._pods_distinct: dict[str, tuple[int, bool]] = {}  # instance -> (source generation, answer)
-        # match_engines' encoded runs per table: (table, block size, its slots, {(length, slot bits): run},
-        # whether its slots weigh the same)
-        self._runs: dict[tuple[str, str], tuple[HolderTable, int, list[Slot | None], dict[tuple[int, int], Run], bool]] = {}
+        # match_engines' encoded runs per table: (table, block size, source generation, its slots,
+        # {(length, running AND before, after): run}, whether its slots weigh the same)
+        self._runs: dict[tuple[str, str], tuple[HolderTable, int, int, list[Slot | None], RunMemo, bool]] = {}
 
     # --- sources ----------------------------------------------------------------------------
 
@@ -561,9 +561,9 @@ class EngineIndex:
 
         Only C-level iteration touches the keys and the holder masks: the positions where the
         masks change, the running AND there (``accumulate``), and one memo lookup per *run*
-        ``(length, slots dropping out there)``, whose fragments are kept while the table's
-        slots stay the same objects. Python code runs per run not seen before only.
-        """
+        ``(length, running AND before and after it)``, whose fragments are kept while the
+        table's slots stay the same (:meth:`_run_memo`). Python code runs per run not seen
+        before only; the walk stops at the first key nobody holds."""
         wanted = None if media is None else frozenset(normalize_medium(m) for m in media)
         lora = lora_name or ""
         with self._lock:
@@ -575,22 +575,32 @@ class EngineIndex:
             allowed = table.allowed(wanted, group_idx)
             if exclude:
                 allowed &= ~_mask(table, exclude)
-            masks = list(map(table.holders.get, keys, repeat(0)))
+            found_masks = list(map(table.holders.get, keys))  # None: nobody holds the key
+            if None in found_masks:  # it ends every match: the running AND is 0 from there
+                del found_masks[found_masks.index(None) :]
+                if not found_masks:
+                    return [], True
+            masks = cast(list[int], found_masks)
             # The running AND of the masks can only change where a mask differs from the one
-            # before: there, and only there, it is computed (``held``); ``gone`` are the slots
-            # it loses at each such position, which hold exactly that many keys.
-            changed = list(map(ne, masks, islice(masks, 1, None)))
-            held = list(accumulate(compress(islice(masks, 1, None), changed), and_, initial=masks[0] & allowed))
-            gone = list(map(xor, held, islice(held, 1, None)))
-            # (a position where a mask changed but the running AND did not is an empty run)
-            runs = list(zip(compress(range(1, len(keys)), changed), gone))
-            if held[-1]:
-                runs.append((len(keys), held[-1]))
-            if not runs:
-                return [], True
+            # before: there, and only there, it is computed (``held``); the slots it loses at
+            # such a position hold exactly that many keys. A run is looked up by its length and
+            # the running AND before and after it (no third big-int pass for the slots lost);
+            # each step is one C-level pass (a position where a mask changed but the running AND
+            # did not is an empty run).
+            n = len(masks)
+            tail = masks[1:]
+            changed = list(map(ne, masks, tail))
+            held = list(accumulate(compress(tail, changed), and_, initial=masks[0] & allowed))
             memo, uniform = self._run_memo(instance_id, lora, table, block_size, weight)
-            found = list(map(memo.get, runs))
-            if None in found:
+            found = list(map(memo.get, zip(compress(range(1, n), changed), held, islice(held, 1, None))))
+            if held[-1]:
+                found.append(memo.get((n, held[-1], 0)))
+            if not found:
+                return [], True
+            if None in found:  # runs not seen before (rare): made again, to encode the missing ones
+                runs = list(zip(compress(range(1, n), changed), held, islice(held, 1, None)))
+                if held[-1]:
+                    runs.append((n, held[-1], 0))
                 found = [f if f is not None else self._run_fragments(memo, table.slots, run, block_size, weight)
                          for f, run in zip(found, runs)]  # fmt: skip
         found.reverse()
@@ -611,28 +621,31 @@ class EngineIndex:
 
     def _run_memo(
         self, instance_id: str, lora: str, table: HolderTable, block_size: int, weight: Callable[[str], float]
-    ) -> tuple[dict[tuple[int, int], Run], bool]:
-        """The table's runs memo, emptied when any slot id came to name another slot, and
-        whether all its slots weigh the same."""
+    ) -> tuple[RunMemo, bool]:
+        """The table's runs memo, emptied when a source was added (its pod may be new) or any
+        slot id came to name another slot, and whether all its slots weigh the same. Slots
+        compare by value (identity first, so the usual check is a C-level pass): an equal slot
+        encodes the same fragments."""
         known = self._runs.get((instance_id, lora))
-        if (known is None or known[0] is not table or known[1] != block_size or len(known[3]) >= _MAX_RUNS
-                or len(known[2]) != len(table.slots) or not all(map(is_, known[2], table.slots))):
+        if (known is None or known[0] is not table or known[1] != block_size or known[2] != self._generation
+                or len(known[4]) >= _MAX_RUNS or known[3] != table.slots):
             if len(self._runs) >= _MAX_RUN_TABLES:
                 self._runs.clear()
             uniform = len({weight(slot.medium) for slot in table.slots if slot is not None}) <= 1
-            known = self._runs[(instance_id, lora)] = (table, block_size, list(table.slots), {}, uniform)
-        return known[3], known[4]
+            known = self._runs[(instance_id, lora)] = (table, block_size, self._generation, list(table.slots), {}, uniform)
+        return known[4], known[5]
 
     def _run_fragments(
         self,
-        memo: dict[tuple[int, int], Run],
+        memo: RunMemo,
         slots: list[Slot | None],
-        run: tuple[int, int],
+        run: tuple[int, int, int],
         block_size: int,
         weight: Callable[[str], float],
     ) -> Run:
         """Encode the fragments of one run (its slots in source id order) and memoise them."""
-        n, bits = run
+        n, before, after = run
+        bits = before ^ after
         found: list[Slot] = []
         while bits:
             low = bits & -bits
@@ -738,6 +751,9 @@ _IGNORED: Counter[str] = Counter()  # errors of the precompute pass are counted 
 #: One run of a match: the sources holding exactly the same number of the query's keys, in
 #: source id order, as fragments, as their joined ``sources`` and ``pods`` entries, and how many.
 Run = tuple[list[Fragment], bytes, bytes, int]
+#: Runs by ``(length, running AND of the holder masks before it, after it)``: the slots in the
+#: first and not in the second hold exactly ``length`` keys of the query.
+RunMemo = dict[tuple[int, int, int], Run]
 _MAX_RUNS = 65_536  # memoised runs per table (a few hundred bytes each), then started afresh
 _MAX_RUN_TABLES = 4096  # (instance, adapter) namespaces whose runs are kept
 

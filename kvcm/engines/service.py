@@ -336,7 +336,8 @@ class EngineService:
         ``storage`` (storage type -> blocks of the storage tier's prefix) adds the ``storage``
         pseudo-source."""
         block_size = self.instance_lookup(instance_id)
-        keys = derive_keys(block_keys, token_ids, block_size)
+        # ready keys are only read below: no copy of a long list per call
+        keys = block_keys if block_keys else derive_keys(block_keys, token_ids, block_size)
         left_out = self._left_out(instance_id, include_stale)
         distinct = self.index.pods_distinct(instance_id)
         runs = self.index.ranked(instance_id, keys, block_size=block_size, weight=self.weights.of,
