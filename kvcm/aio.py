@@ -413,6 +413,20 @@ class Client:
         """The (single) node, always the leader, with Tair's fields."""
         return await self._typed("get_manager_cluster_info", AdminReply, timeout, trace_id=trace_id)
 
+    async def leader_demote(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
+        """The leader hands the lease over (never retried: each call is one step-down)."""
+        return await self._typed("leader_demote", AdminReply, timeout, trace_id=trace_id)
+
+    async def get_leader_elector_config(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
+        """This node's ``campaign_delay_time_ms`` (and lease timings with the lease)."""
+        return await self._typed("get_leader_elector_config", AdminReply, timeout, trace_id=trace_id)
+
+    async def update_leader_elector_config(self, *, campaign_delay_time_ms: int, trace_id: str | None = None,
+                                           timeout: float | None = None) -> AdminReply:
+        """Change this node's ``campaign_delay_time_ms`` until its restart."""
+        return await self._typed("update_leader_elector_config", AdminReply, timeout,
+                                 campaign_delay_time_ms=campaign_delay_time_ms, trace_id=trace_id)
+
     # data plane
     async def get_cache_location(self, *, instance_id: str, query_type: QueryType | str, block_keys: Ints | None = None,
                                  token_ids: Ints | None = None, block_mask: Mask | None = None, sw_size: int | None = None,

@@ -295,6 +295,7 @@ class App:
     def _build_services(self) -> list[Method]:
         """Every service of the process; returns the RPC method table."""
         from kvcm.api import control as registry_api
+        from kvcm.api import leader as leader_api
         from kvcm.api import system as system_api
         from kvcm.api import tokens as auth_api
         from kvcm.control.registry import Registry
@@ -308,6 +309,7 @@ class App:
         methods += registry_api.methods(self.registry, self.info, self.authorize)
         methods += auth_api.methods(self.registry, self.authorize)
         methods += system_api.methods(self.metrics, self.info)
+        methods += leader_api.methods(self.lease, self.config.ha.campaign_delay_ms)
         methods += self._build_engines(data_dir)
         methods += self._build_cache(data_dir)
         self._build_storage_events()
@@ -592,7 +594,7 @@ class HaNode:
                                       socket_connect_timeout=min(CONNECT_TIMEOUT_S, ha.renew_ms / 1000.0))
         self.lease = Lease(client, config.store.redis_prefix, ha.node_id,
                            ha.advertise_endpoint or config.server.endpoint, ha.lease_ms, ha.renew_ms,
-                           on_change=self._changed)
+                           on_change=self._changed, campaign_delay_ms=ha.campaign_delay_ms)
         self.stage: App | FollowerStage | None = None
         self._stop = threading.Event()
         self._stage_lock = threading.Lock()

@@ -79,12 +79,12 @@ CurveClientKeys = str | os.PathLike[str] | tuple[str | bytes, str | bytes] | Key
 METHODS: tuple[str, ...] = (
     "add_account", "add_event_source", "add_storage", "add_token", "check_health", "create_instance_group",
     "delete_account", "disable_storage", "enable_storage", "finish_write_cache", "gen_config_snapshot",
-    "get_cache_location", "get_cache_meta", "get_instance_group", "get_instance_info", "get_manager_cluster_info",
-    "get_metrics", "get_storage_specs", "list_account", "list_event_sources", "list_instance_groups", "list_instance_info",
+    "get_cache_location", "get_cache_meta", "get_instance_group", "get_instance_info", "get_leader_elector_config",
+    "get_manager_cluster_info", "get_metrics", "leader_demote", "get_storage_specs", "list_account", "list_event_sources", "list_instance_groups", "list_instance_info",
     "list_storage", "list_tokens", "load_config_snapshot", "match_engines", "note_routed", "get_host_cache_state", "pin_cache", "register_instance",
     "remove_cache", "remove_event_source", "remove_instance", "remove_instance_group", "remove_storage",
     "report_events", "report_lost", "revoke_token", "start_write_cache", "trim_cache", "unpin_cache", "update_account",
-    "update_instance_group", "update_storage", "whoami",
+    "update_instance_group", "update_leader_elector_config", "update_storage", "whoami",
 )
 
 #: Methods that may be re-sent after a timeout without changing the outcome.
@@ -94,7 +94,7 @@ IDEMPOTENT_METHODS = frozenset(
         "list_instance_info", "get_cache_location", "get_cache_meta", "get_instance_group",
         "list_instance_groups", "list_storage", "list_account", "gen_config_snapshot", "whoami", "list_tokens",
         "register_instance", "list_event_sources", "match_engines", "get_host_cache_state", "enable_storage",
-        "disable_storage", "get_storage_specs",
+        "disable_storage", "get_storage_specs", "get_leader_elector_config", "update_leader_elector_config",
     }
 )
 
@@ -525,6 +525,20 @@ class Client:
     def get_manager_cluster_info(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
         """The (single) node, always the leader, with Tair's fields."""
         return self._typed("get_manager_cluster_info", AdminReply, timeout, trace_id=trace_id)
+
+    def leader_demote(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
+        """The leader hands the lease over (never retried: each call is one step-down)."""
+        return self._typed("leader_demote", AdminReply, timeout, trace_id=trace_id)
+
+    def get_leader_elector_config(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
+        """This node's ``campaign_delay_time_ms`` (and lease timings with the lease)."""
+        return self._typed("get_leader_elector_config", AdminReply, timeout, trace_id=trace_id)
+
+    def update_leader_elector_config(self, *, campaign_delay_time_ms: int, trace_id: str | None = None,
+                                     timeout: float | None = None) -> AdminReply:
+        """Change this node's ``campaign_delay_time_ms`` until its restart."""
+        return self._typed("update_leader_elector_config", AdminReply, timeout,
+                           campaign_delay_time_ms=campaign_delay_time_ms, trace_id=trace_id)
 
     # data plane
     def get_cache_location(self, *, instance_id: str, query_type: QueryType | str, block_keys: Ints | None = None,

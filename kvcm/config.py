@@ -186,6 +186,7 @@ class HaConfig:
     lease_ms: int = 3000  # a leader that does not renew within this is replaced
     renew_ms: int = 1000  # renew (leader) or contend (follower) this often; below lease_ms / 2
     follower_reads: bool = True  # followers answer the read RPCs from the shared store
+    campaign_delay_ms: int = 5000  # a leader that stepped down (leader_demote) contends again after this
 
 
 @dataclass(frozen=True)
@@ -425,6 +426,7 @@ def _check_ha(config: Config) -> None:
          "use ha.enabled instead (docs/ha.md)"),
         (100 <= ha.lease_ms <= 600_000, "ha.lease_ms must be in 100..600000"),
         (ha.renew_ms > 0 and 2 * ha.renew_ms < ha.lease_ms, "ha.renew_ms must be positive and below ha.lease_ms / 2"),
+        (0 <= ha.campaign_delay_ms <= 3_600_000, "ha.campaign_delay_ms must be in 0..3600000"),
         (not ha.node_id or bool(_NODE_ID.fullmatch(ha.node_id)), "ha.node_id must be 1 to 64 of A-Z a-z 0-9 _ . : -"),
         (not ha.advertise_endpoint or ha.advertise_endpoint.startswith(("tcp://", "ipc://")),
          "ha.advertise_endpoint must be a tcp:// or ipc:// endpoint"),

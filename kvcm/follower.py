@@ -181,6 +181,7 @@ class FollowerStage:
     leader's caches are never older than its term."""
 
     def __init__(self, config: Config, lease: Lease, open_store: Callable[[], RedisStore]) -> None:
+        from kvcm.api import leader as leader_api
         from kvcm.api.control import cluster_info
         from kvcm.lockfile import LockBusy, hold_lock_file
 
@@ -202,6 +203,8 @@ class FollowerStage:
             Method("check_health", lambda req: {"status": "ok", "is_health": True, "is_leader": False,
                                                 "node": self.info()}),
             Method("get_manager_cluster_info", lambda req: cluster_info(self.info(), self.started_at)),
+            # Each node's own elector settings; leader_demote is the leader's (SERVER_NOT_LEADER here).
+            *(m for m in leader_api.methods(lease, lease.campaign_delay_ms) if m.name != "leader_demote"),
         ]
         try:
             if config.ha.follower_reads:

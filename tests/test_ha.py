@@ -438,12 +438,14 @@ def test_a_sigstopped_leader_resumed_cannot_commit(pair):
         result: dict = {}
         # Queued in the stopped process's socket: it runs the request once resumed.
         sender = threading.Thread(target=lambda: result.update(reply=_raw_call(
-            pair.endpoints[leader], "start_write_cache", {"instance_id": "inst", "block_keys": [99]}, timeout=20)))
+            pair.endpoints[leader], "start_write_cache", {"instance_id": "inst", "block_keys": [99]},
+            timeout=60 * TIME_FACTOR)))
         sender.start()
         time.sleep(0.3)
     finally:
         os.kill(pid, signal.SIGCONT)
-    sender.join(30)
+    sender.join(90 * TIME_FACTOR)
+    assert "reply" in result, "the resumed leader never answered the request queued while it was stopped"
     err, _ = result["reply"]
     assert err is not None and err["code"] == Code.SERVER_NOT_LEADER, err
     assert err["detail"]["leader_endpoint"] == pair.endpoints[other]
@@ -594,3 +596,28 @@ def test_endpoint_lists_are_validated():
         Client(" , ")
     with Client("ipc:///tmp/x1, ipc:///tmp/x2") as c:
         assert c.endpoints.all == ["ipc:///tmp/x1", "ipc:///tmp/x2"] and c.endpoint == "ipc:///tmp/x1"
+
+
+def test_leader_demote_hands_the_lease_over_and_holds_off_for_its_campaign_delay(pair):
+    """``leader_demote``: the leader gives the lease up at its lease thread's next round and a
+    follower takes over at once (not after the lease runs out); the demoted node does not contend
+    again before its ``campaign_delay_time_ms``, even with no leader left."""
+    leader = pair.leader()
+    other = "n2" if leader == "n1" else "n1"
+    err, _ = _raw_call(pair.endpoints[other], "leader_demote", {})
+    assert err["code"] == Code.SERVER_NOT_LEADER and err["detail"]["leader_node_id"] == leader
+    err, got = _raw_call(pair.endpoints[other], "get_leader_elector_config", {})
+    assert err is None and got["campaign_delay_time_ms"] == 5000 and got["lease_ms"] == LEASE_MS
+    err, got = _raw_call(pair.endpoints[leader], "update_leader_elector_config", {"campaign_delay_time_ms": 60_000})
+    assert err is None and got["campaign_delay_time_ms"] == 60_000
+    demoted_at = time.monotonic()
+    err, got = _raw_call(pair.endpoints[leader], "leader_demote", {})
+    assert err is None and got["demoted"] is True
+    wait_until(lambda: _leads(pair, other))
+    # Released, not left to expire: the follower, contending every renew, wins within about one.
+    assert time.monotonic() - demoted_at < (LEASE_MS + RENEW_MS) / 1000, "handed over no faster than an expiry"
+    assert pair.info(leader)["leader"] is False
+    os.kill(pair.nodes[other].process.pid, signal.SIGKILL)  # no leader left now ...
+    pair.nodes[other].process.wait(10)
+    time.sleep((LEASE_MS + 3 * RENEW_MS) / 1000 * TIME_FACTOR)
+    assert pair.info(leader)["leader"] is False  # ... and the demoted node still holds off

@@ -259,9 +259,21 @@ def test_a_body_that_does_not_parse_is_400_with_an_empty_object(server, body):
     assert reply.status_code == 400 and reply.json() == {}
 
 
+def test_the_leader_elector_rpcs_on_a_single_node(tair):
+    assert tair.call("getLeaderElectorConfig", {"trace_id": "x"})["campaign_delay_time_ms"] == "5000"
+    tair.call("updateLeaderElectorConfig", {"trace_id": "x", "campaign_delay_time_ms": "10"})
+    assert tair.call("getLeaderElectorConfig", {})["campaign_delay_time_ms"] == "10"  # int64 as a string
+    tair.call("updateLeaderElectorConfig", {"campaign_delay_time_ms": 5000})  # numbers accepted too
+    bad = tair.call("updateLeaderElectorConfig", {"campaign_delay_time_ms": "-1"}, code="INVALID_ARGUMENT")
+    assert "campaign_delay_time_ms" in bad["header"]["status"]["message"]
+    # One node without the lease has no one to hand over to (two nodes: tests/test_ha.py)
+    reply = tair.call("leaderDemote", {"trace_id": "x"}, code="UNSUPPORTED")
+    assert "without the leader lease" in reply["header"]["status"]["message"]
+
+
 def test_unknown_and_unsupported_rpcs(tair):
-    for name in ("leaderDemote", "getLeaderElectorConfig", "updateLeaderElectorConfig"):
-        reply = tair.call(name, {"trace_id": "x", "campaign_delay_time_ms": "10"}, code="UNSUPPORTED")
+    for name in ("updateLogger", "migrateCache"):
+        reply = tair.call(name, {"trace_id": "x"}, code="UNSUPPORTED")
         assert reply["header"]["status"]["message"].startswith(f"{name}: not supported by kvcm")
     reply = tair.raw("noSuchRpc", {})
     assert reply.status_code == 404 and reply.json()["header"]["status"]["code"] == "UNSUPPORTED"

@@ -108,6 +108,7 @@ class Lease:
         renew_ms: int = 1000,
         fence: Callable[[int], None] | None = None,
         on_change: Callable[[bool], None] | None = None,
+        campaign_delay_ms: int = 5000,
     ) -> None:
         if not 0 < renew_ms < lease_ms:
             raise ValueError(f"renew_ms ({renew_ms}) must be below lease_ms ({lease_ms})")
@@ -128,6 +129,11 @@ class Lease:
         self._deadline = 0.0  # monotonic: act as leader until then
         self._expires_wall = 0.0  # wall-clock estimate of the Redis expiry, for display only
         self._since_wall = 0.0  # wall-clock time the current term's lease was won (0: not leader)
+        #: How long a node that stepped down (:meth:`demote`) waits before it contends again, so
+        #: another node takes the lease (Tair's ``campaign_delay_time_ms``); changeable at run time.
+        self.campaign_delay_ms = campaign_delay_ms
+        self._demote = threading.Event()
+        self._hold_until = 0.0  # monotonic: no acquire attempt before this (after a demote)
         self.holder: Holder | None = None  # the last holder seen (ourselves included)
         self._holder_at = 0.0  # monotonic time self.holder was read
         self.epoch = 0  # our term's epoch while leader
@@ -211,15 +217,30 @@ class Lease:
                 self._holder_at = time.monotonic()
         return self.holder
 
+    def demote(self) -> bool:
+        """Step down: at its next round the lease thread gives the lease up and contends again
+        only after ``campaign_delay_ms``, so a follower takes over. False when not the leader."""
+        if not self.is_leader():
+            return False
+        self._demote.set()
+        return True
+
     def step(self) -> None:
         """One round of the thread: renew while leader, else try to acquire."""
+        if self._demote.is_set():
+            self._demote.clear()
+            self._hold_until = time.monotonic() + self.campaign_delay_ms / 1000.0
+            log.info("node %s steps down (epoch %d); contends again in %d ms", self.node_id, self.epoch,
+                     self.campaign_delay_ms)
+            self.release()  # tells the change
+            return
         try:
             if self._record is not None:
                 if not self.is_leader():
                     self._lose(f"not renewed within {VALID_SHARE * self.lease_ms:.0f} ms")
                 else:
                     self.renew()
-            if self._record is None:
+            if self._record is None and time.monotonic() >= self._hold_until:
                 self.try_acquire()
         except redis.RedisError as exc:
             log.warning("lease: Redis unavailable (%s)", exc)

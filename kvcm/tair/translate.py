@@ -252,6 +252,14 @@ def _empty(result: Any, ctx: Context) -> dict[str, Any]:
     return {}
 
 
+def _elector_in(body: dict[str, Any]) -> dict[str, Any]:
+    return {"campaign_delay_time_ms": s.int64(body.get("campaign_delay_time_ms", 0), "campaign_delay_time_ms")}
+
+
+def _elector(result: Any, ctx: Context) -> dict[str, Any]:
+    return {"campaign_delay_time_ms": s.out64(result["campaign_delay_time_ms"])}
+
+
 def _locations(result: Any, ctx: Context) -> dict[str, Any]:
     return {"locations": s.locations_out(ctx.tair_uris(result["locations"]))}
 
@@ -420,13 +428,14 @@ ADMIN: dict[str, tuple[frozenset[str], Rpc]] = {
     "getMetrics": (_body(""), Rpc("get_metrics", _nothing, _metrics)),
     "checkHealth": (_body(""), Rpc("check_health", _nothing, _health)),
     "getManagerClusterInfo": (_body(""), Rpc("get_manager_cluster_info", _nothing, _manager_cluster)),
+    "leaderDemote": (_body(""), Rpc("leader_demote", _nothing, _empty)),
+    "getLeaderElectorConfig": (_body(""), Rpc("get_leader_elector_config", _nothing, _elector)),
+    "updateLeaderElectorConfig": (_body("campaign_delay_time_ms"),
+                                  Rpc("update_leader_elector_config", _elector_in, _empty)),
 }
 
 #: Tair RPCs with no kvcm equivalent: answered UNSUPPORTED (docs/tair.md says why for each).
 UNSUPPORTED: dict[str, str] = {
-    "leaderDemote": "kvcm's leader gives the lease up only by stopping (docs/ha.md)",
-    "getLeaderElectorConfig": "kvcm's lease timings are server settings (ha.*), not an RPC",
-    "updateLeaderElectorConfig": "kvcm's lease timings are server settings (ha.*), not an RPC",
     "updateLogger": "kvcm's log level is a server setting",
     "migrateCache": "kvcm does not migrate blocks between storages",
     "listAsyncCopyQuarantine": "kvcm does not copy blocks between storages",
