@@ -285,6 +285,9 @@ def test_removing_an_instance_removes_its_pins(server, c, inst):
     register(c, inst)
     assert pins.count(inst) == 0
     assert pin(c, inst, list(range(CAP)))["pinned"] == CAP  # nothing of the old instance counts
+    # The purge's deletes free their slots inside the deleter's transaction: a check that reads
+    # between that free and the commit sees a deleting copy the storage no longer reserves.
+    assert wait_for(lambda: server.app.cache.deleter.pending() == 0, timeout=30)
     check(server)
 
 
