@@ -329,6 +329,52 @@ class MetaIndex:
             txn.delete_many(DB, [k for k, v in staged.items() if v is None and k in existed])
             written.extend(staged)
 
+    def delete_if(self, txn: WriteTxn, ns: bytes, keys: Sequence[int],
+                  pick: Callable[[bytes], tuple[Any, Any] | None]) -> tuple[list[tuple[int, Any]], list[int]]:
+        """Delete each of the distinct ``keys`` whose stored value ``pick`` takes: it returns
+        ``(what to report, the record's tag)`` (the tag is dropped with it), or None to leave
+        the record. Returns ``([(key, report)] of the deleted, the other keys with a record)``.
+
+        :meth:`read_modify_write` with only a raw modifier that deletes, for in-line eviction:
+        nothing is decoded past what ``pick`` reads, and no batch bookkeeping is done."""
+        pack, off = _U64.pack, _SIGN
+        dbkeys = [ns + pack(k + off) for k in keys]
+        with self._writers_lock:
+            self._writers += 1
+        taken = self.locks.acquire(keys)
+        try:
+            stored = txn.get_many(DB, dbkeys)  # never the cache: the txn may hold newer, uncommitted data
+            taken_keys: list[tuple[int, Any]] = []
+            others: list[int] = []
+            doomed: list[tuple[bytes, bytes]] = []
+            tags: dict[Any, None] = {}
+            for key, dbkey, raw in zip(keys, dbkeys, stored):
+                if raw is None:
+                    continue
+                hit = pick(raw)
+                if hit is None:
+                    others.append(key)
+                    continue
+                taken_keys.append((key, hit[0]))
+                doomed.append((dbkey, raw))
+                if hit[1] is not None:
+                    tags[hit[1]] = None
+            if doomed:
+                remember = getattr(txn, "remember", None)
+                if remember is not None:  # the values just read are the ones the deletes remove
+                    remember(DB, doomed)
+                gone = [k for k, _ in doomed]
+                txn.delete_many(DB, gone)
+                if self._drop_tag is not None:
+                    for tag in tags:
+                        self._drop_tag(txn, ns, tag)
+                txn.on_commit(lambda: self.cache.invalidate(gone))
+        finally:
+            self.locks.release(taken)
+            with self._writers_lock:
+                self._writers -= 1
+        return taken_keys, others
+
     def delete_unchanged(self, txn: WriteTxn, ns: bytes, expected: Sequence[tuple[int, bytes]]) -> list[bool]:
         """Delete each key whose stored value is still byte for byte ``expected`` (a
         compare-and-delete that decodes nothing); per item, whether it was deleted.

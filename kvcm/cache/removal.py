@@ -153,24 +153,13 @@ def drop_sole(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: 
     record is gone before its bytes are, and a slot goes back to its storage only after both
     (a crash in between leaves bytes nothing names, which the storage's start-up reserve gives
     back). Callers: eviction without a grace delay only."""
-    locs: list[Location] = []
-    gone: list[int] = []
-    other: list[int] = []
-
-    def raw(_: int, key: int, value: bytes) -> tuple[None, int | None] | None:
+    def pick(value: bytes) -> tuple[Location, int | None] | None:
         hit = sole_serving(value)
-        if hit is None or hit[0].type != storage_type:
-            return None
-        locs.append(hit[0])
-        gone.append(key)
-        return None, hit[1]  # no new value: the key is deleted, its run's tag dropped
+        return None if hit is None or hit[0].type != storage_type else hit
 
-    def modify(_: int, key: int, record: Record | None) -> Any:
-        if record is not None:
-            other.append(key)
-        return KEEP
-
-    s.index.read_modify_write(txn, namespace(instance_id), list(dict.fromkeys(keys)), modify, raw=raw)
+    taken, other = s.index.delete_if(txn, namespace(instance_id), list(dict.fromkeys(keys)), pick)
+    locs: list[Location] = [loc for _, loc in taken]
+    gone = [key for key, _ in taken]
     if not locs:
         return 0, other
     nbytes = sum(loc.nbytes for loc in locs)

@@ -189,8 +189,9 @@ def _targets(s: CacheState, txn: WriteTxn, group: GroupView, needed: int,
     why = "no room maker (in-line eviction off): the reclaimer's next round frees space"
     if maker is not None:
         eviction = _InlineEviction(s, txn, maker, group, needed, used_total, used_by_type, spare)
-        if eviction.missing():  # it does not fit as is (what admit() would refuse): make room first
-            why = eviction.run()
+        needs = eviction.missing()
+        if needs:  # it does not fit as is (what admit() would refuse): make room first
+            why = eviction.run(needs)
             used_total, used_by_type = eviction.used()
         else:  # it fits, or evicting cannot help (the refusal below, if any, says which)
             why = eviction.nothing_to_evict()
@@ -228,12 +229,13 @@ class _InlineEviction:
     spared: list[Victim] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=dict)  # type -> bytes dropped (out of the usage)
 
-    def run(self) -> str:
-        """Returns why the write still does not fit ("" if it does)."""
+    def run(self, needs: dict[str, int]) -> str:
+        """Make room for what :meth:`missing` returned (``needs``); returns why the write
+        still does not fit ("" if it does)."""
         marked, maker = self.marked, self.maker
         self.txn.on_abort(lambda: maker.give_back(list(marked)) if marked else None)
         try:
-            return self._rounds()
+            return self._rounds(needs)
         finally:
             if self.spared:
                 try:
@@ -256,10 +258,7 @@ class _InlineEviction:
     def nothing_to_evict(self) -> str:
         return f"nothing to evict for: {self.needed} bytes do not fit the quota even in an empty group"
 
-    def _rounds(self) -> str:
-        needs = self.missing()
-        if not needs:
-            return self.nothing_to_evict()
+    def _rounds(self, needs: dict[str, int]) -> str:
         why = ""
         for _ in range(INLINE_ROUNDS):
             left = self.s.inline_limit - len(self.marked)
@@ -274,9 +273,11 @@ class _InlineEviction:
                 break
             offered = room.victims[:left]
             self.spared.extend(v for v in offered if (v[0], v[1]) in self.spare)
-            evict_inline(self.s, self.txn, self.group.name, [v for v in offered if (v[0], v[1]) not in self.spare],
-                         self.marked, self.dropped)
+            freed = evict_inline(self.s, self.txn, self.group.name,
+                                 [v for v in offered if (v[0], v[1]) not in self.spare], self.marked, self.dropped)
             why = room.why
+            if set(needs) == {""} and freed >= needs[""]:
+                return ""  # only the group total was short, and it is covered (what missing() would say)
             needs = self.missing()
             if not needs:
                 return ""

@@ -703,9 +703,7 @@ class Reclaimer(CacheListener):
         return freed
 
     def _count(self, state: GroupState, stype: str, reason: str, blocks: int, nbytes: int) -> None:
-        labels = (state.name, stype, state.policy_name, reason)
-        self.metrics.blocks.labels(*labels).inc(blocks)
-        self.metrics.bytes.labels(*labels).inc(nbytes)
+        self.metrics.count((state.name, stype, state.policy_name, reason), blocks, nbytes)
 
 
 def _flush_reads(state: GroupState, batch: dict[str, tuple[list[list[int]], list[float]]]) -> None:

@@ -343,6 +343,17 @@ class ReclaimMetrics:
             buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0), registry=r,
         )
         self._usage_types: dict[str, set[str]] = {}  # group -> storage types with a usage series
+        # The labelled children of ``blocks``/``bytes``: counted on every in-line eviction, where
+        # two ``labels()`` lookups cost more than the rest of the counting.
+        self._reclaimed: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
+
+    def count(self, labels: tuple[str, str, str, str], blocks: int, nbytes: int) -> None:
+        """``blocks`` blocks of ``nbytes`` bytes reclaimed (group, storage type, policy, reason)."""
+        children = self._reclaimed.get(labels)
+        if children is None:
+            children = self._reclaimed[labels] = (self.blocks.labels(*labels), self.bytes.labels(*labels))
+        children[0].inc(blocks)
+        children[1].inc(nbytes)
 
     def set_usage(self, group: str, usage: Mapping[str, Any]) -> None:
         """The group's totals and its per-type usage; a type that no longer has usage reads 0
@@ -360,6 +371,8 @@ class ReclaimMetrics:
 
     def forget_group(self, group: str) -> None:
         self._usage_types.pop(group, None)
+        for counted in [k for k in self._reclaimed if k[0] == group]:
+            del self._reclaimed[counted]
         for gauge in (self.usage_bytes, self.usage_keys, self.quota_bytes, self.tracked, self.inflight):
             for labels in [s.labels for m in gauge.collect() for s in m.samples if s.labels.get("group") == group]:
                 try:
