@@ -188,6 +188,14 @@ def test_overlapping_sources_remove_from_one_leaves_the_other(svc, pubs):
     pump(svc, lambda: "pod-b" not in svc.subscriber.snapshot())
     assert matched(svc, "pod-b") == 0 and matched(svc, "pod-a") == 2
     assert 'source="pod-b"' not in _metrics_text(svc)
+    # The same id again: its series come back (nothing kept from the removed one, however cached).
+    again = pubs()
+    add(svc, again, "pod-b")
+    store_blocks(again, 0, 3)
+    pump(svc, lambda: matched(svc, "pod-b") == 3)
+    text = _metrics_text(svc)
+    assert 'kvcm_engine_event_events_processed_total{event_type="BlockStored",source="pod-b"} 1.0' in text, text
+    assert 'kvcm_engine_event_last_sequence_id{source="pod-b"} 0.0' in text, text
 
 
 def test_dp_ranks_are_separate_sources(svc, pubs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -57,15 +58,36 @@ class EventMetrics:
         self.blocks = Gauge(_PREFIX + "blocks_held", "Engine blocks held, by medium", ["source", "medium"], registry=r)
         self._labels: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
         self._lock = threading.Lock()
+        # Labelled children of the series counted per batch, by (family, labels): a labels()
+        # lookup costs more than the increment, several times per report_events request.
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
 
     def note(self, family: str, source: str, value: str) -> None:
         """Remember a second label value used for ``source`` (so it can be removed later)."""
         with self._lock:
             self._labels[source][family].add(value)
 
+    def _child(self, family: str, metric: Counter | Gauge | Histogram, *labels: str) -> Any:
+        key = (family, labels)
+        child = self._children.get(key)
+        if child is None:
+            with self._lock:
+                child = self._children[key] = metric.labels(*labels)
+        return child
+
     def event(self, counter: Counter, family: str, source: str, event_type: str, n: int = 1) -> None:
-        self.note(family, source, event_type)
-        counter.labels(source, event_type).inc(n)
+        key = (family, (source, event_type))
+        child = self._children.get(key)
+        if child is None:
+            self.note(family, source, event_type)
+            child = self._child(family, counter, source, event_type)
+        child.inc(n)
+
+    def applied(self, source: str, seq: int, seconds: float | None = None) -> None:
+        """A batch of ``source`` applied: its sequence number (and how long applying took)."""
+        self._child("last_seq", self.last_seq, source).set(seq)
+        if seconds is not None:
+            self._child("latency", self.latency, source).observe(seconds)
 
     def error(self, source: str, kind: str, n: int = 1) -> None:
         self.note("errors", source, kind)
@@ -75,6 +97,8 @@ class EventMetrics:
         """Drop every series of ``source``."""
         with self._lock:
             extra = self._labels.pop(source, {})
+            for key in [k for k in self._children if k[1][0] == source]:
+                del self._children[key]
         simple = (
             self.connections, self.disconnections, self.reconnect_attempts, self.latency, self.missed,
             self.replay_requests, self.replay_success, self.replay_failures, self.status, self.last_seq,

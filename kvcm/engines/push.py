@@ -308,7 +308,7 @@ class PushIngest:
             if stats is None:
                 continue
             outcome.applied += stats.blocks
-            self.metrics.last_seq.labels(source_id).set(item[2])
+            self.metrics.applied(source_id, item[2])
             for event_type, n in stats.processed.items():
                 self.metrics.event(self.metrics.processed, "processed", source_id, event_type, n)
             for kind, n in stats.errors.items():

@@ -787,8 +787,7 @@ class EventSubscriber:
         for (source_id, _, seq, _), stats in zip(items, results):
             if stats is None:
                 continue
-            self.metrics.latency.labels(source_id).observe(elapsed)
-            self.metrics.last_seq.labels(source_id).set(seq)
+            self.metrics.applied(source_id, seq, elapsed)
             for event_type, n in stats.processed.items():
                 self.metrics.event(self.metrics.processed, "processed", source_id, event_type, n)
             conn = self._conns.get(source_id)
