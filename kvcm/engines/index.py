@@ -516,31 +516,6 @@ class EngineIndex:
         out.sort(key=_BY_MATCH, reverse=True)  # stable: ties stay in source id order
         return out
 
-    def match_packed(
-        self,
-        instance_id: str,
-        keys: Sequence[int],
-        *,
-        lora_name: str | None = None,
-        media: Iterable[str] | None = None,
-        group_idx: int | None = None,
-        limit: int = 0,
-        exclude: Collection[str] = (),
-    ) -> bytes | None:
-        """:meth:`match`'s list as msgpack bytes, assembled from per-slot pre-packed fragments
-        (the RPC fast path). None if a source has several allowed slots: use :meth:`match`."""
-        wanted = None if media is None else frozenset(normalize_medium(m) for m in media)
-        with self._lock:
-            table = self._tables.get((instance_id, lora_name or ""))
-            if table is None:
-                return b"\x90"
-            if not table.single_slot_sources(wanted, group_idx):
-                return None
-            parts = table.packed_matches(keys, table.allowed(wanted, group_idx) & ~_mask(table, exclude))
-        if limit:
-            del parts[limit:]
-        return _array_header(len(parts)) + b"".join(parts)
-
     def ranked(
         self,
         instance_id: str,
@@ -807,10 +782,3 @@ def _mask(table: HolderTable, sources: Collection[str]) -> int:
         for sid in table.source_slots(source_id):
             mask |= 1 << sid
     return mask
-
-
-def _array_header(n: int) -> bytes:
-    """msgpack array header for ``n`` items."""
-    if n < 16:
-        return bytes((0x90 | n,))
-    return b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")

@@ -22,10 +22,6 @@ from dataclasses import dataclass
 from itertools import compress, count, islice, repeat
 from operator import ne, or_
 
-import msgspec
-
-_packb = msgspec.msgpack.Encoder().encode
-
 #: KV-cache group kinds that carry the prefix (Dynamo's "main attention"); SWA / mamba groups
 #: evict differently and are matched only when asked for by ``group_idx``.
 MAIN_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
@@ -38,10 +34,6 @@ class Slot:
     group: int
     main: bool
     dp_rank: int = 0
-    #: msgpack of a ``match_engines`` entry up to its first number, and between its numbers:
-    #: ``{"source_id": s, "dp_rank": r, "matched_blocks": <n>, "media": {medium: <n>}}``
-    head: bytes = b""
-    middle: bytes = b""
 
 
 class HolderTable:
@@ -51,7 +43,6 @@ class HolderTable:
         self.holders: dict[int, int] = {}
         self.slots: list[Slot | None] = []
         self.refs: list[dict[int, int]] = []
-        self.entries: list[dict[int, bytes]] = []  # per slot: match length -> packed reply entry
         self.slot_ids: dict[tuple[str, str, int], int] = {}
         self._free: list[int] = []
         self._allowed: dict[tuple[frozenset[str] | None, int | None], tuple[int, bool]] = {}
@@ -68,12 +59,8 @@ class HolderTable:
         if sid == len(self.slots):
             self.slots.append(None)
             self.refs.append({})
-            self.entries.append({})
         self._allowed.clear()
-        head = _packb({"source_id": source_id, "dp_rank": dp_rank})
-        head = b"\x84" + head[1:] + _packb("matched_blocks")
-        middle = _packb("media") + b"\x81" + _packb(medium)
-        self.slots[sid] = Slot(source_id, medium, group, main, dp_rank, head, middle)
+        self.slots[sid] = Slot(source_id, medium, group, main, dp_rank)
         self.refs[sid] = {}
         self.slot_ids[key] = sid
         return sid
@@ -93,7 +80,6 @@ class HolderTable:
             del self.slot_ids[(slot.source_id, slot.medium, slot.group)]
         self.slots[sid] = None
         self.refs[sid] = {}
-        self.entries[sid] = {}
         self._free.append(sid)
         self._allowed.clear()
 
@@ -192,60 +178,6 @@ class HolderTable:
                 running = kept
         out.append((len(keys), running))
         return out
-
-    def packed_matches(self, keys: Sequence[int], allowed: int) -> list[bytes]:
-        """:meth:`longest_prefixes` fused with the reply: packed ``match_engines`` entries, best
-        first, ties in source id order. Needs one allowed slot per source (see
-        :meth:`single_slot_sources`)."""
-        if not keys or not allowed:
-            return []
-        masks = list(map(self.holders.get, keys, repeat(0, len(keys))))
-        running = masks[0] & allowed
-        parts: list[bytes] = []
-        if not running:
-            return parts
-        entries = self.entries
-        for i in compress(count(1), map(ne, masks, islice(masks, 1, None))):
-            kept = running & masks[i]
-            if kept != running:
-                self._emit(parts, entries, running & ~kept, i)
-                if not kept:
-                    break
-                running = kept
-        else:
-            self._emit(parts, entries, running, len(keys))
-        parts.reverse()
-        return parts
-
-    def _emit(self, parts: list[bytes], entries: list[dict[int, bytes]], bits: int, n: int) -> None:
-        """Append the entries of the slots in ``bits`` (ascending walk: reversed at the end)."""
-        if not bits & (bits - 1):
-            sid = bits.bit_length() - 1
-            packed = entries[sid].get(n)
-            parts.append(packed if packed is not None else self.entry(sid, n))
-            return
-        tied = []
-        while bits:
-            low = bits & -bits
-            tied.append(low.bit_length() - 1)
-            bits ^= low
-        tied.sort(key=lambda sid: self.slots[sid].source_id, reverse=True)  # type: ignore[union-attr]
-        parts += [self.entry(sid, n) for sid in tied]
-
-    def entry(self, sid: int, n: int) -> bytes:
-        """The packed ``match_engines`` entry of slot ``sid`` matching ``n`` blocks (memoised:
-        a slot's fields never change, and routers ask about the same prefixes again and again)."""
-        cache = self.entries[sid]
-        packed = cache.get(n)
-        if packed is None:
-            slot = self.slots[sid]
-            assert slot is not None
-            num = _packb(n)
-            packed = slot.head + num + slot.middle + num
-            if len(cache) >= 4096:
-                cache.clear()
-            cache[n] = packed
-        return packed
 
     def holders_of(self, key: int, allowed: int) -> list[Slot]:
         mask = self.holders.get(key, 0) & allowed
