@@ -596,3 +596,32 @@ def test_listeners_hear_an_in_line_eviction_once_it_commits(server, delay_ms):
     cache.add_listener(Recorder())
     write(c, [10], "a")
     assert ("removed", "a", [1]) in heard and ("evicted", "a", [1]) in heard
+
+
+
+def test_without_a_delay_a_victim_with_another_copy_loses_only_the_evicted_one(tmp_path):
+    """A record with a second copy is not dropped whole: its copy of the evicted type is marked
+    ``deleting`` (and freed by the deleter) while the other copy keeps serving."""
+    prefix = shm_prefix()
+    try:
+        with serve_in_thread(data_dir=str(tmp_path / "data"), overrides=OVERRIDES) as srv, srv.client() as c:
+            add_shm_storage(c, "mem", prefix)
+            cache = srv.app.cache
+            add_group(c, "g", ["mem", "default-file"], per_type={"file": BLOCK}, delay_ms=0)
+            register(c, "a", group="g")
+            assert [x["type"] for x in write(c, [1], "a")["locations"]] == ["shm"]
+            c.call("disable_storage", {"storage_unique_name": "mem"})
+            assert [x["type"] for x in write(c, [1], "a")["locations"]] == ["file"]  # a second copy
+            cache.set_room_maker(Fixed([("a", 1, "file")]))
+            write(c, [3], "a")  # file is at its quota: 1's file copy makes room
+            c.call("enable_storage", {"storage_unique_name": "mem"})
+            meta = c.call("get_cache_meta", {"instance_id": "a", "block_keys": [1], "detail_level": 1})["metas"][0]
+            assert meta["status"] == "serving"
+            assert [x["type"] for x in locate(c, [1], instance="a")] == ["shm"]
+            # the file copy goes at the deleter's next poll; the shm copy stays
+            assert wait_for(lambda: c.call("get_cache_meta", {"instance_id": "a", "block_keys": [1],
+                                                               "detail_level": 1})["metas"][0]["location_count"] == 1)
+            assert statuses(c, [1, 3]) == ["serving", "serving"]
+            cache.check()
+    finally:
+        remove_shm(prefix)

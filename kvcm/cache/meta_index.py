@@ -360,15 +360,10 @@ class MetaIndex:
                 if hit[1] is not None:
                     tags[hit[1]] = None
             if doomed:
-                remember = getattr(txn, "remember", None)
-                if remember is not None:  # the values just read are the ones the deletes remove
-                    remember(DB, doomed)
-                gone = [k for k, _ in doomed]
-                txn.delete_many(DB, gone)
+                self._delete_read(txn, doomed)
                 if self._drop_tag is not None:
                     for tag in tags:
                         self._drop_tag(txn, ns, tag)
-                txn.on_commit(lambda: self.cache.invalidate(gone))
         finally:
             self.locks.release(taken)
             with self._writers_lock:
@@ -392,17 +387,21 @@ class MetaIndex:
             same = [raw is not None and raw == value for raw, (_, value) in zip(stored, expected)]
             doomed = [(k, raw) for k, raw, ok in zip(dbkeys, stored, same) if ok]
             if doomed:
-                remember = getattr(txn, "remember", None)
-                if remember is not None:  # the values just read are the ones the deletes remove
-                    remember(DB, doomed)
-                gone = [k for k, _ in doomed]
-                txn.delete_many(DB, gone)
-                txn.on_commit(lambda: self.cache.invalidate(gone))
+                self._delete_read(txn, doomed)
         finally:
             self.locks.release(taken)
             with self._writers_lock:
                 self._writers -= 1
         return same
+
+    def _delete_read(self, txn: WriteTxn, doomed: Sequence[tuple[bytes, bytes | None]]) -> None:
+        """Delete ``(db key, value)`` records just read in ``txn`` (under their shard locks)."""
+        remember = getattr(txn, "remember", None)
+        if remember is not None:  # the values just read are the ones the deletes remove
+            remember(DB, doomed)
+        gone = [k for k, _ in doomed]
+        txn.delete_many(DB, gone)
+        txn.on_commit(lambda: self.cache.invalidate(gone))
 
     def put_records(self, txn: WriteTxn, ns: bytes, items: Sequence[tuple[int, Any]], absent: bool = False) -> None:
         """Blind upserts (new blocks, bulk loads, restores); invalidates like any write.
