@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvcm.cache.manager import CacheManager
+from kvcm.engines.index import KEYED
 from kvcm.engines.push import Report
 from kvcm.engines.scoring import BLOCKS, MAX_LOAD, SCORE, SOURCE, pod_summary
 from kvcm.engines.service import EngineService
@@ -279,6 +280,9 @@ class AddEvent(_Strict, tag="add", tag_field="type"):
     lora_name: Name | None = None
     group_idx: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
     kv_cache_spec_kind: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    #: block_hashes are kvcm block keys, held as they are (no token_ids, no parent); a batch of
+    #: keyed events only may come without seq (unsequenced: applied in arrival order)
+    keyed: bool = False
 
 
 class RemoveEvent(_Strict, tag="remove", tag_field="type"):
@@ -287,6 +291,7 @@ class RemoveEvent(_Strict, tag="remove", tag_field="type"):
     block_hashes: Hashes
     medium: Annotated[str, msgspec.Meta(max_length=32)] | None = None
     group_idx: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
+    keyed: bool = False  # of keyed adds' blocks (removed alike: by hash, which is the key)
 
 
 class ClearEvent(_Strict, tag="clear", tag_field="type"):
@@ -346,8 +351,14 @@ def report(req: ReportEventsRequest) -> Report:
     for name, default in _OP_DEFAULTS.items():
         if getattr(req, name) != default and name not in _OP_FIELDS[req.op]:
             raise InvalidArgument(f"report_events: op {req.op} does not take the field {name}")
-    if req.op == "events" and req.seq is None:
-        raise InvalidArgument("report_events: op events needs seq (the batch's sequence number)")
+    keyed = bool(req.events) and all(getattr(e, "keyed", False) for e in req.events)
+    if req.op == "events" and req.seq is None and not keyed:
+        raise InvalidArgument("report_events: op events needs seq (the batch's sequence number), "
+                              "unless every event is keyed")
+    for i, e in enumerate(req.events):
+        if type(e) is AddEvent and e.keyed and (e.token_ids or e.parent_block_hash is not None):
+            raise InvalidArgument(f"report_events: events[{i}] is keyed: its hashes are kvcm keys, with no "
+                                  f"token_ids or parent_block_hash")
     if req.op == "payloads" and not req.payloads:
         raise InvalidArgument("report_events: op payloads needs payloads")
     if req.op == "snapshot" and any(type(e) is not AddEvent for e in req.events):
@@ -372,6 +383,8 @@ def _work(r: Report) -> tuple[int, int]:
 
 
 def _event(e: AddEvent | RemoveEvent | ClearEvent) -> Event:
+    if type(e) is AddEvent and e.keyed:
+        return BlockStored(list(e.block_hashes), None, [], 0, None, e.medium, e.lora_name, KEYED, e.group_idx)
     if type(e) is AddEvent:
         return BlockStored(list(e.block_hashes), e.parent_block_hash, e.token_ids, e.block_size, None, e.medium,
                            e.lora_name, None, e.group_idx, e.kv_cache_spec_kind)  # fmt: skip

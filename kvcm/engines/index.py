@@ -61,13 +61,18 @@ from kvcm.engines.entries import (
     new_block,
     normalize_medium,
 )
-from kvcm.engines.hashing import Chain, Precomputed, chain_states, hash_chains
+from kvcm.engines.hashing import Chain, Precomputed, chain_states, hash_chains, to_signed
 from kvcm.engines.scoring import ENTRY, POD_ENTRY, Fragment, fragment
 from kvcm.engines.sources import SourceSpec
 from kvcm.engines.table import MAIN_KINDS, HolderTable, Slot
 from kvcm.errors import Conflict, KvcmError, NotFound
 from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, ExternalBlockHash, hash_to_u64
 from kvcm.store.base import MetaStore
+
+#: ``BlockStored.extra_keys`` of a store whose hashes are kvcm keys already (``report_events``'
+#: ``keyed`` adds: Tair's reporters name blocks by key and send no tokens). Compared by identity,
+#: so no decoded engine payload can carry it.
+KEYED: list[Any] = ["kvcm-keys"]
 
 
 class EngineIndex:
@@ -239,6 +244,8 @@ class EngineIndex:
         hashes = _u64_hashes(ev.block_hashes)
         if ev.kv_cache_spec_kind is not None or group not in state.groups:
             state.groups[group] = ev.kv_cache_spec_kind
+        if ev.extra_keys is KEYED:
+            return self._keyed(state, hashes, ev.lora_name or "", group, medium)
         if not ev.token_ids or ev.block_size <= 0:
             return self._resolve_tokenless(state, hashes, group, medium, errors)
         plan = self._plan(state, ev, hashes, group, errors)
@@ -366,6 +373,19 @@ class EngineIndex:
             state.dirty.add(key)
             done += 1
         return done
+
+    def _keyed(self, state: SourceState, hashes: list[int], lora: str, group: int, medium: str) -> int:
+        """Blocks named by their kvcm keys, each held at most once per medium: a repeated add
+        changes nothing, so one remove always drops it (Tair's adds are idempotent)."""
+        for h in hashes:
+            key = block_id(group, h)
+            blk = state.blocks.get(key)
+            if blk is None:
+                blk = state.blocks[key] = EngineBlock(lora, 0, 0, (to_signed(h),))
+            if medium not in blk.refs:
+                self._hold(state, blk, medium, group)
+            state.dirty.add(key)
+        return len(hashes)
 
     def _removed(self, state: SourceState, ev: BlockRemoved, errors: Counter[str]) -> int:
         group = ev.group_idx or 0

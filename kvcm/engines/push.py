@@ -13,7 +13,8 @@ subscriber's, so ``match_engines`` sees push and ZeroMQ sources alike. One repor
 * ``payloads``: vLLM-encoded ``KVEventBatch`` bytes with their seq, decoded by the subscriber's
   own lenient codec (:func:`kvcm.kv_events.decode_batch`: a broken event is counted and skipped);
 * ``events``: one batch of decoded events (``BlockStored`` / ``BlockRemoved`` /
-  ``AllBlocksCleared``) at a seq;
+  ``AllBlocksCleared``) at a seq; a batch of keyed events (kvcm keys, no tokens: Tair's
+  reporters) may have none, and is then applied as it comes, the position unchanged;
 * ``snapshot``: the source's whole content (stores only), replacing every block it held in one
   step; a higher generation here also replaces the registration;
 * ``down``: the engine is going away: the source and its blocks are dropped.
@@ -260,11 +261,13 @@ class PushIngest:
         for seq, batch in sorted(r.batches or (), key=lambda b: b[0]):
             self._received(conn, batch, outcome)
             last = conn.last_seq
-            if last >= 0 and seq <= last:
+            if r.seq is None and r.op == "events":
+                seq = last  # unsequenced (Tair's reporters): applied as it comes, the position kept
+            elif last >= 0 and seq <= last:
                 outcome.duplicates += 1
                 conn.stats["duplicates"] += 1
                 continue
-            if last >= 0 and seq > last + 1:
+            elif last >= 0 and seq > last + 1:
                 outcome.missed += seq - last - 1
                 conn.stats["missed"] += seq - last - 1
                 self.metrics.missed.labels(state.spec.source_id).inc(seq - last - 1)

@@ -522,3 +522,136 @@ def endpoint_parts(endpoint: str) -> tuple[str, int]:
     host, _, port = rest.rpartition(":")
     host = host.strip("[]")
     return (host, int(port)) if port.isdigit() else ("", 0)
+
+
+# -- reported events (ReportEvent) ------------------------------------------------------------------
+
+#: The kvcm ``report_events`` op of each Tair event type; adds and deletes share one (``events``).
+REPORT_EVENT_TYPE = Enum("ReportEventType", {
+    "EVENT_UNSPECIFIED": (0, None), "EVENT_NODE_REGISTER": (1, "register"), "EVENT_BLOCK_ADD": (2, "events"),
+    "EVENT_BLOCK_DELETE": (3, "events"), "EVENT_HOST_DOWN": (4, "down"), "EVENT_HEARTBEAT": (5, "heartbeat"),
+    "EVENT_BLOCK_SNAPSHOT": (6, "snapshot"),
+})
+
+#: Tair's storage types a reporter declares (an event-report backend each); another is refused.
+REPORTER_STORAGE = {"ST_EVENT_REPORT_L1P5": "L1P5", "ST_EVENT_REPORT_L2": "L2"}
+
+#: The oneof member each event type carries its parameters in.
+_PARAMS = {"EVENT_NODE_REGISTER": "node_register", "EVENT_BLOCK_ADD": "block_add",
+           "EVENT_BLOCK_DELETE": "block_delete", "EVENT_HOST_DOWN": "host_down", "EVENT_HEARTBEAT": "heartbeat",
+           "EVENT_BLOCK_SNAPSHOT": "block_snapshot"}
+_ITEM = frozenset({"event_type", *_PARAMS.values()})
+_REGISTER = frozenset({"mediums"})
+_ADD = frozenset({"block_key", "uri", "medium", "specs"})
+_DELETE = frozenset({"block_key", "medium", "spec_names"})
+_SNAPSHOT = frozenset({"medium", "blocks"})
+_SNAPSHOT_ITEM = frozenset({"block_key", "medium", "specs"})
+_HEARTBEAT = frozenset({"system_status"})
+_LOCATION_SPEC = frozenset({"name", "uri"})
+_MAX_MEDIUM = 32  # kvcm's bound on a medium name
+
+
+class ReportedEvent:
+    """One Tair event item read: its kvcm op and, for blocks, ``(kind, medium, key)`` with kind
+    ``add`` or ``remove``."""
+
+    __slots__ = ("blocks", "name", "op")
+
+    def __init__(self, name: str, op: str, blocks: list[tuple[str, str, int]]) -> None:
+        self.name, self.op, self.blocks = name, op, blocks
+
+
+def event_in(value: Any, where: str) -> ReportedEvent:
+    """A Tair ``EventItem``: its type is required and its parameters, if given, are those of its
+    type (the oneof member named after it); each block needs its key and a medium."""
+    item = message(value, where, _ITEM)
+    name = REPORT_EVENT_TYPE.parse(item.get("event_type"), path(where, "event_type"))
+    op = REPORT_EVENT_TYPE.to_kvcm(name, path(where, "event_type"))
+    if op is None:
+        raise InvalidArgument(f"{where}.event_type: required (one of {', '.join(_PARAMS)})")
+    member = _PARAMS[name]
+    for other in _PARAMS.values():
+        if other != member and item.get(other) is not None:
+            raise InvalidArgument(f"{path(where, other)}: not the parameters of {name} (give {member})")
+    at = path(where, member)
+    params = item.get(member)
+    if name == "EVENT_NODE_REGISTER":
+        texts(message(params, at, _REGISTER).get("mediums"), path(at, "mediums"))  # kvcm's blocks name theirs
+    elif name == "EVENT_HEARTBEAT":
+        _status_map(message(params, at, _HEARTBEAT).get("system_status"), path(at, "system_status"))
+    elif name == "EVENT_HOST_DOWN":
+        message(params, at, frozenset())
+    elif name == "EVENT_BLOCK_ADD":
+        add = _required(params, at, _ADD)
+        text(add.get("uri"), path(at, "uri"))
+        _specs(add.get("specs"), path(at, "specs"))
+        return ReportedEvent(name, op, [("add", _medium(add.get("medium"), path(at, "medium")),
+                                         _block_key(add.get("block_key"), path(at, "block_key")))])
+    elif name == "EVENT_BLOCK_DELETE":
+        delete = _required(params, at, _DELETE)
+        texts(delete.get("spec_names"), path(at, "spec_names"))  # kvcm drops the block, whatever the specs
+        return ReportedEvent(name, op, [("remove", _medium(delete.get("medium"), path(at, "medium")),
+                                         _block_key(delete.get("block_key"), path(at, "block_key")))])
+    else:
+        return ReportedEvent(name, op, _snapshot(_required(params, at, _SNAPSHOT), at))
+    return ReportedEvent(name, op, [])
+
+
+def _snapshot(snapshot: dict[str, Any], where: str) -> list[tuple[str, str, int]]:
+    """The snapshot's blocks; a key twice on one medium is refused (the same key on two is two
+    holdings). The deprecated snapshot-wide ``medium`` is the medium of blocks that name none."""
+    legacy = text(snapshot.get("medium"), path(where, "medium"))
+    out: list[tuple[str, str, int]] = []
+    seen: set[tuple[str, int]] = set()
+    for i, raw in enumerate(messages(snapshot.get("blocks"), path(where, "blocks"))):
+        at = f"{where}.blocks[{i}]"
+        block = message(raw, at, _SNAPSHOT_ITEM)
+        _specs(block.get("specs"), path(at, "specs"))
+        medium = _medium(block.get("medium") or legacy, path(at, "medium"))
+        key = _block_key(block.get("block_key"), path(at, "block_key"))
+        if (medium.upper(), key) in seen:
+            raise InvalidArgument(f"{at}.block_key: {key} is listed twice on medium {medium!r}")
+        seen.add((medium.upper(), key))
+        out.append(("add", medium, key))
+    return out
+
+
+def _required(value: Any, where: str, names: frozenset[str]) -> dict[str, Any]:
+    if value is None:
+        raise InvalidArgument(f"{where}: required by its event_type")
+    return message(value, where, names)
+
+
+def _block_key(value: Any, where: str) -> int:
+    """A block key: Tair's proto spells it an int64 in a string; a JSON number is taken too."""
+    if value is None or value == "":
+        raise InvalidArgument(f"{where}: required (an int64 as a decimal string)")
+    return int64(value, where)
+
+
+def _medium(value: Any, where: str) -> str:
+    medium = text(value, where)
+    if not medium:
+        raise InvalidArgument(f"{where}: required (the cache tier holding the block: gpu, hbm, mem, disk...)")
+    if len(medium) > _MAX_MEDIUM:
+        raise InvalidArgument(f"{where}: longer than {_MAX_MEDIUM} characters")
+    return medium
+
+
+def _specs(value: Any, where: str) -> None:
+    """The block's LocationSpecs, checked and not kept: kvcm counts the blocks a host holds and
+    hands out no engine-side URIs."""
+    for i, raw in enumerate(messages(value, where)):
+        spec = message(raw, f"{where}[{i}]", _LOCATION_SPEC)
+        text(spec.get("name"), f"{where}[{i}].name")
+        text(spec.get("uri"), f"{where}[{i}].uri")
+
+
+def _status_map(value: Any, where: str) -> None:
+    """``map<string, string>``: opaque observability data, checked and not kept (Tair keeps none either)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{where}: expected an object of strings, got {_show(value)}")
+    for key, item in value.items():
+        text(item, f"{where}.{key[:100]}")

@@ -16,7 +16,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,7 @@ class Rpc:
     kvcm: str  # the kvcm method
     request: Callable[[dict[str, Any]], dict[str, Any]]  # Tair body (header-less) -> kvcm params
     reply: Callable[[Any, Context], dict[str, Any]]  # kvcm result -> Tair reply fields
+    codes: Mapping[Code, str] = field(default_factory=dict)  # this RPC's own Tair codes, over TAIR_CODES
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -245,6 +246,80 @@ def _load_snapshot_in(body: dict[str, Any]) -> dict[str, Any]:
     return {"config_snapshot": s.text(body.get("config_snapshot"), "config_snapshot")}
 
 
+#: kvcm's bound on a source id, which a reporter's identity becomes.
+_MAX_SOURCE_ID = 200
+
+
+def reporter_source_id(instance_id: str, storage_type: str, host_ip_port: str) -> str:
+    """The kvcm push source of a Tair reporter: Tair names one by instance, declared storage type
+    and host, so two storage types of one host are two sources (of one pod, the host)."""
+    return f"tair/{instance_id}/{s.REPORTER_STORAGE[storage_type]}/{host_ip_port}"
+
+
+def report_event_in(body: dict[str, Any]) -> dict[str, Any]:
+    """Tair's ReportEvent as one ``report_events`` report of the reporter's push source. Its
+    items must make one kvcm op: registers (merged), heartbeats (merged), adds and deletes (one
+    unsequenced batch, in order), one snapshot, or host downs (merged)."""
+    instance_id = s.text(body.get("instance_id"), "instance_id")
+    host = s.text(body.get("host_ip_port"), "host_ip_port")
+    if not host:
+        raise InvalidArgument("host_ip_port: required (the reporter's host, its pod in kvcm)")
+    storage = s.STORAGE_TYPE.parse(body.get("storage_type"), "storage_type")
+    if storage not in s.REPORTER_STORAGE:
+        raise InvalidArgument(f"storage_type: {storage} is not an event-report storage type "
+                              f"({' or '.join(s.REPORTER_STORAGE)})")
+    source_id = reporter_source_id(instance_id, storage, host)
+    if len(source_id) > _MAX_SOURCE_ID:
+        raise InvalidArgument(f"host_ip_port: instance_id and host_ip_port together are too long "
+                              f"(kvcm's source id {source_id[:40]!r}... exceeds {_MAX_SOURCE_ID} characters)")
+    items = [s.event_in(raw, f"events[{i}]") for i, raw in enumerate(s.messages(body.get("events"), "events"))]
+    if not items:
+        raise InvalidArgument("events: required (at least one event)")
+    for i, item in enumerate(items):
+        if item.op != items[0].op:
+            raise InvalidArgument(f"events[{i}].event_type: {item.name} cannot share a call with {items[0].name} "
+                                  f"(kvcm applies one kind of report per call: send them apart)")
+        if item.op == "snapshot" and i:
+            raise InvalidArgument(f"events[{i}]: one EVENT_BLOCK_SNAPSHOT per call")
+    out: dict[str, Any] = {"source_id": source_id, "op": items[0].op}
+    if items[0].op == "register":
+        out.update(instance_id=instance_id, pod=host)
+    elif items[0].op in ("events", "snapshot"):
+        out["events"] = _batched(block for item in items for block in item.blocks)
+    return out
+
+
+def _batched(blocks: Iterable[tuple[str, str, int]]) -> list[dict[str, Any]]:
+    """kvcm events of Tair's blocks, in order: a run of one kind on one medium is one event
+    (keyed adds have no chain to keep, so a run holds any keys)."""
+    out: list[dict[str, Any]] = []
+    for kind, medium, key in blocks:
+        last = out[-1] if out else None
+        if last is not None and last["type"] == kind and last["medium"] == medium:
+            last["block_hashes"].append(key)
+        elif kind == "add":
+            out.append({"type": "add", "keyed": True, "medium": medium, "block_hashes": [key]})
+        else:
+            out.append({"type": "remove", "keyed": True, "medium": medium, "block_hashes": [key]})
+    return out
+
+
+def host_cache_state_in(body: dict[str, Any]) -> dict[str, Any]:
+    """Tair's GetHostCacheState as kvcm's ``get_host_cache_state``: prefix matching only (an
+    unset query_type means it too: there is no other answer)."""
+    kind = s.QUERY_TYPE.parse(body.get("query_type"), "query_type")
+    if kind not in ("QT_UNSPECIFIED", "QT_PREFIX_MATCH"):
+        raise InvalidArgument(f"query_type: {kind} is not answered; kvcm matches hosts by prefix (QT_PREFIX_MATCH)")
+    out: dict[str, Any] = {"instance_id": s.text(body.get("instance_id"), "instance_id"), "query_type": "prefix_match",
+                           "block_cache_keys": s.int64_list(body.get("block_cache_keys"), "block_cache_keys")}
+    medium = s.texts(body.get("medium"), "medium")
+    if medium:
+        out["medium"] = medium
+    if body.get("p2p_host_count") is not None:
+        out["p2p_host_count"] = s.int32(body["p2p_host_count"], "p2p_host_count")
+    return out
+
+
 # -- replies --------------------------------------------------------------------------------------
 
 
@@ -312,6 +387,19 @@ def _groups(result: Any, ctx: Context) -> dict[str, Any]:
 def _accounts(result: Any, ctx: Context) -> dict[str, Any]:
     return {"accounts": [{"user_name": a["user_name"], "role": s.ACCOUNT_ROLE.out(a["role"])}
                          for a in result["accounts"]]}
+
+
+def _reported(result: Any, ctx: Context) -> dict[str, Any]:
+    # kvcm applies a report whole or refuses it: no per-item results. resync is Tair's hint to
+    # send a full snapshot (kvcm restarted, or the source expired and may miss blocks).
+    return {"item_results": [], "committed_snapshot_version": "", "retry_after_ms": "0",
+            "snapshot_required": bool(result.get("resync")), "extra_info": ""}
+
+
+def _host_state(result: Any, ctx: Context) -> dict[str, Any]:
+    return {"hosts": [{"host_ip_port": host["host_ip_port"], "local": s.out64(host["local"]),
+                       "p2p_1_fetch": s.out64(host["p2p_1_fetch"]),
+                       "p2p_1_total_match": s.out64(host["p2p_1_total_match"])} for host in result["hosts"]]}
 
 
 def _snapshot(result: Any, ctx: Context) -> dict[str, Any]:
@@ -399,6 +487,11 @@ META: dict[str, tuple[frozenset[str], Rpc]] = {
     "trimCache": (_body("instance_id strategy begin_timestamp end_timestamp"),
                   Rpc("trim_cache", trim_cache_in, _empty)),
     "getClusterInfo": (_body("instance_id"), Rpc("get_manager_cluster_info", _nothing, _cluster)),
+    # a source that is not registered (or another tenant's) is Tair's NODE_NOT_REGISTERED
+    "reportEvent": (_body("instance_id host_ip_port events storage_type"),
+                    Rpc("report_events", report_event_in, _reported, {Code.NOT_FOUND: "NODE_NOT_REGISTERED"})),
+    "getHostCacheState": (_body("instance_id query_type block_cache_keys medium p2p_host_count"),
+                          Rpc("get_host_cache_state", host_cache_state_in, _host_state)),
 }
 
 ADMIN: dict[str, tuple[frozenset[str], Rpc]] = {
@@ -440,8 +533,6 @@ UNSUPPORTED: dict[str, str] = {
     "migrateCache": "kvcm does not migrate blocks between storages",
     "listAsyncCopyQuarantine": "kvcm does not copy blocks between storages",
     "breakGlassReleaseAsyncCopy": "kvcm does not copy blocks between storages",
-    "reportEvent": "kvcm follows engines' KV events over ZeroMQ instead (add_event_source, docs/engines.md)",
-    "getHostCacheState": "use kvcm's match_engines (docs/rpc.md)",
     "getCacheLocationsByBackend": "kvcm keeps one copy of a key; use getCacheLocation",
 }
 
@@ -460,8 +551,8 @@ def header(code: str, message: str, trace_id: str) -> dict[str, Any]:
     return {"status": {"code": code, "message": message}, "request_id": f"{trace_id}_{int(time.time() * 1e6)}"}
 
 
-def failure(exc: KvcmError, trace_id: str) -> dict[str, Any]:
-    code = TAIR_CODES.get(exc.code, "INTERNAL_ERROR")
+def failure(exc: KvcmError, trace_id: str, codes: Mapping[Code, str] | None = None) -> dict[str, Any]:
+    code = (codes or {}).get(exc.code) or TAIR_CODES.get(exc.code, "INTERNAL_ERROR")
     message = exc.message if code == exc.code.name else f"{exc.code.name}: {exc.message}"
     return {"header": header(code, message, trace_id)}
 
@@ -500,9 +591,9 @@ def serve(name: str, body: dict[str, Any], surface: str, ctx: Context,
     except InvalidArgument as exc:
         if exc.code is Code.INVALID_ARGUMENT and not exc.message.startswith(rpc.kvcm + ":"):
             exc = InvalidArgument(f"{name}: {exc.message}")  # a translator's own check names the Tair RPC
-        return 200, failure(exc, trace_id)
+        return 200, failure(exc, trace_id, rpc.codes)
     except KvcmError as exc:
-        return 200, failure(exc, trace_id)
+        return 200, failure(exc, trace_id, rpc.codes)
     except Exception as exc:  # every call gets a Tair answer, whatever failed
         log.exception("tair: %s failed", name)
         return 200, failure(ServerError(f"internal error: {type(exc).__name__}"), trace_id)
