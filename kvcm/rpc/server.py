@@ -186,7 +186,9 @@ class Server:
         sock, poll = self._socket, self._poller.poll
         for _ in range(self._drain_max):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = [sock.recv(zmq.NOBLOCK)]
+                while sock.getsockopt(zmq.RCVMORE):  # recv_multipart's loop, minus its wrapper
+                    frames.append(sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
             except zmq.ZMQError as exc:  # pragma: no cover - socket-level trouble, keep serving
@@ -221,7 +223,13 @@ class Server:
 
     def _send(self, head: list[bytes], reply: bytes) -> None:
         try:
-            self._socket.send_multipart([*head, reply], zmq.NOBLOCK)
+            # send_multipart's frames, minus its per-call checks (a reply is a few frames of
+            # bytes); a multipart message is queued whole or not at all, so only the first
+            # frame can meet the high-water mark or an unknown peer.
+            sock = self._socket
+            for frame in head:
+                sock.send(frame, zmq.NOBLOCK | zmq.SNDMORE)
+            sock.send(reply, zmq.NOBLOCK)
         except zmq.Again:
             self.metrics.replies_dropped.labels("hwm").inc()
         except zmq.ZMQError as exc:
