@@ -27,7 +27,7 @@ from kvcm.follower import FollowerStage
 from kvcm.metrics import Metrics
 from kvcm.rpc.curve import CurveServer, serve_curve
 from kvcm.rpc.dispatch import Dispatcher, Limits, Method
-from kvcm.rpc.http import SideHttp
+from kvcm.rpc.http import SideHttp, SidePort
 from kvcm.rpc.server import AddressInUse, Server, Timer, endpoint_in_use
 from kvcm.storage.ownership import leftovers
 from kvcm.store import DataDirLocked, LmdbStore, MemoryStore, MetaStore
@@ -161,16 +161,20 @@ class App:
     ``orphans``: what to do with storages holding blocks of a data dir whose metadata is gone
     (``refuse`` to start, ``adopt`` them unindexed, or ``discard`` them)."""
 
-    def __init__(self, config: Config, orphans: str = "refuse", lease: Lease | None = None) -> None:
+    def __init__(self, config: Config, orphans: str = "refuse", lease: Lease | None = None,
+                 side_port: SidePort | None = None) -> None:
         """``lease``: the leader lease this process holds (``ha.enabled``, from :class:`HaNode`):
-        commits carry its epoch, requests and background work run only while it is valid."""
+        commits carry its epoch, requests and background work run only while it is valid.
+        ``side_port``: the side HTTP port's listeners the node holds across its stages (bound
+        already: served here, not bound)."""
         self.lease = lease
+        self.side_port = side_port
         self.term = lease.epoch if lease is not None else 0  # the lease term this App serves
         # A taken port refuses the start before the data dir is even opened; the binds below
         # still report a port taken in between (and clean up what was built).
         if endpoint_in_use(config.server.endpoint):
             raise _rpc_in_use(config.server.endpoint)
-        if config.http.enabled and _http_port_in_use(config.http):
+        if config.http.enabled and side_port is None and _http_port_in_use(config.http):
             raise _http_in_use(config.http)
         if config.publisher.enabled:
             for key, endpoint in (("endpoint", config.publisher.endpoint),
@@ -278,6 +282,7 @@ class App:
                 auth_required=self.config.auth.enabled,
                 client_options=self.curve.client_options() if self.curve is not None else None,
                 role=self.role if self.lease is not None else None,
+                port=self.side_port,
             )
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
@@ -599,6 +604,17 @@ class HaNode:
         self._stop = threading.Event()
         self._stage_lock = threading.Lock()
         self._announced = False
+        # Bound once for the node's life, so the side port never closes between stages.
+        self.side_port = self._bind_side_port() if config.http.enabled else None
+
+    def _bind_side_port(self) -> SidePort:
+        try:
+            return SidePort(self.config.http)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise _http_in_use(self.config.http) from None
+            raise StartRefused(f"cannot bind the HTTP port {self.config.http.host}:{self.config.http.port} "
+                               f"({exc.strerror or exc}); change --http-port or http.host / http.port") from None
 
     def _changed(self, leader: bool) -> None:
         with self._stage_lock:
@@ -606,7 +622,16 @@ class HaNode:
         if stage is not None and (isinstance(stage, App) != leader or
                                   (isinstance(stage, App) and stage.term != self.lease.epoch)):
             log.info("node %s: role change to %s", self.lease.node_id, "leader" if leader else "follower")
-            stage.request_stop()
+            # Off the lease thread (a renew must not wait for HTTP requests in flight).
+            threading.Thread(target=self._switch, args=(stage,), name="kvcm-role-change", daemon=True).start()
+
+    @staticmethod
+    def _switch(stage: App | FollowerStage) -> None:
+        """End a stage at a role change: the side port's requests in flight are answered by it
+        while its RPC loop still serves, then the loop ends."""
+        if stage.http is not None:
+            stage.http.hand_over()
+        stage.request_stop()
 
     def run(self, started: Callable[[], None] | None = None) -> None:
         self.lease.step()  # the first attempt before any port is bound: a free lease is taken at once
@@ -616,13 +641,16 @@ class HaNode:
                 self._run_stage(started)
         finally:
             self.lease.stop(release=True)
+            if self.side_port is not None:
+                self.side_port.close()
 
     def _run_stage(self, started: Callable[[], None] | None) -> None:
         leader = self.lease.is_leader()
         self._wait_endpoint_free()
         try:
-            stage: App | FollowerStage = App(self.config, self.orphans, lease=self.lease) if leader \
-                else FollowerStage(self.config, self.lease, lambda: _open_redis(self.config, follower=True))
+            stage: App | FollowerStage = App(self.config, self.orphans, lease=self.lease, side_port=self.side_port) \
+                if leader else FollowerStage(self.config, self.lease, lambda: _open_redis(self.config, follower=True),
+                                             side_port=self.side_port)
         except DataDirLocked:
             raise
         except Unavailable as exc:  # Redis away while building the leader stage: follow, retry

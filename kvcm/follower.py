@@ -31,7 +31,7 @@ from kvcm.errors import KvcmError, Unavailable
 from kvcm.metrics import Metrics
 from kvcm.rpc.curve import CurveServer, serve_curve
 from kvcm.rpc.dispatch import Dispatcher, Method
-from kvcm.rpc.http import SideHttp
+from kvcm.rpc.http import SideHttp, SidePort
 from kvcm.rpc.server import Server, Timer
 from kvcm.store import DataDirLocked, LmdbStore, MemoryStore, MetaStore
 from kvcm.version import __version__
@@ -180,7 +180,9 @@ class FollowerStage:
     its leader :class:`~kvcm.app.App` (and its caches) only once it holds the lease, so a
     leader's caches are never older than its term."""
 
-    def __init__(self, config: Config, lease: Lease, open_store: Callable[[], RedisStore]) -> None:
+    def __init__(self, config: Config, lease: Lease, open_store: Callable[[], RedisStore],
+                 side_port: SidePort | None = None) -> None:
+        """``side_port``: the side HTTP port's listeners the node holds across its stages."""
         from kvcm.api import leader as leader_api
         from kvcm.api.control import cluster_info
         from kvcm.lockfile import LockBusy, hold_lock_file
@@ -229,7 +231,7 @@ class FollowerStage:
             self.http = SideHttp(config.http, self.metrics, self.endpoint, lambda: True, lambda: True,
                                  max_body=config.server.max_message_bytes, auth_required=config.auth.enabled,
                                  client_options=self.curve.client_options() if self.curve is not None else None,
-                                 role=lambda: "follower") if config.http.enabled else None
+                                 role=lambda: "follower", port=side_port) if config.http.enabled else None
         except BaseException:
             if getattr(self, "server", None) is not None:
                 self.server.close_unserved()

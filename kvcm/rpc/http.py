@@ -59,6 +59,7 @@ import ipaddress
 import json
 import logging
 import re
+import select
 import socket
 import threading
 import time
@@ -66,7 +67,7 @@ from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from kvcm.client import Client, Endpoints
+from kvcm.client import IDEMPOTENT_METHODS, Client, Endpoints
 from kvcm.config import HttpConfig
 from kvcm.errors import AccessDenied, Code, InvalidArgument, KvcmError, ServerError, StartRefused, Unavailable, error
 from kvcm.metrics import Metrics
@@ -79,11 +80,19 @@ _MAX_CACHED_TOKENS = 1024
 _LINGER_S = 1.0  # after a refusal, unread request bytes are drained this long before closing
 _LINGER_BYTES = 1 << 20
 _RPC_TIMEOUT_S = 30.0
+# A role change waits this long for the side port's requests in flight to be answered by the
+# stage that took them, before the stage stops (a request needs milliseconds; the bound keeps a
+# stuck one from holding a takeover); the accept loop of a held port looks for the change this often.
+_HAND_OVER_S = 1.0
+_HELD_POLL_S = 0.05
 # The leader's cluster info, asked by a follower for Tair's getClusterInfo (its HTTP port) and
 # before a Tair call follows SERVER_NOT_LEADER to it: well under Tair's client timeout (1 s by
 # default), so a dead leader is reported before the client gives up. The verdict is kept briefly.
 _ASK_TIMEOUT_S = 0.5
 _LEADER_VERDICT_S = 1.0
+# How long a Tair call a follower sends on to the leader waits for its answer: past Tair's client
+# timeout already, far below the RPC timeout (a leader that stopped within the verdict's second).
+_FORWARD_TIMEOUT_S = 2.0
 _METHOD_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 _BEARER = re.compile(r"bearer +([A-Za-z0-9._~+/-]{1,4096}=*)", re.IGNORECASE)
 _DIGITS = re.compile(r"[0-9]{1,19}")
@@ -257,12 +266,64 @@ class _BoundedServer(ThreadingHTTPServer):
     request_queue_size = 128  # a burst of connects waits in the backlog rather than being dropped
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
-                 max_connections: int, refused: Callable[[str], None]) -> None:
+                 max_connections: int, refused: Callable[[str], None],
+                 held: tuple[SidePort, bool] | None = None) -> None:
+        """``held``: the :class:`SidePort` whose listener this server accepts on (not bound, nor
+        closed, here) and whether it is the admin listener."""
         self._slots = threading.BoundedSemaphore(max_connections)
         self._live: set[socket.socket] = set()
         self._live_lock = threading.Lock()
         self._refused = refused
-        super().__init__(address, handler)
+        self._held = held
+        self.kept: set[socket.socket] = set()  # connections to give to the next stage, not close
+        self.adopted: set[socket.socket] = set()  # connections of the last stage: idle, served before
+        # Readable once this server hands its connections over: wakes every idle connection thread.
+        self.handing_over = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        super().__init__(address, handler, bind_and_activate=held is None)
+        if held is not None:
+            self.socket.close()
+            self.socket = held[0].listener(held[1])
+            self.server_address = self.socket.getsockname()
+            self.server_name, self.server_port = address[0], int(self.server_address[1])  # as server_bind sets
+
+    def wake_fd(self) -> socket.socket:
+        return self._wake_r
+
+    def begin_hand_over(self) -> None:
+        """Idle connection threads end their wait and leave their connection to the next stage."""
+        self.handing_over.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def live_count(self) -> int:
+        with self._live_lock:
+            return len(self._live)
+
+    def adopt(self, request: socket.socket, client_address: Any) -> None:
+        """Serve a connection the last stage handed over (its thread starts with the idle wait)."""
+        self.adopted.add(request)
+        self.process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        if self._held is not None and request in self.kept:
+            self.kept.discard(request)
+            try:
+                peer = request.getpeername()
+            except OSError:  # the client went away meanwhile
+                super().shutdown_request(request)
+                return
+            self._held[0].keep(request, peer, self._held[1])
+            return
+        super().shutdown_request(request)
+
+    def server_close(self) -> None:
+        if self._held is None:
+            super().server_close()
+        for sock in (self._wake_r, self._wake_w):
+            sock.close()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -284,6 +345,7 @@ class _BoundedServer(ThreadingHTTPServer):
             self._release(request)
 
     def _release(self, request: socket.socket) -> None:
+        self.adopted.discard(request)
         with self._live_lock:
             self._live.discard(request)
         self._slots.release()
@@ -318,6 +380,58 @@ class _Server6(_BoundedServer):
 # -- the side port --------------------------------------------------------------------------------
 
 
+class SidePort:
+    """The side port's listening sockets, and the kept-alive connections between two stages, held
+    by a node under the leader lease for its whole life: each role change serves the port from
+    another stage's :class:`SideHttp`, and the port must neither close (a connect in between would
+    be refused) nor drop its connections (a request sent on one would be cut off). A connect while
+    no stage serves waits in the listen backlog, a request on a kept connection in its socket,
+    until the next stage serves them."""
+
+    def __init__(self, config: HttpConfig) -> None:
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        self._listeners = [_listen(family, config.host, config.port)]
+        if config.admin_port >= 0:
+            try:
+                self._listeners.append(_listen(family, config.host, config.admin_port))
+            except BaseException:
+                self._listeners[0].close()
+                raise
+        self._waiting: list[tuple[socket.socket, Any, bool]] = []
+        self._lock = threading.Lock()
+
+    def listener(self, admin: bool) -> socket.socket:
+        return self._listeners[1 if admin else 0]
+
+    def keep(self, sock: socket.socket, peer: Any, admin: bool) -> None:
+        with self._lock:
+            self._waiting.append((sock, peer, admin))
+
+    def take(self) -> list[tuple[socket.socket, Any, bool]]:
+        """The connections waiting for a stage (each given to one stage only)."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        return waiting
+
+    def close(self) -> None:
+        for sock, _, _ in self.take():
+            sock.close()
+        for listener in self._listeners:
+            listener.close()
+
+
+def _listen(family: socket.AddressFamily, host: str, port: int) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server binds
+        sock.bind((host, port))
+        sock.listen(_BoundedServer.request_queue_size)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class _NoFollow(Endpoints):
     """Endpoints that never follow: a SERVER_NOT_LEADER is the call's answer (Tair's calls, which
     :meth:`SideHttp.tair_call` sends on to the leader only when it answers)."""
@@ -338,7 +452,7 @@ class _ClientPool:
         self._idle: list[Client] = []
         self._lock = threading.Lock()
 
-    def call(self, method: str, params: dict[str, Any]) -> Any:
+    def call(self, method: str, params: dict[str, Any], timeout: float | None = None) -> Any:
         with self._lock:
             client = self._idle.pop() if self._idle else None
         if client is None:
@@ -346,7 +460,7 @@ class _ClientPool:
             if not self._follow:
                 client.endpoints = _NoFollow(self._endpoint)
         try:
-            return client.call(method, params, retry=False)
+            return client.call(method, params, timeout=timeout, retry=False)
         finally:
             with self._lock:
                 self._idle.append(client)
@@ -376,10 +490,13 @@ class SideHttp:
         auth_required: bool = False,
         client_options: dict[str, Any] | None = None,
         role: Callable[[], str] | None = None,
+        port: SidePort | None = None,
     ) -> None:
         """``client_options``: more ``Client`` arguments for forwarding /api (CURVE keys).
         ``role``: the node's role under the leader lease (``leader``/``follower``), shown by
-        ``/readyz``; None without the lease."""
+        ``/readyz``; None without the lease. ``port``: the listeners (and kept connections) of a
+        node under the lease, served by this stage and left to the next one (:meth:`hand_over`);
+        None binds ``config``'s own."""
         self.config = config
         self.metrics = metrics
         self.rpc_endpoint = rpc_endpoint
@@ -397,36 +514,74 @@ class SideHttp:
         self._client_options = client_options or {}
         self._tokens: dict[bytes, float] = {}  # sha256(token) -> when its whoami answer expires
         self._tokens_lock = threading.Lock()
+        self._held = port
         kind = _Server6 if ":" in config.host else _BoundedServer
-        self._httpd = kind((config.host, config.port), _handler_for(self), config.max_connections, self.refused)
+        self._httpd = kind((config.host, config.port), _handler_for(self), config.max_connections, self.refused,
+                           None if port is None else (port, False))
         self.port = int(self._httpd.server_address[1])
         self.authorities = Authorities(config.host, self.port, config.allowed_hosts)
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvcm-http", daemon=True)
+        self._thread = self._serving(self._httpd, "kvcm-http")
         self._admin = self._bind_admin(kind) if config.admin_port >= 0 else None
         self.admin_port = int(self._admin.server_address[1]) if self._admin is not None else None
         self.admin_authorities = Authorities(config.host, self.admin_port or 0, config.allowed_hosts)
-        self._admin_thread = None if self._admin is None else threading.Thread(
-            target=self._admin.serve_forever, name="kvcm-http-admin", daemon=True)
+        self._admin_thread = None if self._admin is None else self._serving(self._admin, "kvcm-http-admin")
+        self._handed_over = False
+
+    def _serving(self, httpd: _BoundedServer, name: str) -> threading.Thread:
+        # A held port's accept loop looks for a hand-over often: a role change waits for it.
+        poll = _HELD_POLL_S if self._held is not None else 0.5
+        return threading.Thread(target=httpd.serve_forever, args=(poll,), name=name, daemon=True)
 
     def _bind_admin(self, kind: type[_BoundedServer]) -> _BoundedServer:
         """Tair's port layout: its AdminService on a port of its own (``http.admin_port``)."""
         try:
             return kind((self.config.host, self.config.admin_port), _handler_for(self, admin=True),
-                        self.config.max_connections, self.refused)
+                        self.config.max_connections, self.refused,
+                        None if self._held is None else (self._held, True))
         except OSError as exc:
             self._httpd.server_close()
             raise StartRefused(f"cannot bind the admin HTTP port {self.config.host}:{self.config.admin_port} "
                                f"({exc.strerror or exc}); change http.admin_port") from None
 
+    def _servers(self) -> list[tuple[_BoundedServer, threading.Thread]]:
+        return [(h, t) for h, t in ((self._httpd, self._thread), (self._admin, self._admin_thread))
+                if h is not None and t is not None]
+
     def start(self) -> None:
+        if self._handed_over:  # the role changed before this stage served: the next one serves
+            return
         self._thread.start()
         if self._admin_thread is not None:
             self._admin_thread.start()
+        if self._held is not None:  # the connections the last stage kept alive
+            for sock, peer, admin in self._held.take():
+                target = self._admin if admin else self._httpd
+                if target is None:
+                    sock.close()
+                else:
+                    target.adopt(sock, peer)
+
+    def hand_over(self, timeout: float = _HAND_OVER_S) -> None:
+        """A held port at a role change: stop accepting (connects wait in the backlog for the next
+        stage), let the requests in flight be answered (up to ``timeout``: the stage still serves
+        them), and leave every kept-alive connection to the next stage instead of closing it.
+        Idempotent; a no-op without a held port."""
+        if self._held is None or self._handed_over:
+            return
+        self._handed_over = True
+        for httpd, thread in self._servers():
+            if thread.is_alive():
+                httpd.shutdown()
+            httpd.begin_hand_over()
+        deadline = time.monotonic() + timeout
+        while any(h.live_count() for h, _ in self._servers()) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def stop(self) -> None:
-        for httpd, thread in ((self._httpd, self._thread), (self._admin, self._admin_thread)):
-            if httpd is None or thread is None:
-                continue
+        """A held port is handed over first (its listeners stay open for the next stage); what is
+        still in flight past the hand-over's bound is cut off, as every connection of an own port."""
+        self.hand_over()
+        for httpd, thread in self._servers():
             if thread.is_alive():
                 httpd.shutdown()
             httpd.close_connections()
@@ -449,7 +604,9 @@ class SideHttp:
         """A translated Tair call: to this node, and from a follower on to the leader it names only
         if that leader answers now. Otherwise its SERVER_NOT_LEADER is the answer at once, naming
         the leader, rather than a wait of the RPC timeout on a dead or stopped one: Tair's client
-        rediscovers on it and retries. Every call starts here, so a follower answers reads itself."""
+        rediscovers on it and retries. Every call starts here, so a follower answers reads itself.
+        A forwarded call waits ``_FORWARD_TIMEOUT_S`` at most (:meth:`_unanswered`): the leader may
+        have stopped since the verdict that it answers."""
         try:
             return self._tair_pool.call(method, params)
         except KvcmError as exc:
@@ -460,7 +617,28 @@ class SideHttp:
                 stale = Unavailable(f"{exc.message}, which does not answer now; retry", Code.SERVER_NOT_LEADER)
                 stale.detail = dict(exc.detail)
                 raise stale from None
-        return self._leader_pool(leader).call(method, params)  # a deposed leader's refusal is the answer
+            refusal = exc
+        try:  # a deposed leader's refusal is the answer
+            return self._leader_pool(leader).call(method, params, timeout=_FORWARD_TIMEOUT_S)
+        except KvcmError as failed:
+            if failed.code is not Code.TIMEOUT:
+                raise
+            raise self._unanswered(method, leader, refusal) from None
+
+    def _unanswered(self, method: str, leader: str, refusal: KvcmError) -> KvcmError:
+        """The leader did not answer a forwarded call in time (stopped or dead since it last
+        answered): it is taken as not answering for the verdict's time, so the next call is
+        refused at once. This one is SERVER_NOT_LEADER, so Tair's client rediscovers and resends
+        it, when a resend cannot change the outcome (an idempotent method); any other may have
+        run there and is TIMEOUT, never resent behind the caller's back (kvcm's client rule)."""
+        with self._leaders_lock:
+            self._leaders[leader] = (None, time.monotonic() + _LEADER_VERDICT_S)
+        late = f"{refusal.message}, which did not answer {method} within {_FORWARD_TIMEOUT_S:g}s"
+        if method not in IDEMPOTENT_METHODS:
+            return Unavailable(f"{late}: it may have run there; not resent", Code.TIMEOUT)
+        stale = Unavailable(f"{late}; retry", Code.SERVER_NOT_LEADER)
+        stale.detail = dict(refusal.detail)
+        return stale
 
     def _leader_pool(self, endpoint: str) -> _ClientPool:
         stale: list[_ClientPool] = []
@@ -539,7 +717,9 @@ def _handler_for(side: SideHttp, admin: bool = False) -> type[BaseHTTPRequestHan
             self._buffered = io.BufferedReader(self._reader)
             self.rfile = self._buffered
             self.wfile = _SocketWriter(self.connection, read_timeout)
-            self._served = False  # a request was answered: the next one may be idle first
+            # A request was answered: the next one may be idle first (so was one on a connection
+            # the last stage handed over).
+            self._served = isinstance(self.server, _BoundedServer) and self.request in self.server.adopted
             self._linger = False  # a refusal left request bytes unread
 
         def log_message(self, fmt: str, *args: Any) -> None:
@@ -575,12 +755,47 @@ def _handler_for(side: SideHttp, admin: bool = False) -> type[BaseHTTPRequestHan
             """Keep-alive: wait up to the idle timeout for the next request's first byte; its
             deadline then runs from there."""
             self._reader.deadline = time.monotonic() + idle_timeout
+            if not self._pipelined() and not self._wait_readable():
+                return False
             try:
                 arrived = bool(self._buffered.peek(1))
             except (TimeoutError, OSError):
                 return False
             self._reader.deadline = time.monotonic() + read_timeout
             return arrived
+
+        def _pipelined(self) -> bool:
+            """Bytes of a next request already read into the buffer (no socket read: the reader's
+            deadline is set in the past for the look)."""
+            deadline, self._reader.deadline = self._reader.deadline, 0.0
+            try:
+                return bool(self._buffered.peek(1))
+            except (TimeoutError, OSError):
+                return False
+            finally:
+                self._reader.deadline = deadline
+
+        def _wait_readable(self) -> bool:
+            """Until the idle deadline, for the next request's first byte. False at the deadline, or
+            when the port is handed to the next stage meanwhile: the connection is then kept for it
+            (any request the client sends on it waits in the socket)."""
+            server: _BoundedServer = self.server  # type: ignore[assignment]
+            while True:
+                if server.handing_over.is_set():
+                    server.kept.add(self.connection)
+                    return False
+                left = self._reader.deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                poller = select.poll()  # not select(): a busy process has descriptors past 1024
+                try:
+                    poller.register(self.connection, select.POLLIN)
+                    poller.register(server.wake_fd(), select.POLLIN)
+                    ready = poller.poll(left * 1000)
+                except (OSError, ValueError):  # the stage closed its sockets: end the connection
+                    return False
+                if any(fd == self.connection.fileno() for fd, _ in ready):
+                    return True
 
         def _drain(self) -> None:
             """Read what the client still sends (briefly) before closing: closing a socket with
