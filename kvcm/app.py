@@ -264,6 +264,12 @@ class App:
             self.event_log.close()
         if self.http is not None:
             self.http.stop()
+        cache = getattr(self, "cache", None)
+        if cache is not None and getattr(self, "storages", None) is not None:
+            try:  # copies whose records are gone: freed before their storages close
+                cache.deleter.free_queued()
+            except Exception:  # a stop goes on; a restart gives the slots back
+                log.exception("freeing the queued copies at stop failed")
         if getattr(self, "storages", None) is not None:
             self.storages.close()
         if getattr(self, "engine_store", None) is not None:

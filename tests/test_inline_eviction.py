@@ -498,7 +498,7 @@ def _slots(srv: RunningServer) -> int:
     return int(srv.app.storages.get("default-file").usage()["slots_used"])
 
 
-def test_without_a_delay_victims_are_dropped_and_their_slots_reused_at_once(server):
+def test_without_a_delay_victims_are_dropped_and_their_slots_freed_by_the_deleter(server):
     from kvcm.blocks import BlockIO
 
     srv, c = server
@@ -508,11 +508,13 @@ def test_without_a_delay_victims_are_dropped_and_their_slots_reused_at_once(serv
     assert _slots(srv) == 4 * 2  # two specs a block
     with BlockIO.for_instance(c, "a") as io:
         session = start(c, [10, 11], "a")
-        # Gone in the write's own commit: no deleting state, nothing left for the deleter.
+        # Gone in the write's own commit: no deleting state, no delete entry; the slots go back
+        # at the deleter's next wake-up.
         assert statuses(c, [1, 2, 3, 4]) == ["not_found", "not_found", "serving", "serving"]
-        assert cache.deleter.pending() == 0 and freeing(srv) == {}
+        assert freeing(srv) == {}
         assert cache.usage("g")["bytes"] == 4 * BLOCK  # 2 kept + 2 writing
-        assert _slots(srv) == 4 * 2  # the victims' slots were given back as the new ones were taken
+        assert wait_for(lambda: cache.deleter.pending() == 0)
+        assert _slots(srv) == 4 * 2  # the victims' slots were given back, the new ones taken
         for key, uris in zip([10, 11], _uris(session)):
             for n, uri in enumerate(uris):
                 io.write(uri, bytes([key, n]) * 512)
@@ -523,8 +525,36 @@ def test_without_a_delay_victims_are_dropped_and_their_slots_reused_at_once(serv
         for key, uris in zip([10, 11], _uris(session)):
             assert [bytes(io.read(u)) for u in uris] == [bytes([key, n]) * 512 for n in range(len(uris))]
     assert statuses(c, [3, 4, 10, 11, 12]) == ["not_found"] + ["serving"] * 4
+    assert wait_for(lambda: cache.deleter.pending() == 0)
     assert _slots(srv) == 4 * 2
     cache.check()
+
+
+def test_without_a_delay_a_full_storage_takes_the_write_with_the_slots_still_queued(tmp_path):
+    """The slots of earlier victims are still queued for the deleter when a write allocates on
+    a storage with no free slot left: the write frees them itself and takes them."""
+    prefix = shm_prefix()
+    try:
+        # The deleter wakes once a minute: only the write's own flush can free the slots.
+        overrides = {**OVERRIDES, "cache": {**OVERRIDES["cache"], "delete_poll_ms": 60_000}}
+        with serve_in_thread(data_dir=str(tmp_path / "data"), overrides=overrides) as srv, srv.client() as c:
+            # room for 3 blocks on the storage, 2 in the group's quota
+            c.call("add_storage", {"storage": {"global_unique_name": "mem", "storage_type": "shm", "storage_spec": {
+                "prefix": prefix, "segment_size": 1 << 20, "capacity_bytes": 3 * BLOCK}}})
+            cache = srv.app.cache
+            add_group(c, "g", ["mem"], capacity=2 * BLOCK, delay_ms=0)
+            register(c, "a", group="g")
+            write(c, [1], "a")
+            write(c, [2], "a")
+            cache.set_room_maker(OldestFirst(cache))
+            write(c, [3], "a")  # evicts 1 (its slots queued) and takes the storage's last free ones
+            assert statuses(c, [1, 2, 3]) == ["not_found", "serving", "serving"]
+            assert cache.deleter.pending() == 1
+            write(c, [4], "a")  # the storage is full: 1's queued slots are freed for it
+            assert statuses(c, [2, 3, 4]) == ["not_found", "serving", "serving"]
+            cache.check()
+    finally:
+        remove_shm(prefix)
 
 
 def test_without_a_delay_a_rolled_back_request_keeps_its_victims_and_their_bytes(server):
@@ -625,3 +655,22 @@ def test_without_a_delay_a_victim_with_another_copy_loses_only_the_evicted_one(t
             cache.check()
     finally:
         remove_shm(prefix)
+
+
+def test_without_a_delay_a_stop_frees_the_queued_copies_before_the_storages_close(tmp_path):
+    overrides = {**OVERRIDES, "cache": {**OVERRIDES["cache"], "delete_poll_ms": 60_000}}
+    freed: list[tuple[str, list[str]]] = []
+    with serve_in_thread(data_dir=str(tmp_path / "data"), overrides=overrides) as srv, srv.client() as c:
+        full_group(c, delay_ms=0)
+        cache = srv.app.cache
+        cache.set_room_maker(OldestFirst(cache))
+        real = cache.deleter.free_storage
+
+        def spy(name: str, uris: list[str]) -> None:
+            freed.append((name, list(uris)))
+            real(name, uris)
+
+        cache.deleter.free_storage = spy  # type: ignore[method-assign]
+        write(c, [10], "a")
+        assert statuses(c, [1]) == ["not_found"] and cache.deleter.pending() == 1 and freed == []
+    assert [(name, len(uris)) for name, uris in freed] == [("default-file", 2)]  # two specs

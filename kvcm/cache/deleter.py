@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from itertools import takewhile
 from typing import Any
@@ -124,15 +124,47 @@ class Deleter:
         self.being_freed = being_freed if being_freed is not None else BeingFreed()
         self.freed = 0  # locations freed since start (metrics, tests)
         self.external_tasks: list[str] = []  # URIs an external owner must delete (last chunk)
+        # Copies whose records a committed transaction dropped (in-line eviction without a grace
+        # delay): freed at the deleter's next wake-up, off the request path, in one batch.
+        self._queued: deque[tuple[str, list[bytes]]] = deque()
 
     def pending(self) -> int:
+        """Deletes not done yet: the entries in the store and the queued frees."""
         with self.store.read() as view:
-            return view.count(DB)
+            return view.count(DB) + len(self._queued)
+
+    def free_later(self, storage: str, addrs: list[bytes]) -> None:
+        """Free the copies at ``addrs`` (location addresses) on ``storage`` at the next
+        :meth:`free_queued`; their records are gone already (committed)."""
+        self._queued.append((storage, addrs))
+
+    def free_queued(self) -> int:
+        """Free every queued copy, grouped by storage; returns how many. Any thread may call it
+        (the deleter's wake-up, an allocation that found its storage full, a stop)."""
+        by_storage: dict[str, list[str]] = defaultdict(list)
+        count = 0
+        pop = self._queued.popleft
+        while self._queued:
+            try:
+                storage, addrs = pop()
+            except IndexError:  # another thread took the last one
+                break
+            for addr in addrs:
+                by_storage[storage].extend(location_uris(addr))
+            count += len(addrs)
+        for name, uris in by_storage.items():
+            try:
+                self.free_storage(name, uris)
+            except Exception:  # the metadata is gone already: the slots stay taken until a restart
+                log.exception("storage %r: freeing %d evicted location(s) failed", name, len(uris))
+        self.freed += count
+        return count
 
     def run_once(self, now: float | None = None) -> int:
-        """Free every entry due at ``now``; returns how many locations were freed."""
+        """Free the queued copies, then every entry due at ``now``; returns how many locations
+        were freed."""
         limit = u64(int((self.clock() if now is None else now) * 1000) + 1)
-        total = 0
+        total = self.free_queued() if self._queued else 0
         while True:
             with self.store.read() as view:
                 # Entries come out in due order: stop at the first one not due (the rest of a

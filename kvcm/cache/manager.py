@@ -260,7 +260,9 @@ class CacheManager(CacheState):
         return consistency.recount(self)
 
     def check(self) -> None:
-        """Assert the data plane's invariants on a quiet server (see :mod:`kvcm.cache.consistency`)."""
+        """Assert the data plane's invariants on a quiet server (see :mod:`kvcm.cache.consistency`).
+        Frees the deleter has queued are done first (its next wake-up would do them)."""
+        self.deleter.free_queued()
         consistency.check(self)
         with self.store.read() as view:
             self.pins.check(view, [i.instance_id for i in self.registry.list_instances()])

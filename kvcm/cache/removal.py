@@ -146,8 +146,9 @@ def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Vic
 def drop_sole(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: Sequence[int], storage_type: str,
               dropped_keys: list[int]) -> tuple[int, list[int]]:
     """Drop, in ``txn``, each record of ``keys`` whose only copy is a serving one of
-    ``storage_type``, and free its bytes once ``txn`` commits; ``(bytes dropped, the other keys
-    that have a record)``. ``dropped_keys`` gets the keys dropped.
+    ``storage_type``, its bytes freed by the deleter once ``txn`` commits (at its next wake-up,
+    ``cache.delete_poll_ms``); ``(bytes dropped, the other keys that have a record)``.
+    ``dropped_keys`` gets the keys dropped.
 
     Freeing after the commit keeps the deleter's rule that no metadata names a freed slot: the
     record is gone before its bytes are, and a slot goes back to its storage only after both
@@ -164,21 +165,20 @@ def drop_sole(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: 
         return 0, other
     nbytes = sum(loc.nbytes for loc in locs)
     s.usage_book.add(txn, {(group, instance_id, storage_type): [-nbytes, -len(locs)]})
-    doomed: dict[str, list[str]] = defaultdict(list)
+    doomed: dict[str, list[bytes]] = defaultdict(list)
     for loc in locs:
-        doomed[loc.storage].extend(loc.uris())
+        doomed[loc.storage].append(loc.addr)
     dropped_keys.extend(gone)
     txn.on_commit(lambda: _free_after_commit(s, doomed))
     txn.on_commit(lambda: s.listeners.removed(instance_id, gone))
     return nbytes, other
 
 
-def _free_after_commit(s: CacheState, doomed: dict[str, list[str]]) -> None:
-    for name, uris in doomed.items():
-        try:
-            s.deleter.free_storage(name, uris)
-        except Exception:  # the metadata is gone already: the slots stay taken until a restart
-            log.exception("storage %r: freeing %d evicted location(s) failed", name, len(uris))
+def _free_after_commit(s: CacheState, doomed: dict[str, list[bytes]]) -> None:
+    """Hand the dropped copies to the deleter: it frees them at its next wake-up, in one batch
+    with the others (formatting their URIs there, off the request path)."""
+    for name, addrs in doomed.items():
+        s.deleter.free_later(name, addrs)
 
 
 def _tell_evicted(s: CacheState, instance_id: str, keys: list[int], delay: float) -> Callable[[], None]:

@@ -157,11 +157,16 @@ def _allocate(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int],
     group = s.group_view(inst.group)
     targets = _targets(s, txn, group, needed, frozenset((inst.instance_id, k) for k in keys))
     last: CapacityError | None = None
-    for target in targets:
-        try:
-            return target, _allocate_on(s, target, specs)
-        except CapacityError as exc:  # full or closed: fall over to the next candidate
-            last = exc
+    for attempt in range(2):
+        for target in targets:
+            try:
+                return target, _allocate_on(s, target, specs)
+            except CapacityError as exc:  # full or closed: fall over to the next candidate
+                last = exc
+        # Every target full: the slots of copies dropped by earlier evictions may still wait for
+        # the deleter's next wake-up; freed now, they take this write.
+        if attempt or not s.deleter.free_queued():
+            break
     assert last is not None
     raise last
 
