@@ -25,6 +25,7 @@ from cache_helpers import (
     wait_for,
     write,
 )
+from cache_helpers import uris as loc_uris
 
 from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.deleter import pending_bytes
@@ -498,35 +499,88 @@ def _slots(srv: RunningServer) -> int:
     return int(srv.app.storages.get("default-file").usage()["slots_used"])
 
 
-def test_without_a_delay_victims_are_dropped_and_their_slots_freed_by_the_deleter(server):
+# One spec of a block's size: a layout no slot of instance "a" fits, so a writer of this layout
+# cannot take over the slots of a's victims, which then go the deleter's way.
+ONE_SPEC = [{"name": "whole", "size": BLOCK}]
+
+
+def test_without_a_delay_the_write_takes_over_its_victims_slots(server):
+    """The victims' slots go straight to the new blocks of the same layout, in the same
+    transaction: never freed, nothing queued for the deleter, no allocation."""
     from kvcm.blocks import BlockIO
 
     srv, c = server
     full_group(c, delay_ms=0)
     cache = srv.app.cache
     cache.set_room_maker(OldestFirst(cache))
-    assert _slots(srv) == 4 * 2  # two specs a block
+    freed: list[list[str]] = []
+    real = cache.deleter.free_storage
+    cache.deleter.free_storage = lambda name, uris: (freed.append(list(uris)), real(name, uris))[1]  # type: ignore[method-assign]
+    victims = [loc_uris(loc) for loc in locate(c, [1, 2], instance="a")]
     with BlockIO.for_instance(c, "a") as io:
         session = start(c, [10, 11], "a")
+        assert statuses(c, [1, 2, 3, 4]) == ["not_found", "not_found", "serving", "serving"]
+        assert sorted(_uris(session)) == sorted(victims)  # the very slots, spec by spec
+        assert cache.deleter.pending() == 0 and _slots(srv) == 4 * 2 and freeing(srv) == {}
+        assert cache.usage("g")["bytes"] == 4 * BLOCK  # 2 kept + 2 writing
+        cache.check()  # every reserved slot is named by exactly one record
+        for key, new in zip([10, 11], _uris(session)):
+            for n, uri in enumerate(new):
+                io.write(uri, bytes([key, n]) * 512)
+        finish(c, session, instance="a")
+        for key, loc in zip([10, 11], locate(c, [10, 11], instance="a")):
+            assert [bytes(io.read(u)) for u in loc_uris(loc)] == [bytes([key, n]) * 512 for n in range(2)]
+    cache.background_once()
+    assert freed == [] and _slots(srv) == 4 * 2
+    cache.check()
+
+
+def test_without_a_delay_a_writer_of_another_layout_leaves_the_slots_to_the_deleter(server):
+    srv, c = server
+    full_group(c, delay_ms=0)
+    register(c, "b", group="g", specs=ONE_SPEC)
+    cache = srv.app.cache
+    cache.set_room_maker(OldestFirst(cache))
+    victims = {u for loc in locate(c, [1], instance="a") for u in loc_uris(loc)}
+    session = write(c, [10], "b")
+    assert statuses(c, [1, 2]) == ["not_found", "serving"]
+    assert not victims & set(_uris(session)[0])  # a fresh slot of its own size
+    assert wait_for(lambda: cache.deleter.pending() == 0)
+    assert _slots(srv) == 3 * 2 + 1  # a's victim's two slots freed, b's one taken
+    cache.check()
+
+
+def test_without_a_delay_victims_are_dropped_and_their_slots_freed_by_the_deleter(server):
+    from kvcm.blocks import BlockIO
+
+    srv, c = server
+    full_group(c, delay_ms=0)
+    register(c, "b", group="g", specs=ONE_SPEC)  # b's blocks cannot take over a's slots
+    cache = srv.app.cache
+    cache.set_room_maker(OldestFirst(cache))
+    assert _slots(srv) == 4 * 2  # two specs a block
+    with BlockIO.for_instance(c, "b") as io:
+        session = start(c, [10, 11], "b")
         # Gone in the write's own commit: no deleting state, no delete entry; the slots go back
         # at the deleter's next wake-up.
         assert statuses(c, [1, 2, 3, 4]) == ["not_found", "not_found", "serving", "serving"]
         assert freeing(srv) == {}
         assert cache.usage("g")["bytes"] == 4 * BLOCK  # 2 kept + 2 writing
         assert wait_for(lambda: cache.deleter.pending() == 0)
-        assert _slots(srv) == 4 * 2  # the victims' slots were given back, the new ones taken
-        for key, uris in zip([10, 11], _uris(session)):
-            for n, uri in enumerate(uris):
-                io.write(uri, bytes([key, n]) * 512)
-        finish(c, session, instance="a")
+        assert _slots(srv) == 2 * 2 + 2  # the victims' four slots were given back, b's two taken
+        for key, new in zip([10, 11], _uris(session)):
+            io.write(new[0], bytes([key]) * BLOCK)
+        finish(c, session, instance="b")
         cache.check()
-        # The next eviction reuses the slots freed now; every block reads its own bytes.
+        # The next eviction (of a's block 3, for a's write) takes over 3's slots; every block
+        # still reads its own bytes.
         write(c, [12], "a")
-        for key, uris in zip([10, 11], _uris(session)):
-            assert [bytes(io.read(u)) for u in uris] == [bytes([key, n]) * 512 for n in range(len(uris))]
-    assert statuses(c, [3, 4, 10, 11, 12]) == ["not_found"] + ["serving"] * 4
+        for key, new in zip([10, 11], _uris(session)):
+            assert bytes(io.read(new[0])) == bytes([key]) * BLOCK
+    assert statuses(c, [3, 4, 12]) == ["not_found", "serving", "serving"]
+    assert statuses(c, [10, 11], "b") == ["serving", "serving"]
     assert wait_for(lambda: cache.deleter.pending() == 0)
-    assert _slots(srv) == 4 * 2
+    assert _slots(srv) == 2 * 2 + 2
     cache.check()
 
 
@@ -544,14 +598,15 @@ def test_without_a_delay_a_full_storage_takes_the_write_with_the_slots_still_que
             cache = srv.app.cache
             add_group(c, "g", ["mem"], capacity=2 * BLOCK, delay_ms=0)
             register(c, "a", group="g")
+            register(c, "b", group="g", specs=ONE_SPEC)  # b's blocks cannot take over a's slots
             write(c, [1], "a")
             write(c, [2], "a")
             cache.set_room_maker(OldestFirst(cache))
-            write(c, [3], "a")  # evicts 1 (its slots queued) and takes the storage's last free ones
-            assert statuses(c, [1, 2, 3]) == ["not_found", "serving", "serving"]
+            write(c, [3], "b")  # evicts 1 (its slots queued) and takes the storage's last free space
+            assert statuses(c, [1, 2]) == ["not_found", "serving"] and statuses(c, [3], "b") == ["serving"]
             assert cache.deleter.pending() == 1
-            write(c, [4], "a")  # the storage is full: 1's queued slots are freed for it
-            assert statuses(c, [2, 3, 4]) == ["not_found", "serving", "serving"]
+            write(c, [4], "b")  # the storage is full: the queued slots are freed for it
+            assert statuses(c, [2]) == ["not_found"] and statuses(c, [3, 4], "b") == ["serving", "serving"]
             cache.check()
     finally:
         remove_shm(prefix)
@@ -586,12 +641,42 @@ def test_without_a_delay_a_free_lost_after_the_commit_is_given_back_by_a_restart
             raise OSError("the process died between the commit and the free")
 
         cache.deleter.free_storage = crash  # type: ignore[method-assign]
-        write(c, [10], "a")  # the victim's record is gone; its slot was never given back
-        assert statuses(c, [1, 10]) == ["not_found", "serving"]
-        assert _slots(srv) == 5 * 2
+        register(c, "b", group="g", specs=ONE_SPEC)  # its block cannot take over the victim's slots
+        write(c, [10], "b")  # the victim's record is gone; its slots were never given back
+        assert statuses(c, [1]) == ["not_found"] and statuses(c, [10], "b") == ["serving"]
+        assert _slots(srv) == 4 * 2 + 1
     with serve_in_thread(data_dir=data, overrides=OVERRIDES) as srv, srv.client() as c:
-        assert _slots(srv) == 4 * 2  # the start-up reserve counts only what the metadata names
-        assert statuses(c, [1, 2, 10]) == ["not_found", "serving", "serving"]
+        assert _slots(srv) == 3 * 2 + 1  # the start-up reserve counts only what the metadata names
+        assert statuses(c, [1, 2]) == ["not_found", "serving"] and statuses(c, [10], "b") == ["serving"]
+        srv.app.cache.check()
+
+
+def test_without_a_delay_a_kill_after_a_take_over_leaves_each_slot_named_once(tmp_path):
+    """A server killed right after a write took over its victims' slots (real reclaimer as the
+    room maker, real process, SIGKILL): the restart finds the slots reserved for the new
+    blocks alone, which finish as usual; nothing was freed, nothing leaked."""
+    from kvcm.testing import start_subprocess, stop_subprocess
+
+    data = str(tmp_path / "data")
+    sock = tmp_path / "s"
+    sock.mkdir()
+    server = start_subprocess(data, f"ipc://{sock}/rpc", ["--set", "reclaim.enabled=true", "--set",
+                                                        "reclaim.interval_s=3600", "--set", "cache.delete_poll_ms=60000"])
+    try:
+        with server.client() as c:
+            full_group(c, delay_ms=0)
+            victims = [loc_uris(loc) for loc in locate(c, [1, 2], instance="a")]
+            session = start(c, [10, 11], "a")  # the quota is met: 1 and 2 make room
+            assert sorted(_uris(session)) == sorted(victims)
+            assert statuses(c, [1, 2, 3, 4]) == ["not_found", "not_found", "serving", "serving"]
+    finally:
+        stop_subprocess(server, kill=True)
+    with serve_in_thread(data_dir=data, overrides=OVERRIDES) as srv, srv.client() as c:
+        assert _slots(srv) == 4 * 2
+        srv.app.cache.check()  # every reserved slot named by exactly one record
+        assert statuses(c, [10, 11]) == ["writing", "writing"]
+        assert finish(c, session, instance="a")["served"] == 2
+        assert statuses(c, [3, 4, 10, 11]) == ["serving"] * 4
         srv.app.cache.check()
 
 
@@ -671,6 +756,7 @@ def test_without_a_delay_a_stop_frees_the_queued_copies_before_the_storages_clos
             real(name, uris)
 
         cache.deleter.free_storage = spy  # type: ignore[method-assign]
-        write(c, [10], "a")
+        register(c, "b", group="g", specs=ONE_SPEC)  # its block cannot take over the victim's slots
+        write(c, [10], "b")
         assert statuses(c, [1]) == ["not_found"] and cache.deleter.pending() == 1 and freed == []
     assert [(name, len(uris)) for name, uris in freed] == [("default-file", 2)]  # two specs

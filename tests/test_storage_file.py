@@ -221,6 +221,33 @@ def test_reserve_of_missing_file_is_accounted_but_lost(tmp_path):
     assert again.usage()["lost"] == 0 and again.usage()["slots_used"] == 1
 
 
+def test_reusable_vouches_only_for_slots_allocate_could_hand_out(tmp_path):
+    """In-line eviction hands a victim's reserved slot straight to a new block only when the
+    storage says it could have handed that slot out: reserved, of the size asked, in a
+    container still in service, of an open storage. Asking changes nothing."""
+    backend = make(tmp_path)
+    uris = backend.allocate(3, 4096)
+    backend.delete(uris[2:])
+    assert backend.reusable(uris, [4096, 4096, 4096]) == [True, True, False]  # the third is free
+    assert backend.reusable(uris[:1], [8192]) == [False]  # another size
+    assert backend.reusable(["file://f1/s4096/nope.kv?blkid=0&size=4096", "mooncake://f1/?key=k&size=4096"],
+                            [4096, 4096]) == [False, False]  # malformed, or another storage's kind
+    elsewhere = uris[0].replace("-00000000.kv", "-00000009.kv")
+    assert backend.file_path(elsewhere)  # a well-formed URI of this storage ...
+    assert backend.reusable([elsewhere], [4096]) == [False]  # ... in a container it does not hold
+    assert backend.usage()["slots_used"] == 2  # nothing changed
+    assert backend.allocate(1, 4096) == uris[2:3]
+    backend.close()
+
+    again = make(tmp_path)
+    again.reserve(uris[:3])
+    os.unlink(again.file_path(uris[0]))
+    again.rescan()  # the container vanished: its slots are lost, never handed out again
+    assert again.reusable(uris[:1], [4096]) == [False]
+    again.close()
+    assert again.reusable(uris[:1], [4096]) == [False]  # closed: hands out nothing
+
+
 def test_concurrent_allocate_and_delete(tmp_path):
     backend = make(tmp_path)
     errors: list[BaseException] = []

@@ -32,6 +32,8 @@ log = logging.getLogger("kvcm.cache.removal")
 
 TRIM_STRATEGIES = ("remove_all_cache", "remove_all_meta", "timestamp")
 
+Doomed = dict[str, list[bytes]]  # storage -> addresses of copies dropped in a transaction, not yet freed
+
 
 def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: Sequence[int], delay: float,
                   serving_only: bool = False, storage_type: str | None = None,
@@ -107,7 +109,7 @@ def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, ke
 
 
 def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Victim], marked: list[Victim],
-                 dropped: dict[str, int] | None = None) -> int:
+                 dropped: dict[str, int] | None = None, doomed: Doomed | None = None) -> int:
     """In-line eviction (:mod:`kvcm.cache.room`): take the serving copy of each victim's type
     out of service in the request's transaction ``txn``.
 
@@ -120,8 +122,8 @@ def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Vic
     Victims of instances outside ``group`` are skipped (evicting them would free nothing this
     group counts); so are victims with no serving copy of that type left. ``marked`` gets the
     victims taken, as they are taken (so an abort half-way gives back exactly those);
-    ``dropped`` gets the bytes dropped per type (no longer in the group's usage). Returns the
-    serving bytes taken."""
+    ``dropped`` gets the bytes dropped per type (no longer in the group's usage); ``doomed``, if
+    given, the dropped copies (see :func:`drop_sole`). Returns the serving bytes taken."""
     delay = s.delay(group)
     by_instance: dict[tuple[str, str], list[int]] = defaultdict(list)
     for instance_id, key, kind in dict.fromkeys(victims):
@@ -131,7 +133,7 @@ def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Vic
     for (instance_id, kind), keys in by_instance.items():
         done: list[int] = []
         if delay == 0:
-            nbytes, keys = drop_sole(s, txn, instance_id, group, keys, kind, done)
+            nbytes, keys = drop_sole(s, txn, instance_id, group, keys, kind, done, doomed)
             freed += nbytes
             if dropped is not None and nbytes:
                 dropped[kind] = dropped.get(kind, 0) + nbytes
@@ -144,7 +146,7 @@ def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Vic
 
 
 def drop_sole(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: Sequence[int], storage_type: str,
-              dropped_keys: list[int]) -> tuple[int, list[int]]:
+              dropped_keys: list[int], doomed: Doomed | None = None) -> tuple[int, list[int]]:
     """Drop, in ``txn``, each record of ``keys`` whose only copy is a serving one of
     ``storage_type``, its bytes freed by the deleter once ``txn`` commits (at its next wake-up,
     ``cache.delete_poll_ms``); ``(bytes dropped, the other keys that have a record)``.
@@ -153,7 +155,11 @@ def drop_sole(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: 
     Freeing after the commit keeps the deleter's rule that no metadata names a freed slot: the
     record is gone before its bytes are, and a slot goes back to its storage only after both
     (a crash in between leaves bytes nothing names, which the storage's start-up reserve gives
-    back). Callers: eviction without a grace delay only."""
+    back). Callers: eviction without a grace delay only.
+
+    ``doomed``: the caller's instead, which gets the dropped copies' addresses per storage; the
+    caller may give some of those slots to new blocks of ``txn`` (they are then never freed)
+    and hands the rest to :func:`free_after_commit` once ``txn`` commits."""
     def pick(value: bytes) -> tuple[Location, int | None] | None:
         hit = sole_serving(value)
         return None if hit is None or hit[0].type != storage_type else hit
@@ -165,20 +171,23 @@ def drop_sole(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: 
         return 0, other
     nbytes = sum(loc.nbytes for loc in locs)
     s.usage_book.add(txn, {(group, instance_id, storage_type): [-nbytes, -len(locs)]})
-    doomed: dict[str, list[bytes]] = defaultdict(list)
+    if doomed is None:
+        doomed = {}
+        mine = doomed
+        txn.on_commit(lambda: free_after_commit(s, mine))
     for loc in locs:
-        doomed[loc.storage].append(loc.addr)
+        doomed.setdefault(loc.storage, []).append(loc.addr)
     dropped_keys.extend(gone)
-    txn.on_commit(lambda: _free_after_commit(s, doomed))
     txn.on_commit(lambda: s.listeners.removed(instance_id, gone))
     return nbytes, other
 
 
-def _free_after_commit(s: CacheState, doomed: dict[str, list[bytes]]) -> None:
+def free_after_commit(s: CacheState, doomed: Doomed) -> None:
     """Hand the dropped copies to the deleter: it frees them at its next wake-up, in one batch
     with the others (formatting their URIs there, off the request path)."""
     for name, addrs in doomed.items():
-        s.deleter.free_later(name, addrs)
+        if addrs:
+            s.deleter.free_later(name, addrs)
 
 
 def _tell_evicted(s: CacheState, instance_id: str, keys: list[int], delay: float) -> Callable[[], None]:

@@ -37,11 +37,12 @@ from typing import Any
 from kvcm.cache.blocks import RUNS_DB, Location, Record, Status, encode_run
 from kvcm.cache.deleter import schedule
 from kvcm.cache.keys import derive_keys
-from kvcm.cache.locations import address, addresses, pack_wire, persist, remember
+from kvcm.cache.locations import address, addresses, facts, is_compact, pack_wire, persist, remember, skeleton_of
+from kvcm.cache.locations import uris as location_uris
 from kvcm.cache.masks import BlockMask, success_flags, write_mask
 from kvcm.cache.meta_index import KEEP
 from kvcm.cache.placement import GroupView, InstanceView, Target, shortfall, write_targets
-from kvcm.cache.removal import evict_inline
+from kvcm.cache.removal import Doomed, evict_inline, free_after_commit
 from kvcm.cache.room import RoomMaker, Victim
 from kvcm.cache.sessions import Session, new_session_id, random_id
 from kvcm.cache.state import CacheState
@@ -88,12 +89,14 @@ def start_write_cache(
             return _reply(session.id, mask, [])
         needed = sum(size for i in new for _, size in specs[i])
         _check_caps(s, instance_id, needed)
-        target, uris = _allocate(s, txn, inst, keys, [specs[i] for i in new], needed)
+        target, uris, reused = _allocate(s, txn, inst, keys, [specs[i] for i in new], needed)
         # The space is taken now, outside the transaction: give it back if the request fails,
         # and also if the request succeeds but its group never commits (a leak Tair has, in its batched form).
-        txn.on_abort(lambda: _release(s, target.storage, uris))
+        # Not the slots handed over by victims: an abort brings those victims back.
+        taken = [u for u, addr in zip(uris, reused) if addr is None]
+        txn.on_abort(lambda: _release(s, target.storage, taken))
         session, wires = _record_new(s, txn, inst, keys, new, [records[i] is None for i in new], specs, target,
-                                     uris, lifetime)
+                                     uris, reused, lifetime)
         _tell_started(s, txn, instance_id, session.id, keys, token_ids, mask, spec_group_names, timeout)
     return _reply(session.id, mask, wires)
 
@@ -151,16 +154,19 @@ def _existing(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int])
 
 
 def _allocate(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int],
-              specs: list[tuple[tuple[str, int], ...]], needed: int) -> tuple[Target, list[list[str]]]:
-    """URIs per new block (one per spec of that block), on the first target that can take them;
+              specs: list[tuple[tuple[str, int], ...]], needed: int
+              ) -> tuple[Target, list[list[str]], list[bytes | None]]:
+    """URIs per new block (one per spec of that block), on the first target that can take them,
+    and per block the address of the victim's slots it took over (None: allocated);
     ``keys``: every key of the request (never evicted to make room for it)."""
     group = s.group_view(inst.group)
-    targets = _targets(s, txn, group, needed, frozenset((inst.instance_id, k) for k in keys))
+    spare: Doomed = {}  # copies the in-line eviction dropped: their slots may take the new blocks
+    targets = _targets(s, txn, group, needed, frozenset((inst.instance_id, k) for k in keys), spare)
     last: CapacityError | None = None
     for attempt in range(2):
         for target in targets:
             try:
-                return target, _allocate_on(s, target, specs)
+                return (target, *_allocate_on(s, target, specs, spare.get(target.storage)))
             except CapacityError as exc:  # full or closed: fall over to the next candidate
                 last = exc
         # Every target full: the slots of copies dropped by earlier evictions may still wait for
@@ -172,9 +178,9 @@ def _allocate(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int],
 
 
 def _targets(s: CacheState, txn: WriteTxn, group: GroupView, needed: int,
-             spare: frozenset[tuple[str, int]]) -> list[Target]:
+             spare: frozenset[tuple[str, int]], doomed: Doomed) -> list[Target]:
     """:func:`write_targets` under the group's quotas, making room in-line when they are met
-    and a room maker is set (:mod:`kvcm.cache.room`)."""
+    and a room maker is set (:mod:`kvcm.cache.room`); ``doomed`` gets the copies it dropped."""
     if not (group.capacity or group.type_capacity):
         # Usage only matters to a group with a quota (the scan is a fifth of an unlimited write).
         return write_targets(group, needed, 0, {}, {}, s.pool.storage_type, s.pool.usable)
@@ -193,7 +199,7 @@ def _targets(s: CacheState, txn: WriteTxn, group: GroupView, needed: int,
     maker = s.room_maker
     why = "no room maker (in-line eviction off): the reclaimer's next round frees space"
     if maker is not None:
-        eviction = _InlineEviction(s, txn, maker, group, needed, used_total, used_by_type, spare)
+        eviction = _InlineEviction(s, txn, maker, group, needed, used_total, used_by_type, spare, doomed)
         needs = eviction.missing()
         if needs:  # it does not fit as is (what admit() would refuse): make room first
             why = eviction.run(needs)
@@ -220,7 +226,10 @@ class _InlineEviction:
     Marked victims go back to the maker if ``txn`` does not commit. Victims in ``spare`` (the
     request's own keys) are never marked: evicting the stored prefix a write builds on would
     leave the new blocks unreachable by ``prefix_match``; they go back to the maker when the
-    request is done asking (not earlier, or it would offer them again)."""
+    request is done asking (not earlier, or it would offer them again).
+
+    Copies dropped without a grace delay go to ``doomed``; the write may take over their slots
+    (:func:`_reuse`), and what it leaves is handed to the deleter once ``txn`` commits."""
 
     s: CacheState
     txn: WriteTxn
@@ -230,6 +239,7 @@ class _InlineEviction:
     used_total: int
     used_by_type: dict[str, int]
     spare: frozenset[tuple[str, int]]
+    doomed: Doomed
     marked: list[Victim] = field(default_factory=list)
     spared: list[Victim] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=dict)  # type -> bytes dropped (out of the usage)
@@ -237,8 +247,9 @@ class _InlineEviction:
     def run(self, needs: dict[str, int]) -> str:
         """Make room for what :meth:`missing` returned (``needs``); returns why the write
         still does not fit ("" if it does)."""
-        marked, maker = self.marked, self.maker
+        marked, maker, doomed, s = self.marked, self.maker, self.doomed, self.s
         self.txn.on_abort(lambda: maker.give_back(list(marked)) if marked else None)
+        self.txn.on_commit(lambda: free_after_commit(s, doomed) if doomed else None)
         try:
             return self._rounds(needs)
         finally:
@@ -279,7 +290,8 @@ class _InlineEviction:
             offered = room.victims[:left]
             self.spared.extend(v for v in offered if (v[0], v[1]) in self.spare)
             freed = evict_inline(self.s, self.txn, self.group.name,
-                                 [v for v in offered if (v[0], v[1]) not in self.spare], self.marked, self.dropped)
+                                 [v for v in offered if (v[0], v[1]) not in self.spare], self.marked, self.dropped,
+                                 self.doomed)
             why = room.why
             if set(needs) == {""} and freed >= needs[""]:
                 return ""  # only the group total was short, and it is covered (what missing() would say)
@@ -295,19 +307,22 @@ def _needs(needs: dict[str, int]) -> str:
     return ", ".join(f"{n} bytes of {kind or 'any type'}" for kind, n in sorted(needs.items()))
 
 
-def _allocate_on(s: CacheState, target: Target, specs: list[tuple[tuple[str, int], ...]]) -> list[list[str]]:
+def _allocate_on(s: CacheState, target: Target, specs: list[tuple[tuple[str, int], ...]],
+                 spare: list[bytes] | None = None) -> tuple[list[list[str]], list[bytes | None]]:
     """One backend call per distinct spec size (Tair's "merge" mode when all sizes are equal),
-    spec-major order; all or nothing."""
+    spec-major order; all or nothing. Blocks that take over a dropped victim's slots from
+    ``spare`` (:func:`_reuse`) need no allocation: per block, the address taken over or None."""
     backend = s.pool.get(target.storage)
     if backend is None:
         raise CapacityError(f"storage {target.storage!r} is not open", Code.NO_STORAGE_AVAILABLE)
+    out: list[list[str]] = [[""] * len(s) for s in specs]
+    reused: list[bytes | None] = _reuse(backend, target, specs, spare, out) if spare else [None] * len(specs)
     slots: dict[int, list[tuple[int, int]]] = defaultdict(list)  # size -> [(block, spec position)]
     width = max(len(s) for s in specs)
     for pos in range(width):
         for block, block_specs in enumerate(specs):
-            if pos < len(block_specs):
+            if pos < len(block_specs) and reused[block] is None:
                 slots[block_specs[pos][1]].append((block, pos))
-    out: list[list[str]] = [[""] * len(s) for s in specs]
     done: list[str] = []
     try:
         for size, places in slots.items():
@@ -317,8 +332,51 @@ def _allocate_on(s: CacheState, target: Target, specs: list[tuple[tuple[str, int
                 out[block][pos] = uri
     except BaseException:
         _release(s, target.storage, done)
+        if spare is not None:  # not taken after all: freed after the commit, as if never offered
+            spare.extend(addr for addr in reused if addr is not None)
         raise
-    return out
+    return out, reused
+
+
+def _reuse(backend: Any, target: Target, specs: list[tuple[tuple[str, int], ...]], spare: list[bytes],
+           out: list[list[str]]) -> list[bytes | None]:
+    """Hand slots of copies this transaction dropped (``spare``: addresses on ``target``'s
+    storage) straight to new blocks of the same layout, per block the address taken over (its
+    URIs go to ``out``) or None. The slot stays reserved throughout: it is not freed and
+    allocated again, nor its URIs formatted and parsed back, nor its hole punched (the writer
+    overwrites it). Safe because the same transaction drops the victim's record and names the
+    slot again: if it commits, only the new block names the slot; if not, the victim does,
+    and no release gives the slot back (:func:`start_write_cache`). Only for storages that can
+    vouch for a slot (``reusable``: ``file``, ``shm``), and never across a grace delay (only
+    copies dropped without one are in ``spare``)."""
+    reused: list[bytes | None] = [None] * len(specs)
+    check = getattr(backend, "reusable", None)
+    if check is None:
+        return reused
+    by_layout: dict[tuple[int, tuple[str, ...]], list[bytes]] = {}
+    for addr in spare:
+        if is_compact(addr):
+            storage, kind, nbytes = facts(addr)
+            if storage == target.storage and kind == target.type:
+                by_layout.setdefault((nbytes, skeleton_of(addr).names), []).append(addr)
+    picked: list[tuple[int, bytes, list[str]]] = []
+    for block, block_specs in enumerate(specs):
+        candidates = by_layout.get((sum(size for _, size in block_specs), tuple(name for name, _ in block_specs)))
+        if candidates:
+            addr = candidates.pop()
+            picked.append((block, addr, location_uris(addr)))
+    if not picked:
+        return reused
+    ok = check([uri for _, _, uris in picked for uri in uris], [size for b, _, _ in picked for _, size in specs[b]])
+    pos, taken = 0, set()
+    for block, addr, uris in picked:
+        if all(ok[pos : pos + len(uris)]):
+            reused[block], out[block] = addr, uris
+            taken.add(addr)
+        pos += len(uris)
+    if taken:
+        spare[:] = [addr for addr in spare if addr not in taken]
+    return reused
 
 
 def _release(s: CacheState, storage: str, uris: Sequence[Any]) -> None:
@@ -330,16 +388,16 @@ def _release(s: CacheState, storage: str, uris: Sequence[Any]) -> None:
 
 def _record_new(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int], new: list[int],
                 fresh: list[bool], specs: list[tuple[tuple[str, int], ...]], target: Target, uris: list[list[str]],
-                timeout: float) -> tuple[Session, list[bytes]]:
+                reused: list[bytes | None], timeout: float) -> tuple[Session, list[bytes]]:
     """Records, usage and the session of the new keys. ``fresh[j]``: ``keys[new[j]]`` has no
     record in ``txn`` (read by :func:`_existing` in this same block), so its record is written
     blind; a key whose record holds only copies on unusable storages gets one more location by
-    read-modify-write."""
+    read-modify-write. ``reused[j]``: the address of the victim's slots block j took over."""
     now = s.clock()
     # Records name their session and the session names their location ids: take the id first.
     sid = new_session_id()
     new_keys = [keys[i] for i in new]
-    addrs = _addresses(target, [specs[i] for i in new], uris)
+    addrs = _new_addresses(target, [specs[i] for i in new], uris, reused)
     wires, locs = [], []
     for j, i in enumerate(new):
         block_specs = specs[i]
@@ -373,6 +431,20 @@ def _record_new(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int
     s.inflight.hold(txn, inst.instance_id, 0, nbytes)
     session = s.sessions.create(txn, inst.instance_id, inst.group, new_keys, [x.id for x in locs], timeout, sid=sid)
     return session, wires
+
+
+def _new_addresses(target: Target, specs: list[tuple[tuple[str, int], ...]], uris: list[list[str]],
+                   reused: list[bytes | None]) -> list[bytes]:
+    """:func:`_addresses`, but a block that took over a victim's slots keeps that address (the
+    same URIs: nothing to parse)."""
+    fresh = [j for j, addr in enumerate(reused) if addr is None]
+    if len(fresh) == len(reused):
+        return _addresses(target, specs, uris)
+    out = list(reused)
+    made = _addresses(target, [specs[j] for j in fresh], [uris[j] for j in fresh]) if fresh else []
+    for j, addr in zip(fresh, made):
+        out[j] = addr
+    return out  # type: ignore[return-value]  # every None was replaced
 
 
 def _addresses(target: Target, specs: list[tuple[tuple[str, int], ...]], uris: list[list[str]]) -> list[bytes]:

@@ -88,6 +88,8 @@ class StorageBackend(Protocol):
     # Optional (``file``, ``shm``): ``damaged() -> bool``, ``lost(uris) -> set[str]`` (the URIs
     # whose bytes are gone) and ``rescan() -> int`` (look again; count newly damaged containers).
     # Storages kvcm cannot look into (external ones) only learn of lost blocks from clients.
+    # Optional (``file``, ``shm``): ``reusable(uris, sizes) -> list[bool]``, whether a reserved
+    # slot can take a new block as it is (in-line eviction hands it from victim to writer).
 
 
 # ---------------------------------------------------------------------------------- inventory

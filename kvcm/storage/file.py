@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from kvcm.errors import CapacityError, Code, InvalidArgument, KvcmError, ServerError
@@ -303,6 +303,29 @@ class DirectoryStorage(ABC):
         if exc.errno in _NO_SPACE:
             return CapacityError(f"storage {self.name!r}: {what} {path}: {exc.strerror}", Code.CAPACITY_EXHAUSTED)
         return ServerError(f"storage {self.name!r}: {what} {path}: {exc.strerror}", Code.IO_ERROR)
+
+    def reusable(self, uris: Sequence[str], sizes: Sequence[int]) -> list[bool]:
+        """Per URI: whether its slot can take a new block of ``sizes[i]`` bytes as it is.
+
+        For a slot whose copy the caller's transaction drops (in-line eviction without a grace
+        delay) and whose URI the same transaction gives a new block: the slot then stays
+        reserved throughout instead of being freed (hole punched) and allocated again. Yes
+        only for a slot :meth:`allocate` could hand out had it been freed: reserved, of that
+        size, in a container still in service (not lost or damaged) of an open storage.
+        Changes nothing; a malformed or foreign URI is just not reusable."""
+        located: list[tuple[str, int, int] | None] = []
+        for uri in uris:
+            try:
+                located.append(self._locate(uri))
+            except KvcmError:
+                located.append(None)
+        out: list[bool] = []
+        with self._lock:
+            for where, size in zip(located, sizes):
+                container = None if where is None or not self._opened else self._pool.get(where[0])
+                out.append(container is not None and where is not None and not container.lost
+                           and container.size == where[2] == size and container.holds(where[1]))
+        return out
 
     # ------------------------------------------------------------------------------- freeing
 
