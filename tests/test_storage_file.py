@@ -237,13 +237,16 @@ def test_reusable_vouches_only_for_slots_allocate_could_hand_out(tmp_path):
     assert backend.reusable([elsewhere], [4096]) == [False]  # ... in a container it does not hold
     assert backend.usage()["slots_used"] == 2  # nothing changed
     assert backend.allocate(1, 4096) == uris[2:3]
+    assert backend.intact()  # it would say yes to every reserved slot
     backend.close()
+    assert not backend.intact()
 
     again = make(tmp_path)
     again.reserve(uris[:3])
+    assert again.intact()
     os.unlink(again.file_path(uris[0]))
     again.rescan()  # the container vanished: its slots are lost, never handed out again
-    assert again.reusable(uris[:1], [4096]) == [False]
+    assert again.reusable(uris[:1], [4096]) == [False] and not again.intact()
     again.close()
     assert again.reusable(uris[:1], [4096]) == [False]  # closed: hands out nothing
 

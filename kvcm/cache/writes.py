@@ -37,8 +37,8 @@ from typing import Any
 from kvcm.cache.blocks import RUNS_DB, Location, Record, Status, encode_run
 from kvcm.cache.deleter import schedule
 from kvcm.cache.keys import derive_keys
-from kvcm.cache.locations import address, addresses, facts, is_compact, pack_wire, persist, remember, skeleton_of
-from kvcm.cache.locations import uris as location_uris
+from kvcm.cache.locations import address, addresses, is_compact, pack_wire, persist, remember, skeleton_of, wire_uris
+from kvcm.cache.locations import wire as wire_of
 from kvcm.cache.masks import BlockMask, success_flags, write_mask
 from kvcm.cache.meta_index import KEEP
 from kvcm.cache.placement import GroupView, InstanceView, Target, shortfall, write_targets
@@ -311,12 +311,13 @@ def _allocate_on(s: CacheState, target: Target, specs: list[tuple[tuple[str, int
                  spare: list[bytes] | None = None) -> tuple[list[list[str]], list[bytes | None]]:
     """One backend call per distinct spec size (Tair's "merge" mode when all sizes are equal),
     spec-major order; all or nothing. Blocks that take over a dropped victim's slots from
-    ``spare`` (:func:`_reuse`) need no allocation: per block, the address taken over or None."""
+    ``spare`` (:func:`_reuse`) need no allocation: per block, the address taken over or None
+    (such a block's URIs are left empty: its wire and address come from that address)."""
     backend = s.pool.get(target.storage)
     if backend is None:
         raise CapacityError(f"storage {target.storage!r} is not open", Code.NO_STORAGE_AVAILABLE)
     out: list[list[str]] = [[""] * len(s) for s in specs]
-    reused: list[bytes | None] = _reuse(backend, target, specs, spare, out) if spare else [None] * len(specs)
+    reused: list[bytes | None] = _reuse(backend, target, specs, spare) if spare else [None] * len(specs)
     slots: dict[int, list[tuple[int, int]]] = defaultdict(list)  # size -> [(block, spec position)]
     width = max(len(s) for s in specs)
     for pos in range(width):
@@ -338,45 +339,63 @@ def _allocate_on(s: CacheState, target: Target, specs: list[tuple[tuple[str, int
     return out, reused
 
 
-def _reuse(backend: Any, target: Target, specs: list[tuple[tuple[str, int], ...]], spare: list[bytes],
-           out: list[list[str]]) -> list[bytes | None]:
+def _reuse(backend: Any, target: Target, specs: list[tuple[tuple[str, int], ...]], spare: list[bytes]
+           ) -> list[bytes | None]:
     """Hand slots of copies this transaction dropped (``spare``: addresses on ``target``'s
-    storage) straight to new blocks of the same layout, per block the address taken over (its
-    URIs go to ``out``) or None. The slot stays reserved throughout: it is not freed and
-    allocated again, nor its URIs formatted and parsed back, nor its hole punched (the writer
-    overwrites it). Safe because the same transaction drops the victim's record and names the
-    slot again: if it commits, only the new block names the slot; if not, the victim does,
-    and no release gives the slot back (:func:`start_write_cache`). Only for storages that can
-    vouch for a slot (``reusable``: ``file``, ``shm``), and never across a grace delay (only
-    copies dropped without one are in ``spare``)."""
+    storage) straight to new blocks of the same layout; per block the address taken over, or
+    None. The slot stays reserved throughout: it is not freed and allocated again, nor its URIs
+    formatted and parsed back, nor its hole punched (the writer overwrites it). Safe because the
+    same transaction drops the victim's record and names the slot again: if it commits, only
+    the new block names the slot; if not, the victim does, and no release gives the slot back
+    (:func:`start_write_cache`). Only for storages that can vouch for a slot (``reusable``:
+    ``file``, ``shm``), and never across a grace delay (only copies dropped without one are in
+    ``spare``)."""
     reused: list[bytes | None] = [None] * len(specs)
     check = getattr(backend, "reusable", None)
     if check is None:
         return reused
-    by_layout: dict[tuple[int, tuple[str, ...]], list[bytes]] = {}
+    by_layout: dict[tuple[int, tuple[str, ...]], list[bytes]] = {}  # (bytes, spec names) -> addresses
     for addr in spare:
-        if is_compact(addr):
-            storage, kind, nbytes = facts(addr)
-            if storage == target.storage and kind == target.type:
-                by_layout.setdefault((nbytes, skeleton_of(addr).names), []).append(addr)
-    picked: list[tuple[int, bytes, list[str]]] = []
+        if is_compact(addr):  # a verbatim one (a rare URI shape) is simply freed
+            skeleton = skeleton_of(addr)
+            if skeleton.storage == target.storage and skeleton.type == target.type:
+                by_layout.setdefault((skeleton.nbytes, skeleton.names), []).append(addr)
+    picked: list[tuple[int, bytes]] = []
+    last: tuple[tuple[str, int], ...] | None = None  # consecutive blocks usually share one specs tuple
+    layout: tuple[int, tuple[str, ...]] = (0, ())
     for block, block_specs in enumerate(specs):
-        candidates = by_layout.get((sum(size for _, size in block_specs), tuple(name for name, _ in block_specs)))
+        if block_specs is not last:
+            last, layout = block_specs, (sum(size for _, size in block_specs), tuple(name for name, _ in block_specs))
+        candidates = by_layout.get(layout)
         if candidates:
-            addr = candidates.pop()
-            picked.append((block, addr, location_uris(addr)))
+            picked.append((block, candidates.pop()))
     if not picked:
         return reused
-    ok = check([uri for _, _, uris in picked for uri in uris], [size for b, _, _ in picked for _, size in specs[b]])
-    pos, taken = 0, set()
-    for block, addr, uris in picked:
-        if all(ok[pos : pos + len(uris)]):
-            reused[block], out[block] = addr, uris
+    taken = set()
+    for (block, addr), ok in zip(picked, _vouched(backend, check, specs, picked)):
+        if ok:
+            reused[block] = addr
             taken.add(addr)
-        pos += len(uris)
     if taken:
         spare[:] = [addr for addr in spare if addr not in taken]
     return reused
+
+
+def _vouched(backend: Any, check: Any, specs: list[tuple[tuple[str, int], ...]],
+             picked: list[tuple[int, bytes]]) -> list[bool]:
+    """Per picked (block, address): whether the storage lets the block take those slots as they
+    are. A one-spec block's slot has the block's size, which its layout matched: an intact
+    storage (open, no container lost or damaged, so every slot a record names is reserved in a
+    container in service) vouches for all of them at once. Otherwise each slot is looked at."""
+    if all(len(specs[block]) == 1 for block, _ in picked) and getattr(backend, "intact", bool)():
+        return [True] * len(picked)
+    uri_lists = [wire_uris(addr) for _, addr in picked]
+    ok = check([uri for uris in uri_lists for uri in uris], [size for block, _ in picked for _, size in specs[block]])
+    out, pos = [], 0
+    for (block, _), uris in zip(picked, uri_lists):
+        out.append(len(uris) == len(specs[block]) and all(ok[pos : pos + len(uris)]))
+        pos += len(uris)
+    return out
 
 
 def _release(s: CacheState, storage: str, uris: Sequence[Any]) -> None:
@@ -401,9 +420,12 @@ def _record_new(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int
     wires, locs = [], []
     for j, i in enumerate(new):
         block_specs = specs[i]
-        wire = pack_wire(target.type, [(name, uri) for (name, _), uri in zip(block_specs, uris[j])])
+        if reused[j] is not None:  # the victim's own wire: the same URIs, most likely cached
+            wire = wire_of(addrs[j])
+        else:
+            wire = pack_wire(target.type, [(name, uri) for (name, _), uri in zip(block_specs, uris[j])])
+            remember(addrs[j], wire)  # the finish and the first lookups need it again
         wires.append(wire)
-        remember(addrs[j], wire)  # the finish and the first lookups need it again
         locs.append(Location("", Status.WRITING, target.storage, target.type, sum(s for _, s in block_specs),
                              now, 0.0, "", addrs[j]))
     persist(txn, s.store, addrs)

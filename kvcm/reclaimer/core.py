@@ -204,6 +204,12 @@ class Reclaimer(CacheListener):
         self._events.append((_READ, instance_id, keys, now))
 
     def on_removed(self, instance_id: str, keys: list[int]) -> None:
+        given = self._given
+        if given:  # in-line victims were forgotten (and journalled) when make_room chose them
+            types = tuple(self._given_types)  # one C-level copy: make_room may add a type meanwhile
+            keys = [k for k in keys if not any((instance_id, k, t) in given for t in types)]
+            if not keys:
+                return
         self._events.append((_REMOVE, instance_id, keys))
 
     def on_evicted(self, instance_id: str, keys: list[int], delay_s: float) -> None:
@@ -319,6 +325,9 @@ class Reclaimer(CacheListener):
                             iid, key = state.ikey(packed)
                             picked.append((iid, key, job.stype))
                             self._given[(iid, key, job.stype)] = size
+                            # Forgotten now, so journalled now: the cache's removal event for
+                            # it is not folded in again (on_removed); give_back journals it back.
+                            self._journal.append((_REMOVE, iid, [key]))
                         while len(self._given) > _MAX_GIVEN:  # victims the cache dropped unmarked
                             del self._given[next(iter(self._given))]
                         self._count(state, job.stype, "inline", len(chosen), nbytes)

@@ -89,7 +89,8 @@ class StorageBackend(Protocol):
     # whose bytes are gone) and ``rescan() -> int`` (look again; count newly damaged containers).
     # Storages kvcm cannot look into (external ones) only learn of lost blocks from clients.
     # Optional (``file``, ``shm``): ``reusable(uris, sizes) -> list[bool]``, whether a reserved
-    # slot can take a new block as it is (in-line eviction hands it from victim to writer).
+    # slot can take a new block as it is (in-line eviction hands it from victim to writer), and
+    # ``intact() -> bool``, whether it would say yes to every slot a record names.
 
 
 # ---------------------------------------------------------------------------------- inventory

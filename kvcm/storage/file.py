@@ -327,6 +327,12 @@ class DirectoryStorage(ABC):
                            and container.size == where[2] == size and container.holds(where[1]))
         return out
 
+    def intact(self) -> bool:
+        """Open, with no container lost or damaged: then every slot the metadata names is
+        reserved in a container in service (what ``reserve`` at open and every free since keep
+        true), and :meth:`reusable` would say yes to any of them for a block of its size."""
+        return self._opened and not self._damaged
+
     # ------------------------------------------------------------------------------- freeing
 
     def release(self, uris: Iterable[str]) -> None:
