@@ -109,7 +109,8 @@ def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, ke
 
 
 def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Victim], marked: list[Victim],
-                 dropped: dict[str, int] | None = None, doomed: Doomed | None = None) -> int:
+                 dropped: dict[str, int] | None = None, doomed: Doomed | None = None,
+                 usage: dict[Key, list[int]] | None = None) -> int:
     """In-line eviction (:mod:`kvcm.cache.room`): take the serving copy of each victim's type
     out of service in the request's transaction ``txn``.
 
@@ -123,7 +124,8 @@ def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Vic
     group counts); so are victims with no serving copy of that type left. ``marked`` gets the
     victims taken, as they are taken (so an abort half-way gives back exactly those);
     ``dropped`` gets the bytes dropped per type (no longer in the group's usage); ``doomed``, if
-    given, the dropped copies (see :func:`drop_sole`). Returns the serving bytes taken."""
+    given, the dropped copies, and ``usage``, if given, their usage deltas (see :func:`drop_sole`).
+    Returns the serving bytes taken."""
     delay = s.delay(group)
     by_instance: dict[tuple[str, str], list[int]] = defaultdict(list)
     for instance_id, key, kind in dict.fromkeys(victims):
@@ -133,7 +135,7 @@ def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Vic
     for (instance_id, kind), keys in by_instance.items():
         done: list[int] = []
         if delay == 0:
-            nbytes, keys = drop_sole(s, txn, instance_id, group, keys, kind, done, doomed)
+            nbytes, keys = drop_sole(s, txn, instance_id, group, keys, kind, done, doomed, usage)
             freed += nbytes
             if dropped is not None and nbytes:
                 dropped[kind] = dropped.get(kind, 0) + nbytes
@@ -146,7 +148,8 @@ def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Vic
 
 
 def drop_sole(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: Sequence[int], storage_type: str,
-              dropped_keys: list[int], doomed: Doomed | None = None) -> tuple[int, list[int]]:
+              dropped_keys: list[int], doomed: Doomed | None = None,
+              usage: dict[Key, list[int]] | None = None) -> tuple[int, list[int]]:
     """Drop, in ``txn``, each record of ``keys`` whose only copy is a serving one of
     ``storage_type``, its bytes freed by the deleter once ``txn`` commits (at its next wake-up,
     ``cache.delete_poll_ms``); ``(bytes dropped, the other keys that have a record)``.
@@ -159,7 +162,9 @@ def drop_sole(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: 
 
     ``doomed``: the caller's instead, which gets the dropped copies' addresses per storage; the
     caller may give some of those slots to new blocks of ``txn`` (they are then never freed)
-    and hands the rest to :func:`free_after_commit` once ``txn`` commits."""
+    and hands the rest to :func:`free_after_commit` once ``txn`` commits. ``usage``: the
+    caller's instead, which gets the usage deltas of the dropped copies; the caller must add
+    them to the usage book in ``txn`` (a write merges them with its own: often they cancel)."""
     def pick(value: bytes) -> tuple[Location, int | None] | None:
         hit = sole_serving(value)
         return None if hit is None or hit[0].type != storage_type else hit
@@ -170,7 +175,12 @@ def drop_sole(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: 
     if not locs:
         return 0, other
     nbytes = sum(loc.nbytes for loc in locs)
-    s.usage_book.add(txn, {(group, instance_id, storage_type): [-nbytes, -len(locs)]})
+    if usage is None:
+        s.usage_book.add(txn, {(group, instance_id, storage_type): [-nbytes, -len(locs)]})
+    else:
+        delta = usage.setdefault((group, instance_id, storage_type), [0, 0])
+        delta[0] -= nbytes
+        delta[1] -= len(locs)
     if doomed is None:
         doomed = {}
         mine = doomed

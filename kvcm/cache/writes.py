@@ -46,7 +46,7 @@ from kvcm.cache.removal import Doomed, evict_inline, free_after_commit
 from kvcm.cache.room import RoomMaker, Victim
 from kvcm.cache.sessions import Session, new_session_id, random_id
 from kvcm.cache.state import CacheState
-from kvcm.cache.usage import FreeKey, Usage
+from kvcm.cache.usage import FreeKey, Key, Usage
 from kvcm.errors import CapacityError, Code, InvalidArgument, NotFound
 from kvcm.rpc.wire import Raw, pack_array_raw, pack_map_raw
 from kvcm.store.base import WriteTxn, i64
@@ -89,14 +89,15 @@ def start_write_cache(
             return _reply(session.id, mask, [])
         needed = sum(size for i in new for _, size in specs[i])
         _check_caps(s, instance_id, needed)
-        target, uris, reused = _allocate(s, txn, inst, keys, [specs[i] for i in new], needed)
+        usage: dict[Key, list[int]] = {}  # the usage deltas of what evicting in-line drops, added with the new blocks'
+        target, uris, reused = _allocate(s, txn, inst, keys, [specs[i] for i in new], needed, usage)
         # The space is taken now, outside the transaction: give it back if the request fails,
         # and also if the request succeeds but its group never commits (a leak Tair has, in its batched form).
         # Not the slots handed over by victims: an abort brings those victims back.
         taken = [u for u, addr in zip(uris, reused) if addr is None]
         txn.on_abort(lambda: _release(s, target.storage, taken))
         session, wires = _record_new(s, txn, inst, keys, new, [records[i] is None for i in new], specs, target,
-                                     uris, reused, lifetime)
+                                     uris, reused, lifetime, usage)
         _tell_started(s, txn, instance_id, session.id, keys, token_ids, mask, spec_group_names, timeout)
     return _reply(session.id, mask, wires)
 
@@ -154,14 +155,15 @@ def _existing(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int])
 
 
 def _allocate(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int],
-              specs: list[tuple[tuple[str, int], ...]], needed: int
+              specs: list[tuple[tuple[str, int], ...]], needed: int, usage: dict[Key, list[int]]
               ) -> tuple[Target, list[list[str]], list[bytes | None]]:
     """URIs per new block (one per spec of that block), on the first target that can take them,
     and per block the address of the victim's slots it took over (None: allocated);
-    ``keys``: every key of the request (never evicted to make room for it)."""
+    ``keys``: every key of the request (never evicted to make room for it); ``usage`` gets the
+    usage deltas of the copies dropped to make room (the caller adds them to the usage book)."""
     group = s.group_view(inst.group)
     spare: Doomed = {}  # copies the in-line eviction dropped: their slots may take the new blocks
-    targets = _targets(s, txn, group, needed, frozenset((inst.instance_id, k) for k in keys), spare)
+    targets = _targets(s, txn, group, needed, frozenset((inst.instance_id, k) for k in keys), spare, usage)
     last: CapacityError | None = None
     for attempt in range(2):
         for target in targets:
@@ -178,9 +180,10 @@ def _allocate(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int],
 
 
 def _targets(s: CacheState, txn: WriteTxn, group: GroupView, needed: int,
-             spare: frozenset[tuple[str, int]], doomed: Doomed) -> list[Target]:
+             spare: frozenset[tuple[str, int]], doomed: Doomed, usage: dict[Key, list[int]]) -> list[Target]:
     """:func:`write_targets` under the group's quotas, making room in-line when they are met
-    and a room maker is set (:mod:`kvcm.cache.room`); ``doomed`` gets the copies it dropped."""
+    and a room maker is set (:mod:`kvcm.cache.room`); ``doomed`` gets the copies it dropped,
+    ``usage`` their usage deltas."""
     if not (group.capacity or group.type_capacity):
         # Usage only matters to a group with a quota (the scan is a fifth of an unlimited write).
         return write_targets(group, needed, 0, {}, {}, s.pool.storage_type, s.pool.usable)
@@ -199,7 +202,7 @@ def _targets(s: CacheState, txn: WriteTxn, group: GroupView, needed: int,
     maker = s.room_maker
     why = "no room maker (in-line eviction off): the reclaimer's next round frees space"
     if maker is not None:
-        eviction = _InlineEviction(s, txn, maker, group, needed, used_total, used_by_type, spare, doomed)
+        eviction = _InlineEviction(s, txn, maker, group, needed, used_total, used_by_type, spare, doomed, usage)
         needs = eviction.missing()
         if needs:  # it does not fit as is (what admit() would refuse): make room first
             why = eviction.run(needs)
@@ -240,6 +243,7 @@ class _InlineEviction:
     used_by_type: dict[str, int]
     spare: frozenset[tuple[str, int]]
     doomed: Doomed
+    usage: dict[Key, list[int]]  # the dropped copies' usage deltas: the write adds them with its own
     marked: list[Victim] = field(default_factory=list)
     spared: list[Victim] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=dict)  # type -> bytes dropped (out of the usage)
@@ -291,7 +295,7 @@ class _InlineEviction:
             self.spared.extend(v for v in offered if (v[0], v[1]) in self.spare)
             freed = evict_inline(self.s, self.txn, self.group.name,
                                  [v for v in offered if (v[0], v[1]) not in self.spare], self.marked, self.dropped,
-                                 self.doomed)
+                                 self.doomed, self.usage)
             why = room.why
             if set(needs) == {""} and freed >= needs[""]:
                 return ""  # only the group total was short, and it is covered (what missing() would say)
@@ -407,11 +411,13 @@ def _release(s: CacheState, storage: str, uris: Sequence[Any]) -> None:
 
 def _record_new(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int], new: list[int],
                 fresh: list[bool], specs: list[tuple[tuple[str, int], ...]], target: Target, uris: list[list[str]],
-                reused: list[bytes | None], timeout: float) -> tuple[Session, list[bytes]]:
+                reused: list[bytes | None], timeout: float, usage: dict[Key, list[int]]) -> tuple[Session, list[bytes]]:
     """Records, usage and the session of the new keys. ``fresh[j]``: ``keys[new[j]]`` has no
     record in ``txn`` (read by :func:`_existing` in this same block), so its record is written
     blind; a key whose record holds only copies on unusable storages gets one more location by
-    read-modify-write. ``reused[j]``: the address of the victim's slots block j took over."""
+    read-modify-write. ``reused[j]``: the address of the victim's slots block j took over.
+    ``usage``: deltas of copies this request dropped, added in the same call (a write that
+    evicted as much as it adds, of one instance and type, changes no usage record at all)."""
     now = s.clock()
     # Records name their session and the session names their location ids: take the id first.
     sid = new_session_id()
@@ -449,7 +455,10 @@ def _record_new(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int
         rest = [j for j in range(len(new)) if not fresh[j]]
         s.index.read_modify_write(txn, inst.ns, [new_keys[j] for j in rest], lambda n, key, rec: add(rest[n], key, rec))
     nbytes = sum(x.nbytes for x in locs)
-    s.usage_book.add(txn, {(inst.group, inst.instance_id, target.type): [nbytes, len(locs)]})
+    delta = usage.setdefault((inst.group, inst.instance_id, target.type), [0, 0])
+    delta[0] += nbytes
+    delta[1] += len(locs)
+    s.usage_book.add(txn, usage)
     s.inflight.hold(txn, inst.instance_id, 0, nbytes)
     session = s.sessions.create(txn, inst.instance_id, inst.group, new_keys, [x.id for x in locs], timeout, sid=sid)
     return session, wires

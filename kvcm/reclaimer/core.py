@@ -642,10 +642,10 @@ class Reclaimer(CacheListener):
                     pinned[0] += 1
                 else:
                     keys.append(key)
+            sizes = job.policy.sizes
+            picked = [(k, sizes[k]) for k in keys if k in sizes]  # a TTL key may be untracked since
         else:
-            keys = self._take(job, limit, now, pinned)
-        sizes = job.policy.sizes
-        picked = [(k, sizes[k]) for k in keys if k in sizes]
+            picked = self._take(job, limit, now, pinned)  # the policy's own victims: all tracked
         for key, _ in picked:
             job.state.forget(job.stype, key)
         return picked  # type: ignore[return-value]  # the trackers hold key_of() ints only
@@ -667,18 +667,20 @@ class Reclaimer(CacheListener):
                 return free[:n]
             want = want * 2 + len(found) - len(free)
 
-    def _take(self, job: _Job, limit: int, now: float, pinned: list[int]) -> list[Hashable]:
-        """The policy's best victims, as many as cover ``job.need`` (estimated by mean size)."""
+    def _take(self, job: _Job, limit: int, now: float, pinned: list[int]) -> list[tuple[Hashable, int]]:
+        """The policy's best victims with their sizes, as many as cover ``job.need`` (estimated
+        by mean size)."""
         policy, sizes = job.policy, job.policy.sizes
         mean = policy.size_total / len(policy) if len(policy) else 1.0
         want = min(limit, max(1, math.ceil(job.need / max(mean, 1.0))))
-        keys, total = [], 0
+        picked, total = [], 0
         for key in self._best(job.state, policy, want, now, pinned):
-            keys.append(key)
-            total += sizes[key]
+            size = sizes[key]
+            picked.append((key, size))
+            total += size
             if total >= job.need:
                 break
-        return keys
+        return picked
 
     def _peel(self, job: _Job, limit: int, now: float, pinned: list[int]) -> list[tuple[int, int]]:
         """One victim at a time: removing a leaf can make its parent the next best (leaf_lru)."""
