@@ -583,6 +583,32 @@ def test_without_a_delay_specs_of_other_sizes_never_take_a_victims_slots(server)
     cache.check()
 
 
+def test_without_a_delay_slots_taken_over_on_a_storage_that_then_fails_are_freed(tmp_path):
+    """The first candidate takes over one victim's slots for one block but has no room for the
+    other: the write falls over to the next candidate, and the slots it took over go back to
+    the dropped copies, which the deleter frees after the commit."""
+    prefix = shm_prefix()
+    try:
+        with serve_in_thread(data_dir=str(tmp_path / "data"), overrides=OVERRIDES) as srv, srv.client() as c:
+            c.call("add_storage", {"storage": {"global_unique_name": "mem", "storage_type": "shm", "storage_spec": {
+                "prefix": prefix, "segment_size": 1 << 20, "capacity_bytes": 2 * BLOCK}}})
+            cache = srv.app.cache
+            add_group(c, "g", ["mem", "default-file"], capacity=2 * BLOCK, delay_ms=0)
+            register(c, "a", group="g")
+            register(c, "b", group="g", specs=ONE_SPEC)
+            write(c, [1], "a")
+            write(c, [2], "b")  # the storage is full now
+            cache.set_room_maker(OldestFirst(cache))
+            session = write(c, [3, 4], "a")  # 1's slots fit block 3 on mem, block 4 finds no room there
+            assert [x["type"] for x in session["locations"]] == ["file", "file"]
+            assert statuses(c, [1, 3, 4]) == ["not_found", "serving", "serving"] and statuses(c, [2], "b") == ["not_found"]
+            mem = srv.app.storages.get("mem")
+            assert wait_for(lambda: mem.usage()["slots_used"] == 0)  # 1's and 2's slots, freed
+            cache.check()
+    finally:
+        remove_shm(prefix)
+
+
 def test_without_a_delay_victims_are_dropped_and_their_slots_freed_by_the_deleter(server):
     from kvcm.blocks import BlockIO
 

@@ -181,6 +181,31 @@ def test_make_room_evicts_by_policy_just_enough_and_gives_back():
     assert rec.make_room("nope", {"": 1}, limit=1).victims == []
 
 
+def test_in_line_victims_are_journalled_when_chosen_and_their_removal_not_folded_twice(tmp_path: Any):
+    """make_room forgets its victims and journals that at once; the cache's report of their
+    removal (on commit) is then not queued again. A victim written again afterwards goes to
+    the back of the order, after a kill -9 too (the replayed journal has the removal between
+    its two writes; without it, the second write would be taken for one already known)."""
+    state = str(tmp_path / "reclaim")
+    mgr = FakeManager(groups={"g": ["i"]})
+    rec = _reclaimer(mgr, state, ROOMY)
+    rec.run_once(0.0)
+    _fill(mgr, range(1, 11))
+    rec.run_once(20.0)  # journalled
+    room = rec.make_room("g", {"": 250}, limit=10)
+    victims = [key for _, key, _ in room.victims]
+    assert victims == [1, 2, 3]
+    mgr.evict("i", victims, "file")  # the cache drops them and, on commit, reports the removal ...
+    rec.on_evicted("i", victims, 0.0)  # ... and the eviction
+    assert rec.queued() == 0
+    mgr.write("i", 1, now=25.0)
+    rec.run_once(26.0)  # journalled
+    mgr.listeners.clear()  # "kill -9": no close()
+    again = _reclaimer(mgr, state, ROOMY)
+    again.run_once(30.0)
+    assert list(again.tracked("g", "file").victims(10, 30.0)) == [("i", k) for k in (4, 5, 6, 7, 8, 9, 10, 1)]
+
+
 def test_a_group_of_several_instances_restarts_in_order(tmp_path: Any):
     state = str(tmp_path / "reclaim")
     mgr = FakeManager(groups={"g": ["a", "b"]})

@@ -212,6 +212,10 @@ class Reclaimer(CacheListener):
                 return
         self._events.append((_REMOVE, instance_id, keys))
 
+    def queued(self) -> int:
+        """Events buffered by the hooks and not folded in yet (inspection, tests)."""
+        return len(self._events)
+
     def on_evicted(self, instance_id: str, keys: list[int], delay_s: float) -> None:
         if self._given:  # in-line victims whose eviction committed: nothing left to give back
             with self._lock:
