@@ -109,23 +109,23 @@ def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, ke
 
 
 def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Victim], marked: list[Victim],
-                 dropped: dict[str, int] | None = None, doomed: Doomed | None = None,
-                 usage: dict[Key, list[int]] | None = None) -> int:
+                 dropped: dict[str, int], doomed: Doomed, usage: dict[Key, list[int]]) -> int:
     """In-line eviction (:mod:`kvcm.cache.room`): take the serving copy of each victim's type
     out of service in the request's transaction ``txn``.
 
     With a grace delay the copy is marked ``deleting`` and freed after it, as every removal is.
     Without one (``delay_before_delete_ms = 0``) a record whose only copy is that serving one
-    is dropped in ``txn`` and its bytes freed right after the commit (:func:`drop_sole`): the
-    same outcome as the deleter's next poll, minus the ``deleting`` state, the delete entry and
-    the deleter's second transaction. Other records are marked as with a delay.
+    is dropped in ``txn`` (:func:`drop_sole`), and its slots go to the write's new blocks or are
+    freed after the commit: the same outcome as the deleter's next poll, minus the ``deleting``
+    state, the delete entry and the deleter's second transaction. Other records are marked as
+    with a delay.
 
     Victims of instances outside ``group`` are skipped (evicting them would free nothing this
     group counts); so are victims with no serving copy of that type left. ``marked`` gets the
     victims taken, as they are taken (so an abort half-way gives back exactly those);
-    ``dropped`` gets the bytes dropped per type (no longer in the group's usage); ``doomed``, if
-    given, the dropped copies, and ``usage``, if given, their usage deltas (see :func:`drop_sole`).
-    Returns the serving bytes taken."""
+    ``dropped`` gets the bytes dropped per type (no longer in the group's usage), ``doomed`` the
+    dropped copies and ``usage`` their usage deltas (see :func:`drop_sole`). Returns the serving
+    bytes taken."""
     delay = s.delay(group)
     by_instance: dict[tuple[str, str], list[int]] = defaultdict(list)
     for instance_id, key, kind in dict.fromkeys(victims):
@@ -137,7 +137,7 @@ def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Vic
         if delay == 0:
             nbytes, keys = drop_sole(s, txn, instance_id, group, keys, kind, done, doomed, usage)
             freed += nbytes
-            if dropped is not None and nbytes:
+            if nbytes:
                 dropped[kind] = dropped.get(kind, 0) + nbytes
         freed += mark_deleting(s, txn, instance_id, group, keys, delay, serving_only=True, storage_type=kind,
                                marked_keys=done)[1] if keys else 0
@@ -148,23 +148,19 @@ def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Vic
 
 
 def drop_sole(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: Sequence[int], storage_type: str,
-              dropped_keys: list[int], doomed: Doomed | None = None,
-              usage: dict[Key, list[int]] | None = None) -> tuple[int, list[int]]:
+              dropped_keys: list[int], doomed: Doomed, usage: dict[Key, list[int]]) -> tuple[int, list[int]]:
     """Drop, in ``txn``, each record of ``keys`` whose only copy is a serving one of
-    ``storage_type``, its bytes freed by the deleter once ``txn`` commits (at its next wake-up,
-    ``cache.delete_poll_ms``); ``(bytes dropped, the other keys that have a record)``.
-    ``dropped_keys`` gets the keys dropped.
+    ``storage_type``; ``(bytes dropped, the other keys that have a record)``. ``dropped_keys``
+    gets the keys dropped, ``doomed`` their copies' addresses per storage, ``usage`` their usage
+    deltas: the caller (a write making room) may give some of those slots to its new blocks
+    (they are then never freed), hands the rest to :func:`free_after_commit` once ``txn``
+    commits (the deleter frees them at its next wake-up, ``cache.delete_poll_ms``), and adds
+    the deltas to the usage book in ``txn`` with its own (they often cancel).
 
     Freeing after the commit keeps the deleter's rule that no metadata names a freed slot: the
     record is gone before its bytes are, and a slot goes back to its storage only after both
     (a crash in between leaves bytes nothing names, which the storage's start-up reserve gives
-    back). Callers: eviction without a grace delay only.
-
-    ``doomed``: the caller's instead, which gets the dropped copies' addresses per storage; the
-    caller may give some of those slots to new blocks of ``txn`` (they are then never freed)
-    and hands the rest to :func:`free_after_commit` once ``txn`` commits. ``usage``: the
-    caller's instead, which gets the usage deltas of the dropped copies; the caller must add
-    them to the usage book in ``txn`` (a write merges them with its own: often they cancel)."""
+    back). Callers: eviction without a grace delay only."""
     def pick(value: bytes) -> tuple[Location, int | None] | None:
         hit = sole_serving(value)
         return None if hit is None or hit[0].type != storage_type else hit
@@ -175,16 +171,9 @@ def drop_sole(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: 
     if not locs:
         return 0, other
     nbytes = sum(loc.nbytes for loc in locs)
-    if usage is None:
-        s.usage_book.add(txn, {(group, instance_id, storage_type): [-nbytes, -len(locs)]})
-    else:
-        delta = usage.setdefault((group, instance_id, storage_type), [0, 0])
-        delta[0] -= nbytes
-        delta[1] -= len(locs)
-    if doomed is None:
-        doomed = {}
-        mine = doomed
-        txn.on_commit(lambda: free_after_commit(s, mine))
+    delta = usage.setdefault((group, instance_id, storage_type), [0, 0])
+    delta[0] -= nbytes
+    delta[1] -= len(locs)
     for loc in locs:
         doomed.setdefault(loc.storage, []).append(loc.addr)
     dropped_keys.extend(gone)
