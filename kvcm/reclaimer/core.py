@@ -325,13 +325,15 @@ class Reclaimer(CacheListener):
                         job.need -= nbytes
                         job.done = job.need <= 0
                         self._given_types.add(job.stype)
+                        forgotten: dict[str, list[int]] = {}
                         for packed, size in chosen:
                             iid, key = state.ikey(packed)
                             picked.append((iid, key, job.stype))
                             self._given[(iid, key, job.stype)] = size
-                            # Forgotten now, so journalled now: the cache's removal event for
-                            # it is not folded in again (on_removed); give_back journals it back.
-                            self._journal.append((_REMOVE, iid, [key]))
+                            forgotten.setdefault(iid, []).append(key)
+                        # Forgotten now, so journalled now: the cache's removal event for them
+                        # is not folded in again (on_removed); give_back journals them back.
+                        self._journal.extend((_REMOVE, iid, keys) for iid, keys in forgotten.items())
                         while len(self._given) > _MAX_GIVEN:  # victims the cache dropped unmarked
                             del self._given[next(iter(self._given))]
                         self._count(state, job.stype, "inline", len(chosen), nbytes)
@@ -412,12 +414,13 @@ class Reclaimer(CacheListener):
         times are milliseconds, and ties would fall back to key order)."""
         pop = self._events.popleft
         events = [pop() for _ in range(len(self._events))]
-        pending = {(e[1], e[2], e[4]) for e in events if e[0] == _SERVE}
-        if not self._restored:
-            self._restore(now, pending)
-        for state in self._groups.values():
-            if state.stale:
-                self._rebuild(state, now, pending)
+        if not self._restored or any(state.stale for state in self._groups.values()):  # rare
+            pending = {(e[1], e[2], e[4]) for e in events if e[0] == _SERVE}
+            if not self._restored:
+                self._restore(now, pending)  # may leave a group stale (its policy changed meanwhile)
+            for state in self._groups.values():
+                if state.stale:
+                    self._rebuild(state, now, pending)
         self._drain(events, journal=True)
 
     def _drain(self, events: Iterable[tuple[Any, ...]], journal: bool) -> None:
