@@ -225,3 +225,16 @@ def test_a_group_of_several_instances_restarts_in_order(tmp_path: Any):
     assert again.tracked("g", "file").victims(10, 12.0) == before
     assert before[-2:] == [("a", 1), ("b", -1)]
     assert os.path.exists(os.path.join(state, "snapshot"))
+
+
+def test_without_a_state_dir_nothing_is_kept_for_a_journal():
+    """With no state dir there is no journal to append to: what would go there (folded events,
+    in-line victims) is dropped at each round instead of piling up for the process's life."""
+    mgr = FakeManager(groups={"g": ["i"]})
+    rec = _reclaimer(mgr, None, ROOMY)
+    rec.run_once(0.0)
+    _fill(mgr, range(1, 11))
+    mgr.read("i", [1, 2], now=20.0)
+    rec.make_room("g", {"": 250}, limit=10)
+    rec.run_once(21.0)
+    assert rec._journal == []

@@ -528,6 +528,7 @@ class Reclaimer(CacheListener):
     def _save(self) -> None:
         """Append this round's events to the journal; compact it into a snapshot when due."""
         if self._persist is None:
+            self._journal = []  # nowhere to write it: recency lives in memory only
             return
         events, self._journal = self._journal, []
         try:
