@@ -18,10 +18,13 @@ Rules:
   publisher restart and removing the source clear exactly that source;
 * LoRA adapters (``lora_name``) are separate namespaces; groups are separate holder slots.
 
-Persistence (``engine_sources``, ``engine_blocks``): :meth:`EngineIndex.flush` writes the blocks
-touched since the last flush and each source's ``last_seq`` in one transaction, so the persisted
-index is always consistent with the persisted ``last_seq`` and a restarted kvcm resumes by replay
-from ``last_seq + 1``.
+Persistence (``engine_sources``, ``engine_log``; layout in :mod:`kvcm.engines.entries`):
+:meth:`EngineIndex.flush` appends the blocks touched since the last flush (one log record per
+source, tombstones for the removed) and writes each source's ``last_seq``, in one transaction,
+so the persisted index is always consistent with the persisted ``last_seq`` and a restarted kvcm
+resumes by replay from ``last_seq + 1``. A source whose log outgrew its live blocks, or that was
+cleared, is rewritten as its live blocks in that same transaction; :meth:`EngineIndex.load`
+replays the records in order.
 
 Thread ownership: the subscriber thread applies and flushes; the RPC thread adds/removes sources
 and queries. One re-entrant lock guards all in-memory state; a write transaction, when needed,
@@ -37,13 +40,15 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import accumulate, compress, islice, repeat
-from operator import and_, attrgetter, ne, or_
+from operator import and_, attrgetter, is_, ne, or_
 from typing import Any, cast
 
 from kvcm.engines.entries import (
     BLOCK_KEY,
     BLOCKS_DB,
     DEC,
+    LOG_DB,
+    LOG_KEY,
     M64,
     SID,
     SOURCES_DB,
@@ -56,6 +61,7 @@ from kvcm.engines.entries import (
     SourceMatch,
     SourceState,
     block_id,
+    decode_log,
     delete_blocks,
     flush_source,
     new_block,
@@ -708,17 +714,37 @@ class EngineIndex:
             self._dirty.add(state.spec.source_id)
 
     def load(self) -> list[SourceState]:
-        """Rebuild the in-memory index from the store (at start-up, before any source runs)."""
+        """Rebuild the in-memory index from the store (at start-up, before any source runs):
+        per source its per-block records of the older format, then its log replayed in order."""
         if self._store is None:
             return []
         with self._store.read() as txn, self._lock:
             for _, raw in list(txn.scan(SOURCES_DB)):
                 state = self._load_source(DEC.decode(raw))
-                for bkey, braw in txn.scan(BLOCKS_DB, prefix=SID.pack(state.number)):
+                prefix = SID.pack(state.number)
+                blocks = state.blocks
+                for bkey, braw in txn.scan(BLOCKS_DB, prefix=prefix):
                     _, group, h = BLOCK_KEY.unpack(bkey)
-                    self._load_block(state, group, h, EngineBlock.unpack(braw))
+                    blocks[block_id(group, h)] = EngineBlock.unpack(braw)
+                    state.logged += 1
+                for lkey, lraw in txn.scan(LOG_DB, prefix=prefix):
+                    self._replay(state, LOG_KEY.unpack(lkey)[1], lraw)
+                for bid, blk in blocks.items():
+                    self._load_block(state, bid >> 64, blk)
                 self._sources[state.spec.source_id] = state
             return list(self._sources.values())
+
+    @staticmethod
+    def _replay(state: SourceState, serial: int, raw: bytes) -> None:
+        """One log record over the source's blocks: later versions replace, tombstones delete."""
+        record = decode_log(raw)
+        ids, found = record.ids(), record.blocks
+        state.blocks.update(zip(ids, found))  # type: ignore[arg-type]  # the tombstones go next
+        if None in found:
+            for bid in compress(ids, map(is_, found, repeat(None))):
+                del state.blocks[bid]
+        state.logged += len(ids)
+        state.serial = serial + 1
 
     def _load_source(self, rec: dict[str, Any]) -> SourceState:
         self._generation += 1
@@ -729,9 +755,8 @@ class EngineIndex:
         state.groups = {int(g): k for g, k in rec.get("groups", [])}
         return state
 
-    def _load_block(self, state: SourceState, group: int, h: int, blk: EngineBlock) -> None:
+    def _load_block(self, state: SourceState, group: int, blk: EngineBlock) -> None:
         refs, blk.refs = blk.refs, {}
-        state.blocks[block_id(group, h)] = blk
         for medium, count in refs.items():
             self._hold(state, blk, medium, group)
             blk.refs = {**blk.refs, medium: count}
