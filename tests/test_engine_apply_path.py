@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from kvcm.engines.index import EngineIndex, gc_paused
+from kvcm.engines.index import EngineIndex
+from kvcm.threads import gc_paused
 from kvcm.engines.sources import SourceSpec
 from kvcm.kv_events import BlockStored, DecodedBatch
 from kvcm.store import LmdbStore

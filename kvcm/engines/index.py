@@ -33,12 +33,10 @@ is always opened *before* taking the lock (the store's documented lock order).
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import accumulate, compress, islice, repeat
 from operator import and_, attrgetter, is_, ne, or_
 from typing import Any, cast
@@ -74,6 +72,7 @@ from kvcm.engines.table import MAIN_KINDS, HolderTable, Slot
 from kvcm.errors import Conflict, KvcmError, NotFound
 from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, ExternalBlockHash, hash_to_u64
 from kvcm.store.base import MetaStore
+from kvcm.threads import gc_paused
 
 #: ``BlockStored.extra_keys`` of a store whose hashes are kvcm keys already (``report_events``'
 #: ``keyed`` adds: Tair's reporters name blocks by key and send no tokens). Compared by identity,
@@ -781,23 +780,6 @@ _MAX_RUN_TABLES = 4096  # (instance, adapter) namespaces whose runs are kept
 #: ``EngineBlock.refs`` is copy-on-write: a block's map is replaced, never changed in place, so
 #: the blocks held once on one medium (nearly all) share one map instead of a dict each.
 _ONCE: dict[str, dict[str, int]] = {}
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic collector off while a drain is applied, hashed or flushed. Each engine block
-    brings a tracked tuple (its keys), so a 64-block store alone nears the young generation's
-    threshold, and every collection during the drain re-walks the drain's token lists; one
-    collection after it does that walk once. Left alone when it is already off (the process's
-    choice, or another thread's pause: at worst that thread's drain runs with it back on)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _held_once(medium: str) -> dict[str, int]:
