@@ -67,10 +67,10 @@ from zmq.utils.monitor import parse_monitor_message
 from kvcm.config import ConfigError
 from kvcm.engines.entries import Item
 from kvcm.engines.index import EngineIndex
-from kvcm.threads import gc_paused
 from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.sources import SourceSpec, SubscriberSettings, is_ipv6
 from kvcm.kv_events import DecodedBatch, EventDecodeError, decode_batch
+from kvcm.threads import gc_paused
 
 log = logging.getLogger("kvcm.engines.subscriber")
 
