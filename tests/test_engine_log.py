@@ -166,10 +166,29 @@ def test_a_log_that_outgrew_its_blocks_is_rewritten(store, monkeypatch):
         apply("a", _store(range(1, 9), 0))
         index.flush()
         state = index.get("a")
-        assert state.logged <= 2 * len(state.blocks) + 16 + 8, round_
+        assert state.logged <= 2 * len(state.blocks) + 16, round_  # what a flush leaves, at most
         held = sum(len(decode_log(raw).hashes) for _, raw in _records(store, LOG_DB))
         assert held == state.logged
     assert len(_records(store, LOG_DB)) < 10  # 81 flushes, a few records left
+    _same(_reloaded(store), index)
+
+
+def test_fresh_stores_count_towards_the_rewrite(store, monkeypatch):
+    """A flush that appends tombstones and new blocks together counts both against the live
+    blocks: the log it leaves is never over twice the live blocks plus the slack."""
+    monkeypatch.setattr(entries, "COMPACT_SLACK", 16)
+    index, apply = _index(store)
+    for _ in range(2):  # logged: 4, 8, 12, 16 with 0 or 4 live
+        apply("a", _store([1, 2, 3, 4], 0))
+        index.flush()
+        apply("a", BlockRemoved([1, 2, 3, 4], "GPU"))
+        index.flush()
+    apply("a", _store([1, 2, 3, 4], 0))
+    index.flush()
+    assert (index.get("a").logged, len(index.get("a").blocks)) == (20, 4)
+    apply("a", BlockRemoved([1, 2, 3], "GPU"), _store([5, 6, 7], 4))  # 3 tombstones, 3 new: 26 > 2 * 4 + 16
+    index.flush()
+    assert index.get("a").logged == len(index.get("a").blocks) == 4
     _same(_reloaded(store), index)
 
 
@@ -267,6 +286,8 @@ def test_randomized_flushes_reload_to_the_same_index(store, monkeypatch, seed):
         if rng.random() < 0.4:
             index.flush()
             _same(_reloaded(store), index)
+            for state in index.sources():  # what a flush leaves: garbage within the live blocks + slack
+                assert state.logged <= 2 * len(state.blocks) + 6
         if rng.random() < 0.03:
             index.remove_source(source)
             index, apply = _reopen(store, index)

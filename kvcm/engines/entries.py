@@ -140,9 +140,19 @@ class SourceState:
     blocks: dict[int, EngineBlock] = field(default_factory=dict)  # by block_id(group, engine hash)
     groups: dict[int, str | None] = field(default_factory=dict)
     dirty: set[int] = field(default_factory=set)  # block ids changed since the last flush
+    #: stores of blocks new to the source since the last flush, as made: ``(ids, blocks)``,
+    #: persisted without a lookup each. They stay the blocks' current records until a block
+    #: is removed, so every other change first moves their ids into ``dirty`` (:meth:`spill`).
+    fresh: list[tuple[list[int], list[EngineBlock]]] = field(default_factory=list)
     cleared: bool = False
     serial: int = 0  # of the source's next engine_log record
     logged: int = 0  # entries its persisted records hold (live, superseded and tombstones)
+
+    def spill(self) -> None:
+        """Move the fresh stores' ids into ``dirty`` (before a change that may drop a block)."""
+        for ids, _ in self.fresh:
+            self.dirty.update(ids)
+        self.fresh.clear()
 
     def record(self) -> bytes:
         return ENC.encode(
@@ -199,15 +209,19 @@ def flush_source(txn: Any, state: SourceState) -> int:
     source as its live blocks when it was cleared or its log outgrew them (module docstring).
     C-level iteration over the blocks (map, one encode call per record), no Python step each."""
     written = 0
-    if state.cleared or state.logged + len(state.dirty) > 2 * len(state.blocks) + COMPACT_SLACK:
+    changed = len(state.dirty) + sum(len(ids) for ids, _ in state.fresh)
+    if state.cleared or state.logged + changed > 2 * len(state.blocks) + COMPACT_SLACK:
         written += delete_blocks(txn, state.number)
         state.cleared = False
         state.serial = state.logged = 0
         ids: list[int] = list(state.blocks)
         found: list[EngineBlock | None] = list(state.blocks.values())
-    else:
+    else:  # the changed blocks as they are now (tombstones for the gone), then the fresh stores
         ids = list(state.dirty)
         found = list(map(state.blocks.get, ids))
+        for fresh_ids, made in state.fresh:
+            ids += fresh_ids
+            found += made
     for lo in range(0, len(ids), CHUNK):
         txn.put(LOG_DB, LOG_KEY.pack(state.number, state.serial), encode_log(ids[lo : lo + CHUNK], found[lo : lo + CHUNK]))
         state.serial += 1
@@ -215,6 +229,7 @@ def flush_source(txn: Any, state: SourceState) -> int:
     state.logged += len(ids)
     txn.put(SOURCES_DB, state.spec.source_id.encode(), state.record())
     state.dirty.clear()
+    state.fresh.clear()
     return written + 1
 
 

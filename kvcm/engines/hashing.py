@@ -18,7 +18,7 @@ import struct
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from operator import add
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 if TYPE_CHECKING:
     from kvcm.kv_events import BlockStored
@@ -137,7 +137,8 @@ def _words(pack: Callable[..., bytes], rows: Sequence[Sequence[int]], golden: in
     """Per token position the int of every row's token in its lane, plus the mix's constant:
     ``map`` over the rows calls ``pack`` with one token of each (the transpose happens in C, no
     tuple per position, no bytecode per position)."""
-    return list(map(add, map(int.from_bytes, map(pack, *rows), repeat("little")), repeat(golden)))
+    little: Literal["little"] = "little"
+    return list(map(add, map(int.from_bytes, map(pack, *rows), repeat(little)), repeat(golden)))
 
 
 class Chain:

@@ -186,6 +186,7 @@ class EngineIndex:
                 del self._tables[key]
         state.blocks.clear()
         state.dirty.clear()
+        state.fresh.clear()
 
     # --- applying events ------------------------------------------------------------------------
 
@@ -264,35 +265,41 @@ class EngineIndex:
         size = ev.block_size
         same = step == block_size == size  # the common case: no re-chunking, one key per block
         touched = hashes if not group else list(map(or_, repeat(group << 64), hashes))  # block ids
-        gained = None
+        new = None
         if same and len(states) == len(hashes) and blocks.keys().isdisjoint(touched):
-            gained = self._new_blocks(blocks, touched, states, lora, medium, pos, size)
-        if gained is None:
+            new = self._new_blocks(blocks, touched, states, lora, medium, pos, size)
+        if new is not None:
+            gained = new[0]
+            state.fresh.append((touched, new[1]))  # persisted as made, no lookups (SourceState.fresh)
+        else:
+            state.spill()
             gained = self._update_blocks(state, touched, states, lora, medium, group, pos, step, block_size, size)
+            state.dirty.update(touched)
         if gained:
             table = self._table(state.spec.instance_id, lora)
             main = state.groups.get(group) in MAIN_KINDS
             table.hold(table.slot(state.spec.source_id, medium, group, main, state.spec.dp_rank), gained)
-        state.dirty.update(touched)
         return len(hashes)
 
     @staticmethod
     def _new_blocks(
         blocks: dict[int, EngineBlock], touched: list[int], states: list[int], lora: str,
         medium: str, pos: int, size: int,
-    ) -> list[int] | None:
+    ) -> tuple[list[int], list[EngineBlock]] | None:
         """The common store: every block new to the source, one kvcm key each. Built with
-        C-level iteration (map, zip, dict.update) instead of a Python step per block. None (and
-        nothing changed) when the store names a block twice: the caller takes the general path."""
+        C-level iteration (map, zip, dict.update) instead of a Python step per block: its kvcm
+        keys and blocks. None (and nothing changed) when the store names a block twice: the
+        caller takes the general path."""
         keys = [u - TWO64 if u >= TOP else u for u in states]
         ends = range(pos + size, pos + (len(keys) + 1) * size, size)
         before = len(blocks)
-        blocks.update(zip(touched, map(EngineBlock, repeat(lora), states, ends, zip(keys), repeat(_held_once(medium)))))
+        made = list(map(EngineBlock, repeat(lora), states, ends, zip(keys), repeat(_held_once(medium))))
+        blocks.update(zip(touched, made))
         if len(blocks) - before != len(touched):
             for key in touched:  # all were new: undo
                 blocks.pop(key, None)
             return None
-        return keys
+        return keys, made
 
     def _update_blocks(
         self, state: SourceState, touched: list[int], states: list[int], lora: str, medium: str,
@@ -368,6 +375,7 @@ class EngineIndex:
         self, state: SourceState, hashes: list[int], group: int, medium: str, errors: Counter[str]
     ) -> int:
         done = 0
+        state.spill()
         for h in hashes:
             key = block_id(group, h)
             blk = state.blocks.get(key)
@@ -382,6 +390,7 @@ class EngineIndex:
     def _keyed(self, state: SourceState, hashes: list[int], lora: str, group: int, medium: str) -> int:
         """Blocks named by their kvcm keys, each held at most once per medium: a repeated add
         changes nothing, so one remove always drops it (Tair's adds are idempotent)."""
+        state.spill()
         for h in hashes:
             key = block_id(group, h)
             blk = state.blocks.get(key)
@@ -396,6 +405,7 @@ class EngineIndex:
         group = ev.group_idx or 0
         medium = normalize_medium(ev.medium)
         done = 0
+        state.spill()  # a fresh block removed must not be persisted from SourceState.fresh
         for raw in ev.block_hashes:
             key = block_id(group, hash_to_u64(raw))
             blk = state.blocks.get(key)
@@ -690,6 +700,7 @@ class EngineIndex:
                     state = self._sources.get(source_id)
                     if state is not None:
                         state.dirty.clear()
+                        state.fresh.clear()
                         state.cleared = False
                 self._dirty.clear()
             return 0
@@ -710,6 +721,7 @@ class EngineIndex:
         for state in self._sources.values():
             state.cleared = True
             state.dirty.update(state.blocks)
+            state.fresh.clear()
             self._dirty.add(state.spec.source_id)
 
     def load(self) -> list[SourceState]:
