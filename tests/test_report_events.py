@@ -339,6 +339,16 @@ def test_a_turns_pool_is_dropped_once_its_reports_ran_and_the_collector_runs_aft
         # a report of the next turn that cannot run (unknown source) leaves no pool behind either
         dispatcher.handle_batch([batch("p", 2, 4, 3), batch("nobody", 0, 5, 0)])
         assert svc.push._pool == [] and svc.push._hashed is None and 4 in svc.index.get("p").blocks
+        # prepare is idempotent: a report costed twice in one turn is pooled once
+        from kvcm.engines.push import Report
+
+        twice = Report(source_id="p", op="payloads",
+                       payloads=[(3, encode_batch([BlockStored([6], 4, TOKENS[4 * BS : 5 * BS], BS)], 9.0))])  # fmt: skip
+        svc.push.prepare(twice)
+        svc.push.prepare(twice)
+        assert len(svc.push._pool) == 1
+        svc.report_events(twice)
+        assert svc.push._pool == [] and 6 in svc.index.get("p").blocks
     finally:
         svc.stop()
 
