@@ -586,10 +586,12 @@ class EngineIndex:
             if exclude:
                 allowed &= ~_mask(table, exclude)
             found_masks = list(map(table.holders.get, keys))  # None: nobody holds the key
-            if None in found_masks:  # it ends every match: the running AND is 0 from there
+            try:  # it ends every match: the running AND is 0 from there (one scan, found or not)
                 del found_masks[found_masks.index(None) :]
-                if not found_masks:
-                    return [], True
+            except ValueError:
+                pass
+            if not found_masks:
+                return [], True
             masks = cast(list[int], found_masks)
             # The running AND of the masks can only change where a mask differs from the one
             # before: there, and only there, it is computed (``held``); the slots it loses at
@@ -598,9 +600,8 @@ class EngineIndex:
             # each step is one C-level pass (a position where a mask changed but the running AND
             # did not is an empty run).
             n = len(masks)
-            tail = masks[1:]
-            changed = list(map(ne, masks, tail))
-            held = list(accumulate(compress(tail, changed), and_, initial=masks[0] & allowed))
+            changed = list(map(ne, masks, islice(masks, 1, None)))
+            held = list(accumulate(compress(islice(masks, 1, None), changed), and_, initial=masks[0] & allowed))
             memo, uniform = self._run_memo(instance_id, lora, table, block_size, weight)
             found = list(map(memo.get, zip(compress(range(1, n), changed), held, islice(held, 1, None))))
             if held[-1]:
