@@ -1,5 +1,5 @@
-"""The engine index's apply path internals: persisted block keys, and the collector paused while
-a drain is applied or flushed (and always restored)."""
+"""The engine index's apply path internals: the collector paused while a drain is applied or
+flushed (and always restored)."""
 
 from __future__ import annotations
 
@@ -8,26 +8,13 @@ import random
 
 import pytest
 
-from kvcm.engines.entries import BLOCK_KEY, M64, block_id, block_keys
-from kvcm.engines.index import EngineIndex, gc_paused
+from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
 from kvcm.kv_events import BlockStored, DecodedBatch
 from kvcm.store import LmdbStore
+from kvcm.threads import gc_paused
 
 TOKENS = [random.Random(3).randrange(50_000) for _ in range(64)]
-
-
-def test_block_keys_are_the_three_field_pack():
-    rng = random.Random(5)
-    ids = sorted({block_id(rng.randrange(1 << 16), rng.getrandbits(64)) for _ in range(500)} | {0, M64, 1 << 64})
-    for number in (1, 7, (1 << 32) - 1):
-        assert block_keys(number, ids) == [BLOCK_KEY.pack(number, i >> 64, i & M64) for i in ids]
-
-
-def test_block_keys_refuse_a_group_beyond_u32_as_the_pack_does():
-    with pytest.raises(Exception):  # noqa: B017 - the pack's struct.error, whatever its wording
-        block_keys(1, [block_id(1 << 32, 5)])
-    assert block_keys(1, []) == []
 
 
 def _index(tmp_path, seen):
@@ -50,7 +37,7 @@ def test_apply_and_flush_pause_the_collector_and_restore_it(tmp_path):
         index.apply_many([("a", gen, 0, DecodedBatch(1.0, [BlockStored([1, 2], None, TOKENS[:32], 16)])),
                           ("a", gen, 1, DecodedBatch(1.0, [BlockStored([3], 2, TOKENS[32:48], 16)]))])  # fmt: skip
         assert seen and not any(seen) and gc.isenabled()
-        assert index.flush() == 4 and gc.isenabled()
+        assert index.flush() == 2 and gc.isenabled()  # one log record, one source record
         again = EngineIndex(store, lambda _: 16)
         again.load()
         assert sorted(again.get("a").blocks) == [1, 2, 3]

@@ -21,6 +21,7 @@ from test_engine_subscriber import pump
 
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.config import ConfigError, load
+from kvcm.engines.push import Report
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SubscriberSettings
 from kvcm.errors import NotFound
@@ -245,3 +246,23 @@ def test_expire_zero_never_drops(pubs):
         assert info(service)["state"] == "stale" and info(service)["blocks_held"] == 2
     finally:
         service.stop()
+
+
+def test_a_source_followed_or_dropped_shows_in_the_very_next_freshness_map(svc, pubs):
+    """The freshness map is kept for ``poll_ms``, but not across a source added or removed: a
+    new source's blocks can be matched within that time, and its reply entry needs its freshness."""
+    now = [1000.0]
+    svc.subscriber._clock = lambda: now[0]  # frozen: only a change of the sources renews the map
+    assert svc.subscriber.instance_freshness("inst")[0] == {}
+    svc.report_events(Report(source_id="push-a", op="register", instance_id="inst"))
+    assert set(svc.subscriber.instance_freshness("inst")[0]) == {"push-a"}
+    pub = pubs()
+    add(svc, pub)
+    svc.subscriber.poll_once(0)  # the subscriber thread's command: follow pod-a
+    assert set(svc.subscriber.instance_freshness("inst")[0]) == {"push-a", "pod-a"}
+    svc.remove_source("pod-a")
+    svc.subscriber.poll_once(0)
+    assert set(svc.subscriber.instance_freshness("inst")[0]) == {"push-a"}
+    svc.report_events(Report(source_id="push-a", op="down"))
+    fresh, packed = svc.subscriber.instance_freshness("inst")
+    assert fresh == {} and msgspec.msgpack.decode(packed) == {}

@@ -302,6 +302,57 @@ def test_a_turns_pooled_hashing_never_uses_states_of_a_batch_not_applied() -> No
         svc.stop()
 
 
+def test_a_turns_pool_is_dropped_once_its_reports_ran_and_the_collector_runs_after_the_turn() -> None:
+    """The pooled batches and their states die with the turn (not at the next turn's first
+    report), and the collector is off while the turn runs, on again after it."""
+    import gc
+
+    from kvcm.api.engines import methods
+    from kvcm.engines.service import EngineService
+    from kvcm.rpc.dispatch import Dispatcher
+    from kvcm.rpc.wire import pack_request
+    from kvcm.store import MemoryStore
+
+    seen: list[bool] = []
+
+    def block_size(_: str) -> int:
+        seen.append(gc.isenabled())
+        return BS
+
+    svc = EngineService(MemoryStore(), block_size)
+    try:
+        dispatcher = Dispatcher(methods(svc))
+        for source in ("p", "q"):
+            dispatcher.call("report_events", {"source_id": source, "op": "register", "instance_id": "llm"})
+
+        def batch(source: str, seq: int, h: int, first: int) -> bytes:
+            payload = encode_batch([BlockStored([h], None, TOKENS[first * BS : (first + 1) * BS], BS, None, None, None)],
+                                   1.0 + seq)  # fmt: skip
+            return pack_request(seq, "report_events", {"source_id": source, "op": "payloads",
+                                                       "payloads": [{"seq": seq, "payload": payload}]})
+
+        seen.clear()
+        dispatcher.handle_batch([batch("p", 0, 1, 0), batch("q", 0, 2, 1), batch("p", 1, 3, 2)])
+        assert seen and not any(seen) and gc.isenabled()
+        assert svc.push._pool == [] and svc.push._hashed is None
+        assert sorted(svc.index.get("p").blocks) == [1, 3] and sorted(svc.index.get("q").blocks) == [2]
+        # a report of the next turn that cannot run (unknown source) leaves no pool behind either
+        dispatcher.handle_batch([batch("p", 2, 4, 3), batch("nobody", 0, 5, 0)])
+        assert svc.push._pool == [] and svc.push._hashed is None and 4 in svc.index.get("p").blocks
+        # prepare is idempotent: a report costed twice in one turn is pooled once
+        from kvcm.engines.push import Report
+
+        twice = Report(source_id="p", op="payloads",
+                       payloads=[(3, encode_batch([BlockStored([6], 4, TOKENS[4 * BS : 5 * BS], BS)], 9.0))])  # fmt: skip
+        svc.push.prepare(twice)
+        svc.push.prepare(twice)
+        assert len(svc.push._pool) == 1
+        svc.report_events(twice)
+        assert svc.push._pool == [] and 6 in svc.index.get("p").blocks
+    finally:
+        svc.stop()
+
+
 def test_after_a_kvcm_restart_a_push_source_keeps_its_blocks_and_asks_for_a_snapshot(tmp_path: Any) -> None:
     data = str(tmp_path / "data")
     with serve_in_thread(data, overrides={"events": EVENTS}) as srv, srv.client() as kv:
@@ -341,3 +392,31 @@ def test_reported_batches_are_persisted_by_the_next_wake_up_and_survive_kill_9(t
         shutil.rmtree(sock_dir, ignore_errors=True)
     with serve_in_thread(data) as srv, srv.client() as kv:
         assert matched(kv)["push-a"]["matched_blocks"] == 3
+
+
+def test_the_collector_is_off_for_a_dispatcher_turn_and_back_on_after_it() -> None:
+    """Every handler of a turn runs with the collector paused (one collection after the turn);
+    a failing handler does not leave it off; one the process turned off stays off."""
+    import gc
+
+    from kvcm.rpc.dispatch import Dispatcher, Method
+
+    seen: list[bool] = []
+
+    def probe(params: Any) -> dict[str, Any]:
+        seen.append(gc.isenabled())
+        if params.get("fail"):
+            raise RuntimeError("handler failed")
+        return {}
+
+    dispatcher = Dispatcher([Method("probe", probe, None)])
+    assert dispatcher.call("probe", {}) == {} and seen == [False] and gc.isenabled()
+    with pytest.raises(Exception):  # noqa: B017 - the handler's failure, as a wire error
+        dispatcher.call("probe", {"fail": True})
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        dispatcher.call("probe", {})
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 from block_bytes import read_problems, storage_roots, write_session
@@ -160,3 +161,55 @@ def test_a_default_layer_reaches_a_subprocess_as_set_arguments(sock_dir):
     finally:
         assert stop_subprocess(server) == 0
     assert not os.path.exists(os.path.join(data, "meta"))  # the memory store: no LMDB was made
+
+
+ENGINE_BS = 16
+ENGINE_TOKENS = [(i * 7919) % 50_000 for i in range(40 * ENGINE_BS)]
+
+
+def _engine_reports(endpoint: str) -> None:
+    """A push source's blocks, logged over several wake-ups: stores, a removal, a store again."""
+    from kvcm.kv_events import BlockRemoved, BlockStored, encode_batch
+
+    with Client(endpoint) as c:
+        c.call("register_instance", {"instance_group": "default", "instance_id": "llm", "block_size": ENGINE_BS,
+                                     "location_spec_infos": [{"name": "tp0", "size": 1024}]})  # fmt: skip
+        c.report_events(source_id="push-a", op="register", instance_id="llm")
+        batches = [
+            [BlockStored(list(range(1, 21)), None, ENGINE_TOKENS[: 20 * ENGINE_BS], ENGINE_BS)],
+            [BlockStored(list(range(21, 41)), 20, ENGINE_TOKENS[20 * ENGINE_BS :], ENGINE_BS)],
+            [BlockRemoved(list(range(31, 41)))],
+            [BlockStored(list(range(31, 36)), 30, ENGINE_TOKENS[30 * ENGINE_BS : 35 * ENGINE_BS], ENGINE_BS)],
+        ]
+        for seq, events in enumerate(batches):
+            payload = encode_batch(events, 1.0 + seq)
+            c.report_events(source_id="push-a", op="payloads", payloads=[{"seq": seq, "payload": payload}])
+            time.sleep(0.3)  # past the subscriber's next wake-up (poll_ms 20): persisted
+
+
+def _engine_check(endpoint: str) -> None:
+    with Client(endpoint) as c:
+        reply = c.call("match_engines", {"instance_id": "llm", "token_ids": ENGINE_TOKENS})
+        assert [(s["source_id"], s["matched_blocks"]) for s in reply["sources"]] == [("push-a", 35)]
+        back = c.report_events(source_id="push-a", op="heartbeat")
+        assert back.last_seq == 3 and back.resync  # a push source cannot replay: it asks for a snapshot
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "kill9"])
+def test_the_engine_index_log_survives_restart(sock_dir, kill):
+    """The engine index persisted as a log (engine_log) reloads after a clean stop and after a
+    kill -9 with the blocks and position of its last wake-up."""
+    data = os.path.join(sock_dir, "data")
+    endpoint = f"ipc://{sock_dir}/rpc"
+    events = ["--set", "events.poll_ms=20"]
+    server = start_subprocess(data, endpoint, events)
+    try:
+        _engine_reports(endpoint)
+    finally:
+        code = stop_subprocess(server, kill=kill)
+    assert code == (-9 if kill else 0)
+    server = start_subprocess(data, endpoint, events)
+    try:
+        _engine_check(endpoint)
+    finally:
+        assert stop_subprocess(server) == 0

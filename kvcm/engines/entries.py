@@ -3,10 +3,23 @@
 Persisted layout (sub-databases reserved in ``kvcm.store.base.DATABASES``):
 
 * ``engine_sources``: ``source_id`` (UTF-8) -> msgpack ``{spec, number, last_seq, last_ts, groups}``;
-* ``engine_blocks``: ``number (u32) | group (u32) | engine hash (u64)``, big-endian, ->
-  msgpack ``[lora, end state, end position, kvcm keys, {medium: holdings}]``.
+* ``engine_log``: ``number (u32) | serial (u64)``, big-endian, -> msgpack ``[hashes, groups,
+  blocks]``: the blocks one flush changed, block *i* being engine hash ``hashes[i]`` of group
+  ``groups[i]`` (``groups`` is empty when every group is 0, the usual case) and ``blocks[i]``
+  its record ``[lora, end state, end position, kvcm keys, {medium: holdings}]``, or nil when the
+  block is gone (a tombstone). A source's records replayed in serial order give its blocks.
+* ``engine_blocks`` (the format before the log, still read): ``number (u32) | group (u32) |
+  engine hash (u64)`` -> one block record. Loaded first, the log replayed over it; deleted with
+  the source's next rewrite.
 
-``number`` is a small per-source integer so a source's blocks form one ordered key range
+Log-structured because one record per flush instead of one per block is what keeps persisting
+cheap next to re-hashing and indexing (an LMDB put and a key each per block cost about as much
+as both). A source whose records hold more than twice its live blocks (plus
+:data:`COMPACT_SLACK`: superseded versions and tombstones) is rewritten as its live blocks at
+its next flush, in the same transaction, so the log stays within about twice the index and each
+logged entry is rewritten at most once on average. A cleared source is rewritten the same way.
+
+``number`` is a small per-source integer so a source's records form one ordered key range
 (cleared with one prefix scan).
 """
 
@@ -16,8 +29,8 @@ import struct
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import and_, or_, rshift
-from typing import Any, Literal
+from operator import and_, rshift
+from typing import Any
 
 import msgspec
 
@@ -26,15 +39,21 @@ from kvcm.engines.sources import SourceSpec
 from kvcm.kv_events import DecodedBatch
 
 SOURCES_DB = "engine_sources"
-BLOCKS_DB = "engine_blocks"
+BLOCKS_DB = "engine_blocks"  # the per-block records before the log: read, never written
+LOG_DB = "engine_log"
 BLOCK_KEY = struct.Struct(">IIQ")  # source number, group, engine hash
+LOG_KEY = struct.Struct(">IQ")  # source number, serial
 SID = struct.Struct(">I")
+#: Entries per log record at most (a rewrite of a large source is split into several).
+CHUNK = 8192
+#: Superseded entries and tombstones a source's log may hold beyond its live blocks before it is
+#: rewritten (a small source is not rewritten for every few changes).
+COMPACT_SLACK = 4096
 TWO64 = 1 << 64
 TOP = 1 << 63
 M64 = TWO64 - 1
 ENC = msgspec.msgpack.Encoder()
 DEC = msgspec.msgpack.Decoder()
-_BIG: Literal["big"] = "big"
 
 
 def block_id(group: int, h: int) -> int:
@@ -82,6 +101,32 @@ class EngineBlock(msgspec.Struct, array_like=True, gc=False):
 _BLOCK_DEC = msgspec.msgpack.Decoder(EngineBlock)
 
 
+class LogRecord(msgspec.Struct, array_like=True, gc=False):
+    """One ``engine_log`` record: the blocks a flush wrote (module docstring)."""
+
+    hashes: list[int]
+    groups: list[int]
+    blocks: list[EngineBlock | None]
+
+    def ids(self) -> list[int]:
+        """The blocks' ids (:func:`block_id`)."""
+        if not self.groups:
+            return self.hashes
+        if len(self.groups) != len(self.hashes):
+            raise ValueError("engine_log record: groups and hashes differ in length")
+        return list(map(block_id, self.groups, self.hashes))
+
+
+_LOG_DEC = msgspec.msgpack.Decoder(LogRecord)
+
+
+def decode_log(raw: bytes) -> LogRecord:
+    record = _LOG_DEC.decode(raw)
+    if len(record.blocks) != len(record.hashes):
+        raise ValueError("engine_log record: blocks and hashes differ in length")
+    return record
+
+
 @dataclass
 class SourceState:
     """Index-side state of one source (its connection state lives in the subscriber)."""
@@ -95,7 +140,19 @@ class SourceState:
     blocks: dict[int, EngineBlock] = field(default_factory=dict)  # by block_id(group, engine hash)
     groups: dict[int, str | None] = field(default_factory=dict)
     dirty: set[int] = field(default_factory=set)  # block ids changed since the last flush
+    #: stores of blocks new to the source since the last flush, as made: ``(ids, blocks)``,
+    #: persisted without a lookup each. They stay the blocks' current records until a block
+    #: is removed, so every other change first moves their ids into ``dirty`` (:meth:`spill`).
+    fresh: list[tuple[list[int], list[EngineBlock]]] = field(default_factory=list)
     cleared: bool = False
+    serial: int = 0  # of the source's next engine_log record
+    logged: int = 0  # entries its persisted records hold (live, superseded and tombstones)
+
+    def spill(self) -> None:
+        """Move the fresh stores' ids into ``dirty`` (before a change that may drop a block)."""
+        for ids, _ in self.fresh:
+            self.dirty.update(ids)
+        self.fresh.clear()
 
     def record(self) -> bytes:
         return ENC.encode(
@@ -146,41 +203,48 @@ def new_block(lora: str, states: list[int], i: int, size: int, pos: int, step: i
 
 
 def flush_source(txn: Any, state: SourceState) -> int:
-    """Write the source's changed blocks and its record. C-level iteration over the dirty
-    blocks (key packing, record encoding and the sort run in map/zip/sorted), not a Python
-    step each: this is most of the engine tier's persisting."""
-    if state.cleared:
-        delete_blocks(txn, state.number)
+    """Persist the source's changed blocks and its record; returns the records written.
+
+    Appends one log record (per :data:`CHUNK` entries) of the changed blocks, or rewrites the
+    source as its live blocks when it was cleared or its log outgrew them (module docstring).
+    C-level iteration over the blocks (map, one encode call per record), no Python step each."""
+    written = 0
+    changed = len(state.dirty) + sum(len(ids) for ids, _ in state.fresh)
+    if state.cleared or state.logged + changed > 2 * len(state.blocks) + COMPACT_SLACK:
+        written += delete_blocks(txn, state.number)
         state.cleared = False
-    # In block id order, which is the packed keys' order: B-tree inserts in key order touch each
-    # page once, and sorting the ints is cheaper than sorting the packed pairs.
-    ids = sorted(state.dirty)
-    keys = block_keys(state.number, ids)
-    found = list(map(state.blocks.get, ids))
-    dels: list[bytes] = []
-    if None in found:  # removed blocks: their records go
-        dels = [k for k, blk in zip(keys, found) if blk is None]
-        kept = [(k, blk) for k, blk in zip(keys, found) if blk is not None]
-        keys, found = [k for k, _ in kept], [blk for _, blk in kept]
-    txn.put_many(BLOCKS_DB, zip(keys, map(ENC.encode, found)))  # consumed in C, no list of pairs
-    if dels:
-        txn.delete_many(BLOCKS_DB, dels)
+        state.serial = state.logged = 0
+        ids: list[int] = list(state.blocks)
+        found: list[EngineBlock | None] = list(state.blocks.values())
+    else:  # the changed blocks as they are now (tombstones for the gone), then the fresh stores
+        ids = list(state.dirty)
+        found = list(map(state.blocks.get, ids))
+        for fresh_ids, made in state.fresh:
+            ids += fresh_ids
+            found += made
+    for lo in range(0, len(ids), CHUNK):
+        txn.put(LOG_DB, LOG_KEY.pack(state.number, state.serial), encode_log(ids[lo : lo + CHUNK], found[lo : lo + CHUNK]))
+        state.serial += 1
+        written += 1
+    state.logged += len(ids)
     txn.put(SOURCES_DB, state.spec.source_id.encode(), state.record())
     state.dirty.clear()
-    return len(keys) + len(dels) + 1
+    state.fresh.clear()
+    return written + 1
 
 
-def block_keys(number: int, ids: list[int]) -> list[bytes]:
-    """Persisted keys of the sorted block ``ids``: ``number | id`` as one 16-byte big-endian int
-    is exactly ``BLOCK_KEY.pack(number, group, hash)``, and one ``to_bytes`` per block costs a
-    third of the three-field pack. Ids outside ``[0, 2**96)`` (a group that does not fit its
-    u32) go through the pack, which refuses them as it always did."""
-    if not ids or ids[0] < 0 or ids[-1] >> 96:
-        return list(map(BLOCK_KEY.pack, repeat(number), map(rshift, ids, repeat(64)), map(and_, ids, repeat(M64))))
-    return list(map(int.to_bytes, map(or_, repeat(number << 96), ids), repeat(16), repeat(_BIG)))
+def encode_log(ids: list[int], blocks: list[EngineBlock | None]) -> bytes:
+    """One ``engine_log`` record: ids below 2**64 (group 0) go as they are, others split."""
+    if not ids or max(ids) <= M64:
+        return ENC.encode((ids, (), blocks))
+    return ENC.encode((list(map(and_, ids, repeat(M64))), list(map(rshift, ids, repeat(64))), blocks))
 
 
-def delete_blocks(txn: Any, number: int) -> None:
-    keys = [k for k, _ in txn.scan(BLOCKS_DB, prefix=SID.pack(number))]
-    if keys:
-        txn.delete_many(BLOCKS_DB, keys)
+def delete_blocks(txn: Any, number: int) -> int:
+    """Delete every persisted record of the source's blocks (log and older per-block ones)."""
+    deleted = 0
+    for db in (BLOCKS_DB, LOG_DB):
+        keys = [k for k, _ in txn.scan(db, prefix=SID.pack(number))]
+        if keys:
+            deleted += txn.delete_many(db, keys)
+    return deleted

@@ -15,8 +15,10 @@ its own lanes of one big int.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import add
+from typing import TYPE_CHECKING, Literal, cast
 
 if TYPE_CHECKING:
     from kvcm.kv_events import BlockStored
@@ -115,19 +117,28 @@ def _run_lanes(seeds: list[int], rows: list[Sequence[int]], step: int) -> list[l
     """States after every ``step`` tokens of equally long token ``rows``, one lane each."""
     lanes, m52, m32, top, golden = _lane_constants(len(rows))
     pack, from_bytes = lanes.pack, int.from_bytes
-    try:  # one int per token position, every chain's token in its lane (zip transposes in C)
-        words = [from_bytes(pack(*column), "little") + golden for column in zip(*rows)]
+    try:  # one int per token position, every chain's token in its lane: C-level iteration only
+        words = _words(pack, rows, golden)
     except struct.error:  # negative ids, or ids >= 2**64: their low 64 bits enter the mix
-        masked = [[t & _M64 for t in row] for row in rows]
-        words = [from_bytes(pack(*column), "little") + golden for column in zip(*masked)]
-    u = from_bytes(pack(*seeds), "little")
+        words = _words(pack, [[t & _M64 for t in row] for row in rows], golden)
+    # Each lane holds ``u ^ 2**63`` (bit 63 flipped), which is what the mix's shift reads: one
+    # big-int operation less per token; the flip is undone once per ``step`` tokens, on read-out.
+    u = from_bytes(pack(*seeds), "little") ^ top
     size, unpack = lanes.size, lanes.unpack
     snaps = []
     for s in range(0, len(words), step):
         for w in words[s : s + step]:
-            u ^= ((u & m52) << 12) + (((u ^ top) >> 32) & m32) + w
-        snaps.append(unpack(u.to_bytes(size, "little")))
+            u ^= ((u & m52) << 12) + ((u >> 32) & m32) + w
+        snaps.append(unpack((u ^ top).to_bytes(size, "little")))
     return [list(lane) for lane in zip(*snaps)]
+
+
+def _words(pack: Callable[..., bytes], rows: Sequence[Sequence[int]], golden: int) -> list[int]:
+    """Per token position the int of every row's token in its lane, plus the mix's constant:
+    ``map`` over the rows calls ``pack`` with one token of each (the transpose happens in C, no
+    tuple per position, no bytecode per position)."""
+    little: Literal["little"] = "little"
+    return list(map(add, map(int.from_bytes, map(pack, *rows), repeat(little)), repeat(golden)))
 
 
 class Chain:

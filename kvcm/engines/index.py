@@ -18,10 +18,13 @@ Rules:
   publisher restart and removing the source clear exactly that source;
 * LoRA adapters (``lora_name``) are separate namespaces; groups are separate holder slots.
 
-Persistence (``engine_sources``, ``engine_blocks``): :meth:`EngineIndex.flush` writes the blocks
-touched since the last flush and each source's ``last_seq`` in one transaction, so the persisted
-index is always consistent with the persisted ``last_seq`` and a restarted kvcm resumes by replay
-from ``last_seq + 1``.
+Persistence (``engine_sources``, ``engine_log``; layout in :mod:`kvcm.engines.entries`):
+:meth:`EngineIndex.flush` appends the blocks touched since the last flush (one log record per
+source, tombstones for the removed) and writes each source's ``last_seq``, in one transaction,
+so the persisted index is always consistent with the persisted ``last_seq`` and a restarted kvcm
+resumes by replay from ``last_seq + 1``. A source whose log outgrew its live blocks, or that was
+cleared, is rewritten as its live blocks in that same transaction; :meth:`EngineIndex.load`
+replays the records in order.
 
 Thread ownership: the subscriber thread applies and flushes; the RPC thread adds/removes sources
 and queries. One re-entrant lock guards all in-memory state; a write transaction, when needed,
@@ -30,20 +33,20 @@ is always opened *before* taking the lock (the store's documented lock order).
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import accumulate, compress, islice, repeat
-from operator import and_, attrgetter, ne, or_
+from operator import and_, attrgetter, is_, ne, or_
 from typing import Any, cast
 
 from kvcm.engines.entries import (
     BLOCK_KEY,
     BLOCKS_DB,
     DEC,
+    LOG_DB,
+    LOG_KEY,
     M64,
     SID,
     SOURCES_DB,
@@ -56,6 +59,7 @@ from kvcm.engines.entries import (
     SourceMatch,
     SourceState,
     block_id,
+    decode_log,
     delete_blocks,
     flush_source,
     new_block,
@@ -68,6 +72,7 @@ from kvcm.engines.table import MAIN_KINDS, HolderTable, Slot
 from kvcm.errors import Conflict, KvcmError, NotFound
 from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, ExternalBlockHash, hash_to_u64
 from kvcm.store.base import MetaStore
+from kvcm.threads import gc_paused
 
 #: ``BlockStored.extra_keys`` of a store whose hashes are kvcm keys already (``report_events``'
 #: ``keyed`` adds: Tair's reporters name blocks by key and send no tokens). Compared by identity,
@@ -181,6 +186,7 @@ class EngineIndex:
                 del self._tables[key]
         state.blocks.clear()
         state.dirty.clear()
+        state.fresh.clear()
 
     # --- applying events ------------------------------------------------------------------------
 
@@ -259,35 +265,41 @@ class EngineIndex:
         size = ev.block_size
         same = step == block_size == size  # the common case: no re-chunking, one key per block
         touched = hashes if not group else list(map(or_, repeat(group << 64), hashes))  # block ids
-        gained = None
+        new = None
         if same and len(states) == len(hashes) and blocks.keys().isdisjoint(touched):
-            gained = self._new_blocks(blocks, touched, states, lora, medium, pos, size)
-        if gained is None:
+            new = self._new_blocks(blocks, touched, states, lora, medium, pos, size)
+        if new is not None:
+            gained = new[0]
+            state.fresh.append((touched, new[1]))  # persisted as made, no lookups (SourceState.fresh)
+        else:
+            state.spill()
             gained = self._update_blocks(state, touched, states, lora, medium, group, pos, step, block_size, size)
+            state.dirty.update(touched)
         if gained:
             table = self._table(state.spec.instance_id, lora)
             main = state.groups.get(group) in MAIN_KINDS
             table.hold(table.slot(state.spec.source_id, medium, group, main, state.spec.dp_rank), gained)
-        state.dirty.update(touched)
         return len(hashes)
 
     @staticmethod
     def _new_blocks(
         blocks: dict[int, EngineBlock], touched: list[int], states: list[int], lora: str,
         medium: str, pos: int, size: int,
-    ) -> list[int] | None:
+    ) -> tuple[list[int], list[EngineBlock]] | None:
         """The common store: every block new to the source, one kvcm key each. Built with
-        C-level iteration (map, zip, dict.update) instead of a Python step per block. None (and
-        nothing changed) when the store names a block twice: the caller takes the general path."""
+        C-level iteration (map, zip, dict.update) instead of a Python step per block: its kvcm
+        keys and blocks. None (and nothing changed) when the store names a block twice: the
+        caller takes the general path."""
         keys = [u - TWO64 if u >= TOP else u for u in states]
         ends = range(pos + size, pos + (len(keys) + 1) * size, size)
         before = len(blocks)
-        blocks.update(zip(touched, map(EngineBlock, repeat(lora), states, ends, zip(keys), repeat(_held_once(medium)))))
+        made = list(map(EngineBlock, repeat(lora), states, ends, zip(keys), repeat(_held_once(medium))))
+        blocks.update(zip(touched, made))
         if len(blocks) - before != len(touched):
             for key in touched:  # all were new: undo
                 blocks.pop(key, None)
             return None
-        return keys
+        return keys, made
 
     def _update_blocks(
         self, state: SourceState, touched: list[int], states: list[int], lora: str, medium: str,
@@ -363,6 +375,7 @@ class EngineIndex:
         self, state: SourceState, hashes: list[int], group: int, medium: str, errors: Counter[str]
     ) -> int:
         done = 0
+        state.spill()
         for h in hashes:
             key = block_id(group, h)
             blk = state.blocks.get(key)
@@ -377,6 +390,7 @@ class EngineIndex:
     def _keyed(self, state: SourceState, hashes: list[int], lora: str, group: int, medium: str) -> int:
         """Blocks named by their kvcm keys, each held at most once per medium: a repeated add
         changes nothing, so one remove always drops it (Tair's adds are idempotent)."""
+        state.spill()
         for h in hashes:
             key = block_id(group, h)
             blk = state.blocks.get(key)
@@ -391,6 +405,7 @@ class EngineIndex:
         group = ev.group_idx or 0
         medium = normalize_medium(ev.medium)
         done = 0
+        state.spill()  # a fresh block removed must not be persisted from SourceState.fresh
         for raw in ev.block_hashes:
             key = block_id(group, hash_to_u64(raw))
             blk = state.blocks.get(key)
@@ -571,10 +586,12 @@ class EngineIndex:
             if exclude:
                 allowed &= ~_mask(table, exclude)
             found_masks = list(map(table.holders.get, keys))  # None: nobody holds the key
-            if None in found_masks:  # it ends every match: the running AND is 0 from there
+            try:  # it ends every match: the running AND is 0 from there (one scan, found or not)
                 del found_masks[found_masks.index(None) :]
-                if not found_masks:
-                    return [], True
+            except ValueError:
+                pass
+            if not found_masks:
+                return [], True
             masks = cast(list[int], found_masks)
             # The running AND of the masks can only change where a mask differs from the one
             # before: there, and only there, it is computed (``held``); the slots it loses at
@@ -583,9 +600,8 @@ class EngineIndex:
             # each step is one C-level pass (a position where a mask changed but the running AND
             # did not is an empty run).
             n = len(masks)
-            tail = masks[1:]
-            changed = list(map(ne, masks, tail))
-            held = list(accumulate(compress(tail, changed), and_, initial=masks[0] & allowed))
+            changed = list(map(ne, masks, islice(masks, 1, None)))
+            held = list(accumulate(compress(islice(masks, 1, None), changed), and_, initial=masks[0] & allowed))
             memo, uniform = self._run_memo(instance_id, lora, table, block_size, weight)
             found = list(map(memo.get, zip(compress(range(1, n), changed), held, islice(held, 1, None))))
             if held[-1]:
@@ -685,6 +701,7 @@ class EngineIndex:
                     state = self._sources.get(source_id)
                     if state is not None:
                         state.dirty.clear()
+                        state.fresh.clear()
                         state.cleared = False
                 self._dirty.clear()
             return 0
@@ -705,20 +722,41 @@ class EngineIndex:
         for state in self._sources.values():
             state.cleared = True
             state.dirty.update(state.blocks)
+            state.fresh.clear()
             self._dirty.add(state.spec.source_id)
 
     def load(self) -> list[SourceState]:
-        """Rebuild the in-memory index from the store (at start-up, before any source runs)."""
+        """Rebuild the in-memory index from the store (at start-up, before any source runs):
+        per source its per-block records of the older format, then its log replayed in order."""
         if self._store is None:
             return []
         with self._store.read() as txn, self._lock:
             for _, raw in list(txn.scan(SOURCES_DB)):
                 state = self._load_source(DEC.decode(raw))
-                for bkey, braw in txn.scan(BLOCKS_DB, prefix=SID.pack(state.number)):
+                prefix = SID.pack(state.number)
+                blocks = state.blocks
+                for bkey, braw in txn.scan(BLOCKS_DB, prefix=prefix):
                     _, group, h = BLOCK_KEY.unpack(bkey)
-                    self._load_block(state, group, h, EngineBlock.unpack(braw))
+                    blocks[block_id(group, h)] = EngineBlock.unpack(braw)
+                    state.logged += 1
+                for lkey, lraw in txn.scan(LOG_DB, prefix=prefix):
+                    self._replay(state, LOG_KEY.unpack(lkey)[1], lraw)
+                for bid, blk in blocks.items():
+                    self._load_block(state, bid >> 64, blk)
                 self._sources[state.spec.source_id] = state
             return list(self._sources.values())
+
+    @staticmethod
+    def _replay(state: SourceState, serial: int, raw: bytes) -> None:
+        """One log record over the source's blocks: later versions replace, tombstones delete."""
+        record = decode_log(raw)
+        ids, found = record.ids(), record.blocks
+        state.blocks.update(zip(ids, found))  # type: ignore[arg-type]  # the tombstones go next
+        if None in found:
+            for bid in compress(ids, map(is_, found, repeat(None))):
+                del state.blocks[bid]
+        state.logged += len(ids)
+        state.serial = serial + 1
 
     def _load_source(self, rec: dict[str, Any]) -> SourceState:
         self._generation += 1
@@ -729,9 +767,8 @@ class EngineIndex:
         state.groups = {int(g): k for g, k in rec.get("groups", [])}
         return state
 
-    def _load_block(self, state: SourceState, group: int, h: int, blk: EngineBlock) -> None:
+    def _load_block(self, state: SourceState, group: int, blk: EngineBlock) -> None:
         refs, blk.refs = blk.refs, {}
-        state.blocks[block_id(group, h)] = blk
         for medium, count in refs.items():
             self._hold(state, blk, medium, group)
             blk.refs = {**blk.refs, medium: count}
@@ -756,23 +793,6 @@ _MAX_RUN_TABLES = 4096  # (instance, adapter) namespaces whose runs are kept
 #: ``EngineBlock.refs`` is copy-on-write: a block's map is replaced, never changed in place, so
 #: the blocks held once on one medium (nearly all) share one map instead of a dict each.
 _ONCE: dict[str, dict[str, int]] = {}
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic collector off while a drain is applied, hashed or flushed. Each engine block
-    brings a tracked tuple (its keys), so a 64-block store alone nears the young generation's
-    threshold, and every collection during the drain re-walks the drain's token lists; one
-    collection after it does that walk once. Left alone when it is already off (the process's
-    choice, or another thread's pause: at worst that thread's drain runs with it back on)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _held_once(medium: str) -> dict[str, int]:

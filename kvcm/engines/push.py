@@ -97,6 +97,8 @@ class Report:
     payloads: list[tuple[int, bytes]] = field(default_factory=list)
     #: ``(seq, batch)`` decoded by :meth:`PushIngest.prepare` (None: a payload that is no batch)
     batches: list[tuple[int, DecodedBatch | None]] | None = None
+    #: the hashing pool its batches were put in (:attr:`PushIngest._pool_id`; 0: none)
+    pooled: int = 0
 
 
 @dataclass
@@ -126,6 +128,8 @@ class PushIngest:
         self._pool: list[Item] = []
         self._hashed: Precomputed | None = None  # the pool's states, once the first report used them
         self._reported = False  # a report ran since the pool began: the next prepare starts a new one
+        self._pending = 0  # pooled reports that have not run yet
+        self._pool_id = 1  # of the current pool (a report names the pool it is in)
 
     def prepare(self, r: Report) -> None:
         """Decode the report's batches and pool them for hashing with the rest of the turn (see
@@ -133,11 +137,17 @@ class PushIngest:
         if r.batches is None:
             r.batches = _batches(r)
         if self._reported:  # reports ran since: this is a new turn, and it pools only its own
-            self._pool, self._hashed, self._reported = [], None, False
+            self._new_pool()
         state = self.index.get(r.source_id)
-        if state is None or not state.spec.push or len(self._pool) >= MAX_POOL:
+        if state is None or not state.spec.push or len(self._pool) >= MAX_POOL or r.pooled == self._pool_id:
             return
         self._pool += [(r.source_id, state.generation, seq, b) for seq, b in r.batches if b is not None]
+        r.pooled = self._pool_id
+        self._pending += 1
+
+    def _new_pool(self) -> None:
+        self._pool, self._hashed, self._reported, self._pending = [], None, False, 0
+        self._pool_id += 1
 
     def _pooled(self) -> Precomputed:
         if self._hashed is None:
@@ -147,6 +157,21 @@ class PushIngest:
     def report(self, r: Report, caller: str = "", authorize: Authorize | None = None) -> dict[str, Any]:
         """Handle one report; ``caller`` is the account name that becomes a new source's owner."""
         self._reported = True
+        try:
+            return self._report(r, caller, authorize)
+        finally:
+            self._ran(r)
+
+    def _ran(self, r: Report) -> None:
+        """The pool is dropped once its last report ran: its batches and states would otherwise
+        live on until the next turn, walked by every collection in between."""
+        if r.pooled == self._pool_id:
+            r.pooled = 0
+            self._pending -= 1
+            if not self._pending:
+                self._new_pool()
+
+    def _report(self, r: Report, caller: str, authorize: Authorize | None) -> dict[str, Any]:
         if r.op == "register":
             return self._register(r, caller, authorize)
         state = self.index.get(r.source_id)

@@ -66,10 +66,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvcm.config import ConfigError
 from kvcm.engines.entries import Item
-from kvcm.engines.index import EngineIndex, gc_paused
+from kvcm.engines.index import EngineIndex
 from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.sources import SourceSpec, SubscriberSettings, is_ipv6
 from kvcm.kv_events import DecodedBatch, EventDecodeError, decode_batch
+from kvcm.threads import gc_paused
 
 log = logging.getLogger("kvcm.engines.subscriber")
 
@@ -188,7 +189,10 @@ class EventSubscriber:
         self._closed = False
         #: sources not heard for ``stale_after_s`` (replaced whole, so readers need no lock)
         self.stale_ids: frozenset[str] = frozenset()
-        self._fresh: dict[str, tuple[float, dict[str, dict[str, Any]], bytes]] = {}  # per instance
+        self._fresh: dict[str, tuple[float, int, dict[str, dict[str, Any]], bytes]] = {}  # per instance
+        #: bumped whenever a source starts or stops being followed: a cached freshness map made
+        #: before is stale at once (a new source's blocks may be matched within ``poll_ms``)
+        self._roster = 0
 
     # --- control (any thread) -------------------------------------------------------------------
 
@@ -203,6 +207,7 @@ class EventSubscriber:
         conn = self._conns.get(source_id)
         if conn is not None and conn.spec.push:
             self._conns.pop(source_id, None)
+            self._roster += 1
             self.metrics.remove_source(source_id)
             return
         self._commands.put(lambda: self._remove(source_id))
@@ -212,6 +217,7 @@ class EventSubscriber:
         conn = SourceConn(spec, generation, last_seq, last_ts, self.settings, self._clock())
         conn.connected = True  # it reaches us; "connected" means nothing more for a push source
         self._conns[spec.source_id] = conn
+        self._roster += 1
         return conn
 
     def push_conn(self, source_id: str) -> SourceConn | None:
@@ -248,9 +254,9 @@ class EventSubscriber:
         """``{source_id: {"state", "age_s"}}`` of the instance's sources, and its msgpack, for
         ``match_engines`` replies. Kept for ``poll_ms`` (a reply's ages are at most that old), as
         a router may ask thousands of times a second about an instance with a hundred sources."""
-        now = self._clock()
+        now, roster = self._clock(), self._roster
         known = self._fresh.get(instance_id)
-        if known is None or now - known[0] >= self.settings.poll_ms / 1000:
+        if known is None or now - known[0] >= self.settings.poll_ms / 1000 or known[1] != roster:
             fresh = {}
             for source_id, conn in list(self._conns.items()):
                 if conn.spec.instance_id == instance_id:
@@ -258,8 +264,8 @@ class EventSubscriber:
                     fresh[source_id] = {"state": state, "age_s": round(age, 2)}
             if len(self._fresh) >= _MAX_FRESH:  # instances come and go; ids are registered ones
                 self._fresh = {}
-            known = self._fresh[instance_id] = (now, fresh, msgspec.msgpack.encode(fresh))
-        return known[1], known[2]
+            known = self._fresh[instance_id] = (now, roster, fresh, msgspec.msgpack.encode(fresh))
+        return known[2], known[3]
 
     def _freshness(self, conn: SourceConn) -> tuple[str, float]:
         age = max(0.0, self._clock() - conn.heard_at)
@@ -355,12 +361,14 @@ class EventSubscriber:
             self._remove(spec.source_id)
         conn = SourceConn(spec, generation, last_seq, last_ts, self.settings, self._clock())
         self._conns[spec.source_id] = conn
+        self._roster += 1
         self.metrics.status.labels(spec.source_id).set(0)
         self._open(conn)
 
     def _remove(self, source_id: str) -> None:
         conn = self._conns.pop(source_id, None)
         if conn is not None:
+            self._roster += 1
             self._close_sockets(conn)
             self._ops = [op for op in self._ops if op[1][0] != source_id]
             self.metrics.remove_source(source_id)  # again: closing set the status gauge

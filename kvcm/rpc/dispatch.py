@@ -45,6 +45,7 @@ from kvcm.cache.keys import ChainHasher
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, StoreFull, Unavailable, error
 from kvcm.metrics import Metrics
 from kvcm.rpc import wire
+from kvcm.threads import gc_paused
 
 log = logging.getLogger("kvcm.rpc.dispatch")
 
@@ -230,9 +231,17 @@ class Dispatcher:
     def serve(self, arrivals: Sequence[tuple[Any, bytes, bytes]]) -> list[tuple[Any, bytes | None]]:
         """One loop turn: ``(tag, peer, payload)`` of the requests that just arrived in, ``(tag,
         reply)`` of every request finished in this turn out — earlier carried ones included;
-        ``reply`` is None for notifications. Unfinished requests stay carried (:meth:`wait_ms`)."""
+        ``reply`` is None for notifications. Unfinished requests stay carried (:meth:`wait_ms`).
+
+        The collector is paused for the turn (bounded by ``server.turn_budget_ms``): what its
+        requests decode and build (a report's engine batches, pooled for the whole turn) dies
+        with the turn, and a collection every few requests would walk it again each time."""
         if arrivals:
             self.metrics.rpc.batch(len(arrivals))
+        with gc_paused():
+            return self._turn(arrivals)  # its requests are freed on return, before the collector runs
+
+    def _turn(self, arrivals: Sequence[tuple[Any, bytes, bytes]]) -> list[tuple[Any, bytes | None]]:
         outcomes = self._carried + [self._parse(payload, tag, peer) for tag, peer, payload in arrivals]
         self._carried = []
         finished = self._schedule(outcomes)

@@ -54,7 +54,8 @@ DATABASES: tuple[str, ...] = (
     "pins",  # (instance, block key) -> expiry of a soft pin (kvcm.cache.pins)
     "engine_sources",  # event source id -> record (config, last_seq)
     "source_defs",  # event source id -> its definition, in the main store: every node follows it
-    "engine_blocks",  # (source, medium, ...) -> engine block record
+    "engine_blocks",  # (source, group, engine hash) -> engine block record (the format before engine_log)
+    "engine_log",  # (source, serial) -> the engine blocks one flush changed (kvcm.engines.entries)
 )
 
 #: Longest key a store accepts (LMDB's compile-time ``MDB_MAXKEYSIZE``).
