@@ -140,6 +140,27 @@ def test_keys_derived_from_tokens_are_counted_before_hashing():
     assert err["name"] == "TOO_MANY_KEYS" and "server.max_tokens" in err["message"]
 
 
+def test_each_list_field_has_its_own_limit_in_a_struct_and_in_a_raw_map():
+    """``block_keys`` answers to max_keys and ``token_ids`` to max_tokens, each at its exact
+    bound, whether the method decodes a Struct or takes the raw map."""
+    ran: list[str] = []
+    raw = Method("raw", lambda params: {"n": len(params.get("block_keys", []))})
+    d = Dispatcher([*_methods(ran), raw], limits=Limits(max_keys=8, max_tokens=64))
+    for method in ("work", "raw"):
+        ok = wire.parse_response(d.handle(wire.pack_request(1, method, {"block_keys": list(range(8))})))
+        assert ok[1] is None
+        err = wire.parse_response(d.handle(wire.pack_request(2, method, {"block_keys": list(range(9))})))[1]
+        assert err["name"] == "TOO_MANY_KEYS" and "block_keys has 9" in err["message"]
+        assert "server.max_keys" in err["message"] and "limit is 8" in err["message"]
+        # 40 tokens: over max_keys as a count, within max_tokens (4-token blocks: 10 keys would
+        # be derived, so only the raw map, which derives nothing, accepts them)
+        reply = wire.parse_response(d.handle(wire.pack_request(3, method, {"token_ids": list(range(40)),
+                                                                           "block_keys": [1]})))
+        assert reply[1] is None
+        err = wire.parse_response(d.handle(wire.pack_request(4, method, {"token_ids": list(range(65))})))[1]
+        assert err["name"] == "TOO_MANY_KEYS" and "server.max_tokens" in err["message"] and "limit is 64" in err["message"]
+
+
 def test_deferred_authorization_is_carried_then_runs():
     ran: list[str] = []
     verdicts = {"pending": 2}

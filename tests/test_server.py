@@ -207,6 +207,29 @@ def test_timers_run_between_polls(running):
     assert len(ticks) >= 5
 
 
+def test_each_timer_keeps_its_own_interval_and_the_poll_waits_for_the_earliest(tmp_path):
+    """The loop remembers the earliest due time instead of rescanning the timers every turn:
+    a slow timer must still wait out its interval while a fast one runs, and the poll's
+    timeout must shrink to the next due timer."""
+    fast, slow = [], []
+    server = Server(f"ipc://{tmp_path}/t", lambda payloads, senders: [None] * len(payloads),
+                    timers=[Timer("fast", 0.05, lambda: fast.append(1)), Timer("slow", 30.0, lambda: slow.append(1))],
+                    poll_ms=1000)
+    try:
+        server._run_timers()  # both are due at first
+        assert (len(fast), len(slow)) == (1, 1)
+        assert 0 < server._next_timeout() <= 51  # the fast timer's, not the 1 s poll
+        server._run_timers()  # too early for either
+        assert (len(fast), len(slow)) == (1, 1)
+        time.sleep(0.06)
+        assert server._next_timeout() == 0  # overdue: no sleeping in poll
+        server._run_timers()
+        assert (len(fast), len(slow)) == (2, 1)  # the slow one waits its 30 s
+        assert 0 < server._next_timeout() <= 51
+    finally:
+        server.close_unserved()
+
+
 def test_client_timeout_and_closed_state(tmp_path):
     ctx = zmq.Context.instance()
     silent = ctx.socket(zmq.ROUTER)  # accepts, never answers

@@ -357,10 +357,10 @@ def run_match(value: bytes, request: bytes, key: bytes | None = None) -> tuple[s
     """``(storage, m, body of the first m locations)`` where ``m`` is the number of leading
     8-byte keys ``request`` shares with the run. ``key``: the run's db key (its cache slot)."""
     storage, n, pos = _layout(value)
-    keys = value[pos : pos + 8 * n]
     m = min(n, len(request) // 8)
-    if keys[: 8 * m] != request[: 8 * m]:
-        m = next(i for i in range(m) if keys[8 * i : 8 * i + 8] != request[8 * i : 8 * i + 8])
+    # Compared in place: slicing the run's keys and the request cost two copies per lookup.
+    if not value.startswith(request if 8 * m == len(request) else request[: 8 * m], pos):
+        m = next(i for i in range(m) if not value.startswith(request[8 * i : 8 * i + 8], pos + 8 * i))
     data, body = _offsets_and_body(value, n, pos + 8 * n, key)
     end = _U32.unpack_from(data, body - 4 * (n + 1) + 4 * m)[0]
     return storage, m, data[body : body + end]

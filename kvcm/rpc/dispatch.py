@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -51,6 +51,7 @@ log = logging.getLogger("kvcm.rpc.dispatch")
 
 #: List fields whose length is capped by ``max_keys`` before any handler runs.
 KEY_FIELDS = ("block_keys", "bool_masks", "success_blocks")
+_SIZED_NAMES = (*KEY_FIELDS, "token_ids")
 #: Tokens hashed per slice before the turn's budget is looked at again (about 5 ms of hashing).
 _HASH_SLICE = 8192
 #: A request estimated at no more than this share of the budget is "small": it is never held back
@@ -60,11 +61,12 @@ _SMALL_SHARE = 0.02
 _AUTH_POLL_MS = 2
 
 
-@dataclass(frozen=True)
-class Estimate:
+class Estimate(NamedTuple):
     """What a validated request will cost: RPC-thread microseconds, and the fewest bytes its
     reply can take. ``per_key_micros`` (when the cost grows with the keys) lets the refusal say
-    how many keys would fit."""
+    how many keys would fit. A NamedTuple rather than a frozen dataclass: every costed request
+    makes one, and a frozen dataclass's ``__init__`` (``object.__setattr__`` per field) cost
+    about four times as much."""
 
     micros: float
     reply_bytes: int = 0
@@ -214,7 +216,7 @@ class Dispatcher:
         self._decoders: dict[type, Callable[[Any], Any]] = {}
         self._fast: dict[str, tuple[Method, Callable[[Any], Any]]] = {}
         self._carried: list[_Outcome] = []
-        self._sized: dict[type, tuple[str, ...]] = {}  # request type -> its list fields under a limit
+        self._sized: dict[type, tuple[tuple[str, int], ...]] = {}  # request type -> its list fields under a limit
         self._hashing_us = 0.0
         for method in self.methods.values():
             if method.request is not None:
@@ -557,26 +559,32 @@ class Dispatcher:
     def _check_sizes(self, params: Any) -> None:
         """``max_keys`` / ``max_tokens`` (the schema's ceilings are checked by the decoder)."""
         if isinstance(params, dict):  # a method without a Struct: its raw map
-            for name in (*KEY_FIELDS, "token_ids"):
-                self._check_size(name, params.get(name))
+            for name, limit in self._limited(_SIZED_NAMES):
+                self._check_size(name, params.get(name), limit)
             return
-        for name in self._sized_fields(type(params)):
-            self._check_size(name, getattr(params, name))
+        # Every request passes here: the Struct type's limited fields are looked up once, and
+        # only a list over its limit costs more than a length read.
+        for name, limit in self._sized_fields(type(params)):
+            value = getattr(params, name)
+            if isinstance(value, list) and len(value) > limit:
+                self._check_size(name, value, limit)
 
-    def _sized_fields(self, kind: type) -> tuple[str, ...]:
+    def _sized_fields(self, kind: type) -> tuple[tuple[str, int], ...]:
         fields = self._sized.get(kind)
         if fields is None:
             names = getattr(kind, "__struct_fields__", ())
-            fields = self._sized[kind] = tuple(n for n in (*KEY_FIELDS, "token_ids") if n in names)
+            fields = self._sized[kind] = self._limited(tuple(n for n in _SIZED_NAMES if n in names))
         return fields
 
-    def _check_size(self, name: str, value: Any) -> None:
-        if not isinstance(value, list):
+    def _limited(self, names: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+        """``(field, its length limit)`` of each name."""
+        return tuple((n, self.limits.max_tokens if n == "token_ids" else self.limits.max_keys) for n in names)
+
+    def _check_size(self, name: str, value: Any, limit: int) -> None:
+        if not isinstance(value, list) or len(value) <= limit:
             return
-        limit, key = (self.limits.max_tokens, "server.max_tokens") if name == "token_ids" else \
-            (self.limits.max_keys, "server.max_keys")
-        if len(value) > limit:
-            raise error(Code.TOO_MANY_KEYS, f"{name} has {len(value)} entries; the limit is {limit} ({key})")
+        key = "server.max_tokens" if name == "token_ids" else "server.max_keys"
+        raise error(Code.TOO_MANY_KEYS, f"{name} has {len(value)} entries; the limit is {limit} ({key})")
 
     def _validate(self, method: Method, params: dict[str, Any]) -> Any:
         self._check_sizes(params)
