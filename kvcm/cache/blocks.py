@@ -234,10 +234,6 @@ def unpack_wire(wire: bytes) -> dict[str, Any]:
     return out
 
 
-def wire_uris(wire: bytes) -> list[str]:
-    return [spec["uri"] for spec in unpack_wire(wire)["location_specs"]]
-
-
 def filter_wire(wire: bytes, names: frozenset[str]) -> bytes:
     """Keep only the specs named in ``names``; ``spec_size`` follows (Tair forgets it)."""
     loc = unpack_wire(wire)
