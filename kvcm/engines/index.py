@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, MutableMapping, Sequence
 from itertools import accumulate, compress, islice, repeat
 from operator import and_, attrgetter, is_, ne, or_
 from typing import Any, cast
@@ -244,7 +244,7 @@ class EngineIndex:
         self._dirty.add(source_id)
         return stats
 
-    def _stored(self, state: SourceState, ev: BlockStored, pre: Precomputed, errors: Counter[str]) -> int:
+    def _stored(self, state: SourceState, ev: BlockStored, pre: Precomputed, errors: MutableMapping[str, int]) -> int:
         group = ev.group_idx or 0
         medium = normalize_medium(ev.medium)
         hashes = _u64_hashes(ev.block_hashes)
@@ -332,7 +332,7 @@ class EngineIndex:
         return gained
 
     def _plan(
-        self, state: SourceState, ev: BlockStored, hashes: list[int], group: int, errors: Counter[str]
+        self, state: SourceState, ev: BlockStored, hashes: list[int], group: int, errors: MutableMapping[str, int]
     ) -> tuple[int, int, int, int] | None:
         """``(seed, start position, hash step, instance block size)``, or None if refused."""
         if len(ev.token_ids) != len(hashes) * ev.block_size:
@@ -357,7 +357,7 @@ class EngineIndex:
             return None
         return seed, pos, step, block_size
 
-    def _instance_block_size(self, state: SourceState, errors: Counter[str]) -> int | None:
+    def _instance_block_size(self, state: SourceState, errors: MutableMapping[str, int]) -> int | None:
         """The instance's block size (cached for one ``apply_many``), None if it is gone."""
         instance_id = state.spec.instance_id
         if instance_id not in self._sizes:
@@ -372,7 +372,7 @@ class EngineIndex:
         return size
 
     def _resolve_tokenless(
-        self, state: SourceState, hashes: list[int], group: int, medium: str, errors: Counter[str]
+        self, state: SourceState, hashes: list[int], group: int, medium: str, errors: MutableMapping[str, int]
     ) -> int:
         done = 0
         state.spill()
@@ -401,7 +401,7 @@ class EngineIndex:
             state.dirty.add(key)
         return len(hashes)
 
-    def _removed(self, state: SourceState, ev: BlockRemoved, errors: Counter[str]) -> int:
+    def _removed(self, state: SourceState, ev: BlockRemoved, errors: MutableMapping[str, int]) -> int:
         group = ev.group_idx or 0
         medium = normalize_medium(ev.medium)
         done = 0

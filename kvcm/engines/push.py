@@ -58,12 +58,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm.engines.entries import ApplyStats, Item, SourceState
+from kvcm.engines.entries import ApplyStats, Item, SourceState, Tally
 from kvcm.engines.hashing import Precomputed
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.metrics import EventMetrics
@@ -101,12 +101,14 @@ class Report:
     pooled: int = 0
 
 
-@dataclass
 class _Outcome:
-    applied: int = 0
-    duplicates: int = 0
-    missed: int = 0
-    errors: Counter[str] = field(default_factory=Counter)
+    """What one report did, for its reply (a plain class: one is made per report)."""
+
+    __slots__ = ("applied", "duplicates", "errors", "missed")
+
+    def __init__(self) -> None:
+        self.applied = self.duplicates = self.missed = 0
+        self.errors: Tally = defaultdict(int)
 
 
 class PushIngest:
@@ -325,7 +327,8 @@ class PushIngest:
             return
         for event in batch.events:
             self.metrics.event(self.metrics.received, "received", conn.spec.source_id, type(event).__name__)
-        outcome.errors.update(batch.errors)
+        for kind in batch.errors:
+            outcome.errors[kind] += 1
         if batch.data_parallel_rank is not None and batch.data_parallel_rank != conn.spec.dp_rank:
             outcome.errors["dp_rank_mismatch"] += 1
 

@@ -113,12 +113,14 @@ def pack_notification(method: str, params: dict[str, Any]) -> bytes:
 
 
 _RESPONSE_HEAD = bytes(_packer.pack_array_header(4)) + _pack(RESPONSE)
+_NIL = _pack(None)
 
 
 def pack_response(msgid: int, error: dict[str, Any] | None, result: Any) -> bytes:
     """A response; a :class:`Raw` result is spliced in as-is (one copy of it, however large)."""
     if isinstance(result, Raw):
-        return b"".join((_RESPONSE_HEAD, _pack(msgid), _pack(error), result.data))
+        err = _NIL if error is None else _packer.pack(error)
+        return b"".join((_RESPONSE_HEAD, _packer.pack(msgid), err, result.data))
     return _pack([RESPONSE, msgid, error, result])
 
 
