@@ -199,12 +199,9 @@ class CacheCosts:
 
         return TokenWork(r.token_ids, block_size, done)
 
-    def _specs(self, r: _Request) -> int:
-        return len(self.m.instance(r.instance_id).specs)
-
     def _per_key(self, r: _Keys, per_key: float, reply: bool = True) -> Estimate:
         keys = len(r.block_keys)
-        reply_bytes = keys * self._specs(r) * _REPLY_BYTES_PER_SPEC if reply and keys else 0
+        reply_bytes = keys * len(self.m.instance(r.instance_id).specs) * _REPLY_BYTES_PER_SPEC if reply and keys else 0
         return Estimate(keys * per_key, reply_bytes, per_key)
 
     def get_cache_location(self, r: GetCacheLocationRequest) -> Estimate:

@@ -92,7 +92,8 @@ class Method:
     :param idempotent: a client may retry it after a timeout
     :param admin: needs the admin role when auth is on
     :param cost: estimates the work of a validated request (keys already derived); None = small
-    :param tokens: the ``token_ids`` hashing a request needs before it runs, or None
+    :param tokens: the ``token_ids`` hashing a request needs before it runs, or None (asked
+        only of a request whose ``token_ids`` is not empty)
     """
 
     name: str
@@ -423,7 +424,9 @@ class Dispatcher:
                 raise _Carry("auth") from None
             outcome.waiting = False
         outcome.authorized = True
-        if method.tokens is not None and not self._derive_keys(outcome, method, started):
+        # Keys come from token_ids only: a request without them has nothing to derive.
+        if method.tokens is not None and getattr(params, "token_ids", None) and \
+                not self._derive_keys(outcome, method, started):
             raise _Carry("hashing")
         if method.cost is None:
             return None
