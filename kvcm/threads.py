@@ -4,7 +4,7 @@ The body is a plain method (``run_once``-style) so tests can call it without a t
 thread names itself, survives and logs a failing iteration, and exits within one interval of
 ``stop()``.
 
-:func:`gc_paused`: the cyclic collector off for one bounded burst of work (a loop's wake-up, an
+:class:`gc_paused`: the cyclic collector off for one bounded burst of work (a loop's wake-up, an
 RPC turn), so it runs once after the burst instead of every few hundred allocations during it.
 """
 
@@ -83,8 +83,9 @@ class gc_paused:  # noqa: N801 - used like a function: ``with gc_paused():``
     survivors. Left alone when it is already off (the process's choice, or another thread's
     pause: at worst that thread's burst runs with it back on).
 
-    A class rather than a ``contextmanager`` generator: it wraps every RPC turn and every
-    engine report, and the generator's machinery cost about four times its own work."""
+    A class rather than a ``contextmanager`` generator: it wraps every engine apply and flush,
+    and the generator's machinery cost about four times its own work (the dispatcher pauses
+    the collector for its turns inline, for the same reason)."""
 
     __slots__ = ("_paused",)
 

@@ -336,11 +336,17 @@ _OP_FIELDS = {
 }
 _OP_DEFAULTS: dict[str, Any] = {"instance_id": None, "dp_rank": None, "pod": None, "medium": None, "seq": None, "ts": None,
                 "events": [], "payloads": []}  # fmt: skip
-#: Per op: one getter of the fields it does not take, and their defaults (a report's fields are
-#: checked in one C-level call: every report passes here). Every op leaves out at least two
-#: fields, so each getter returns a tuple.
-_NOT_TAKEN = {op: (attrgetter(*names), tuple(_OP_DEFAULTS[n] for n in names), names)
-              for op, taken in _OP_FIELDS.items() for names in [tuple(n for n in _OP_DEFAULTS if n not in taken)]}
+
+
+def _not_taken(taken: frozenset[str]) -> tuple[Callable[[Any], tuple[Any, ...]], tuple[Any, ...], tuple[str, ...]]:
+    """A getter of the fields an op does not take, their defaults, and their names. Every op
+    leaves out at least two fields, so the getter returns a tuple."""
+    names = tuple(n for n in _OP_DEFAULTS if n not in taken)
+    return attrgetter(*names), tuple(_OP_DEFAULTS[n] for n in names), names
+
+
+#: Per op, for :func:`report`: a report's unused fields are checked in one C-level call.
+_NOT_TAKEN = {op: _not_taken(taken) for op, taken in _OP_FIELDS.items()}
 
 # RPC-thread work of a report, in microseconds (measured by scripts/bench_events, with margin).
 _US_PER_BLOCK = 3.0
