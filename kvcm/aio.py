@@ -50,6 +50,7 @@ from kvcm.errors import Code, InvalidArgument, KvcmError, Unavailable
 from kvcm.results import (
     HEAD,
     AdminReply,
+    CacheLocationLen,
     CacheLocations,
     CacheMeta,
     EngineMatches,
@@ -439,6 +440,17 @@ class Client:
                                  query_type=query_type, block_keys=block_keys, token_ids=token_ids, block_mask=block_mask,
                                  sw_size=sw_size, location_spec_names=_listed(location_spec_names),
                                  include_engines=include_engines, lora_name=lora_name, trace_id=trace_id)
+
+    async def get_cache_location_len(self, *, instance_id: str, query_type: QueryType | str, block_keys: Ints | None = None,
+                                     token_ids: Ints | None = None, block_mask: Mask | None = None,
+                                     sw_size: int | None = None, location_spec_names: Sequence[str] | None = None,
+                                     trace_id: str | None = None, timeout: float | None = None) -> CacheLocationLen:
+        """How many locations :meth:`get_cache_location` would answer, without them: for
+        ``prefix_match`` the matched prefix in blocks (Tair's ``getCacheLocationLen``). The
+        cheapest lookup on both sides: the reply is a few bytes, whatever the prompt."""
+        return await self._typed("get_cache_location_len", CacheLocationLen, timeout, instance_id=instance_id,
+                                 query_type=query_type, block_keys=block_keys, token_ids=token_ids, block_mask=block_mask,
+                                 sw_size=sw_size, location_spec_names=_listed(location_spec_names), trace_id=trace_id)
 
     async def get_cache_meta(self, *, instance_id: str, block_keys: Ints | None = None, token_ids: Ints | None = None,
                              block_mask: Mask | None = None, detail_level: int | None = None, trace_id: str | None = None,

@@ -46,6 +46,7 @@ from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, Unavailab
 from kvcm.results import (
     HEAD,
     AdminReply,
+    CacheLocationLen,
     CacheLocations,
     CacheMeta,
     EngineMatches,
@@ -79,7 +80,8 @@ CurveClientKeys = str | os.PathLike[str] | tuple[str | bytes, str | bytes] | Key
 METHODS: tuple[str, ...] = (
     "add_account", "add_event_source", "add_storage", "add_token", "check_health", "create_instance_group",
     "delete_account", "disable_storage", "enable_storage", "finish_write_cache", "gen_config_snapshot",
-    "get_cache_location", "get_cache_meta", "get_instance_group", "get_instance_info", "get_leader_elector_config",
+    "get_cache_location", "get_cache_location_len", "get_cache_meta", "get_instance_group", "get_instance_info",
+    "get_leader_elector_config",
     "get_manager_cluster_info", "get_metrics", "leader_demote", "get_storage_specs", "list_account", "list_event_sources", "list_instance_groups", "list_instance_info",
     "list_storage", "list_tokens", "load_config_snapshot", "match_engines", "note_routed", "get_host_cache_state", "pin_cache", "register_instance",
     "remove_cache", "remove_event_source", "remove_instance", "remove_instance_group", "remove_storage",
@@ -91,7 +93,7 @@ METHODS: tuple[str, ...] = (
 IDEMPOTENT_METHODS = frozenset(
     {
         "check_health", "get_manager_cluster_info", "get_metrics", "get_instance_info",
-        "list_instance_info", "get_cache_location", "get_cache_meta", "get_instance_group",
+        "list_instance_info", "get_cache_location", "get_cache_location_len", "get_cache_meta", "get_instance_group",
         "list_instance_groups", "list_storage", "list_account", "gen_config_snapshot", "whoami", "list_tokens",
         "register_instance", "list_event_sources", "match_engines", "get_host_cache_state", "enable_storage",
         "disable_storage", "get_storage_specs", "get_leader_elector_config", "update_leader_elector_config",
@@ -552,6 +554,17 @@ class Client:
                            query_type=query_type, block_keys=block_keys, token_ids=token_ids, block_mask=block_mask,
                            sw_size=sw_size, location_spec_names=_listed(location_spec_names),
                            include_engines=include_engines, lora_name=lora_name, trace_id=trace_id)
+
+    def get_cache_location_len(self, *, instance_id: str, query_type: QueryType | str, block_keys: Ints | None = None,
+                               token_ids: Ints | None = None, block_mask: Mask | None = None,
+                               sw_size: int | None = None, location_spec_names: Sequence[str] | None = None,
+                               trace_id: str | None = None, timeout: float | None = None) -> CacheLocationLen:
+        """How many locations :meth:`get_cache_location` would answer, without them: for
+        ``prefix_match`` the matched prefix in blocks (Tair's ``getCacheLocationLen``). The
+        cheapest lookup on both sides: the reply is a few bytes, whatever the prompt."""
+        return self._typed("get_cache_location_len", CacheLocationLen, timeout, instance_id=instance_id,
+                           query_type=query_type, block_keys=block_keys, token_ids=token_ids, block_mask=block_mask,
+                           sw_size=sw_size, location_spec_names=_listed(location_spec_names), trace_id=trace_id)
 
     def get_cache_meta(self, *, instance_id: str, block_keys: Ints | None = None, token_ids: Ints | None = None,
                        block_mask: Mask | None = None, detail_level: int | None = None, trace_id: str | None = None,

@@ -308,8 +308,12 @@ class Connector:
     # -- the round trip ----------------------------------------------------------------------
 
     def lookup(self, token_ids: Sequence[int]) -> Match:
-        """The longest cached prefix of the prompt (whole blocks only)."""
-        blocks = len(self._locate(token_ids))
+        """The longest cached prefix of the prompt (whole blocks only). Asks for the matched
+        length alone (``get_cache_location_len``): no locations travel or get decoded."""
+        if len(token_ids) < self.block_size:
+            return Match(0, 0)  # not one whole block: nothing to ask
+        blocks = self.client.get_cache_location_len(instance_id=self.instance_id, query_type="prefix_match",
+                                                    token_ids=list(token_ids)).cache_location_len
         return Match(blocks, blocks * self.block_size)
 
     def read(self, token_ids: Sequence[int]) -> list[ReadBlock]:

@@ -45,7 +45,7 @@ log = logging.getLogger("kvcm.follower")
 REFRESH_S = 1.0  # how often an idle follower looks for what the leader changed
 
 #: What a follower answers from the shared store (with ``ha.follower_reads``).
-READS = frozenset({"get_cache_location", "get_cache_meta", "get_instance_info", "get_storage_specs",
+READS = frozenset({"get_cache_location", "get_cache_location_len", "get_cache_meta", "get_instance_info", "get_storage_specs",
                    "match_engines", "get_host_cache_state", "list_event_sources"})
 
 

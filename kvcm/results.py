@@ -56,6 +56,12 @@ class CacheLocations(msgspec.Struct, gc=False):
     engine_locations: list[Any] | None = None
 
 
+class CacheLocationLen(msgspec.Struct, gc=False):
+    """``get_cache_location_len``: how many locations ``get_cache_location`` would answer."""
+
+    cache_location_len: int
+
+
 class BlockMeta(msgspec.Struct, gc=False):
     """One key of ``get_cache_meta``; the fields past ``id`` come with ``detail_level >= 1``,
     ``all`` with ``detail_level = 2``."""
@@ -320,7 +326,7 @@ def decoder(result: Any) -> msgspec.msgpack.Decoder[Envelope[Any]]:
 HEAD = msgspec.msgpack.Decoder(Head, ext_hook=refuse_ext)
 
 __all__ = [
-    "AdminReply", "BlockMeta", "CacheLocations", "CacheMeta", "EngineMatch", "EngineMatches", "EnginePod", "Envelope",
+    "AdminReply", "BlockMeta", "CacheLocationLen", "CacheLocations", "CacheMeta", "EngineMatch", "EngineMatches", "EnginePod", "Envelope",
     "EventsReported", "Head", "Health", "HostCacheMatch", "HostCacheState", "InstanceInfo", "InstanceInfoReply",
     "Location", "LocationSpec", "Lost", "Mask", "ModelDeployment", "Pinned", "Registered", "Removed", "Routed",
     "SourceFreshness", "SpecGroup", "SpecInfo", "StorageConfig", "StorageHealth", "StorageSpecs", "Unpinned",

@@ -22,6 +22,7 @@ from cache_helpers import (
 
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.cache.listeners import CacheListener
+from kvcm.errors import KvcmError
 from kvcm.testing import serve_in_thread
 
 pytestmark = pytest.mark.both_stores
@@ -151,6 +152,35 @@ def test_reverse_roll_sliding_window(c, inst):
 def test_sliding_window_size_is_validated(c, inst, sw):
     # Tair looped forever on sw_size == 0
     assert error_code(locate, c, [1, 2, 3], query="reverse_roll_sw_match", instance=inst, sw_size=sw) == "INVALID_ARGUMENT"
+
+
+def test_location_len_counts_what_get_cache_location_answers(c, inst):
+    write(c, [1, 2, 3, 5], inst)
+    cases = [
+        ({"query_type": "prefix_match", "block_keys": [1, 2, 4, 3]}, 2),  # stops at the first gap
+        ({"query_type": "QT_PREFIX_MATCH", "block_keys": [1, 2, 3, 5]}, 4),
+        ({"query_type": "prefix_match", "block_keys": [99, 2, 3], "block_mask": {"offset": 1}}, 2),
+        ({"query_type": "prefix_match", "block_keys": [1, 2], "block_mask": {"bool_masks": [True, True]}}, 0),
+        ({"query_type": "prefix_match", "block_keys": [1, 2], "location_spec_names": ["tp1"]}, 2),
+        ({"query_type": "batch_get", "block_keys": [1, 9, 3]}, 3),  # fillers count, as in the reply
+        ({"query_type": "reverse_roll_sw_match", "block_keys": [1, 2, 3, 4], "sw_size": 2}, 4),
+    ]
+    for params, expected in cases:
+        assert len(c.call("get_cache_location", {"instance_id": inst, **params})["locations"]) == expected
+        assert c.call("get_cache_location_len", {"instance_id": inst, **params}) == {"cache_location_len": expected}
+
+
+def test_location_len_refuses_what_get_cache_location_refuses(c, inst):
+    def length(**params):
+        return c.call("get_cache_location_len", {"instance_id": inst, "query_type": "prefix_match",
+                                                 "block_keys": [1], **params})
+    assert error_code(length, instance_id="nobody") == "INSTANCE_NOT_EXIST"
+    assert error_code(length, query_type="qt_unspecified") == "INVALID_ARGUMENT"
+    assert error_code(length, block_mask={"offset": 2}) == "INVALID_ARGUMENT"
+    assert error_code(length, query_type="reverse_roll_sw_match", sw_size=0) == "INVALID_ARGUMENT"
+    with pytest.raises(KvcmError, match="include_engines") as info:  # engine holders have no count of their own
+        length(include_engines=True)
+    assert info.value.code.name == "INVALID_ARGUMENT"
 
 
 def test_location_spec_names_filter_keeps_spec_size_consistent(c, inst):

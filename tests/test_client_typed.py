@@ -16,6 +16,7 @@ import zmq
 from kvcm.client import IDEMPOTENT_METHODS, METHODS, Client
 from kvcm.errors import Code, Conflict, InvalidArgument, NotFound, ServerError, Unavailable
 from kvcm.results import (
+    CacheLocationLen,
     CacheLocations,
     CacheMeta,
     EngineMatches,
@@ -127,6 +128,10 @@ def test_data_plane_typed(kv: Client) -> None:
                                                 "block_keys": [1, 2, 9], "block_mask": {"offset": 1},
                                                 "location_spec_names": ["tp1"]}))
     assert [x.type for x in masked.locations] == ["unspecified", "file", "unspecified"]
+    length = kv.get_cache_location_len(instance_id="td", query_type="prefix_match", block_keys=[1, 2, 9, 3])
+    assert length == CacheLocationLen(cache_location_len=2)
+    assert kv.get_cache_location_len(instance_id="td", query_type="batch_get", block_keys=(1, 2, 9),
+                                     block_mask=Mask(offset=1)).cache_location_len == 3
 
     meta = kv.get_cache_meta(instance_id="td", block_keys=[1, 9], detail_level=2)
     assert isinstance(meta, CacheMeta) and [m.status for m in meta.metas] == ["serving", "not_found"]

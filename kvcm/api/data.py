@@ -1,4 +1,5 @@
-"""Data-plane RPCs: ``get_cache_location``, ``get_cache_meta``, ``start_write_cache``,
+"""Data-plane RPCs: ``get_cache_location``, ``get_cache_location_len`` (the number of locations
+alone, Tair's ``getCacheLocationLen``), ``get_cache_meta``, ``start_write_cache``,
 ``finish_write_cache``, ``remove_cache``, ``trim_cache``, ``report_lost`` (a client could not
 read blocks kvcm handed out: they stop being served), ``pin_cache`` and ``unpin_cache`` (soft
 pins: keys kept whatever the eviction policy says, :mod:`kvcm.cache.pins`); docs/rpc.md has an
@@ -66,6 +67,15 @@ class GetCacheLocationRequest(_Keys, kw_only=True):
     location_spec_names: list[str] = []
     include_engines: bool = False  # add "engine_locations": per key, the engines holding it
     lora_name: str | None = None  # engine blocks of this LoRA adapter (with include_engines)
+
+
+class GetCacheLocationLenRequest(_Keys, kw_only=True):
+    """``get_cache_location``'s lookup fields (engine holders have no count of their own)."""
+
+    query_type: str
+    block_mask: WireMask | None = None
+    sw_size: int = 0
+    location_spec_names: list[str] = []
 
 
 class GetCacheMetaRequest(_Keys, kw_only=True):
@@ -139,6 +149,11 @@ class CacheApi:
         result["engine_locations"] = self.engines.engine_locations(r.instance_id, self._keys(r), r.lora_name)
         return result
 
+    def get_cache_location_len(self, r: GetCacheLocationLenRequest) -> dict[str, int]:
+        count = self.m.get_cache_location_len(r.instance_id, _enum(r.query_type, "qt_"), r.block_keys, r.token_ids,
+                                              _mask(r.block_mask), r.sw_size, r.location_spec_names)
+        return {"cache_location_len": count}
+
     def get_cache_meta(self, r: GetCacheMetaRequest) -> Any:
         return self.m.get_cache_meta(r.instance_id, r.block_keys, r.token_ids, _mask(r.block_mask), r.detail_level)
 
@@ -207,6 +222,9 @@ class CacheCosts:
     def get_cache_location(self, r: GetCacheLocationRequest) -> Estimate:
         return self._per_key(r, _US_PER_KEY.get(_enum(r.query_type, "qt_"), _US_PER_KEY["batch_get"]))
 
+    def get_cache_location_len(self, r: GetCacheLocationLenRequest) -> Estimate:
+        return self._per_key(r, _US_PER_KEY.get(_enum(r.query_type, "qt_"), _US_PER_KEY["batch_get"]), reply=False)
+
     def get_cache_meta(self, r: GetCacheMetaRequest) -> Estimate:
         return self._per_key(r, _US_PER_KEY["meta"])
 
@@ -241,6 +259,8 @@ def methods(manager: CacheManager, engines: EngineService | None = None) -> list
     return [
         Method("get_cache_location", api.get_cache_location, request=GetCacheLocationRequest,
                cost=costs.get_cache_location, tokens=costs.tokens),
+        Method("get_cache_location_len", api.get_cache_location_len, request=GetCacheLocationLenRequest,
+               cost=costs.get_cache_location_len, tokens=costs.tokens),
         Method("get_cache_meta", api.get_cache_meta, request=GetCacheMetaRequest, cost=costs.get_cache_meta,
                tokens=costs.tokens),
         Method("start_write_cache", api.start_write_cache, request=StartWriteCacheRequest, writes=True,

@@ -1,4 +1,5 @@
-"""Read side of the data plane: ``get_cache_location`` and ``get_cache_meta``.
+"""Read side of the data plane: ``get_cache_location`` (and ``get_cache_location_len``, its count
+alone) and ``get_cache_meta``.
 
 Reads are lock-free: one read transaction per request, values through the index's search cache.
 Only ``serving`` copies on usable storages are visible; among several, the group's candidate
@@ -84,6 +85,37 @@ def get_cache_location(
     sw_size: int,
     spec_names: Sequence[str] | None,
 ) -> Raw:
+    chunks = _locate(s, instance_id, query_type, block_keys, token_ids, mask, sw_size, spec_names, True)[1]
+    return Raw(b"".join(chunks))  # one copy of a reply that may be tens of kB
+
+
+def get_cache_location_len(
+    s: CacheState,
+    instance_id: str,
+    query_type: str,
+    block_keys: Sequence[int] | None,
+    token_ids: Sequence[int] | None,
+    mask: BlockMask | None,
+    sw_size: int,
+    spec_names: Sequence[str] | None,
+) -> int:
+    """How many locations :func:`get_cache_location` would answer (the same lookup, the same
+    reads recorded), without building the reply."""
+    return _locate(s, instance_id, query_type, block_keys, token_ids, mask, sw_size, spec_names, False)[0]
+
+
+def _locate(
+    s: CacheState,
+    instance_id: str,
+    query_type: str,
+    block_keys: Sequence[int] | None,
+    token_ids: Sequence[int] | None,
+    mask: BlockMask | None,
+    sw_size: int,
+    spec_names: Sequence[str] | None,
+    reply: bool,
+) -> tuple[int, list[bytes]]:
+    """The lookup of both: the number of locations, and (with ``reply``) the reply's chunks."""
     inst = s.instance(instance_id)
     if query_type not in QUERY_TYPES:
         raise InvalidArgument(f"query_type: {query_type!r} is not one of {', '.join(QUERY_TYPES)}")
@@ -91,7 +123,7 @@ def get_cache_location(
     checked = check_mask(mask, len(keys))
     if query_type == "prefix_match":
         hits, chunks = _prefix(s, inst, keys, checked, spec_names)
-        reply = Raw(b"".join(chunks))  # one copy of a reply that may be tens of kB
+        count = len(hits)
     else:
         if query_type == "batch_get":
             hits, wires = _batch(s, inst, keys, checked)
@@ -100,15 +132,16 @@ def get_cache_location(
                 # sw_size == 0 made Tair loop forever.
                 raise InvalidArgument(f"sw_size: must be in 1..{len(keys)} (the number of blocks), got {sw_size}")
             hits, wires = _window(s, inst, keys, checked, sw_size)
-        if spec_names:
+        count = len(wires)
+        if spec_names and reply:
             names = frozenset(spec_names)
             wires = [filter_wire(w, names) for w in wires]
-        reply = Raw(_LOCATIONS_MAP + pack_array_raw(wires).data)
+        chunks = [_LOCATIONS_MAP, pack_array_raw(wires).data] if reply else []
     if s.listeners:
         if hits:
             s.listeners.read(instance_id, hits, s.clock())
         s.listeners.lookup(instance_id, query_type, keys, token_ids, mask, sw_size, spec_names)
-    return reply
+    return count, chunks
 
 
 def _prefix(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None,

@@ -340,7 +340,7 @@ def _locations(result: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _location_len(result: Any, ctx: Context) -> dict[str, Any]:
-    return {"cache_location_len": str(len(result["locations"]))}
+    return {"cache_location_len": str(result["cache_location_len"])}
 
 
 def _meta(result: Any, ctx: Context) -> dict[str, Any]:
@@ -477,7 +477,7 @@ META: dict[str, tuple[frozenset[str], Rpc]] = {
     "getCacheLocation": (_body(f"{_KEYS} query_type block_mask sw_size location_spec_names"),
                          Rpc("get_cache_location", get_cache_location_in, _locations)),
     "getCacheLocationLen": (_body(f"{_KEYS} query_type sw_size"),
-                            Rpc("get_cache_location", get_cache_location_len_in, _location_len)),
+                            Rpc("get_cache_location_len", get_cache_location_len_in, _location_len)),
     "getCacheMeta": (_body(f"{_KEYS} block_mask detail_level"), Rpc("get_cache_meta", get_cache_meta_in, _meta)),
     "startWriteCache": (_body(f"{_KEYS} location_spec_group_names write_timeout_seconds min_replica_count"),
                         Rpc("start_write_cache", start_write_cache_in, _write_started)),
