@@ -62,6 +62,9 @@ def test_a_follower_answers_reads_with_what_the_leader_just_committed(pair):
         assert _served(at, [1, 2, 3, 4]) == [1, 3]  # a copy marked deleting is gone at once
         write(c, [4])
         assert _served(at, [1, 2, 3, 4]) == [1, 3, 4]
+        err, length = _raw_call(at, "get_cache_location_len", {"instance_id": "inst", "query_type": "prefix_match",
+                                                               "block_keys": [1, 3, 4, 2]})
+        assert err is None and length == {"cache_location_len": 3}
         err, meta = _raw_call(at, "get_cache_meta", {"instance_id": "inst", "block_keys": [1, 2]})
         assert err is None and [m["status"] for m in meta["metas"]] == ["serving", "deleting"]
         err, _ = _raw_call(at, "get_instance_info", {"instance_id": "later"})
