@@ -335,15 +335,24 @@ class BlockIO:
             handle = place.ref()
             if handle is not None and handle.live:
                 if place.shm:
-                    try:
-                        memoryview(out)[:] = handle.view[place.start:place.end]  # checks shape and size
-                        return
+                    try:  # a view is used as it is: wrapping a buffer costs as much as the rest
+                        dst = out if type(out) is memoryview else memoryview(out)
+                        if dst.c_contiguous:  # a strided view would take the copy: refused, as for files
+                            dst[:] = handle.view[place.start:place.end]  # checks format, shape and size
+                            return
                     except (TypeError, ValueError, NotImplementedError):  # NotImplemented: ndim > 1
-                        view: memoryview | bytearray = _view(out, place.size, writable=True)  # says what is wrong, or casts
+                        pass
+                    view: memoryview | bytearray = _view(out, place.size, writable=True)  # says what is wrong, or casts
                 else:
-                    # os.preadv takes a bytearray as it is: no view to make for the common case
-                    view = out if type(out) is bytearray and len(out) == place.size \
-                        else _view(out, place.size, writable=True)
+                    # os.preadv takes a bytearray, or a writable C-contiguous view of the block's
+                    # nbytes (not its length, which counts elements), as it is: no view to make
+                    if type(out) is bytearray:
+                        view = out if len(out) == place.size else _view(out, place.size, writable=True)
+                    elif type(out) is memoryview and out.nbytes == place.size and out.c_contiguous \
+                            and not out.readonly:
+                        view = out
+                    else:
+                        view = _view(out, place.size, writable=True)
                     try:
                         if os.preadv(handle.fd, [view], place.start) == place.size:
                             return

@@ -131,6 +131,28 @@ def test_read_into_fills_the_callers_buffer(env: Env, instance: str) -> None:
 
 
 @pytest.mark.parametrize("instance", ["i-file", "i-shm"])
+def test_views_are_read_into_as_they_are_and_checked_by_their_bytes(env: Env, instance: str) -> None:
+    (uri,) = env.uris(instance, [251])
+    with env.io(instance) as io:
+        io.write(uri, payload("views"))  # the place is remembered: the reads below take the fast path
+        flat = bytearray(SIZE)
+        for view in (memoryview(flat), memoryview(flat).cast("H"), memoryview(flat).cast("B", (64, SIZE // 64))):
+            flat[:] = bytes(SIZE)
+            io.read_into(uri, view)
+            assert flat == payload("views")
+        wide = bytearray(2 * SIZE)  # as many 2-byte elements as the block has bytes: twice its size
+        with pytest.raises(InvalidArgument, match=f"the block is {SIZE} bytes, the buffer {2 * SIZE}"):
+            io.read_into(uri, memoryview(wide).cast("H"))
+        assert wide == bytes(2 * SIZE)
+        with pytest.raises(InvalidArgument, match="writable"):
+            io.read_into(uri, memoryview(bytes(SIZE)))
+        with pytest.raises(InvalidArgument, match="C-contiguous"):
+            io.read_into(uri, memoryview(wide)[::2])
+        with pytest.raises(InvalidArgument, match=f"the block is {SIZE} bytes"):
+            io.read_into(uri, memoryview(flat)[1:])
+
+
+@pytest.mark.parametrize("instance", ["i-file", "i-shm"])
 def test_numpy_buffers(env: Env, instance: str) -> None:
     np = pytest.importorskip("numpy")
     (uri,) = env.uris(instance, [301])
