@@ -375,24 +375,25 @@ def test_after_a_kvcm_restart_a_push_source_keeps_its_blocks_and_asks_for_a_snap
         assert (snap.resync, snap.state) == (False, "live") and matched(kv)["push-a"]["matched_blocks"] == 1
 
 
-def test_reported_batches_are_persisted_by_the_next_wake_up_and_survive_kill_9(tmp_path: Any) -> None:
+def test_reported_batches_are_persisted_before_the_answer_and_survive_kill_9(tmp_path: Any) -> None:
     from kvcm.testing import start_subprocess, stop_subprocess
 
     sock_dir = tempfile.mkdtemp(prefix="kvcm-", dir="/tmp")  # Unix socket paths are short
     data, sock = str(tmp_path / "data"), f"ipc://{sock_dir}/rpc"
-    server = start_subprocess(data, sock, ["--set", "events.poll_ms=20"])
+    # the subscriber's wake-ups are 5 s apart: none persists anything before the kill
+    server = start_subprocess(data, sock, ["--set", "events.poll_ms=5000"])
     try:
         with server.client() as kv:
             kv.call("register_instance", {"instance_group": "default", "instance_id": "llm", "block_size": BS,
                                           "location_spec_infos": [{"name": "tp0", "size": 1024}]})  # fmt: skip
             register(kv)
             kv.report_events(source_id="push-a", op="events", seq=0, events=[add([1, 2, 3], TOKENS[: 3 * BS])])
-            time.sleep(1.0)  # many wake-ups of 20 ms
+            kv.report_events(source_id="push-a", op="events", seq=1, events=[add([4], TOKENS[3 * BS: 4 * BS], 3)])
     finally:
         stop_subprocess(server, kill=True)
         shutil.rmtree(sock_dir, ignore_errors=True)
     with serve_in_thread(data) as srv, srv.client() as kv:
-        assert matched(kv)["push-a"]["matched_blocks"] == 3
+        assert matched(kv)["push-a"]["matched_blocks"] == 4
 
 
 def test_the_collector_is_off_for_a_dispatcher_turn_and_back_on_after_it() -> None:

@@ -313,3 +313,39 @@ def test_rpc_stats_are_exact_cumulative_and_thread_safe():
     assert batches["1.0"] == 1 and batches["256.0"] == 1 and batches["+Inf"] == 2
     assert snap["kvcm_rpc_batch_size_sum"][0]["value"] == 301
     assert b'kvcm_rpc_requests_total{method="check_health"} 20000.0' in metrics.exposition()
+
+
+def test_a_settling_method_settles_once_per_turn_before_its_replies():
+    """``Method.settle`` runs once at the end of a turn in which its method ran, before the
+    replies are built; if it fails, the turn's successful requests of it answer that error."""
+    calls: list[str] = []
+    failing = {"on": False}
+
+    def note(params: dict) -> dict:
+        if params.get("fail"):
+            raise InvalidArgument("this one failed itself")
+        calls.append("run")
+        return {"ok": True}
+
+    def settle() -> None:
+        calls.append("settle")
+        if failing["on"]:
+            raise OSError("disk gone")
+
+    dispatcher = Dispatcher([Method("note", note, settle=settle), Method("echo", lambda p: p)])
+
+    def turn(*params: dict) -> list[tuple]:
+        payloads = [wire.pack_request(i, "note" if "echo" not in p else "echo", p) for i, p in enumerate(params)]
+        return [wire.parse_response(r) for r in dispatcher.handle_batch(payloads)]
+
+    assert [err for _, err, _ in turn({}, {}, {"echo": 1})] == [None, None, None]
+    assert calls == ["run", "run", "settle"]
+    calls.clear()
+    turn({"echo": 1})
+    assert calls == []  # the method did not run: nothing to settle
+    failing["on"] = True
+    replies = turn({}, {"fail": True}, {"echo": 2})
+    assert calls == ["run", "settle"]
+    assert replies[0][1]["name"] == "INTERNAL_ERROR" and "in note: OSError" in replies[0][1]["message"]
+    assert replies[1][1]["message"] == "this one failed itself"  # its own error, not the settle's
+    assert replies[2][1] is None and replies[2][2] == {"echo": 2}

@@ -469,5 +469,7 @@ def methods(
         Method("note_routed", h.note_routed, NoteRoutedRequest, idempotent=False, tokens=h.match_tokens),
         Method("get_host_cache_state", h.get_host_cache_state, GetHostCacheStateRequest, cost=h.host_cost,
                tokens=h.match_tokens),
-        Method("report_events", reports.report_events, ReportEventsRequest, idempotent=False, cost=reports.cost),
+        # a turn's reported batches are persisted together before any of its replies (settle)
+        Method("report_events", reports.report_events, ReportEventsRequest, idempotent=False, cost=reports.cost,
+               settle=service.index.flush),
     ]

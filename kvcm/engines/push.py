@@ -36,12 +36,13 @@ Liveness is the subscriber's (:class:`~kvcm.engines.subscriber.EventSubscriber` 
 connection per push source): every report is heard, so a source that neither reports nor
 heartbeats turns stale and then expires exactly like a silent ZeroMQ publisher.
 
-Each report is applied before it is answered. ``register``, ``snapshot`` and ``down`` are also
-persisted before the answer; batches (``payloads``, ``events``) are persisted with the
-subscriber's next wake-up (within ``events.poll_ms``: one engine-store transaction for all the
-reports since, like the ZeroMQ sources' batches). A kvcm crash can therefore lose the last
-acknowledged batches, and since no push source can be replayed, every push source loaded at
-start-up is in state ``gap`` (``resync: true``) until its next snapshot.
+Each report is applied and persisted before it is answered: ``register``, ``snapshot`` and
+``down`` by themselves, batches (``payloads``, ``events``) at the end of their dispatcher turn
+(the method's ``settle``: one engine-store transaction for all the turn's reports, in the RPC
+thread, before any of its replies). A kvcm crash loses no acknowledged batch. The engine store
+is not synced, so a power loss may still lose the last ones, and since no push source can be
+replayed, every push source loaded at start-up is in state ``gap`` (``resync: true``) until its
+next snapshot.
 
 Speed: a reporter sends one batch per request, and one chain's re-hash is the slow part of
 applying it. :meth:`PushIngest.prepare` is called for every report of a dispatcher turn before
@@ -199,7 +200,7 @@ class PushIngest:
                 results = self.index.apply_many(items, self._pooled()) if items else []
             self._count(conn, items, results, outcome)
         if r.op == "snapshot" or not self.subscriber.running:
-            self.index.flush()  # batches wait for the subscriber's next wake-up (module docstring)
+            self.index.flush()  # batches: the turn's settle persists them (module docstring)
         return self._reply(state.spec, conn, outcome)
 
     # --- registration -----------------------------------------------------------------------------

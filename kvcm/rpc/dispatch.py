@@ -94,6 +94,10 @@ class Method:
     :param cost: estimates the work of a validated request (keys already derived); None = small
     :param tokens: the ``token_ids`` hashing a request needs before it runs, or None (asked
         only of a request whose ``token_ids`` is not empty)
+    :param settle: called once at the end of a turn in which the method ran, before any reply
+        of that turn is built (``report_events`` persists the turn's engine batches with it:
+        one transaction for the turn, every reply after it); if it raises, the turn's
+        successful requests of the method get that error instead
     """
 
     name: str
@@ -104,6 +108,7 @@ class Method:
     admin: bool = False
     cost: Callable[[Any], Estimate] | None = None
     tokens: Callable[[Any], TokenWork | None] | None = None
+    settle: Callable[[], object] | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,7 @@ class Dispatcher:
         self._carried: list[_Outcome] = []
         self._sized: dict[type, tuple[tuple[str, int], ...]] = {}  # request type -> its list fields under a limit
         self._hashing_us = 0.0
+        self._settling = any(m.settle is not None for m in self.methods.values())
         for method in self.methods.values():
             if method.request is not None:
                 decoder = msgspec.msgpack.Decoder(tuple[method.request], ext_hook=wire.refuse_ext)  # type: ignore[name-defined]
@@ -259,7 +265,26 @@ class Dispatcher:
         else:
             for outcome in runnable:
                 self._run_alone(outcome)
+        if self._settling:
+            self._settle(runnable)
         return [(o.tag, self._reply(o)) for o in finished]
+
+    def _settle(self, ran: list[_Outcome]) -> None:
+        """Each settling method that ran in the turn settles once (:attr:`Method.settle`)."""
+        settled: set[str] = set()
+        for outcome in ran:
+            method = outcome.method
+            assert method is not None  # internal: runnable outcomes have their method
+            if method.settle is None or method.name in settled:
+                continue
+            settled.add(method.name)
+            try:
+                method.settle()
+            except Exception as exc:  # noqa: BLE001 - what the turn's requests of it answer
+                wired = self._to_error(exc, method.name)
+                for other in ran:
+                    if other.method is method and other.error is None:
+                        other.error, other.result = wired, None
 
     def wait_ms(self) -> int | None:
         """How soon the loop must turn again for carried work: 0 = at once, None = nothing carried."""
