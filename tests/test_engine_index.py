@@ -53,6 +53,19 @@ def test_fast_chain_equals_blockkeys():
     assert chain_states_many(seeds, lists, 16) == [chain_states(s, t, 16) for s, t in zip(seeds, lists)]
 
 
+@pytest.mark.parametrize("high", [2**32 - 1, 2**32, 2**64 - 1, 2**70])
+def test_lanes_take_every_id_the_scalar_chain_takes(high: int) -> None:
+    """The lanes pack ids below 2**32 in 4 bytes, wider ones in 8, and mask the rest to 64 bits:
+    each form gives exactly the scalar chain's states (ids at the edge of each form included)."""
+    rng = random.Random(high)
+    edge = [0, 1, 255, 256, 2**31, high - 1, high]
+    lists = [[rng.choice(edge) if rng.random() < 0.3 else rng.randrange(high) for _ in range(8 * rng.randrange(1, 6))]
+             for _ in range(12)]  # fmt: skip
+    lists[3] = [-1, -(2**63), *lists[3][2:]] if high > 2**64 else lists[3]  # negatives enter as their low 64 bits
+    seeds = [rng.randrange(2**64) for _ in lists]
+    assert chain_states_many(seeds, lists, 8) == [chain_states(s, t, 8) for s, t in zip(seeds, lists)]
+
+
 def test_keys_are_the_storage_tier_keys_chained_through_parents():
     index, apply = make()
     apply("a", stored([1, 2], 0, 2), stored([3], 2, 1, parent=2))

@@ -117,10 +117,13 @@ def _run_lanes(seeds: list[int], rows: list[Sequence[int]], step: int) -> list[l
     """States after every ``step`` tokens of equally long token ``rows``, one lane each."""
     lanes, m52, m32, top, golden = _lane_constants(len(rows))
     pack, from_bytes = lanes.pack, int.from_bytes
-    try:  # one int per token position, every chain's token in its lane: C-level iteration only
-        words = _words(pack, rows, golden)
-    except struct.error:  # negative ids, or ids >= 2**64: their low 64 bits enter the mix
-        words = _words(pack, [[t & _M64 for t in row] for row in rows], golden)
+    try:  # one int per token position, every chain's token in its lane
+        words = _words32(rows, golden)
+    except struct.error:  # an id beyond 32 bits: the general form
+        try:
+            words = _words(pack, rows, golden)
+        except struct.error:  # negative ids, or ids >= 2**64: their low 64 bits enter the mix
+            words = _words(pack, [[t & _M64 for t in row] for row in rows], golden)
     # Each lane holds ``u ^ 2**63`` (bit 63 flipped), which is what the mix's shift reads: one
     # big-int operation less per token; the flip is undone once per ``step`` tokens, on read-out.
     u = from_bytes(pack(*seeds), "little") ^ top
@@ -131,6 +134,33 @@ def _run_lanes(seeds: list[int], rows: list[Sequence[int]], step: int) -> list[l
             u ^= ((u & m52) << 12) + ((u >> 32) & m32) + w
         snaps.append(unpack((u ^ top).to_bytes(size, "little")))
     return [list(lane) for lane in zip(*snaps)]
+
+
+_ROWS32: dict[int, struct.Struct] = {}
+
+
+def _words32(rows: Sequence[Sequence[int]], golden: int) -> list[int]:
+    """:func:`_words` for token ids below 2**32 (every vocabulary): each row is packed once as
+    4-byte ints and its 4 byte columns are copied into its lane of every position by 4 strided
+    slice stores, so the transpose costs 4 C-level copies per row instead of an argument tuple
+    per position; the lanes' 5 upper bytes stay zero. About 0.7x the time of :func:`_words`.
+    Raises ``struct.error`` for an id outside ``0 .. 2**32 - 1``."""
+    n, length = len(rows), len(rows[0])
+    row32 = _ROWS32.get(length)
+    if row32 is None:
+        if len(_ROWS32) >= 256:
+            _ROWS32.clear()
+        row32 = _ROWS32[length] = struct.Struct(f"<{length}I")
+    width = _LANE_BYTES * n
+    table = bytearray(width * length)  # position p's lanes are bytes p*width .. (p+1)*width
+    for j, row in enumerate(rows):
+        packed, lane = row32.pack(*row), _LANE_BYTES * j
+        table[lane::width] = packed[0::4]
+        table[lane + 1 :: width] = packed[1::4]
+        table[lane + 2 :: width] = packed[2::4]
+        table[lane + 3 :: width] = packed[3::4]
+    from_bytes = int.from_bytes
+    return [from_bytes(table[s : s + width], "little") + golden for s in range(0, len(table), width)]
 
 
 def _words(pack: Callable[..., bytes], rows: Sequence[Sequence[int]], golden: int) -> list[int]:
