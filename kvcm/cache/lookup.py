@@ -84,38 +84,10 @@ def get_cache_location(
     mask: BlockMask | None,
     sw_size: int,
     spec_names: Sequence[str] | None,
-) -> Raw:
-    chunks = _locate(s, instance_id, query_type, block_keys, token_ids, mask, sw_size, spec_names, True)[1]
-    return Raw(b"".join(chunks))  # one copy of a reply that may be tens of kB
-
-
-def get_cache_location_len(
-    s: CacheState,
-    instance_id: str,
-    query_type: str,
-    block_keys: Sequence[int] | None,
-    token_ids: Sequence[int] | None,
-    mask: BlockMask | None,
-    sw_size: int,
-    spec_names: Sequence[str] | None,
-) -> int:
-    """How many locations :func:`get_cache_location` would answer (the same lookup, the same
-    reads recorded), without building the reply."""
-    return _locate(s, instance_id, query_type, block_keys, token_ids, mask, sw_size, spec_names, False)[0]
-
-
-def _locate(
-    s: CacheState,
-    instance_id: str,
-    query_type: str,
-    block_keys: Sequence[int] | None,
-    token_ids: Sequence[int] | None,
-    mask: BlockMask | None,
-    sw_size: int,
-    spec_names: Sequence[str] | None,
-    reply: bool,
-) -> tuple[int, list[bytes]]:
-    """The lookup of both: the number of locations, and (with ``reply``) the reply's chunks."""
+    reply: bool = True,
+) -> tuple[int, Raw]:
+    """``get_cache_location``: how many locations it answers, and (with ``reply``, else empty)
+    the reply; ``get_cache_location_len`` takes the count alone, the same lookup and reads."""
     inst = s.instance(instance_id)
     if query_type not in QUERY_TYPES:
         raise InvalidArgument(f"query_type: {query_type!r} is not one of {', '.join(QUERY_TYPES)}")
@@ -141,7 +113,7 @@ def _locate(
         if hits:
             s.listeners.read(instance_id, hits, s.clock())
         s.listeners.lookup(instance_id, query_type, keys, token_ids, mask, sw_size, spec_names)
-    return count, chunks
+    return count, Raw(b"".join(chunks) if reply else b"")  # one copy of a reply that may be tens of kB
 
 
 def _prefix(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None,

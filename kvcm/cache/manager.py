@@ -98,13 +98,14 @@ class CacheManager(CacheState):
     def get_cache_location(self, instance_id: str, query_type: str, block_keys: Sequence[int] | None,
                            token_ids: Sequence[int] | None, mask: BlockMask | None, sw_size: int = 0,
                            spec_names: Sequence[str] | None = None) -> Raw:
-        return lookup.get_cache_location(self, instance_id, query_type, block_keys, token_ids, mask, sw_size, spec_names)
+        return lookup.get_cache_location(self, instance_id, query_type, block_keys, token_ids, mask, sw_size,
+                                         spec_names)[1]
 
     def get_cache_location_len(self, instance_id: str, query_type: str, block_keys: Sequence[int] | None,
                                token_ids: Sequence[int] | None, mask: BlockMask | None, sw_size: int = 0,
                                spec_names: Sequence[str] | None = None) -> int:
-        return lookup.get_cache_location_len(self, instance_id, query_type, block_keys, token_ids, mask, sw_size,
-                                             spec_names)
+        return lookup.get_cache_location(self, instance_id, query_type, block_keys, token_ids, mask, sw_size,
+                                         spec_names, reply=False)[0]
 
     def get_cache_meta(self, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
                        mask: BlockMask | None, detail_level: int = 0) -> dict[str, Any]:
