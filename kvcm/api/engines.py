@@ -443,6 +443,11 @@ class _Reports:
                                             f"at most {MAX_REPORT_BLOCKS} blocks and {MAX_REPORT_TOKENS} tokens")
         return Estimate(_US_PER_REPORT + blocks * _US_PER_BLOCK + tokens * _US_PER_TOKEN + size * _US_PER_PAYLOAD_BYTE)
 
+    def settle(self) -> None:
+        """The end of a turn that ran reports: their batches are persisted together, in one
+        engine-store transaction, before any of the turn's replies (``Method.settle``)."""
+        self.service.index.flush()
+
     def report_events(self, req: ReportEventsRequest) -> dict[str, Any]:
         made = self.prepared(req)
         if self.auth is None or not self.auth.enabled:
@@ -469,7 +474,6 @@ def methods(
         Method("note_routed", h.note_routed, NoteRoutedRequest, idempotent=False, tokens=h.match_tokens),
         Method("get_host_cache_state", h.get_host_cache_state, GetHostCacheStateRequest, cost=h.host_cost,
                tokens=h.match_tokens),
-        # a turn's reported batches are persisted together before any of its replies (settle)
         Method("report_events", reports.report_events, ReportEventsRequest, idempotent=False, cost=reports.cost,
-               settle=service.index.flush),
+               settle=reports.settle),
     ]
