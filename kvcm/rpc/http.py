@@ -85,6 +85,7 @@ _RPC_TIMEOUT_S = 30.0
 # stuck one from holding a takeover); the accept loop of a held port looks for the change this often.
 _HAND_OVER_S = 1.0
 _HELD_POLL_S = 0.05
+_OWN_POLL_S = 0.1
 # The leader's cluster info, asked by a follower for Tair's getClusterInfo (its HTTP port) and
 # before a Tair call follows SERVER_NOT_LEADER to it: well under Tair's client timeout (1 s by
 # default), so a dead leader is reported before the client gives up. The verdict is kept briefly.
@@ -529,7 +530,8 @@ class SideHttp:
 
     def _serving(self, httpd: _BoundedServer, name: str) -> threading.Thread:
         # A held port's accept loop looks for a hand-over often: a role change waits for it.
-        poll = _HELD_POLL_S if self._held is not None else 0.5
+        # An own port's loop wakes less often; a stop waits for its next wake-up.
+        poll = _HELD_POLL_S if self._held is not None else _OWN_POLL_S
         return threading.Thread(target=httpd.serve_forever, args=(poll,), name=name, daemon=True)
 
     def _bind_admin(self, kind: type[_BoundedServer]) -> _BoundedServer:
