@@ -8,14 +8,16 @@ node runs with the lease)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
 from kvcm.errors import Code, error
-from kvcm.ha.lease import Lease
 from kvcm.rpc.dispatch import Method
 from kvcm.schema import RequestBase
+
+if TYPE_CHECKING:  # a node without HA has no lease: it need not import redis-py at all
+    from kvcm.ha.lease import Lease
 
 
 class LeaderDemoteRequest(RequestBase, kw_only=True):
