@@ -343,7 +343,7 @@ class Connector:
     def _locate(self, token_ids: Sequence[int]) -> list[dict[str, str]]:
         if len(token_ids) < self.block_size:
             return []  # not one whole block: nothing to ask
-        # The typed call: msgspec decodes the locations at under half the client CPU of call()'s dicts.
+        # The typed call: msgspec's Structs cost 0.5-0.65 of the client CPU of call()'s dicts.
         reply = self.client.get_cache_location(instance_id=self.instance_id, query_type="prefix_match",
                                                token_ids=list(token_ids))
         return [{spec.name: spec.uri for spec in loc.location_specs} for loc in reply.locations]
