@@ -29,7 +29,6 @@ import mmap
 import os
 import stat
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -144,39 +143,39 @@ class Resolved:
 
 class _Place:
     """Where one URI's bytes are, as its handler found them: bytes ``start:end`` of an open
-    descriptor (``file``) or a mapped segment (``shm``). The place holds the handle weakly, so
-    the cache alone decides how many descriptors and mappings stay open; a handle the cache let
-    go (evicted, unlinked, cleared) is marked not ``live`` at once, so it is never used from
-    here even while a running copy still holds it — the URI then takes the full path again.
+    descriptor (``file``: ``handle``) or of a mapped segment (``shm``: the mapping and its
+    view, ``map`` and ``view``). The place holds them itself, so the hot path reads one
+    attribute instead of going through the cache (a weak reference and a flag cost most of the
+    SDK's time next to a 64 KiB copy). The cache alone still decides how many descriptors and
+    mappings stay open: a handle it lets go (evicted, unlinked, cleared) clears itself from
+    every place that uses it (:meth:`_Handle.retire`), so it is never used from here again even
+    while a running I/O still holds it, and the URI takes the full path; a mapping closed
+    meanwhile raises ``ValueError`` on use, which sends it there too.
+
     A slotted class, not a NamedTuple: its attributes are read on every hot-path I/O, and slot
     reads are the interpreter's cheapest."""
 
-    __slots__ = ("end", "path", "ref", "shm", "size", "start")
+    __slots__ = ("end", "handle", "map", "path", "size", "start", "view")
 
-    def __init__(self, shm: bool, ref: Callable[[], Any], start: int, size: int, path: str) -> None:
-        self.shm = shm  # a mapped segment (else a file descriptor)
-        self.ref = ref  # a weak reference to the _Fd | _Map
+    def __init__(self, start: int, size: int, path: str) -> None:
+        self.handle: _Fd | None = None  # file: the descriptor's handle, None once let go
+        self.map: mmap.mmap | None = None  # shm: the segment's mapping and view, None once let go
+        self.view: memoryview | None = None
         self.start = start
         self.end = start + size
         self.size = size
         self.path = path  # for error messages
 
-    def write(self, data: memoryview, handle: Any) -> None:
-        """Finish a write the hot path began (``handle``: the live handle it checked)."""
-        if self.shm:
-            handle.map[self.start:self.end] = data
-            return
+    def write(self, data: memoryview, handle: _Fd) -> None:
+        """Finish a file write the hot path began (``handle``: the one it took from here)."""
         try:
             if os.pwrite(handle.fd, data, self.start) != self.size:
                 _pwrite_rest(handle.fd, data, self.start)
         except OSError as exc:
             raise _io_error("write", self.path, exc) from exc
 
-    def read_into(self, out: memoryview | bytearray, handle: Any) -> None:
-        """Finish a read the hot path began (see :meth:`write`)."""
-        if self.shm:
-            memoryview(out)[:] = handle.view[self.start:self.end]
-            return
+    def read_into(self, out: memoryview | bytearray, handle: _Fd) -> None:
+        """Finish a file read the hot path began (see :meth:`write`)."""
         try:
             if os.preadv(handle.fd, [out], self.start) != self.size:
                 _pread_rest(handle.fd, memoryview(out), self.start, self.path)
@@ -305,15 +304,15 @@ class BlockIO:
         if place is not None:
             # The hot path, inlined: every step saved is a few percent of a 64 KiB block's I/O
             # (the copy evicts the interpreter's own data from the CPU caches each time).
-            handle = place.ref()
-            if handle is not None and handle.live:
-                if place.shm:
-                    try:
-                        handle.map[place.start:place.end] = data  # checks the buffer and its size
-                        return
-                    except (TypeError, ValueError, IndexError, BufferError, NotImplementedError):
-                        data = _view(data, place.size, writable=False)  # says what is wrong, or casts
-                elif type(data) is not bytes or len(data) != place.size:
+            mapped = place.map
+            if mapped is not None:  # shm, still the cache's
+                try:
+                    mapped[place.start:place.end] = data  # checks the buffer and its size
+                    return
+                except (TypeError, ValueError, IndexError, BufferError, NotImplementedError):
+                    pass  # a buffer to cast or refuse, or a mapping closed since: the full path
+            elif (handle := place.handle) is not None:  # file, still the cache's
+                if type(data) is not bytes or len(data) != place.size:
                     data = _view(data, place.size, writable=False)
                 else:
                     try:
@@ -332,32 +331,31 @@ class BlockIO:
         """Read one whole block into ``out``, a writable contiguous buffer of the block's size."""
         place = self._places.get(uri)
         if place is not None:
-            handle = place.ref()
-            if handle is not None and handle.live:
-                if place.shm:
-                    try:  # a view is used as it is: wrapping a buffer costs as much as the rest
-                        dst = out if type(out) is memoryview else memoryview(out)
-                        if dst.c_contiguous:  # a strided view would take the copy: refused, as for files
-                            dst[:] = handle.view[place.start:place.end]  # checks format, shape and size
-                            return
-                    except (TypeError, ValueError, NotImplementedError):  # NotImplemented: ndim > 1
-                        pass
-                    view: memoryview | bytearray = _view(out, place.size, writable=True)  # says what is wrong, or casts
+            source = place.view
+            if source is not None:  # shm, still the cache's
+                try:  # a view is used as it is: wrapping a buffer costs as much as the rest
+                    dst = out if type(out) is memoryview else memoryview(out)
+                    if dst.c_contiguous:  # a strided view would take the copy: refused, as for files
+                        dst[:] = source[place.start:place.end]  # checks format, shape and size
+                        return
+                except (TypeError, ValueError, NotImplementedError):  # NotImplemented: ndim > 1
+                    pass  # a buffer to cast or refuse, or a mapping closed since: the full path
+            elif (handle := place.handle) is not None:  # file, still the cache's
+                # os.preadv takes a bytearray, or a writable C-contiguous view of the block's
+                # nbytes (not its length, which counts elements), as it is: no view to make
+                view: memoryview | bytearray
+                if type(out) is bytearray:
+                    view = out if len(out) == place.size else _view(out, place.size, writable=True)
+                elif type(out) is memoryview and out.nbytes == place.size and out.c_contiguous \
+                        and not out.readonly:
+                    view = out
                 else:
-                    # os.preadv takes a bytearray, or a writable C-contiguous view of the block's
-                    # nbytes (not its length, which counts elements), as it is: no view to make
-                    if type(out) is bytearray:
-                        view = out if len(out) == place.size else _view(out, place.size, writable=True)
-                    elif type(out) is memoryview and out.nbytes == place.size and out.c_contiguous \
-                            and not out.readonly:
-                        view = out
-                    else:
-                        view = _view(out, place.size, writable=True)
-                    try:
-                        if os.preadv(handle.fd, [view], place.start) == place.size:
-                            return
-                    except OSError:
-                        pass  # _Place.read_into words it
+                    view = _view(out, place.size, writable=True)
+                try:
+                    if os.preadv(handle.fd, [view], place.start) == place.size:
+                        return
+                except OSError:
+                    pass  # _Place.read_into words it
                 place.read_into(view, handle)
                 return
         block, spec = self.target(uri)
@@ -433,16 +431,63 @@ def _io_error(what: str, path: str, exc: OSError) -> ServerError | NotFound:
 # --------------------------------------------------------------------------------- the caches
 
 
-class _Fd:
+class _Handle:
+    """What the caches keep open (a descriptor, a mapping), and the remembered places that use
+    it: each place holds what it needs of the handle itself (one attribute read on the hot
+    path), and the handle clears that from all of them when its cache lets it go."""
+
+    __slots__ = ("__weakref__", "live", "places")
+
+    def __init__(self) -> None:
+        self.live = True  # false once its cache let it go
+        # The places that use this handle, by (offset, size): one per block, so bounded by the
+        # blocks it holds however often BlockIO forgets and remembers them.
+        self.places: dict[tuple[int, int], _Place] = {}
+
+    def place(self, start: int, size: int, path: str) -> _Place:
+        """The remembered place of bytes ``start:start+size``."""
+        found = self.places.get((start, size))
+        if found is None:
+            found = _Place(start, size, path)
+            self._fill(found)
+            if len(self.places) >= _PLACES_MAX:
+                _let_go(list(self.places.values()))
+                self.places.clear()
+            self.places[(start, size)] = found
+            if not self.live:  # retired meanwhile (another thread's eviction): never used
+                _let_go([found])
+        return found
+
+    def _fill(self, place: _Place) -> None:
+        raise NotImplementedError
+
+    def retire(self) -> None:
+        """Its cache let it go: cleared from every place that uses it (``live`` first, so a
+        place made meanwhile sees it), so none uses it again, even while a running I/O still
+        holds it."""
+        self.live = False
+        _let_go(list(self.places.values()))
+        self.places.clear()
+
+
+def _let_go(places: list[_Place]) -> None:
+    for place in places:
+        place.handle = place.map = place.view = None
+
+
+class _Fd(_Handle):
     """One open descriptor, closed when the last reference goes: an evicted entry is never
     closed under a pwrite still using it (and its number never reused meanwhile)."""
 
-    __slots__ = ("__weakref__", "fd", "live", "size")
+    __slots__ = ("fd", "size")
 
     def __init__(self, fd: int) -> None:
+        super().__init__()
         self.fd = fd
         self.size = -1
-        self.live = True  # false once its cache let it go (see _Place)
+
+    def _fill(self, place: _Place) -> None:
+        place.handle = self  # the handle, never its number: a closed number can be reused
 
     def __del__(self) -> None:
         try:
@@ -451,16 +496,19 @@ class _Fd:
             pass
 
 
-class _Map:
+class _Map(_Handle):
     """One segment mapped whole; unmapped when the last reference (a running copy) goes."""
 
-    __slots__ = ("__weakref__", "fd", "live", "map", "view")
+    __slots__ = ("fd", "map", "view")
 
     def __init__(self, fd: _Fd) -> None:
-        self.live = True  # false once its cache let it go (see _Place)
+        super().__init__()
         self.fd = fd  # kept to tell an unlinked segment (st_nlink 0) from a live one
         self.map = mmap.mmap(fd.fd, fd.size)
         self.view = memoryview(self.map)
+
+    def _fill(self, place: _Place) -> None:
+        place.map, place.view = self.map, self.view
 
     def __del__(self) -> None:
         view, mapped = getattr(self, "view", None), getattr(self, "map", None)  # None if __init__ failed
@@ -490,14 +538,14 @@ class _Cache:
                 self._drop_unlinked(nlink)
                 item = make(key)
                 while len(self.items) >= self._limit:
-                    self.items.pop(next(iter(self.items))).live = False  # the oldest
+                    self.items.pop(next(iter(self.items))).retire()  # the oldest
                 self.items[key] = item
             return item
 
     def clear(self) -> None:
         with self._lock:
             for item in self.items.values():
-                item.live = False
+                item.retire()
             self.items.clear()
 
     def _drop_unlinked(self, nlink: Callable[[Any], int]) -> None:
@@ -507,7 +555,7 @@ class _Cache:
             except OSError:
                 gone = True
             if gone:
-                self.items.pop(path).live = False
+                self.items.pop(path).retire()
 
 
 def _open_regular(path: str, flags: int, dir_fd: int | None = None) -> _Fd:
@@ -589,7 +637,7 @@ class FileHandler:
         if self._direct or not isinstance(block, FileUri):
             return None
         handle, root = self._handle(block, spec)
-        return _Place(False, weakref.ref(handle), block.offset, block.size, os.path.join(root, block.path))
+        return handle.place(block.offset, block.size, os.path.join(root, block.path))
 
     def _handle(self, block: FileUri, spec: StorageSpec) -> tuple[_Fd, str]:
         known = self._roots.get(spec.name)
@@ -709,10 +757,10 @@ class ShmHandler:
         self._map(block, spec)  # checks the bounds
         shm_dir = self._dirs[spec.name][1]
         key = (shm_dir, block.segment)
-        mapped = self._maps.items.get(key)
+        mapped: _Map | None = self._maps.items.get(key)
         if mapped is None:
             return None
-        return _Place(True, weakref.ref(mapped), block.offset, block.size, os.path.join(*key))
+        return mapped.place(block.offset, block.size, os.path.join(*key))
 
     def _map(self, block: ShmUri, spec: StorageSpec) -> memoryview:
         shm_dir = self._dirs.get(spec.name)

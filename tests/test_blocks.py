@@ -461,6 +461,68 @@ def test_a_remembered_place_is_used_only_while_it_is_the_cached_handle(tmp_path:
         del still_used, current
 
 
+def test_a_remembered_shm_place_is_used_only_while_its_mapping_is_the_cached_one(tmp_path: Any) -> None:
+    """The shm twin of the test above: a remembered place holds the mapping itself, and the
+    cache clears it from the place when it lets the mapping go, so a segment freed and made
+    again under its name is written and read through a new mapping, never the old one, even
+    while something else keeps the old mapping open."""
+    size = 4096
+    for n in range(2):
+        (tmp_path / f"kvcm.t.{n}").write_bytes(bytes(4 * size))
+    spec = StorageSpec("sh", "shm", {"shm_dir": str(tmp_path)})
+    first, second = (f"shm://sh/kvcm.t.{n}?offset={size}&size={size}" for n in range(2))
+    with BlockIO(lambda: [spec], max_segments=1) as io:
+        io.write(first, b"a" * size)
+        maps = io._handlers["shm"]._maps.items  # type: ignore[attr-defined]
+        still_used = maps[(str(tmp_path), "kvcm.t.0")]  # e.g. by a copy on another thread
+        place = io._places[first]  # type: ignore[attr-defined]
+        assert place.map is still_used.map
+        io.write(second, b"b" * size)  # max_segments=1: the first segment's mapping leaves the cache
+        assert place.map is None and place.view is None and still_used.live is False
+        path = tmp_path / "kvcm.t.0"
+        path.unlink()
+        path.write_bytes(bytes(4 * size))  # the segment was freed and made again under its name
+        io.write(first, b"z" * size)
+        assert path.read_bytes()[size : 2 * size] == b"z" * size  # the new segment, not the old mapping
+        assert still_used.map[size : 2 * size] == b"a" * size
+        out = bytearray(size)
+        io.read_into(first, out)
+        assert out == b"z" * size
+        io.write(second, b"b" * size)  # evicted once more
+        path.unlink()
+        path.write_bytes(bytes(4 * size))
+        io.read_into(first, out)
+        assert out == bytes(size)  # read from the new segment too, not from the old one's "z"s
+        current = maps[(str(tmp_path), "kvcm.t.0")]
+        remembered = io._places[first]  # type: ignore[attr-defined]
+        assert remembered.map is current.map
+        io._handlers["shm"]._maps.clear()  # type: ignore[attr-defined]
+        assert current.live is False and remembered.map is None
+        del still_used, current
+
+
+def test_a_handle_hands_out_no_usable_place_once_retired_and_keeps_a_bounded_number(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A place made for a handle its cache let go meanwhile (another thread's eviction, between
+    the lookup and the remembering) is never usable; and a handle keeps one place per block,
+    letting the oldest go past the bound rather than growing with every remembering."""
+    import kvcm.blocks as blocks
+
+    size = 4096
+    (tmp_path / "kvcm.t.0").write_bytes(bytes(8 * size))
+    spec = StorageSpec("sh", "shm", {"shm_dir": str(tmp_path)})
+    with BlockIO(lambda: [spec]) as io:
+        io.write(f"shm://sh/kvcm.t.0?offset=0&size={size}", b"a" * size)
+        handle = io._handlers["shm"]._maps.items[(str(tmp_path), "kvcm.t.0")]  # type: ignore[attr-defined]
+        assert handle.place(0, size, "p") is handle.place(0, size, "p")  # one per block
+        monkeypatch.setattr(blocks, "_PLACES_MAX", 2)
+        made = [handle.place(i * size, size, "p") for i in range(3)]
+        assert len(handle.places) <= 2 and made[0].map is None and made[2].map is handle.map
+        handle.retire()
+        late = handle.place(5 * size, size, "p")
+        assert late.map is None and late.view is None
+
+
 def test_a_refresh_forgets_remembered_places(tmp_path: Any) -> None:
     """A storage's spec may change between fetches (its root moved): after a refresh, URIs met
     before are resolved against the new spec, not written through the old root's descriptors."""
