@@ -29,6 +29,7 @@ import mmap
 import os
 import stat
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -431,7 +432,7 @@ def _io_error(what: str, path: str, exc: OSError) -> ServerError | NotFound:
 # --------------------------------------------------------------------------------- the caches
 
 
-class _Handle:
+class _Handle(ABC):
     """What the caches keep open (a descriptor, a mapping), and the remembered places that use
     it: each place holds what it needs of the handle itself (one attribute read on the hot
     path), and the handle clears that from all of them when its cache lets it go."""
@@ -458,8 +459,9 @@ class _Handle:
                 _let_go([found])
         return found
 
+    @abstractmethod
     def _fill(self, place: _Place) -> None:
-        raise NotImplementedError
+        """Give a new place what it needs of this handle."""
 
     def retire(self) -> None:
         """Its cache let it go: cleared from every place that uses it (``live`` first, so a
