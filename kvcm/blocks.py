@@ -514,10 +514,15 @@ class _Map(_Handle):
 
     def __del__(self) -> None:
         view, mapped = getattr(self, "view", None), getattr(self, "map", None)  # None if __init__ failed
-        if view is not None:
-            view.release()
-        if mapped is not None:
-            mapped.close()
+        try:
+            if view is not None:
+                view.release()
+            if mapped is not None:
+                mapped.close()
+        except BufferError:
+            # A copy on another thread still holds a slice of the view (places hold the view,
+            # not this handle): the mapping goes with the mmap object once that copy is done.
+            pass
 
 
 class _Cache:

@@ -523,6 +523,28 @@ def test_a_handle_hands_out_no_usable_place_once_retired_and_keeps_a_bounded_num
         assert late.map is None and late.view is None
 
 
+def test_a_mapping_let_go_under_a_running_copy_stays_mapped_until_the_copy_is_done(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Places hold a segment's view, not its handle, so the handle can die while a copy on
+    another thread still holds a slice of the view: its mapping then goes with the copy's
+    slice, quietly, instead of failing to close under it."""
+    unraisable: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    size = 4096
+    (tmp_path / "kvcm.t.0").write_bytes(bytes(4 * size))
+    spec = StorageSpec("sh", "shm", {"shm_dir": str(tmp_path)})
+    uri = f"shm://sh/kvcm.t.0?offset=0&size={size}"
+    with BlockIO(lambda: [spec]) as io:
+        io.write(uri, b"a" * size)
+        place = io._places[uri]  # type: ignore[attr-defined]
+        running = place.view[0:size]  # a copy's slice, taken just before the eviction
+        io._handlers["shm"]._maps.clear()  # type: ignore[attr-defined]  # the handle goes now
+        assert place.map is None and place.view is None
+        assert bytes(running) == b"a" * size  # still mapped under the running copy
+        del running
+    assert unraisable == []
+
+
 def test_a_refresh_forgets_remembered_places(tmp_path: Any) -> None:
     """A storage's spec may change between fetches (its root moved): after a refresh, URIs met
     before are resolved against the new spec, not written through the old root's descriptors."""
