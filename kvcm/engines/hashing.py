@@ -94,19 +94,19 @@ def chain_states_many(
 # ``& M52`` and the masked ``>> 32`` of the next step never read, and which are dropped when the
 # states are read out (``x`` pad bytes in the struct format).
 _LANE_BYTES = 9
-_LANES: dict[int, tuple[struct.Struct, int, int, int, int]] = {}
+_LANES: dict[int, tuple[struct.Struct, struct.Struct, int, int, int, int]] = {}
 
 
-def _lane_constants(n: int) -> tuple[struct.Struct, int, int, int, int]:
-    """The 9-byte-lane codec of ``n`` lanes and ``M52``, ``M32``, ``2**63`` and the mix's
-    constant repeated in each lane."""
+def _lane_constants(n: int) -> tuple[struct.Struct, struct.Struct, int, int, int, int]:
+    """The 9-byte-lane codec of ``n`` lanes, the codec of one position's lanes as bytes, and
+    ``M52``, ``M32``, ``2**63`` and the mix's constant repeated in each lane."""
     found = _LANES.get(n)
     if found is None:
         def spread(value: int) -> int:
             return int.from_bytes(value.to_bytes(_LANE_BYTES, "little") * n, "little")
 
-        found = (struct.Struct("<" + "Qx" * n), spread(_M52), spread((1 << 32) - 1), spread(_TOP),
-                 spread(_GOLDEN_SHIFTED))  # fmt: skip
+        found = (struct.Struct("<" + "Qx" * n), struct.Struct(f"{_LANE_BYTES * n}s"), spread(_M52),
+                 spread((1 << 32) - 1), spread(_TOP), spread(_GOLDEN_SHIFTED))  # fmt: skip
         if len(_LANES) >= 256:
             _LANES.clear()
         _LANES[n] = found
@@ -115,10 +115,10 @@ def _lane_constants(n: int) -> tuple[struct.Struct, int, int, int, int]:
 
 def _run_lanes(seeds: list[int], rows: list[Sequence[int]], step: int) -> list[list[int]]:
     """States after every ``step`` tokens of equally long token ``rows``, one lane each."""
-    lanes, m52, m32, top, golden = _lane_constants(len(rows))
+    lanes, position, m52, m32, top, golden = _lane_constants(len(rows))
     pack, from_bytes = lanes.pack, int.from_bytes
     try:  # one int per token position, every chain's token in its lane
-        words = _words32(rows, golden)
+        words = _words32(rows, golden, position)
     except struct.error:  # an id beyond 32 bits: the general form
         try:
             words = _words(pack, rows, golden)
@@ -137,16 +137,16 @@ def _run_lanes(seeds: list[int], rows: list[Sequence[int]], step: int) -> list[l
 
 
 _ROWS32: dict[int, struct.Struct] = {}
-_POSITIONS: dict[int, struct.Struct] = {}
 _FIRST = itemgetter(0)
 
 
-def _words32(rows: Sequence[Sequence[int]], golden: int) -> list[int]:
+def _words32(rows: Sequence[Sequence[int]], golden: int, position: struct.Struct) -> list[int]:
     """:func:`_words` for token ids below 2**32 (every vocabulary): each row is packed once as
     4-byte ints and its 4 byte columns are copied into its lane of every position by 4 strided
     slice stores, so the transpose costs 4 C-level copies per row instead of an argument tuple
     per position; the lanes' 5 upper bytes stay zero. The table is then cut into one int per
-    position by ``iter_unpack`` and ``map``: no bytecode per position (a Python loop over the
+    position by ``position.iter_unpack`` (``position``: one position's lanes as bytes) and
+    ``map``: no bytecode per position (a Python loop over the
     positions cost as much as packing the rows). Raises ``struct.error`` for an id outside
     ``0 .. 2**32 - 1``."""
     n, length = len(rows), len(rows[0])
@@ -156,11 +156,6 @@ def _words32(rows: Sequence[Sequence[int]], golden: int) -> list[int]:
             _ROWS32.clear()
         row32 = _ROWS32[length] = struct.Struct(f"<{length}I")
     width = _LANE_BYTES * n
-    position = _POSITIONS.get(width)
-    if position is None:
-        if len(_POSITIONS) >= 256:
-            _POSITIONS.clear()
-        position = _POSITIONS[width] = struct.Struct(f"{width}s")
     table = bytearray(width * length)  # position p's lanes are bytes p*width .. (p+1)*width
     for j, row in enumerate(rows):
         packed, lane = row32.pack(*row), _LANE_BYTES * j
