@@ -34,7 +34,6 @@ from typing import Any
 
 import msgspec
 
-from kvcm.engines.hashing import to_signed
 from kvcm.engines.sources import SourceSpec
 from kvcm.kv_events import DecodedBatch
 
@@ -82,6 +81,8 @@ class EngineBlock(msgspec.Struct, array_like=True, gc=False):
     A Struct without GC tracking (it holds no references that could form a cycle): the index
     keeps one per engine block, and as tracked objects their collection cost more than building
     them. Encoded as the array ``[lora, end, pos, keys, refs]`` (the persisted record).
+    ``end`` is the chain state after the block, used mod 2**64: the signed form, which is also
+    its last kvcm key (one int for both), or unsigned in records written before that.
     ``refs`` (holdings per medium) is replaced, never changed in place: blocks share it."""
 
     lora: str
@@ -203,11 +204,9 @@ def new_block(lora: str, states: list[int], i: int, size: int, pos: int, step: i
     first = i * per_block
     last = states[first + per_block - 1]
     if per_block == 1 and step == block_size:
-        keys: tuple[int, ...] = (last - TWO64 if last >= TOP else last,)
+        keys: tuple[int, ...] = (last,)
     else:
-        keys = tuple(
-            to_signed(states[j]) for j in range(first, first + per_block) if (pos + (j + 1) * step) % block_size == 0
-        )
+        keys = tuple(states[j] for j in range(first, first + per_block) if (pos + (j + 1) * step) % block_size == 0)
     return EngineBlock(lora, last, pos + (i + 1) * size, keys)
 
 

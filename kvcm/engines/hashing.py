@@ -37,10 +37,11 @@ def to_signed(u: int) -> int:
 
 
 def chain_states(u: int, tokens: Sequence[int], step: int) -> list[int]:
-    """Unsigned states after every ``step`` tokens, chained from state ``u``.
+    """States after every ``step`` tokens, chained from state ``u``, as signed int64: each is
+    the kvcm key of the block it ends, and a seed to chain from (taken mod 2**64).
 
-    ``len(tokens)`` must be a multiple of ``step``. With ``u = 0`` and ``step = block_size`` the
-    signed states are exactly ``token_ids_to_block_keys(tokens, block_size)``.
+    ``len(tokens)`` must be a multiple of ``step``. With ``u = 0`` and ``step = block_size`` they
+    are exactly ``token_ids_to_block_keys(tokens, block_size)``.
 
     Branch-free form of ``mix``: the sum is taken mod 2**64 at the end, so ``v & M`` needs no
     masking of its own, and the arithmetic shift of the signed state is
@@ -48,10 +49,11 @@ def chain_states(u: int, tokens: Sequence[int], step: int) -> list[int]:
     """
     out: list[int] = []
     append = out.append
+    u &= _M64
     for s in range(0, len(tokens), step):
         for v in tokens[s : s + step]:
             u ^= (v + _GOLDEN_SHIFTED + ((u & _M52) << 12) + ((u ^ _TOP) >> 32)) & _M64
-        append(u)
+        append(u - _TWO64 if u >= _TOP else u)
     return out
 
 
@@ -77,7 +79,7 @@ def chain_states_many(
                 out[i] += lane
             else:
                 out[i] = lane
-            states[i] = lane[-1]
+            states[i] = lane[-1] & _M64
         pos = end
         active = [i for i in active if lengths[i] > end]
     for i in active:  # the last one standing
@@ -94,18 +96,19 @@ def chain_states_many(
 # ``& M52`` and the masked ``>> 32`` of the next step never read, and which are dropped when the
 # states are read out (``x`` pad bytes in the struct format).
 _LANE_BYTES = 9
-_LANES: dict[int, tuple[struct.Struct, struct.Struct, int, int, int, int]] = {}
+_LANES: dict[int, tuple[struct.Struct, struct.Struct, struct.Struct, int, int, int, int]] = {}
 
 
-def _lane_constants(n: int) -> tuple[struct.Struct, struct.Struct, int, int, int, int]:
-    """The 9-byte-lane codec of ``n`` lanes, the codec of one position's lanes as bytes, and
+def _lane_constants(n: int) -> tuple[struct.Struct, struct.Struct, struct.Struct, int, int, int, int]:
+    """The 9-byte-lane codecs of ``n`` lanes (unsigned, to pack seeds and ids; signed, to read
+    the states out as kvcm keys), the codec of one position's lanes as bytes, and
     ``M52``, ``M32``, ``2**63`` and the mix's constant repeated in each lane."""
     found = _LANES.get(n)
     if found is None:
         def spread(value: int) -> int:
             return int.from_bytes(value.to_bytes(_LANE_BYTES, "little") * n, "little")
 
-        found = (struct.Struct("<" + "Qx" * n), struct.Struct(f"{_LANE_BYTES * n}s"), spread(_M52),
+        found = (struct.Struct("<" + "Qx" * n), struct.Struct("<" + "qx" * n), struct.Struct(f"{_LANE_BYTES * n}s"), spread(_M52),
                  spread((1 << 32) - 1), spread(_TOP), spread(_GOLDEN_SHIFTED))  # fmt: skip
         if len(_LANES) >= 256:
             _LANES.clear()
@@ -115,7 +118,7 @@ def _lane_constants(n: int) -> tuple[struct.Struct, struct.Struct, int, int, int
 
 def _run_lanes(seeds: list[int], rows: list[Sequence[int]], step: int) -> list[list[int]]:
     """States after every ``step`` tokens of equally long token ``rows``, one lane each."""
-    lanes, position, m52, m32, top, golden = _lane_constants(len(rows))
+    lanes, signed, position, m52, m32, top, golden = _lane_constants(len(rows))
     pack, from_bytes = lanes.pack, int.from_bytes
     try:  # one int per token position, every chain's token in its lane
         words = _words32(rows, golden, position)
@@ -127,7 +130,7 @@ def _run_lanes(seeds: list[int], rows: list[Sequence[int]], step: int) -> list[l
     # Each lane holds ``u ^ 2**63`` (bit 63 flipped), which is what the mix's shift reads: one
     # big-int operation less per token; the flip is undone once per ``step`` tokens, on read-out.
     u = from_bytes(pack(*seeds), "little") ^ top
-    size, unpack = lanes.size, lanes.unpack
+    size, unpack = lanes.size, signed.unpack
     snaps = []
     for s in range(0, len(words), step):
         for w in words[s : s + step]:
@@ -222,5 +225,5 @@ def hash_chains(chains: list[Chain]) -> Precomputed:
                 out[id(ev)] = (seed, states[offset : offset + n])
                 offset += n
                 if n:
-                    seed = states[offset - 1]
+                    seed = states[offset - 1] & _M64
     return out

@@ -50,8 +50,6 @@ from kvcm.engines.entries import (
     M64,
     SID,
     SOURCES_DB,
-    TOP,
-    TWO64,
     ApplyStats,
     EngineBlock,
     Item,
@@ -290,16 +288,15 @@ class EngineIndex:
         C-level iteration (map, zip, dict.update) instead of a Python step per block: its kvcm
         keys and blocks. None (and nothing changed) when the store names a block twice: the
         caller takes the general path."""
-        keys = [u - TWO64 if u >= TOP else u for u in states]
-        ends = range(pos + size, pos + (len(keys) + 1) * size, size)
+        ends = range(pos + size, pos + (len(states) + 1) * size, size)
         before = len(blocks)
-        made = list(map(EngineBlock, repeat(lora), states, ends, zip(keys), repeat(_held_once(medium))))
+        made = list(map(EngineBlock, repeat(lora), states, ends, zip(states), repeat(_held_once(medium))))
         blocks.update(zip(touched, made))
         if len(blocks) - before != len(touched):
             for key in touched:  # all were new: undo
                 blocks.pop(key, None)
             return None
-        return keys, made
+        return states, made
 
     def _update_blocks(
         self, state: SourceState, touched: list[int], states: list[int], lora: str, medium: str,
@@ -313,9 +310,8 @@ class EngineIndex:
             blk = blocks.get(key)
             if blk is None:  # the common case: a new block, first held in this medium
                 if same:
-                    u = states[i]
-                    k = u - TWO64 if u >= TOP else u
-                    blk = blocks[key] = EngineBlock(lora, u, pos + (i + 1) * size, (k,))
+                    k = states[i]
+                    blk = blocks[key] = EngineBlock(lora, k, pos + (i + 1) * size, (k,))
                     gained.append(k)
                 else:
                     blk = blocks[key] = new_block(lora, states, i, size, pos, step, block_size)
