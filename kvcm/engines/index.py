@@ -176,12 +176,22 @@ class EngineIndex:
                 self._dirty.add(source_id)
 
     def _clear_memory(self, state: SourceState) -> None:
+        source_id = state.spec.source_id
+        slots = {}  # lora -> (table, the source's slots in it)
         for key in [k for k in self._tables if k[0] == state.spec.instance_id]:
-            table = self._tables[key]
-            for sid in table.source_slots(state.spec.source_id):
+            sids = self._tables[key].source_slots(source_id)
+            if sids:
+                slots[key[1]] = (self._tables[key], sids)
+        held: dict[str, list[int]] = {}  # the tables know no slot's keys: the source's blocks do
+        for blk in state.blocks.values():
+            if blk.keys and blk.lora in slots:
+                held.setdefault(blk.lora, []).extend(blk.keys)
+        for lora, (table, sids) in slots.items():
+            table.forget(sum(1 << sid for sid in sids), held.get(lora, ()))
+            for sid in sids:
                 table.drop_slot(sid)
             if table.empty:
-                del self._tables[key]
+                del self._tables[(state.spec.instance_id, lora)]
         state.blocks.clear()
         state.dirty.clear()
         state.fresh.clear()
@@ -434,7 +444,7 @@ class EngineIndex:
         sid = table.slot_ids.get((state.spec.source_id, medium, group))
         if sid is not None:
             table.release(sid, blk.keys)
-            if not table.refs[sid]:
+            if not table.count(sid):
                 table.drop_slot(sid)
                 if table.empty:
                     del self._tables[(state.spec.instance_id, blk.lora)]

@@ -9,16 +9,20 @@ number of blocks held, which is what keeps ``match_engines`` on 100 sources clos
 storage-tier ``prefix_match``.
 
 Holdings are reference counted per slot and key, because one slot can reach the same kvcm key
-through several engine blocks (duplicate stores, re-chunked blocks, multimodal variants).
+through several engine blocks (duplicate stores, re-chunked blocks, multimodal variants). The
+slot's bit in ``holders[key]`` is its first holding; only holdings beyond the first are counted
+(``extra``), so the common store, of keys the slot does not hold yet, is a single dict update
+with no per-slot map of every key held. The table does not know a slot's keys: whoever drops a
+slot that still holds keys names them (:meth:`drop_slot`), the engine index from its blocks.
 
 Thread ownership: none of its own; :class:`~kvcm.engines.index.EngineIndex` guards it with its lock.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import reduce
 from itertools import compress, count, islice, repeat
 from operator import ne, or_
 
@@ -42,7 +46,8 @@ class HolderTable:
     def __init__(self) -> None:
         self.holders: dict[int, int] = {}
         self.slots: list[Slot | None] = []
-        self.refs: list[dict[int, int]] = []
+        self.counts: list[int] = []  # distinct keys per slot
+        self.extra: list[dict[int, int]] = []  # per slot: key -> holdings beyond the first
         self.slot_ids: dict[tuple[str, str, int], int] = {}
         self._free: list[int] = []
         self._allowed: dict[tuple[frozenset[str] | None, int | None], tuple[int, bool]] = {}
@@ -58,30 +63,36 @@ class HolderTable:
         sid = self._free.pop() if self._free else len(self.slots)
         if sid == len(self.slots):
             self.slots.append(None)
-            self.refs.append({})
+            self.counts.append(0)
+            self.extra.append({})
         self._allowed.clear()
         self.slots[sid] = Slot(source_id, medium, group, main, dp_rank)
-        self.refs[sid] = {}
+        self.counts[sid], self.extra[sid] = 0, {}
         self.slot_ids[key] = sid
         return sid
 
-    def drop_slot(self, sid: int) -> None:
-        """Forget every holding of the slot and free its id."""
-        clear = ~(1 << sid)
-        holders = self.holders
-        for key in self.refs[sid]:
-            mask = holders.get(key, 0) & clear
-            if mask:
-                holders[key] = mask
-            else:
-                holders.pop(key, None)
+    def drop_slot(self, sid: int, keys: Iterable[int] = ()) -> None:
+        """Forget every holding of the slot and free its id; ``keys`` must include every key it
+        holds (others are left alone)."""
+        self.forget(1 << sid, keys)
         slot = self.slots[sid]
         if slot is not None:
             del self.slot_ids[(slot.source_id, slot.medium, slot.group)]
         self.slots[sid] = None
-        self.refs[sid] = {}
+        self.counts[sid], self.extra[sid] = 0, {}
         self._free.append(sid)
         self._allowed.clear()
+
+    def forget(self, bits: int, keys: Iterable[int]) -> None:
+        """Clear the slots in ``bits`` from ``keys`` (their slots are about to be dropped)."""
+        holders, clear = self.holders, ~bits
+        for key in keys:
+            mask = holders.get(key, 0)
+            if mask & bits:
+                if mask & clear:
+                    holders[key] = mask & clear
+                else:
+                    del holders[key]
 
     def source_slots(self, source_id: str) -> list[int]:
         return [sid for (src, _, _), sid in self.slot_ids.items() if src == source_id]
@@ -93,38 +104,43 @@ class HolderTable:
     # --- holdings -------------------------------------------------------------------------------
 
     def hold(self, sid: int, keys: Sequence[int]) -> None:
-        refs, holders, bit = self.refs[sid], self.holders, 1 << sid
-        if refs.keys().isdisjoint(keys):
-            # The common case (keys the slot does not hold yet): C-level iteration only.
-            before = len(refs)
-            refs.update(zip(keys, repeat(1)))
-            if len(refs) - before != len(keys):  # a key given twice holds twice
-                refs.update(Counter(keys))
-            holders.update(zip(keys, map(or_, map(holders.get, keys, repeat(0)), repeat(bit))))
+        holders, bit = self.holders, 1 << sid
+        masks = list(map(holders.get, keys, repeat(0)))
+        if not reduce(or_, masks, 0) & bit and len(set(keys)) == len(keys):
+            # The common case (distinct keys the slot does not hold yet): C-level iteration only.
+            holders.update(zip(keys, map(or_, masks, repeat(bit))))
+            self.counts[sid] += len(keys)
             return
+        extra = self.extra[sid]
         for key in keys:
-            count = refs.get(key, 0)
-            refs[key] = count + 1
-            if not count:
-                holders[key] = holders.get(key, 0) | bit
+            mask = holders.get(key, 0)
+            if mask & bit:
+                extra[key] = extra.get(key, 0) + 1
+            else:
+                holders[key] = mask | bit
+                self.counts[sid] += 1
 
     def release(self, sid: int, keys: Iterable[int]) -> None:
-        refs, holders, clear = self.refs[sid], self.holders, ~(1 << sid)
+        holders, bit, extra = self.holders, 1 << sid, self.extra[sid]
         for key in keys:
-            count = refs.get(key, 0)
-            if count > 1:
-                refs[key] = count - 1
-            elif count == 1:
-                del refs[key]
-                mask = holders.get(key, 0) & clear
-                if mask:
-                    holders[key] = mask
+            more = extra.get(key)
+            if more:
+                if more > 1:
+                    extra[key] = more - 1
                 else:
-                    holders.pop(key, None)
+                    del extra[key]
+                continue
+            mask = holders.get(key, 0)
+            if mask & bit:
+                self.counts[sid] -= 1
+                if mask ^ bit:
+                    holders[key] = mask ^ bit
+                else:
+                    del holders[key]
 
     def count(self, sid: int) -> int:
         """Distinct keys the slot holds."""
-        return len(self.refs[sid])
+        return self.counts[sid]
 
     # --- queries --------------------------------------------------------------------------------
 
