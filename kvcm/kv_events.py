@@ -9,9 +9,9 @@ Three shapes exist:
   every field positional (vLLM before PR #42892, SGLang, AIBrix's encoder);
 * ``mixed``  — an array batch carrying map-tagged events (vLLM v0.26).
 
-Each event is decoded on its own (the batch is first split into ``msgspec.Raw`` pieces): one
-unknown tag or malformed event is reported in :attr:`DecodedBatch.errors` and skipped, never the
-whole batch. Unknown map keys and extra trailing array elements are ignored, missing optional
+A well-formed batch decodes in one typed pass. Otherwise each event is decoded on its own (the
+batch is split into ``msgspec.Raw`` pieces): one unknown tag or malformed event is reported in
+:attr:`DecodedBatch.errors` and skipped, never the whole batch. Unknown map keys and extra trailing array elements are ignored, missing optional
 fields default to ``None``, so older (5-element) and newer engines both decode.
 
 Block hashes are kept as sent (``int`` up to 2**64-1, negative SGLang int64, or ``bytes``);
@@ -122,6 +122,28 @@ class _MapBatch(msgspec.Struct, gc=False):
     data_parallel_rank: int | None = None
 
 
+# The well-formed batch of one shape, decoded in one pass (no split into pieces, no skipping
+# over each event to find where it ends); any failure falls back to the per-event path.
+class _ArrayEvents(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class _MixedEvents(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_BlockStoredMap | _BlockRemovedMap | _AllBlocksClearedMap]
+    data_parallel_rank: int | None = None
+
+
+class _MapEvents(msgspec.Struct, gc=False):
+    ts: float
+    events: list[_BlockStoredMap | _BlockRemovedMap | _AllBlocksClearedMap]
+    data_parallel_rank: int | None = None
+
+
+_WHOLE_ARRAY = (msgspec.msgpack.Decoder(_MixedEvents).decode, msgspec.msgpack.Decoder(_ArrayEvents).decode)
+_WHOLE_MAP = msgspec.msgpack.Decoder(_MapEvents).decode
 _ARRAY_BATCH = msgspec.msgpack.Decoder(_ArrayBatch)
 _MAP_BATCH = msgspec.msgpack.Decoder(_MapBatch)
 _ARRAY_EVENT = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
@@ -144,6 +166,9 @@ class DecodedBatch:
 
 def decode_batch(payload: bytes) -> DecodedBatch:
     """Decode one payload; raises :class:`EventDecodeError` only if it is not a batch at all."""
+    whole = _decode_whole(payload)
+    if whole is not None:
+        return whole
     batch, shape = _decode_envelope(payload)
     events: list[Event] = []
     errors: list[str] = []
@@ -154,6 +179,26 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         else:
             events.append(event)
     return DecodedBatch(batch.ts, events, batch.data_parallel_rank, errors, shape)
+
+
+def _decode_whole(payload: bytes) -> DecodedBatch | None:
+    """The batch if it decodes in one pass (every event well formed), else None."""
+    first = payload[:1]
+    try:
+        if first and _is_map_header(first[0]):
+            whole: _ArrayEvents | _MixedEvents | _MapEvents = _WHOLE_MAP(payload)
+            shape = "map"
+        else:
+            shape = "array"
+            try:
+                whole = _WHOLE_ARRAY[0](payload)
+            except msgspec.ValidationError:  # positional events: the other array shape
+                whole = _WHOLE_ARRAY[1](payload)
+    except (msgspec.DecodeError, RecursionError, ValueError, TypeError):
+        return None
+    if isinstance(whole, _ArrayEvents):
+        return DecodedBatch(whole.ts, whole.events, whole.data_parallel_rank, [], shape)
+    return DecodedBatch(whole.ts, [_from_map(ev) for ev in whole.events], whole.data_parallel_rank, [], shape)
 
 
 def _decode_envelope(payload: bytes) -> tuple[_ArrayBatch | _MapBatch, str]:

@@ -132,6 +132,20 @@ def test_map_batch_without_rank_and_bytes_hashes():
         assert batch.events == events and batch.data_parallel_rank is None
 
 
+def test_shape_is_the_batch_envelope():
+    events = [BlockStored([7], None, [1, 2], 2, None, "GPU", None)]
+    for encoding, shape in (("map", "map"), ("array", "array"), ("mixed", "array")):
+        assert decode_batch(encode_batch(events, 1.0, 0, encoding)).shape == shape
+
+
+def test_deeply_nested_event_is_a_decode_error_not_a_crash():
+    good = ["BlockStored", [5], None, [1, 2], 2, None, "GPU", None]
+    deep = b"\x99" + b"".join(msgpack.packb(x) for x in good) + b"\x91" * 200_000 + b"\x01"  # extra_keys
+    payload = b"\x92" + msgpack.packb(1.0) + b"\x92" + msgpack.packb(good) + deep
+    with pytest.raises(EventDecodeError):
+        decode_batch(payload)
+
+
 _hash = st.one_of(st.integers(0, 2**64 - 1), st.integers(-(2**63), -1), st.binary(min_size=32, max_size=32))
 _opt_str = st.one_of(st.none(), st.sampled_from(["GPU", "CPU", "STORAGE", "cpu"]))
 _stored = st.builds(
