@@ -340,16 +340,63 @@ def test_a_turns_pool_is_dropped_once_its_reports_ran_and_the_collector_runs_aft
         # a report of the next turn that cannot run (unknown source) leaves no pool behind either
         dispatcher.handle_batch([batch("p", 2, 4, 3), batch("nobody", 0, 5, 0)])
         assert svc.push._pool == [] and svc.push._hashed is None and 4 in svc.index.get("p").blocks
-        # prepare is idempotent: a report costed twice in one turn is pooled once
+        # a report named twice is pooled once; one outside the pool hashes on its own
         from kvcm.engines.push import Report
 
-        twice = Report(source_id="p", op="payloads",
-                       payloads=[(3, encode_batch([BlockStored([6], 4, TOKENS[4 * BS : 5 * BS], BS)], 9.0))])  # fmt: skip
-        svc.push.prepare(twice)
-        svc.push.prepare(twice)
+        def report(seq: int, h: int, parent: int) -> Report:
+            payload = encode_batch([BlockStored([h], parent, TOKENS[(seq + 1) * BS : (seq + 2) * BS], BS)], 9.0 + seq)
+            return Report(source_id="p", op="payloads", payloads=[(seq, payload)])
+
+        twice, outside = report(3, 6, 4), report(4, 9, 6)
+        svc.push.pool([twice, twice])
         assert len(svc.push._pool) == 1
         svc.report_events(twice)
         assert svc.push._pool == [] and 6 in svc.index.get("p").blocks
+        svc.push.pool([report(5, 10, 9)])  # a pool this report is not in is not hashed for it
+        svc.report_events(outside)
+        assert len(svc.push._pool) == 1 and svc.push._hashed is None and 9 in svc.index.get("p").blocks
+    finally:
+        svc.stop()
+
+
+def test_a_report_carried_to_a_later_turn_is_hashed_there_once() -> None:
+    """The turn budget admits only some heavy reports; the rest wait. Only the admitted ones are
+    pooled for the turn's hashing: every batch is hashed exactly once, and all are applied."""
+    from kvcm.api.engines import methods
+    from kvcm.engines.service import EngineService
+    from kvcm.rpc.dispatch import Dispatcher, Limits
+    from kvcm.rpc.wire import pack_request
+    from kvcm.store import MemoryStore
+
+    svc = EngineService(MemoryStore(), lambda _: BS)
+    hashed: list[int] = []
+    precompute = svc.index.precompute
+
+    def counting(items: Any) -> Any:
+        hashed.extend(len(item[3].events) for item in items)
+        return precompute(items)
+
+    svc.index.precompute = counting  # type: ignore[method-assign]
+    try:
+        dispatcher = Dispatcher(methods(svc), limits=Limits(turn_budget_ms=0.15))
+        sources = [f"s{i}" for i in range(6)]
+        for source in sources:
+            dispatcher.call("report_events", {"source_id": source, "op": "register", "instance_id": "llm"})
+        requests = []
+        for n, source in enumerate(sources):  # each about 70 us of estimated work: heavy at a 150 us budget
+            payloads = [{"seq": seq, "payload": encode_batch([BlockStored([100 * n + seq], None,
+                        TOKENS[seq * BS : (seq + 1) * BS], BS, None, None, None)], 1.0)} for seq in range(4)]  # fmt: skip
+            requests.append(pack_request(n, "report_events", {"source_id": source, "op": "payloads",
+                                                              "payloads": payloads}))
+        turns = 0
+        arrivals = [((None, i), b"peer-%d" % i, r) for i, r in enumerate(requests)]
+        replies = 0
+        while replies < len(requests):
+            replies += sum(1 for _, reply in dispatcher.serve(arrivals) if reply is not None)
+            arrivals, turns = [], turns + 1
+        assert turns > 1  # some reports were carried
+        assert sum(hashed) == 4 * len(sources)  # every batch hashed once, none again after a carry
+        assert all(len(svc.index.get(s).blocks) == 4 for s in sources)
     finally:
         svc.stop()
 

@@ -349,3 +349,36 @@ def test_a_settling_method_settles_once_per_turn_before_its_replies():
     assert replies[0][1]["name"] == "INTERNAL_ERROR" and "in note: OSError" in replies[0][1]["message"]
     assert replies[1][1]["message"] == "this one failed itself"  # its own error, not the settle's
     assert replies[2][1] is None and replies[2][2] == {"echo": 2}
+
+
+def test_an_admitting_method_is_told_its_requests_of_the_turn_before_they_run():
+    """``Method.admitted`` gets the params of the method's requests that run in the turn, once,
+    before the first runs; if it fails they answer its error and do not run, others do."""
+    calls: list[object] = []
+    failing = {"on": False}
+
+    def note(params: dict) -> dict:
+        calls.append(("run", params["n"]))
+        return {"ok": True}
+
+    def admitted(params: list) -> None:
+        calls.append(("admitted", [p["n"] for p in params]))
+        if failing["on"]:
+            raise OSError("pool gone")
+
+    dispatcher = Dispatcher([Method("note", note, admitted=admitted), Method("echo", lambda p: p)])
+
+    def turn(*params: dict) -> list[tuple]:
+        payloads = [wire.pack_request(i, "note" if "echo" not in p else "echo", p) for i, p in enumerate(params)]
+        return [wire.parse_response(r) for r in dispatcher.handle_batch(payloads)]
+
+    assert [err for _, err, _ in turn({"n": 1}, {"echo": 1}, {"n": 2})] == [None, None, None]
+    assert calls == [("admitted", [1, 2]), ("run", 1), ("run", 2)]
+    calls.clear()
+    turn({"echo": 1})
+    assert calls == []  # none of its requests in the turn: not told
+    failing["on"] = True
+    replies = turn({"n": 3}, {"echo": 2})
+    assert calls == [("admitted", [3])]  # told, failed: not run
+    assert replies[0][1]["name"] == "INTERNAL_ERROR" and "in note: OSError" in replies[0][1]["message"]
+    assert replies[1][1] is None and replies[1][2] == {"echo": 2}

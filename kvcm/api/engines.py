@@ -418,8 +418,9 @@ def _payload(i: int, p: Payload) -> bytes:
 
 
 class _Reports:
-    """``report_events``: the cost hook converts, decodes and pools each report of a turn
-    (``EngineService.push.prepare``) before any runs; the handler applies it."""
+    """``report_events``: the cost hook converts and decodes each report of a turn
+    (``EngineService.push.prepare``), the admitted hook pools those that run for hashing
+    (``EngineService.push.pool``), and the handler applies each."""
 
     def __init__(self, service: EngineService, auth: Authenticator | None) -> None:
         self.service = service
@@ -442,6 +443,10 @@ class _Reports:
             raise error(Code.TOO_MANY_KEYS, f"report_events: {blocks} blocks and {tokens} tokens; a report takes "
                                             f"at most {MAX_REPORT_BLOCKS} blocks and {MAX_REPORT_TOKENS} tokens")
         return Estimate(_US_PER_REPORT + blocks * _US_PER_BLOCK + tokens * _US_PER_TOKEN + size * _US_PER_PAYLOAD_BYTE)
+
+    def admitted(self, reqs: list[ReportEventsRequest]) -> None:
+        """The turn's reports that run: their batches are hashed together (``PushIngest.pool``)."""
+        self.service.push.pool([self.prepared(req) for req in reqs])
 
     def settle(self) -> None:
         """The end of a turn that ran reports: their batches are persisted together, in one
@@ -475,5 +480,5 @@ def methods(
         Method("get_host_cache_state", h.get_host_cache_state, GetHostCacheStateRequest, cost=h.host_cost,
                tokens=h.match_tokens),
         Method("report_events", reports.report_events, ReportEventsRequest, idempotent=False, cost=reports.cost,
-               settle=reports.settle),
+               settle=reports.settle, admitted=reports.admitted),
     ]

@@ -45,12 +45,15 @@ replayed, every push source loaded at start-up is in state ``gap`` (``resync: tr
 next snapshot.
 
 Speed: a reporter sends one batch per request, and one chain's re-hash is the slow part of
-applying it. :meth:`PushIngest.prepare` is called for every report of a dispatcher turn before
-any of them runs (the method's cost hook, which needs the decoded sizes anyway): it decodes the
-batches and pools them, and the first report applied hashes the whole pool at once
-(:func:`kvcm.engines.hashing.chain_states_many`); the rest find their states ready.
+applying it. :meth:`PushIngest.prepare` decodes a report's batches (the method's cost hook, which
+needs the decoded sizes anyway); :meth:`PushIngest.pool` is told the reports that run in the
+dispatcher turn (the method's ``admitted`` hook, before any of them runs: a report carried to a
+later turn is not among them, so no batch is hashed twice) and pools their batches; the first
+report applied hashes the whole pool at once (:func:`kvcm.engines.hashing.chain_states_many`);
+the rest find their states ready.
 
-Thread ownership: the RPC thread calls :meth:`PushIngest.prepare` and :meth:`PushIngest.report`;
+Thread ownership: the RPC thread calls :meth:`PushIngest.prepare`, :meth:`PushIngest.pool` and
+:meth:`PushIngest.report`;
 they change a push source's sequencing state and the index under the index lock (see
 ``kvcm.engines.subscriber``).
 """
@@ -130,36 +133,40 @@ class PushIngest:
         self.check_room = check_room
         self._pool: list[Item] = []
         self._hashed: Precomputed | None = None  # the pool's states, once the first report used them
-        self._reported = False  # a report ran since the pool began: the next prepare starts a new one
         self._pending = 0  # pooled reports that have not run yet
         self._pool_id = 1  # of the current pool (a report names the pool it is in)
 
     def prepare(self, r: Report) -> None:
-        """Decode the report's batches and pool them for hashing with the rest of the turn (see
-        the module docstring). Idempotent; for a report of an unknown source it only decodes."""
+        """Decode the report's batches (idempotent)."""
         if r.batches is None:
             r.batches = _batches(r)
-        if self._reported:  # reports ran since: this is a new turn, and it pools only its own
-            self._new_pool()
-        state = self.index.get(r.source_id)
-        if state is None or not state.spec.push or len(self._pool) >= MAX_POOL or r.pooled == self._pool_id:
-            return
-        self._pool += [(r.source_id, state.generation, seq, b) for seq, b in r.batches if b is not None]
-        r.pooled = self._pool_id
-        self._pending += 1
+
+    def pool(self, reports: Sequence[Report]) -> None:
+        """The reports about to run, together: their batches are hashed at once when the first
+        of them is applied (module docstring). A new pool replaces any earlier one."""
+        self._new_pool()
+        for r in reports:
+            state = self.index.get(r.source_id)
+            if state is None or not state.spec.push or len(self._pool) >= MAX_POOL or r.pooled == self._pool_id:
+                continue
+            self.prepare(r)
+            self._pool += [(r.source_id, state.generation, seq, b) for seq, b in r.batches or () if b is not None]
+            r.pooled = self._pool_id
+            self._pending += 1
 
     def _new_pool(self) -> None:
-        self._pool, self._hashed, self._reported, self._pending = [], None, False, 0
+        self._pool, self._hashed, self._pending = [], None, 0
         self._pool_id += 1
 
-    def _pooled(self) -> Precomputed:
+    def _pooled(self, r: Report) -> Precomputed:
+        if r.pooled != self._pool_id:
+            return {}
         if self._hashed is None:
             self._hashed = self.index.precompute(self._pool) if len(self._pool) > 1 else {}
         return self._hashed
 
     def report(self, r: Report, caller: str = "", authorize: Authorize | None = None) -> dict[str, Any]:
         """Handle one report; ``caller`` is the account name that becomes a new source's owner."""
-        self._reported = True
         try:
             return self._report(r, caller, authorize)
         finally:
@@ -197,7 +204,7 @@ class PushIngest:
             items = self._place(state, conn, r, outcome)
             with self.index.lock:
                 self.subscriber.heard_push(conn)
-                results = self.index.apply_many(items, self._pooled()) if items else []
+                results = self.index.apply_many(items, self._pooled(r)) if items else []
             self._count(conn, items, results, outcome)
         if r.op == "snapshot" or not self.subscriber.running:
             self.index.flush()  # batches: the turn's settle persists them (module docstring)
@@ -316,7 +323,7 @@ class PushIngest:
         item: Item = (state.spec.source_id, state.generation, seq, batch)
         with self.index.lock:
             self.subscriber.heard_push(conn)
-            result = self.index.replace_source(item, self._pooled())
+            result = self.index.replace_source(item, self._pooled(r))
             conn.last_seq, conn.last_ts = seq, batch.ts
             conn.gap = conn.expired = False
         self._count(conn, [item], [result], outcome)

@@ -98,6 +98,9 @@ class Method:
         of that turn is built (``report_events`` persists the turn's engine batches with it:
         one transaction for the turn, every reply after it); if it raises, the turn's
         successful requests of the method get that error instead
+    :param admitted: called once per turn with the requests of the method that run in it (not
+        those carried to a later turn), before the first of them runs (``report_events`` hashes
+        their batches together); if it raises, they get that error and do not run
     """
 
     name: str
@@ -109,6 +112,7 @@ class Method:
     cost: Callable[[Any], Estimate] | None = None
     tokens: Callable[[Any], TokenWork | None] | None = None
     settle: Callable[[], object] | None = None
+    admitted: Callable[[list[Any]], object] | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +229,7 @@ class Dispatcher:
         self._sized: dict[type, tuple[tuple[str, int], ...]] = {}  # request type -> its list fields under a limit
         self._hashing_us = 0.0
         self._settling = any(m.settle is not None for m in self.methods.values())
+        self._admitting = any(m.admitted is not None for m in self.methods.values())
         for method in self.methods.values():
             if method.request is not None:
                 decoder = msgspec.msgpack.Decoder(tuple[method.request], ext_hook=wire.refuse_ext)  # type: ignore[name-defined]
@@ -260,6 +265,8 @@ class Dispatcher:
         self._carried = []
         finished = self._schedule(outcomes)
         runnable = [o for o in finished if o.error is None and o.method is not None]
+        if self._admitting:
+            runnable = self._admit_turn(runnable)
         if self._group_commit:
             self._run_grouped(runnable)
         else:
@@ -268,6 +275,26 @@ class Dispatcher:
         if self._settling:
             self._settle(runnable)
         return [(o.tag, self._reply(o)) for o in finished]
+
+    def _admit_turn(self, runnable: list[_Outcome]) -> list[_Outcome]:
+        """Each method with an ``admitted`` hook is told its requests of the turn
+        (:attr:`Method.admitted`); the outcomes that still run."""
+        hooks: dict[str, tuple[Callable[[list[Any]], object], list[_Outcome]]] = {}
+        for outcome in runnable:
+            method = outcome.method
+            assert method is not None  # internal: runnable outcomes have their method
+            if method.admitted is not None:
+                hooks.setdefault(method.name, (method.admitted, []))[1].append(outcome)
+        failed = False
+        for name, (hook, outcomes) in hooks.items():
+            try:
+                hook([o.params for o in outcomes])
+            except Exception as exc:  # noqa: BLE001 - what the turn's requests of it answer
+                wired = self._to_error(exc, name)
+                for outcome in outcomes:
+                    outcome.error = wired
+                failed = True
+        return [o for o in runnable if o.error is None] if failed else runnable
 
     def _settle(self, ran: list[_Outcome]) -> None:
         """Each settling method that ran in the turn settles once (:attr:`Method.settle`)."""
