@@ -469,3 +469,26 @@ def test_the_collector_is_off_for_a_dispatcher_turn_and_back_on_after_it() -> No
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_report_of_many_tiny_or_unknown_events_is_costed_per_event() -> None:
+    """Each event costs its own decode and bookkeeping, broken or unknown ones too: a payload of
+    thousands of 3-byte unknown events must not look as cheap as its few kilobytes."""
+    import msgpack
+    import msgspec
+
+    from kvcm.api.engines import ReportEventsRequest, methods
+    from kvcm.engines.service import EngineService
+    from kvcm.store import MemoryStore
+
+    svc = EngineService(MemoryStore(), lambda _: BS)
+    try:
+        (report,) = [m for m in methods(svc) if m.name == "report_events"]
+        assert report.cost is not None
+        payload = msgpack.packb([1.0, [["X"]] * 2000, 0])
+        req = msgspec.convert({"source_id": "p", "op": "payloads", "payloads": [{"seq": 0, "payload": payload}]},
+                              ReportEventsRequest)  # fmt: skip
+        assert len(payload) < 7000
+        assert report.cost(req).micros >= 2000 * 1.0  # at least a microsecond per event
+    finally:
+        svc.stop()

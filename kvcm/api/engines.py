@@ -353,6 +353,8 @@ _US_PER_BLOCK = 3.0
 _US_PER_TOKEN = 0.15
 _US_PER_PAYLOAD_BYTE = 0.12
 _US_PER_REPORT = 30.0
+#: Per event, broken ones included: a batch of many tiny or unknown events costs per event.
+_US_PER_EVENT = 2.0
 #: Payloads estimated above this are refused on their size alone, without decoding them.
 _DECODE_CEILING_US = 100_000.0
 
@@ -383,16 +385,19 @@ def report(req: ReportEventsRequest) -> Report:
     )  # fmt: skip
 
 
-def _work(r: Report) -> tuple[int, int]:
-    """Blocks and tokens of the report's (decoded) batches."""
-    blocks = tokens = 0
+def _work(r: Report) -> tuple[int, int, int]:
+    """Events (broken ones included), blocks and tokens of the report's (decoded) batches."""
+    blocks = tokens = events = 0
     for _, batch in r.batches or ():
-        for e in batch.events if batch is not None else ():
+        if batch is None:
+            continue
+        events += len(batch.events) + len(batch.errors)
+        for e in batch.events:
             if type(e) is BlockStored:
                 blocks, tokens = blocks + len(e.block_hashes), tokens + len(e.token_ids)
             elif type(e) is BlockRemoved:
                 blocks += len(e.block_hashes)
-    return blocks, tokens
+    return events, blocks, tokens
 
 
 def _event(e: AddEvent | RemoveEvent | ClearEvent) -> Event:
@@ -438,11 +443,12 @@ class _Reports:
         size = sum(len(p) for _, p in made.payloads)
         if size * _US_PER_PAYLOAD_BYTE <= _DECODE_CEILING_US:
             self.service.push.prepare(made)
-        blocks, tokens = _work(made)
+        events, blocks, tokens = _work(made)
         if blocks > MAX_REPORT_BLOCKS or tokens > MAX_REPORT_TOKENS:
             raise error(Code.TOO_MANY_KEYS, f"report_events: {blocks} blocks and {tokens} tokens; a report takes "
                                             f"at most {MAX_REPORT_BLOCKS} blocks and {MAX_REPORT_TOKENS} tokens")
-        return Estimate(_US_PER_REPORT + blocks * _US_PER_BLOCK + tokens * _US_PER_TOKEN + size * _US_PER_PAYLOAD_BYTE)
+        return Estimate(_US_PER_REPORT + events * _US_PER_EVENT + blocks * _US_PER_BLOCK + tokens * _US_PER_TOKEN
+                        + size * _US_PER_PAYLOAD_BYTE)
 
     def admitted(self, reqs: list[ReportEventsRequest]) -> None:
         """The turn's reports that run: their batches are hashed together (``PushIngest.pool``)."""
