@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import msgpack
 import msgspec
@@ -315,6 +316,18 @@ def test_rpc_stats_are_exact_cumulative_and_thread_safe():
     assert b'kvcm_rpc_requests_total{method="check_health"} 20000.0' in metrics.exposition()
 
 
+def _note_and_echo(note: Method) -> Callable[..., list[tuple]]:
+    """One dispatcher turn of requests to ``note`` (or to ``echo``, for params with an
+    ``echo`` field); their parsed replies."""
+    dispatcher = Dispatcher([note, Method("echo", lambda p: p)])
+
+    def turn(*params: dict) -> list[tuple]:
+        payloads = [wire.pack_request(i, "note" if "echo" not in p else "echo", p) for i, p in enumerate(params)]
+        return [wire.parse_response(r) for r in dispatcher.handle_batch(payloads)]
+
+    return turn
+
+
 def test_a_settling_method_settles_once_per_turn_before_its_replies():
     """``Method.settle`` runs once at the end of a turn in which its method ran, before the
     replies are built; if it fails, the turn's successful requests of it answer that error."""
@@ -332,11 +345,7 @@ def test_a_settling_method_settles_once_per_turn_before_its_replies():
         if failing["on"]:
             raise OSError("disk gone")
 
-    dispatcher = Dispatcher([Method("note", note, settle=settle), Method("echo", lambda p: p)])
-
-    def turn(*params: dict) -> list[tuple]:
-        payloads = [wire.pack_request(i, "note" if "echo" not in p else "echo", p) for i, p in enumerate(params)]
-        return [wire.parse_response(r) for r in dispatcher.handle_batch(payloads)]
+    turn = _note_and_echo(Method("note", note, settle=settle))
 
     assert [err for _, err, _ in turn({}, {}, {"echo": 1})] == [None, None, None]
     assert calls == ["run", "run", "settle"]
@@ -366,11 +375,7 @@ def test_an_admitting_method_is_told_its_requests_of_the_turn_before_they_run():
         if failing["on"]:
             raise OSError("pool gone")
 
-    dispatcher = Dispatcher([Method("note", note, admitted=admitted), Method("echo", lambda p: p)])
-
-    def turn(*params: dict) -> list[tuple]:
-        payloads = [wire.pack_request(i, "note" if "echo" not in p else "echo", p) for i, p in enumerate(params)]
-        return [wire.parse_response(r) for r in dispatcher.handle_batch(payloads)]
+    turn = _note_and_echo(Method("note", note, admitted=admitted))
 
     assert [err for _, err, _ in turn({"n": 1}, {"echo": 1}, {"n": 2})] == [None, None, None]
     assert calls == [("admitted", [1, 2]), ("run", 1), ("run", 2)]
