@@ -11,8 +11,9 @@ Three shapes exist:
 
 A well-formed batch decodes in one typed pass. Otherwise each event is decoded on its own (the
 batch is split into ``msgspec.Raw`` pieces): one unknown tag or malformed event is reported in
-:attr:`DecodedBatch.errors` and skipped, never the whole batch. Unknown map keys and extra trailing array elements are ignored, missing optional
-fields default to ``None``, so older (5-element) and newer engines both decode.
+:attr:`DecodedBatch.errors` and skipped, never the whole batch. Unknown map keys and extra
+trailing array elements are ignored, missing optional fields default to ``None``, so older
+(5-element) and newer engines both decode.
 
 Block hashes are kept as sent (``int`` up to 2**64-1, negative SGLang int64, or ``bytes``);
 :func:`hash_to_u64` is the one normalisation consumers use (vLLM's own int mode: the last 8 bytes).

@@ -53,9 +53,8 @@ report applied hashes the whole pool at once (:func:`kvcm.engines.hashing.chain_
 the rest find their states ready.
 
 Thread ownership: the RPC thread calls :meth:`PushIngest.prepare`, :meth:`PushIngest.pool` and
-:meth:`PushIngest.report`;
-they change a push source's sequencing state and the index under the index lock (see
-``kvcm.engines.subscriber``).
+:meth:`PushIngest.report`; they change a push source's sequencing state and the index under the
+index lock (see ``kvcm.engines.subscriber``).
 """
 
 from __future__ import annotations
