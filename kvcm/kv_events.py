@@ -143,7 +143,8 @@ class _MapEvents(msgspec.Struct, gc=False):
     data_parallel_rank: int | None = None
 
 
-_WHOLE_ARRAY = (msgspec.msgpack.Decoder(_MixedEvents).decode, msgspec.msgpack.Decoder(_ArrayEvents).decode)
+_WHOLE_MIXED = msgspec.msgpack.Decoder(_MixedEvents).decode
+_WHOLE_ARRAY = msgspec.msgpack.Decoder(_ArrayEvents).decode
 _WHOLE_MAP = msgspec.msgpack.Decoder(_MapEvents).decode
 _ARRAY_BATCH = msgspec.msgpack.Decoder(_ArrayBatch)
 _MAP_BATCH = msgspec.msgpack.Decoder(_MapBatch)
@@ -192,9 +193,9 @@ def _decode_whole(payload: bytes) -> DecodedBatch | None:
         else:
             shape = "array"
             try:
-                whole = _WHOLE_ARRAY[0](payload)
+                whole = _WHOLE_MIXED(payload)
             except msgspec.ValidationError:  # positional events: the other array shape
-                whole = _WHOLE_ARRAY[1](payload)
+                whole = _WHOLE_ARRAY(payload)
     except (msgspec.DecodeError, RecursionError, ValueError, TypeError):
         return None
     if isinstance(whole, _ArrayEvents):

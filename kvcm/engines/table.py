@@ -13,7 +13,7 @@ through several engine blocks (duplicate stores, re-chunked blocks, multimodal v
 slot's bit in ``holders[key]`` is its first holding; only holdings beyond the first are counted
 (``extra``), so the common store, of keys the slot does not hold yet, is a single dict update
 with no per-slot map of every key held. The table does not know a slot's keys: whoever drops a
-slot that still holds keys names them (:meth:`drop_slot`), the engine index from its blocks.
+slot that still holds keys clears them first (:meth:`forget`), the engine index from its blocks.
 
 Thread ownership: none of its own; :class:`~kvcm.engines.index.EngineIndex` guards it with its lock.
 """
@@ -71,10 +71,8 @@ class HolderTable:
         self.slot_ids[key] = sid
         return sid
 
-    def drop_slot(self, sid: int, keys: Iterable[int] = ()) -> None:
-        """Forget every holding of the slot and free its id; ``keys`` must include every key it
-        holds (others are left alone)."""
-        self.forget(1 << sid, keys)
+    def drop_slot(self, sid: int) -> None:
+        """Free the slot's id; it holds no key any more (released, or cleared by :meth:`forget`)."""
         slot = self.slots[sid]
         if slot is not None:
             del self.slot_ids[(slot.source_id, slot.medium, slot.group)]
