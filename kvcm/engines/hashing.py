@@ -31,6 +31,22 @@ _GOLDEN_SHIFTED = _GOLDEN - (1 << 31)
 _TWO64 = 1 << 64
 
 
+#: The compiled form of :func:`chain_states_many` (:mod:`kvcm.engines.native`), once loaded; it
+#: returns None for input it declines.
+NativeStates = Callable[[Sequence[int], Sequence[Sequence[int]], int], "list[list[int]] | None"]
+_native: NativeStates | None = None
+
+#: Tokens below which one chain is hashed in Python even with the kernel loaded (its call and
+#: conversions cost about as much as a short Python loop).
+_NATIVE_MIN_TOKENS = 256
+
+
+def set_native(states: NativeStates | None) -> None:
+    """Make ``states`` the process's re-hash of token lists (None: the Python forms only)."""
+    global _native
+    _native = states
+
+
 def to_signed(u: int) -> int:
     """Unsigned 64-bit state -> the signed int64 kvcm key."""
     return u - _TWO64 if u >= _TOP else u
@@ -41,12 +57,17 @@ def chain_states(u: int, tokens: Sequence[int], step: int) -> list[int]:
     the kvcm key of the block it ends, and a seed to chain from (taken mod 2**64).
 
     ``len(tokens)`` must be a multiple of ``step``. With ``u = 0`` and ``step = block_size`` they
-    are exactly ``token_ids_to_block_keys(tokens, block_size)``.
+    are exactly ``token_ids_to_block_keys(tokens, block_size)``. A long chain takes the compiled
+    kernel when one is loaded (:func:`set_native`).
 
     Branch-free form of ``mix``: the sum is taken mod 2**64 at the end, so ``v & M`` needs no
     masking of its own, and the arithmetic shift of the signed state is
     ``((u ^ 2**63) >> 32) - 2**31`` (the ``- 2**31`` is folded into the constant).
     """
+    if _native is not None and len(tokens) >= _NATIVE_MIN_TOKENS:
+        found = _native([u], [tokens], step)
+        if found is not None:
+            return found[0]
     out: list[int] = []
     append = out.append
     u &= _M64
@@ -61,7 +82,12 @@ def chain_states_many(
     seeds: Sequence[int], token_lists: Sequence[Sequence[int]], step: int
 ) -> list[list[int]]:
     """:func:`chain_states` for many independent chains at once, all advanced together in the
-    lanes of one Python int (SWAR, below): from two chains on that beats one chain at a time."""
+    lanes of one Python int (SWAR, below): from two chains on that beats one chain at a time; or
+    all in the compiled kernel, when one is loaded (:func:`set_native`)."""
+    if _native is not None:
+        found = _native(seeds, token_lists, step)
+        if found is not None:
+            return found
     if len(seeds) < 2:
         return [chain_states(u, t, step) for u, t in zip(seeds, token_lists)]
     n = len(seeds)
