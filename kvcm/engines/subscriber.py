@@ -185,6 +185,7 @@ class EventSubscriber:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._ops: list[tuple[str, Any]] = []
         self._thread: threading.Thread | None = None
+        self._looping = False  # the thread is in its loop (read for every push report: no is_alive())
         self._stop = threading.Event()
         self._closed = False
         #: sources not heard for ``stale_after_s`` (replaced whole, so readers need no lock)
@@ -280,20 +281,24 @@ class EventSubscriber:
     @property
     def running(self) -> bool:
         """The subscriber thread runs (and so flushes the index at every wake-up)."""
-        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+        return self._looping and not self._stop.is_set()
 
     def start(self) -> None:
         """Run :meth:`poll_once` on a daemon thread until :meth:`stop`."""
         self._thread = threading.Thread(target=self._run, name="kvcm-events", daemon=True)
+        self._looping = True  # cleared by the thread when its loop ends, however it ends
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll_once(self._poll_timeout())
-            except Exception:
-                log.exception("event subscriber iteration failed")
-                self._stop.wait(0.1)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.poll_once(self._poll_timeout())
+                except Exception:
+                    log.exception("event subscriber iteration failed")
+                    self._stop.wait(0.1)
+        finally:
+            self._looping = False
 
     def _poll_timeout(self) -> float:
         """The shortest ``poll_ms`` of the settings and of any source that sets its own."""
@@ -613,8 +618,7 @@ class EventSubscriber:
         except EventDecodeError:
             self._error(conn, "decode")
             return None
-        for event in batch.events:
-            self.metrics.event(self.metrics.received, "received", conn.spec.source_id, type(event).__name__)
+        self.metrics.received(conn.spec.source_id, batch.events)
         for kind in batch.errors:
             self._error(conn, kind)
         if batch.data_parallel_rank is not None and batch.data_parallel_rank != conn.spec.dp_rank:
@@ -796,8 +800,7 @@ class EventSubscriber:
             if stats is None:
                 continue
             self.metrics.applied(source_id, seq, elapsed)
-            for event_type, n in stats.processed.items():
-                self.metrics.event(self.metrics.processed, "processed", source_id, event_type, n)
+            self.metrics.processed(source_id, stats.processed)
             conn = self._conns.get(source_id)
             for kind, n in stats.errors.items():
                 if conn is not None and kind not in ("unknown_event", "bad_event"):
