@@ -16,7 +16,7 @@ from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SubscriberSettings
 from kvcm.errors import NotFound
-from kvcm.kv_events import AllBlocksCleared, BlockStored, encode_batch
+from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from kvcm.store import LmdbStore, MemoryStore
 from kvcm.testing.fake_engine import FakeEnginePublisher
 
@@ -365,3 +365,38 @@ def test_unusable_endpoint_backs_off_without_hurting_others(svc, pubs):
     for family in ("connections_total", "events_received_total", "events_processed_total", "errors_total",
                    "replay_requests_total", "connection_status", "last_sequence_id", "processing_latency_seconds"):
         assert f"kvcm_engine_event_{family}" in text, family
+
+
+def test_event_series_count_every_event_by_type(svc, pubs):
+    """``_events_received_total`` counts each decoded event, ``_events_processed_total`` each
+    applied one, by type; ``_last_sequence_id`` follows the batches."""
+    pub = pubs()
+    add(svc, pub)
+    toks = TOKENS[: 3 * BS]
+    pub.publish([
+        BlockStored([100], None, toks[:BS], BS, None, "GPU", None),
+        BlockStored([101, 102], 100, toks[BS:], BS, None, "GPU", None),
+        BlockRemoved([102], "GPU"),
+    ])  # fmt: skip
+    store_blocks(pub, 2, 1)
+    pump(svc, lambda: matched(svc) == 3)
+    text = _metrics_text(svc)
+    for family, event_type, n in [("received", "BlockStored", 3), ("received", "BlockRemoved", 1),
+                                  ("processed", "BlockStored", 3), ("processed", "BlockRemoved", 1)]:  # fmt: skip
+        line = f'kvcm_engine_event_events_{family}_total{{event_type="{event_type}",source="pod-a"}} {n}.0'
+        assert line in text, text
+    assert 'kvcm_engine_event_last_sequence_id{source="pod-a"} 1.0' in text, text
+
+
+def test_running_is_false_once_the_thread_is_gone():
+    """``report_events`` persists each report inline while no subscriber thread flushes: a loop
+    that ended any way other than stop() must not read as running."""
+    svc = EngineService(MemoryStore(), lambda _: BS)
+    try:
+        svc.start()
+        assert svc.subscriber.running
+        svc.subscriber.poll_once = lambda timeout=0.1: (_ for _ in ()).throw(SystemExit)  # not caught by the loop
+        svc.subscriber._thread.join(5 * TIME_FACTOR)
+        assert not svc.subscriber._thread.is_alive() and not svc.subscriber.running
+    finally:
+        svc.stop()
