@@ -16,6 +16,7 @@ with a ConfigError.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
 from typing import Any
@@ -467,8 +468,10 @@ class EngineService:
 
 def _load_native() -> None:
     """``events.rehash = "numba"``: the compiled re-hash, or a start-up error saying what is missing."""
+    started = time.monotonic()
     try:
         from kvcm.engines import native
     except ImportError as exc:
         raise ConfigError(f"events.rehash = numba needs numba and numpy (pip install 'kvcm[fast]'): {exc}") from None
     native.load()
+    log.info("events.rehash: the numba kernel is loaded (%.1f s)", time.monotonic() - started)
