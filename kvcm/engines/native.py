@@ -36,9 +36,10 @@ _M64 = (1 << 64) - 1
 
 def _run_py(seeds: Any, tokens: Any, offsets: Any, step: int, out: Any) -> int:
     """States after every ``step`` tokens of each chain ``c`` (``tokens[offsets[c]:offsets[c+1]]``,
-    seeded by ``seeds[c]``), into ``out`` in chain order; returns how many.
-    :func:`kvcm.cache.keys.mix` on unsigned words: the signed state's arithmetic shift is the logical one with the sign's
-    ones put back in the top half; every sum wraps mod 2**64 as the mix's does."""
+    seeded by ``seeds[c]``), into ``out`` in chain order; returns how many. It is
+    :func:`kvcm.cache.keys.mix` on unsigned words: the signed state's arithmetic shift is the
+    logical one with the sign's ones put back in the top half, and every sum wraps mod 2**64 as
+    the mix's does."""
     k = 0
     for c in range(seeds.shape[0]):
         u = seeds[c]
