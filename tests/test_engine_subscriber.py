@@ -388,6 +388,7 @@ def test_event_series_count_every_event_by_type(svc, pubs):
     assert 'kvcm_engine_event_last_sequence_id{source="pod-a"} 1.0' in text, text
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies on purpose
 def test_running_is_false_once_the_thread_is_gone():
     """``report_events`` persists each report inline while no subscriber thread flushes: a loop
     that ended any way other than stop() must not read as running."""
