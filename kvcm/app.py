@@ -21,7 +21,7 @@ import lmdb
 import msgspec
 import zmq
 
-from kvcm.config import Config, HttpConfig
+from kvcm.config import Config, ConfigError, HttpConfig
 from kvcm.errors import KvcmError, StartRefused, Unavailable
 from kvcm.follower import FollowerStage
 from kvcm.metrics import Metrics
@@ -187,6 +187,7 @@ class App:
             raise _store_error(config, exc) from None
 
     def _build(self, config: Config, orphans: str) -> None:
+        load_hash_kernel(config)
         self.config = config
         self.orphans = orphans
         self.metrics = Metrics()
@@ -594,6 +595,7 @@ class HaNode:
         from kvcm.ha.lease import Lease
         from kvcm.store.redis import CONNECT_TIMEOUT_S
 
+        load_hash_kernel(config)  # the follower stage hashes the token_ids of the reads it serves
         self.config = config
         self.orphans = orphans
         ha = config.ha
@@ -713,3 +715,17 @@ class HaNode:
 
 
 __all__ = ["App", "HaNode", "LoopThread", "open_store"]
+
+
+def load_hash_kernel(config: Config) -> None:
+    """``server.hash_kernel = "numba"``: the compiled block hash for the whole process (idempotent),
+    or a start-up error naming what is missing."""
+    if config.server.hash_kernel != "numba":
+        return
+    started = time.monotonic()
+    try:
+        from kvcm.cache import hash_kernel
+    except ImportError as exc:
+        raise ConfigError(f"server.hash_kernel = numba needs numba and numpy (pip install 'kvcm[fast]'): {exc}") from None
+    hash_kernel.load()
+    log.info("server.hash_kernel: the numba kernel is loaded (%.1f s)", time.monotonic() - started)

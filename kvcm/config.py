@@ -46,6 +46,7 @@ class ServerConfig:
     drain_max: int = 256  # requests handled per wake-up (they share one commit)
     poll_ms: int = 100  # poll timeout: bounds timer lag and shutdown latency
     group_commit: bool = True  # share one LMDB commit among the requests of one wake-up
+    hash_kernel: str = "python"  # python | numba: hash token ids into block keys compiled (pip install 'kvcm[fast]')
     shutdown_grace_s: float = 10.0  # SIGTERM: time allowed to drain in-flight requests
     live_after_s: float = 10.0  # /livez fails once the RPC loop has not turned for this long
     sndhwm: int = 10000  # per-peer reply queue; a peer over it loses replies (counted)
@@ -144,7 +145,6 @@ class EventsConfig:
     speculative_weight: float = 0.9  # score weight of a block note_routed says is on its way to a source
     speculative_max_entries: int = 1000  # note_routed entries kept at most (the oldest dropped, counted)
     speculative_max_ttl_s: float = 60.0  # the longest ttl_s note_routed accepts
-    rehash: str = "python"  # python | numba: re-hash engine token ids compiled (pip install 'kvcm[fast]')
 
 
 @dataclass(frozen=True)
@@ -404,7 +404,7 @@ def validate(config: Config) -> None:
         (0 <= config.events.speculative_weight <= 1000, "events.speculative_weight must be in 0..1000"),
         (1 <= config.events.speculative_max_entries <= 10_000_000, "events.speculative_max_entries must be in 1..10000000"),
         (0 < config.events.speculative_max_ttl_s <= 3600, "events.speculative_max_ttl_s must be in (0, 3600]"),
-        (config.events.rehash in ("python", "numba"), "events.rehash must be python or numba"),
+        (config.server.hash_kernel in ("python", "numba"), "server.hash_kernel must be python or numba"),
         (all(os.path.isabs(r) and r.isprintable() for r in config.storage.allowed_roots),
          "storage.allowed_roots: each entry must be an absolute path without control characters"),
         (config.log.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log.level must be DEBUG, INFO, WARNING or ERROR"),

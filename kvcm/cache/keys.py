@@ -9,13 +9,35 @@ come from (its ``block_keys``, else the hash of its ``token_ids``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvcm.errors import InvalidArgument
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _HIGH = _M64 ^ ((1 << 32) - 1)  # sign fill of an arithmetic 32-bit right shift
+
+
+#: The chained hash compiled (:mod:`kvcm.cache.hash_kernel`, ``server.hash_kernel = "numba"``):
+#: ``(seeds, token lists, step)`` -> per list the states after every ``step`` tokens, as signed
+#: int64 (each the key of the block it ends); None for input it declines (ids outside 32 bits).
+NativeStates = Callable[[Sequence[int], Sequence[Sequence[int]], int], "list[list[int]] | None"]
+_native: NativeStates | None = None
+
+#: Tokens below which a slice is hashed in Python even with the kernel loaded (its call and
+#: conversions cost about as much as a short Python loop).
+NATIVE_MIN_TOKENS = 256
+
+
+def set_native(states: NativeStates | None) -> None:
+    """Make ``states`` the process's hash of whole blocks of token ids (None: Python only)."""
+    global _native
+    _native = states
+
+
+def native_states() -> NativeStates | None:
+    """The loaded kernel (:func:`set_native`), if any."""
+    return _native
 
 
 def _signed(x: int) -> int:
@@ -58,7 +80,22 @@ class ChainHasher:
         self._pending = 0  # tokens of the current, not yet complete block
 
     def feed(self, tokens: Sequence[int]) -> None:
-        """Hash ``tokens`` (the next ones of the prompt)."""
+        """Hash ``tokens`` (the next ones of the prompt); whole blocks of a long slice take the
+        compiled kernel when one is loaded (:func:`set_native`)."""
+        size = self.block_size
+        if _native is not None and len(tokens) >= NATIVE_MIN_TOKENS:
+            head = min(len(tokens), (size - self._pending) % size)  # the rest of the current block
+            whole = (len(tokens) - head) // size * size
+            if whole:
+                self._feed(tokens[:head])
+                found = _native([self._state], [tokens[head : head + whole]], size)
+                tokens = tokens[head + whole :] if found is not None else tokens[head:]
+                if found is not None:
+                    self.keys += found[0]
+                    self._state = found[0][-1] & _M64
+        self._feed(tokens)
+
+    def _feed(self, tokens: Sequence[int]) -> None:
         # The loop is mix() inlined over unsigned state (about 1.5x faster than calling it): for
         # signed h, ``(h >> 32) & M64`` is an arithmetic shift, hence the sign fill of the top half.
         u, pending, size, keys = self._state, self._pending, self.block_size, self.keys

@@ -20,6 +20,8 @@ from itertools import repeat
 from operator import add, itemgetter
 from typing import TYPE_CHECKING, Literal, cast
 
+from kvcm.cache.keys import NATIVE_MIN_TOKENS, native_states
+
 if TYPE_CHECKING:
     from kvcm.kv_events import BlockStored
 
@@ -29,22 +31,6 @@ _TOP = 1 << 63
 _GOLDEN = 0x9E3779B97F4A7C15
 _GOLDEN_SHIFTED = _GOLDEN - (1 << 31)
 _TWO64 = 1 << 64
-
-
-#: The compiled form of :func:`chain_states_many` (:mod:`kvcm.engines.native`), once loaded; it
-#: returns None for input it declines.
-NativeStates = Callable[[Sequence[int], Sequence[Sequence[int]], int], "list[list[int]] | None"]
-_native: NativeStates | None = None
-
-#: Tokens below which one chain is hashed in Python even with the kernel loaded (its call and
-#: conversions cost about as much as a short Python loop).
-_NATIVE_MIN_TOKENS = 256
-
-
-def set_native(states: NativeStates | None) -> None:
-    """Make ``states`` the process's re-hash of token lists (None: the Python forms only)."""
-    global _native
-    _native = states
 
 
 def to_signed(u: int) -> int:
@@ -58,14 +44,15 @@ def chain_states(u: int, tokens: Sequence[int], step: int) -> list[int]:
 
     ``len(tokens)`` must be a multiple of ``step``. With ``u = 0`` and ``step = block_size`` they
     are exactly ``token_ids_to_block_keys(tokens, block_size)``. A long chain takes the compiled
-    kernel when one is loaded (:func:`set_native`).
+    kernel when one is loaded (:func:`kvcm.cache.keys.set_native`).
 
     Branch-free form of ``mix``: the sum is taken mod 2**64 at the end, so ``v & M`` needs no
     masking of its own, and the arithmetic shift of the signed state is
     ``((u ^ 2**63) >> 32) - 2**31`` (the ``- 2**31`` is folded into the constant).
     """
-    if _native is not None and len(tokens) >= _NATIVE_MIN_TOKENS:
-        found = _native([u], [tokens], step)
+    native = native_states()
+    if native is not None and len(tokens) >= NATIVE_MIN_TOKENS:
+        found = native([u], [tokens], step)
         if found is not None:
             return found[0]
     out: list[int] = []
@@ -83,9 +70,10 @@ def chain_states_many(
 ) -> list[list[int]]:
     """:func:`chain_states` for many independent chains at once, all advanced together in the
     lanes of one Python int (SWAR, below): from two chains on that beats one chain at a time; or
-    all in the compiled kernel, when one is loaded (:func:`set_native`)."""
-    if _native is not None:
-        found = _native(seeds, token_lists, step)
+    all in the compiled kernel, when one is loaded (:func:`kvcm.cache.keys.set_native`)."""
+    native = native_states()
+    if native is not None:
+        found = native(seeds, token_lists, step)
         if found is not None:
             return found
     if len(seeds) < 2:

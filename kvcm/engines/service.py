@@ -16,7 +16,6 @@ with a ConfigError.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
 from typing import Any
@@ -101,8 +100,6 @@ class EngineService:
             self.weights = parse_weights(self.settings.tier_weights)
         except ValueError as exc:
             raise ConfigError(f"events.tier_weights: {exc}") from None
-        if self.settings.rehash == "numba":
-            _load_native()
         self.speculative = SpeculativeEntries(self.settings.speculative_max_entries, self.settings.speculative_max_ttl_s)
         self.metrics = EventMetrics(registry)
         self.index = EngineIndex(store, instance_lookup)
@@ -465,13 +462,3 @@ class EngineService:
         """Per key, the engines holding it: for ``get_cache_location(include_engines=true)``."""
         return self.index.locations(instance_id, keys, lora_name=lora_name)
 
-
-def _load_native() -> None:
-    """``events.rehash = "numba"``: the compiled re-hash, or a start-up error saying what is missing."""
-    started = time.monotonic()
-    try:
-        from kvcm.engines import native
-    except ImportError as exc:
-        raise ConfigError(f"events.rehash = numba needs numba and numpy (pip install 'kvcm[fast]'): {exc}") from None
-    native.load()
-    log.info("events.rehash: the numba kernel is loaded (%.1f s)", time.monotonic() - started)

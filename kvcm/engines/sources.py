@@ -50,7 +50,6 @@ class SubscriberSettings:
     speculative_weight: float = 0.9  # weight of a note_routed block (kvcm.engines.speculative)
     speculative_max_entries: int = 1000
     speculative_max_ttl_s: float = 60.0
-    rehash: str = "python"  # or "numba": the compiled re-hash (kvcm.engines.native)
 
     @classmethod
     def from_config(cls, cfg: Any) -> SubscriberSettings:

@@ -1,20 +1,21 @@
-"""The engine re-hash compiled with numba: ``events.rehash = "numba"`` (``pip install 'kvcm[fast]'``).
+"""The chained block hash compiled with numba: ``server.hash_kernel = "numba"`` (``pip install 'kvcm[fast]'``).
 
-Re-hashing engine token ids into kvcm keys (:mod:`kvcm.engines.hashing`) is about half the CPU of
-applying a KV-event batch, and in pure Python it is at its floor: the chained mix is sequential
-per chain, so the fastest form runs every chain of a drain in the lanes of one big int, and even
-then each token costs hundreds of interpreter and big-int instructions. numba compiles the same
-recurrence on plain 64-bit words; what remains is turning the token lists into one ``uint32``
-buffer (``struct``, C-level) and the states back into Python ints (``tolist``). Per 64-block
-batch that is about a quarter of the pure-Python re-hash (``scripts/bench_events``).
+Token ids become kvcm keys by a chained mix (:mod:`kvcm.cache.keys`): for every query and write
+that sends ``token_ids``, and for every block an engine reports, which the engine tier re-hashes
+(about half the CPU of applying a KV-event batch). In pure Python that is at its floor: the mix
+is sequential per chain, so the fastest form runs every chain of a drain in the lanes of one big
+int (:mod:`kvcm.engines.hashing`), and even then each token costs hundreds of interpreter and
+big-int instructions. numba compiles the same recurrence on plain 64-bit words; what remains is
+turning the token lists into one ``uint32`` buffer (``struct``, C-level) and the states back
+into Python ints (``tolist``).
 
 Importing this module imports numba (about half a second) and :func:`load` compiles the kernel,
-cached on disk by numba where the package directory is writable, so only the engine tier of a
-server configured for it pays that, once, at start-up. Loading is process-wide: from then on
-every re-hash of the process takes the kernel (:func:`kvcm.engines.hashing.set_native`). The
-kernel gives the same bits as the Python form (``tests/test_native_rehash.py`` compares them on
+cached on disk by numba where the package directory is writable, so only a server configured for
+it pays that, once, at start-up. Loading is process-wide: from then on every hash of whole
+blocks of a long enough token list takes the kernel (:func:`kvcm.cache.keys.set_native`). The
+kernel gives the same bits as the Python forms (``tests/test_hash_kernel.py`` compares them on
 random and edge inputs); token ids outside ``0 .. 2**32 - 1`` (no vocabulary has them) make it
-decline, and the Python form hashes that batch.
+decline, and Python hashes that list.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from kvcm.engines import hashing
+from kvcm.cache import keys
 
 _U64 = np.uint64
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -63,8 +64,8 @@ except RuntimeError:
 
 
 def states_many(seeds: Sequence[int], token_lists: Sequence[Sequence[int]], step: int) -> list[list[int]] | None:
-    """:func:`kvcm.engines.hashing.chain_states_many` compiled; None if a token id is outside
-    ``0 .. 2**32 - 1`` (the caller hashes in Python then)."""
+    """:data:`kvcm.cache.keys.NativeStates`: per list, the states after every ``step`` tokens
+    from its seed; None if a token id is outside ``0 .. 2**32 - 1`` (Python hashes it then)."""
     try:
         packed = b"".join([struct.pack(f"<{len(t)}I", *t) for t in token_lists])
     except struct.error:
@@ -84,6 +85,6 @@ def states_many(seeds: Sequence[int], token_lists: Sequence[Sequence[int]], step
 
 
 def load() -> None:
-    """Compile the kernel (or load numba's cached build) and make it the process's re-hash."""
+    """Compile the kernel (or load numba's cached build) and make it the process's hash."""
     states_many([1], [[1, 2]], 2)
-    hashing.set_native(states_many)
+    keys.set_native(states_many)
