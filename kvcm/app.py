@@ -727,5 +727,8 @@ def load_hash_kernel(config: Config) -> None:
         from kvcm.cache import hash_kernel
     except ImportError as exc:
         raise ConfigError(f"server.hash_kernel = numba needs numba and numpy (pip install 'kvcm[fast]'): {exc}") from None
-    hash_kernel.load()
+    try:
+        hash_kernel.load()
+    except Exception as exc:  # noqa: BLE001 - numba's build errors are many; each is a start-up refusal
+        raise ConfigError(f"server.hash_kernel = numba: the kernel could not be built: {type(exc).__name__}: {exc}") from None
     log.info("server.hash_kernel: the numba kernel is loaded (%.1f s)", time.monotonic() - started)

@@ -196,3 +196,17 @@ def test_numba_missing_is_a_start_up_error(python_only: None, monkeypatch: pytes
 def test_server_hash_kernel_is_validated() -> None:
     with pytest.raises(ConfigError, match=r"server\.hash_kernel must be python or numba"):
         load(environ={}, overrides={"server": {"hash_kernel": "cython"}})
+
+
+def test_a_kernel_that_cannot_be_built_is_a_start_up_error(python_only: None, monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Any) -> None:
+    from kvcm.app import App
+
+    def broken() -> None:
+        raise RuntimeError("no LLVM target")
+
+    monkeypatch.setattr(kernel, "load", broken)
+    config = make_test_config(str(tmp_path / "data"), f"ipc://{tmp_path}/rpc", {"server": {"hash_kernel": "numba"}})
+    with pytest.raises(ConfigError, match="the kernel could not be built: RuntimeError: no LLVM target"):
+        App(config)
+    assert keys.native_states() is None
