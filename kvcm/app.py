@@ -714,9 +714,6 @@ class HaNode:
             stage.request_stop()
 
 
-__all__ = ["App", "HaNode", "LoopThread", "open_store"]
-
-
 def load_hash_kernel(config: Config) -> None:
     """``server.hash_kernel = "numba"``: the compiled block hash for the whole process (idempotent),
     or a start-up error naming what is missing."""
@@ -732,3 +729,7 @@ def load_hash_kernel(config: Config) -> None:
     except Exception as exc:  # noqa: BLE001 - numba's build errors are many; each is a start-up refusal
         raise ConfigError(f"server.hash_kernel = numba: the kernel could not be built: {type(exc).__name__}: {exc}") from None
     log.info("server.hash_kernel: the numba kernel is loaded (%.1f s)", time.monotonic() - started)
+
+
+__all__ = ["App", "HaNode", "LoopThread", "open_store"]
+
