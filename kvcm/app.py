@@ -21,6 +21,7 @@ import lmdb
 import msgspec
 import zmq
 
+from kvcm.cache.keys import native_states
 from kvcm.config import Config, ConfigError, HttpConfig
 from kvcm.errors import KvcmError, StartRefused, Unavailable
 from kvcm.follower import FollowerStage
@@ -717,8 +718,8 @@ class HaNode:
 def load_hash_kernel(config: Config) -> None:
     """``server.hash_kernel = "numba"``: the compiled block hash for the whole process (idempotent),
     or a start-up error naming what is missing."""
-    if config.server.hash_kernel != "numba":
-        return
+    if config.server.hash_kernel != "numba" or native_states() is not None:
+        return  # off, or loaded already (an HA node builds an App per leader term)
     started = time.monotonic()
     try:
         from kvcm.cache import hash_kernel

@@ -70,9 +70,10 @@ def states_many(seeds: Sequence[int], token_lists: Sequence[Sequence[int]], step
         packed = b"".join([struct.pack(f"<{len(t)}I", *t) for t in token_lists])
     except struct.error:
         return None
-    offsets = np.zeros(len(token_lists) + 1, dtype=np.int64)
-    np.cumsum([len(t) for t in token_lists], out=offsets[1:])
-    counts = [len(t) // step for t in token_lists]
+    lengths = [len(t) for t in token_lists]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    counts = [n // step for n in lengths]
     out = np.empty(sum(counts), dtype=np.uint64)
     _run(np.array([s & _M64 for s in seeds], dtype=np.uint64), np.frombuffer(packed, dtype=np.uint32), offsets,
          step, out)  # fmt: skip

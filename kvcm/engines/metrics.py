@@ -74,11 +74,11 @@ class EventMetrics:
 
     def received(self, source: str, events: Iterable[object]) -> None:
         """Events of a batch decoded from the wire, counted by type."""
-        self.tallies.events(source, events)
+        self.tallies.received(source, events)
 
     def processed(self, source: str, by_type: dict[str, int]) -> None:
         """Events of a batch applied to the index, by type."""
-        self.tallies.add("processed", source, by_type)
+        self.tallies.processed(source, by_type)
 
     def applied(self, source: str, seq: int, seconds: float | None = None) -> None:
         """A batch of ``source`` applied: its sequence number (and how long applying took)."""
@@ -131,16 +131,16 @@ class _Tallies:
         self._seqs: dict[str, float] = {}
         registry.register(self)
 
-    def events(self, source: str, events: Iterable[object]) -> None:
-        """One ``received`` each, by the event's type."""
+    def received(self, source: str, events: Iterable[object]) -> None:
+        """One each, by the event's type."""
         counts = self._counts["received"]
         with self._lock:
             for event in events:
                 key = (source, type(event).__name__)
                 counts[key] = counts.get(key, 0.0) + 1
 
-    def add(self, family: str, source: str, by_type: dict[str, int]) -> None:
-        counts = self._counts[family]
+    def processed(self, source: str, by_type: dict[str, int]) -> None:
+        counts = self._counts["processed"]
         with self._lock:
             for event_type, n in by_type.items():
                 key = (source, event_type)
