@@ -18,13 +18,17 @@ trailing array elements are ignored, missing optional fields default to ``None``
 Block hashes are kept as sent (``int`` up to 2**64-1, negative SGLang int64, or ``bytes``);
 :func:`hash_to_u64` is the one normalisation consumers use (vLLM's own int mode: the last 8 bytes).
 
+With ``packed_tokens=True`` (the compiled block hash is loaded) a store's ``token_ids`` stay their
+msgpack bytes (:class:`PackedTokens`), which the kernel reads directly: making and freeing a
+thousand Python ints per 64-block store cost as much as the rest of its decoding.
+
 Payloads are untrusted (any pod can publish): msgspec is used with typed schemas and every error,
 including ``RecursionError``, surfaces as :class:`EventDecodeError` or as a per-event error kind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeAlias
 
@@ -42,7 +46,68 @@ BAD_EVENT = "bad_event"
 
 
 class EventDecodeError(ValueError):
-    """The payload is not a KVEventBatch at all (the whole message is skipped and counted)."""
+    """The payload is not a KVEventBatch at all (the whole message is skipped and counted); or,
+    read from :class:`PackedTokens`, a store's token ids are not ids (the store is refused)."""
+
+
+class PackedTokens(Sequence[int]):
+    """A store's ``token_ids`` as the msgpack arrays they came in (``raws``, each the bytes of
+    one array), decoded to Python ints only if read as a sequence. The compiled hash
+    (:mod:`kvcm.cache.hash_kernel`) reads ``raws`` instead. ``len`` comes from the array headers.
+    Their elements are checked when read: reading ids that are not ints raises
+    :class:`EventDecodeError` (the engine index refuses that store as a broken event)."""
+
+    __slots__ = ("_ids", "_n", "raws")
+
+    def __init__(self, raws: tuple[Any, ...], n: int) -> None:
+        self.raws = raws
+        self._n = n
+        self._ids: list[int] | None = None
+
+    @classmethod
+    def of(cls, raw: Any) -> PackedTokens:
+        """The tokens of one msgpack array; ValueError if ``raw`` is not an array."""
+        data = memoryview(raw)
+        first = data[0] if len(data) else -1
+        if 0x90 <= first <= 0x9F:
+            return cls((raw,), first & 0x0F)
+        width = 2 if first == 0xDC else 4 if first == 0xDD else 0
+        if not width or len(data) < 1 + width:
+            raise ValueError("token_ids is not an array")
+        return cls((raw,), int.from_bytes(data[1 : 1 + width], "big"))
+
+    def joined(self, other: PackedTokens) -> PackedTokens:
+        """These tokens followed by ``other``'s (their arrays are shared, not copied)."""
+        return PackedTokens(self.raws + other.raws, self._n + other._n)
+
+    @property
+    def ids(self) -> list[int]:
+        if self._ids is None:
+            try:
+                ids = [t for raw in self.raws for t in _TOKEN_IDS(raw)] if len(self.raws) > 1 else _TOKEN_IDS(self.raws[0])
+            except (msgspec.DecodeError, RecursionError) as exc:
+                raise EventDecodeError(f"token_ids: {exc}") from None
+            self._ids = ids
+        return self._ids
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.ids[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedTokens):
+            return self.ids == other.ids
+        return self.ids == other if isinstance(other, list) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # a sequence that compares equal to a list
+
+    def __repr__(self) -> str:
+        return f"PackedTokens({self._n} ids in {sum(len(memoryview(r)) for r in self.raws)} bytes)"
 
 
 # --- decoded events (what consumers see) ------------------------------------------------------
@@ -59,7 +124,7 @@ class BlockStored(msgspec.Struct, tag=True, array_like=True, gc=False):
 
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None = None
-    token_ids: list[int] = []
+    token_ids: Sequence[int] = []  # a list, or PackedTokens (decode_batch(..., packed_tokens=True))
     block_size: int = 0
     lora_id: int | None = None
     medium: str | None = None
@@ -143,15 +208,34 @@ class _MapEvents(msgspec.Struct, gc=False):
     data_parallel_rank: int | None = None
 
 
+def _twin(base: type[msgspec.Struct], changed: dict[str, tuple[Any, Any]], **options: Any) -> Any:
+    """``base`` with some fields ``changed`` (name -> type, default), for ``packed_tokens``."""
+    fields = [changed.get(f.name, (f.type, f.default)) for f in msgspec.structs.fields(base)]
+    names = [f.name for f in msgspec.structs.fields(base)]
+    return msgspec.defstruct(f"_Packed{base.__name__.lstrip('_')}", [(n, *spec) for n, spec in zip(names, fields)],
+                             gc=False, **options)  # fmt: skip
+
+
+_RAW_TOKENS = {"token_ids": (msgspec.Raw, msgspec.Raw(b"\x90"))}  # no token_ids: an empty array
+_PackedStored = _twin(BlockStored, _RAW_TOKENS, tag="BlockStored", array_like=True)
+_PackedStoredMap = _twin(_BlockStoredMap, _RAW_TOKENS, tag="BlockStored", tag_field="type")
+_PACKED_STORED = (_PackedStored, _PackedStoredMap)
+_PACKED_MAP_EVENTS = {"events": (list[_PackedStoredMap | _BlockRemovedMap | _AllBlocksClearedMap], msgspec.NODEFAULT)}  # type: ignore[valid-type]
+
 _WHOLE_MIXED = msgspec.msgpack.Decoder(_MixedEvents).decode
 _WHOLE_ARRAY = msgspec.msgpack.Decoder(_ArrayEvents).decode
 _WHOLE_MAP = msgspec.msgpack.Decoder(_MapEvents).decode
+_PACKED_MIXED = msgspec.msgpack.Decoder(_twin(_MixedEvents, _PACKED_MAP_EVENTS, array_like=True)).decode
+_PACKED_ARRAY = msgspec.msgpack.Decoder(_twin(_ArrayEvents, {"events": (list[_PackedStored | BlockRemoved | AllBlocksCleared], msgspec.NODEFAULT)},  # type: ignore[valid-type]
+                                              array_like=True)).decode  # fmt: skip
+_PACKED_MAP = msgspec.msgpack.Decoder(_twin(_MapEvents, _PACKED_MAP_EVENTS)).decode
+_TOKEN_IDS = msgspec.msgpack.Decoder(list[int]).decode
 _ARRAY_BATCH = msgspec.msgpack.Decoder(_ArrayBatch)
 _MAP_BATCH = msgspec.msgpack.Decoder(_MapBatch)
 _ARRAY_EVENT = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
 _MAP_EVENT = msgspec.msgpack.Decoder(_BlockStoredMap | _BlockRemovedMap | _AllBlocksClearedMap)
 _ANY = msgspec.msgpack.Decoder()
-_ENCODER = msgspec.msgpack.Encoder()
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=lambda obj: _encodable(obj))
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 
 
@@ -166,9 +250,11 @@ class DecodedBatch:
     shape: str = "array"
 
 
-def decode_batch(payload: bytes) -> DecodedBatch:
-    """Decode one payload; raises :class:`EventDecodeError` only if it is not a batch at all."""
-    whole = _decode_whole(payload)
+def decode_batch(payload: bytes, packed_tokens: bool = False) -> DecodedBatch:
+    """Decode one payload; raises :class:`EventDecodeError` only if it is not a batch at all.
+    ``packed_tokens``: the stores of a well-formed batch keep their ``token_ids`` as
+    :class:`PackedTokens` (a batch that needs the per-event path decodes them as lists)."""
+    whole = _decode_whole(payload, packed_tokens)
     if whole is not None:
         return whole
     batch, shape = _decode_envelope(payload)
@@ -183,19 +269,22 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     return DecodedBatch(batch.ts, events, batch.data_parallel_rank, errors, shape)
 
 
-def _decode_whole(payload: bytes) -> DecodedBatch | None:
+def _decode_whole(payload: bytes, packed: bool = False) -> DecodedBatch | None:
     """The batch if it decodes in one pass (every event well formed), else None."""
     first = payload[:1]
+    mixed, array, whole_map = (_PACKED_MIXED, _PACKED_ARRAY, _PACKED_MAP) if packed else (_WHOLE_MIXED, _WHOLE_ARRAY, _WHOLE_MAP)
     try:
         if first and _is_map_header(first[0]):
-            whole: _ArrayEvents | _MixedEvents | _MapEvents = _WHOLE_MAP(payload)
+            whole = whole_map(payload)
             shape = "map"
         else:
             shape = "array"
             try:
-                whole = _WHOLE_MIXED(payload)
+                whole = mixed(payload)
             except msgspec.ValidationError:  # positional events: the other array shape
-                whole = _WHOLE_ARRAY(payload)
+                whole = array(payload)
+        if packed:
+            return DecodedBatch(whole.ts, [_from_packed(ev) for ev in whole.events], whole.data_parallel_rank, [], shape)
     except (msgspec.DecodeError, RecursionError, ValueError, TypeError):
         return None
     if isinstance(whole, _ArrayEvents):
@@ -231,22 +320,33 @@ def _decode_event(raw: msgspec.Raw) -> Event | str:
 
 def _from_map(ev: _BlockStoredMap | _BlockRemovedMap | _AllBlocksClearedMap) -> Event:
     if type(ev) is _BlockStoredMap:
-        return BlockStored(
-            ev.block_hashes,
-            ev.parent_block_hash,
-            ev.token_ids,
-            ev.block_size,
-            ev.lora_id,
-            ev.medium,
-            ev.lora_name,
-            ev.extra_keys,
-            ev.group_idx,
-            ev.kv_cache_spec_kind,
-            ev.kv_cache_spec_sliding_window,
-        )
+        return _stored(ev, ev.token_ids)
     if type(ev) is _BlockRemovedMap:
         return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx)
     return AllBlocksCleared()
+
+
+def _from_packed(ev: Any) -> Event:
+    """An event of a ``packed_tokens`` decode; ValueError if a store's token_ids is no array."""
+    if type(ev) in _PACKED_STORED:
+        return _stored(ev, PackedTokens.of(ev.token_ids))
+    return ev if type(ev) in (BlockRemoved, AllBlocksCleared) else _from_map(ev)
+
+
+def _stored(ev: Any, tokens: Sequence[int]) -> BlockStored:
+    return BlockStored(ev.block_hashes, ev.parent_block_hash, tokens, ev.block_size, ev.lora_id, ev.medium,
+                       ev.lora_name, ev.extra_keys, ev.group_idx, ev.kv_cache_spec_kind,
+                       ev.kv_cache_spec_sliding_window)  # fmt: skip
+
+
+def _encodable(obj: Any) -> Any:
+    """PackedTokens encode as the arrays they came in (one) or as their ids."""
+    if isinstance(obj, PackedTokens):
+        if len(obj.raws) > 1:
+            return obj.ids
+        raw = obj.raws[0]
+        return raw if isinstance(raw, msgspec.Raw) else msgspec.Raw(raw)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")  # msgspec: "not a type I know"
 
 
 def _classify_failure(data: Any) -> str:

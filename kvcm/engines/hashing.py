@@ -21,6 +21,7 @@ from operator import add, itemgetter
 from typing import TYPE_CHECKING, Literal, cast
 
 from kvcm.cache.keys import NATIVE_MIN_TOKENS, native_states
+from kvcm.kv_events import PackedTokens
 
 if TYPE_CHECKING:
     from kvcm.kv_events import BlockStored
@@ -205,14 +206,18 @@ class Chain:
         self.tokens: Sequence[int] = []
 
     def add(self, ev: BlockStored) -> None:
-        """Append a store (its token list is shared, not copied, while it is the only one)."""
+        """Append a store (its token list is shared, not copied, while it is the only one;
+        packed tokens stay packed)."""
         self.events.append(ev)
+        tokens = ev.token_ids
         if len(self.events) == 1:
-            self.tokens = ev.token_ids
-        elif len(self.events) == 2:
-            self.tokens = [*self.tokens, *ev.token_ids]  # from here on a list of the chain's own
+            self.tokens = tokens
+        elif type(self.tokens) is PackedTokens and type(tokens) is PackedTokens:
+            self.tokens = self.tokens.joined(tokens)
+        elif len(self.events) == 2 or type(self.tokens) is PackedTokens:
+            self.tokens = [*self.tokens, *tokens]  # from here on a list of the chain's own
         else:
-            cast("list[int]", self.tokens).extend(ev.token_ids)
+            cast("list[int]", self.tokens).extend(tokens)
 
 
 #: Per store event (by ``id``): the state it was hashed from, and its states.

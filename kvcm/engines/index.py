@@ -38,8 +38,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, MutableMapping, Sequence
 from itertools import accumulate, compress, islice, repeat
-from operator import and_, attrgetter, is_, ne, or_
-from typing import Any, cast
+from operator import and_, attrgetter, is_, is_not, or_
+from typing import Any
 
 from kvcm.engines.entries import (
     BLOCK_KEY,
@@ -68,7 +68,15 @@ from kvcm.engines.scoring import ENTRY, POD_ENTRY, Fragment, fragment
 from kvcm.engines.sources import SourceSpec
 from kvcm.engines.table import MAIN_KINDS, HolderTable, Slot
 from kvcm.errors import Conflict, KvcmError, NotFound
-from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, ExternalBlockHash, hash_to_u64
+from kvcm.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodedBatch,
+    EventDecodeError,
+    ExternalBlockHash,
+    hash_to_u64,
+)
 from kvcm.store.base import MetaStore
 from kvcm.threads import gc_paused
 
@@ -267,7 +275,11 @@ class EngineIndex:
             return 0
         seed, pos, step, block_size = plan
         found = pre.get(id(ev))
-        states = found[1] if found is not None and found[0] == seed & M64 else chain_states(seed, ev.token_ids, step)
+        try:
+            states = found[1] if found is not None and found[0] == seed & M64 else chain_states(seed, ev.token_ids, step)
+        except EventDecodeError:  # packed token ids that are not ids (read only now): the store is refused
+            errors["bad_token_ids"] += 1
+            return 0
         lora = ev.lora_name or ""
         blocks = state.blocks
         size = ev.block_size
@@ -475,7 +487,10 @@ class EngineIndex:
                     jobs.append((state, ev))
         if len(jobs) < 2:
             return {}  # one chain: the scalar path in _stored is as fast
-        return hash_chains(self._chains(jobs))
+        try:
+            return hash_chains(self._chains(jobs))
+        except EventDecodeError:  # a store's packed token ids are not ids: each is hashed (or refused) alone
+            return {}
 
     def _chains(self, jobs: list[tuple[SourceState, BlockStored]]) -> list[Chain]:
         chains: list[Chain] = []
@@ -591,14 +606,9 @@ class EngineIndex:
             allowed = table.allowed(wanted, group_idx)
             if exclude:
                 allowed &= ~_mask(table, exclude)
-            found_masks = list(map(table.holders.get, keys))  # None: nobody holds the key
-            try:  # it ends every match: the running AND is 0 from there (one scan, found or not)
-                del found_masks[found_masks.index(None) :]
-            except ValueError:
-                pass
-            if not found_masks:
+            masks = list(map(table.holders.__getitem__, keys))  # 0: nobody holds the key
+            if not masks[0] & allowed:
                 return [], True
-            masks = cast(list[int], found_masks)
             # The running AND of the masks can only change where a mask differs from the one
             # before: there, and only there, it is computed (``held``); the slots it loses at
             # such a position hold exactly that many keys. A run is looked up by its length and
@@ -606,22 +616,24 @@ class EngineIndex:
             # each step is one C-level pass (a position where a mask changed but the running AND
             # did not is an empty run).
             n = len(masks)
-            changed = list(map(ne, masks, islice(masks, 1, None)))
+            changed = list(map(is_not, masks, islice(masks, 1, None)))  # equal masks of a stretch are one object
             held = list(accumulate(compress(islice(masks, 1, None), changed), and_, initial=masks[0] & allowed))
+            if not held[-1]:  # nothing matches past the first running AND of 0 (a key nobody allowed holds)
+                del held[held.index(0) + 1 :]
             memo, uniform = self._run_memo(instance_id, lora, table, block_size, weight)
-            found = list(map(memo.get, zip(compress(range(1, n), changed), held, islice(held, 1, None))))
-            if held[-1]:
-                found.append(memo.get((n, held[-1], 0)))
-            if not found:
-                return [], True
-            if None in found:  # runs not seen before (rare): made again, to encode the missing ones
+            try:
+                found = list(map(memo.__getitem__, zip(compress(range(1, n), changed), held, islice(held, 1, None))))
+                if held[-1]:
+                    found.append(memo[(n, held[-1], 0)])
+            except KeyError:  # runs not seen before (rare): made again, to encode the missing ones
                 runs = list(zip(compress(range(1, n), changed), held, islice(held, 1, None)))
                 if held[-1]:
                     runs.append((n, held[-1], 0))
-                found = [f if f is not None else self._run_fragments(memo, table.slots, run, block_size, weight)
-                         for f, run in zip(found, runs)]  # fmt: skip
+                found = [memo.get(run) or self._run_fragments(memo, table.slots, run, block_size, weight) for run in runs]
+            if not found:
+                return [], True
         found.reverse()
-        return found, uniform  # type: ignore[return-value]  # no None left
+        return found, uniform
 
     def pods_distinct(self, instance_id: str) -> bool:
         """Whether every source of the instance is its own pod (no DP ranks to group), kept

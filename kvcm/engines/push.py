@@ -67,6 +67,7 @@ from typing import Any
 
 import msgspec
 
+from kvcm.cache.keys import native_states
 from kvcm.engines.entries import ApplyStats, Item, SourceState, Tally
 from kvcm.engines.hashing import Precomputed
 from kvcm.engines.index import EngineIndex
@@ -378,7 +379,7 @@ def _batches(r: Report) -> list[tuple[int, DecodedBatch | None]]:
 
 def _decode(payload: bytes) -> DecodedBatch | None:
     try:
-        return decode_batch(payload)
+        return decode_batch(payload, packed_tokens=native_states() is not None)
     except EventDecodeError:
         return None
 

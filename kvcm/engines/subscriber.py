@@ -64,6 +64,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvcm.cache.keys import native_states
 from kvcm.config import ConfigError
 from kvcm.engines.entries import Item
 from kvcm.engines.index import EngineIndex
@@ -614,7 +615,7 @@ class EventSubscriber:
     def _decode(self, conn: SourceConn, payload: bytes) -> DecodedBatch | None:
         """The batch, or None for garbage (counted; its seq is still consumed)."""
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, packed_tokens=native_states() is not None)
         except EventDecodeError:
             self._error(conn, "decode")
             return None

@@ -40,11 +40,19 @@ class Slot:
     dp_rank: int = 0
 
 
+class Holders(dict[int, int]):
+    """``holders[key]`` is 0 for a key nobody holds (``get`` still answers None): a query maps
+    ``__getitem__`` over its keys and needs no second pass to find the missing ones."""
+
+    def __missing__(self, key: int) -> int:
+        return 0
+
+
 class HolderTable:
     """Key -> bit mask of holder slots, for one ``(instance_id, lora_name)`` namespace."""
 
     def __init__(self) -> None:
-        self.holders: dict[int, int] = {}
+        self.holders: dict[int, int] = Holders()
         self.slots: list[Slot | None] = []
         self.counts: list[int] = []  # distinct keys per slot
         self.extra: list[dict[int, int]] = []  # per slot: key -> holdings beyond the first
@@ -83,12 +91,12 @@ class HolderTable:
 
     def forget(self, bits: int, keys: Iterable[int]) -> None:
         """Clear the slots in ``bits`` from ``keys`` (their slots are about to be dropped)."""
-        holders, clear = self.holders, ~bits
+        holders, clear, cleared = self.holders, ~bits, dict[int, int]()
         for key in keys:
             mask = holders.get(key, 0)
             if mask & bits:
                 if mask & clear:
-                    holders[key] = mask & clear
+                    holders[key] = cleared.get(mask) or cleared.setdefault(mask, mask & clear)
                 else:
                     del holders[key]
 
@@ -104,22 +112,25 @@ class HolderTable:
     def hold(self, sid: int, keys: Sequence[int]) -> None:
         holders, bit = self.holders, 1 << sid
         masks = list(map(holders.get, keys, repeat(0)))
-        if not reduce(or_, masks, 0) & bit and len(set(keys)) == len(keys):
-            # The common case (distinct keys the slot does not hold yet): C-level iteration only.
-            holders.update(zip(keys, map(or_, masks, repeat(bit))))
+        distinct = set(masks)
+        if not reduce(or_, distinct, 0) & bit and len(set(keys)) == len(keys):
+            # The common case (distinct keys the slot does not hold yet): C-level iteration only,
+            # and keys held alike share one mask object (see :meth:`longest_prefixes`).
+            grown = {mask: mask | bit for mask in distinct}
+            holders.update(zip(keys, map(grown.__getitem__, masks)))
             self.counts[sid] += len(keys)
             return
-        extra = self.extra[sid]
+        extra, grown = self.extra[sid], dict[int, int]()
         for key in keys:
             mask = holders.get(key, 0)
             if mask & bit:
                 extra[key] = extra.get(key, 0) + 1
             else:
-                holders[key] = mask | bit
+                holders[key] = grown.get(mask) or grown.setdefault(mask, mask | bit)
                 self.counts[sid] += 1
 
     def release(self, sid: int, keys: Iterable[int]) -> None:
-        holders, bit, extra = self.holders, 1 << sid, self.extra[sid]
+        holders, bit, extra, shrunk = self.holders, 1 << sid, self.extra[sid], dict[int, int]()
         for key in keys:
             more = extra.get(key)
             if more:
@@ -132,7 +143,7 @@ class HolderTable:
             if mask & bit:
                 self.counts[sid] -= 1
                 if mask ^ bit:
-                    holders[key] = mask ^ bit
+                    holders[key] = shrunk.get(mask) or shrunk.setdefault(mask, mask ^ bit)
                 else:
                     del holders[key]
 
