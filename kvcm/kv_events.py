@@ -55,7 +55,7 @@ class PackedTokens(Sequence[int]):
     one array), decoded to Python ints only if read as a sequence. The compiled hash
     (:mod:`kvcm.cache.hash_kernel`) reads ``raws`` instead. ``len`` comes from the array headers.
     Their elements are checked when read: reading ids that are not ints raises
-    :class:`EventDecodeError` (the engine index refuses that store as a broken event)."""
+    :class:`EventDecodeError` (the engine index refuses that store: ``bad_token_ids``)."""
 
     __slots__ = ("_ids", "_n", "raws")
 
@@ -210,24 +210,25 @@ class _MapEvents(msgspec.Struct, gc=False):
 
 def _twin(base: type[msgspec.Struct], changed: dict[str, tuple[Any, Any]], **options: Any) -> Any:
     """``base`` with some fields ``changed`` (name -> type, default), for ``packed_tokens``."""
-    fields = [changed.get(f.name, (f.type, f.default)) for f in msgspec.structs.fields(base)]
-    names = [f.name for f in msgspec.structs.fields(base)]
-    return msgspec.defstruct(f"_Packed{base.__name__.lstrip('_')}", [(n, *spec) for n, spec in zip(names, fields)],
-                             gc=False, **options)  # fmt: skip
+    fields = [(f.name, *changed.get(f.name, (f.type, f.default))) for f in msgspec.structs.fields(base)]
+    return msgspec.defstruct(f"_Packed{base.__name__.lstrip('_')}", fields, gc=False, **options)
 
 
-_RAW_TOKENS = {"token_ids": (msgspec.Raw, msgspec.Raw(b"\x90"))}  # no token_ids: an empty array
+# The packed twins of the one-pass batches: a store's token_ids stay raw (an empty array if absent).
+_RAW_TOKENS = {"token_ids": (msgspec.Raw, msgspec.Raw(b"\x90"))}
 _PackedStored = _twin(BlockStored, _RAW_TOKENS, tag="BlockStored", array_like=True)
 _PackedStoredMap = _twin(_BlockStoredMap, _RAW_TOKENS, tag="BlockStored", tag_field="type")
 _PACKED_STORED = (_PackedStored, _PackedStoredMap)
-_PACKED_MAP_EVENTS = {"events": (list[_PackedStoredMap | _BlockRemovedMap | _AllBlocksClearedMap], msgspec.NODEFAULT)}  # type: ignore[valid-type]
+_PackedArrayEvent: TypeAlias = _PackedStored | BlockRemoved | AllBlocksCleared  # type: ignore[valid-type]
+_PackedMapEvent: TypeAlias = _PackedStoredMap | _BlockRemovedMap | _AllBlocksClearedMap  # type: ignore[valid-type]
+_PACKED_ARRAY_EVENTS = {"events": (list[_PackedArrayEvent], msgspec.NODEFAULT)}
+_PACKED_MAP_EVENTS = {"events": (list[_PackedMapEvent], msgspec.NODEFAULT)}
 
 _WHOLE_MIXED = msgspec.msgpack.Decoder(_MixedEvents).decode
 _WHOLE_ARRAY = msgspec.msgpack.Decoder(_ArrayEvents).decode
 _WHOLE_MAP = msgspec.msgpack.Decoder(_MapEvents).decode
 _PACKED_MIXED = msgspec.msgpack.Decoder(_twin(_MixedEvents, _PACKED_MAP_EVENTS, array_like=True)).decode
-_PACKED_ARRAY = msgspec.msgpack.Decoder(_twin(_ArrayEvents, {"events": (list[_PackedStored | BlockRemoved | AllBlocksCleared], msgspec.NODEFAULT)},  # type: ignore[valid-type]
-                                              array_like=True)).decode  # fmt: skip
+_PACKED_ARRAY = msgspec.msgpack.Decoder(_twin(_ArrayEvents, _PACKED_ARRAY_EVENTS, array_like=True)).decode
 _PACKED_MAP = msgspec.msgpack.Decoder(_twin(_MapEvents, _PACKED_MAP_EVENTS)).decode
 _TOKEN_IDS = msgspec.msgpack.Decoder(list[int]).decode
 _ARRAY_BATCH = msgspec.msgpack.Decoder(_ArrayBatch)

@@ -5,18 +5,19 @@ that sends ``token_ids``, and for every block an engine reports, which the engin
 (about half the CPU of applying a KV-event batch). In pure Python that is at its floor: the mix
 is sequential per chain, so the fastest form runs every chain of a drain in the lanes of one big
 int (:mod:`kvcm.engines.hashing`), and even then each token costs hundreds of interpreter and
-big-int instructions. numba compiles the same recurrence on plain 64-bit words. Token ids reach it as msgpack arrays
-(an engine's stores as they came off the wire, :class:`kvcm.kv_events.PackedTokens`; lists
-encoded by msgspec, C-level), which a second kernel unpacks into one ``uint32`` buffer: a token
-id never has to exist as a Python int. The states come back as Python ints (``tolist``).
+big-int instructions. numba compiles the same recurrence on plain 64-bit words. Token ids
+reach it as msgpack arrays (an engine's stores as they came off the wire,
+:class:`kvcm.kv_events.PackedTokens`; lists encoded by msgspec, C-level), which a second kernel
+unpacks into one ``uint32`` buffer: a token id never has to exist as a Python int. The states
+come back as Python ints (``tolist``).
 
 Importing this module imports numba (about half a second) and :func:`load` compiles the kernel,
 cached on disk by numba where the package directory is writable, so only a server configured for
 it pays that, once, at start-up. Loading is process-wide: from then on every hash of whole
 blocks of a long enough token list takes the kernel (:func:`kvcm.cache.keys.set_native`). The
 kernel gives the same bits as the Python forms (``tests/test_hash_kernel.py`` compares them on
-random and edge inputs); token ids outside ``0 .. 2**32 - 1`` (no vocabulary has them), or anything else than ints,
-make it decline, and Python hashes that list.
+random and edge inputs); token ids outside ``0 .. 2**32 - 1`` (no vocabulary has them), or
+anything but ints, make it decline, and Python hashes that list.
 """
 
 from __future__ import annotations

@@ -616,7 +616,9 @@ class EngineIndex:
             # each step is one C-level pass (a position where a mask changed but the running AND
             # did not is an empty run).
             n = len(masks)
-            changed = list(map(is_not, masks, islice(masks, 1, None)))  # equal masks of a stretch are one object
+            # by identity: the table gives the keys of a stretch held alike one mask object (two
+            # equal masks that are not the same object only make an empty run)
+            changed = list(map(is_not, masks, islice(masks, 1, None)))
             held = list(accumulate(compress(islice(masks, 1, None), changed), and_, initial=masks[0] & allowed))
             if not held[-1]:  # nothing matches past the first running AND of 0 (a key nobody allowed holds)
                 del held[held.index(0) + 1 :]
