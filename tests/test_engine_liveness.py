@@ -63,6 +63,12 @@ def pubs() -> Iterator[Callable[..., FakeEnginePublisher]]:
         pub.close()
 
 
+def unprobed() -> EngineService:
+    """A service that never probes, nor marks a source stale, within a test's time: only the
+    event stream itself moves a source's state."""
+    cfg = load(environ={}, overrides={"events": {**EVENTS, "probe_interval_s": 60.0, "stale_after_s": 120.0,
+                                                 "expire_after_s": 240.0}}).events  # fmt: skip
+    return EngineService(MemoryStore(), lookup, SubscriberSettings.from_config(cfg))
 
 
 def pump_for(svc: EngineService, seconds: float) -> None:
@@ -181,6 +187,67 @@ def test_restart_in_place_is_a_full_rebuild(svc, pubs):
     pump(svc, lambda: hashes(svc) == {500})
     hit = entry(svc)
     assert hit is not None and hit["matched_blocks"] == 1
+
+
+def test_restart_seen_in_the_live_stream_is_a_rebuild(pubs):
+    """With no replay ROUTER (nothing to probe or replay), only the live stream reveals a
+    restart: the new incarnation's first batch reuses a seq already seen, with a later timestamp."""
+    pub, service = pubs(replay_endpoint=""), unprobed()
+    try:
+        service.add_source({"source_id": "pod-a", "instance_id": "inst", "endpoint": pub.endpoint})
+        while not hashes(service):  # the slow joiner
+            store(pub, 0, 1)
+            pump_for(service, 0.02)
+        for i in range(1, 30):
+            store(pub, min(i, 3), 1)  # seqs up to 30 or so: as many reused seqs for the new incarnation
+        pump(service, lambda: hashes(service) == {100, 101, 102, 103} and info(service)["last_seq"] == pub.seq - 1)
+        last = info(service)["last_seq"]
+        pub.restart()
+        for i in range(last):  # until a batch gets through the reconnect; every seq < last is a reused one
+            store(pub, 0, 1, base=500 + 10 * i)
+            pump_for(service, 0.1)
+            if info(service)["rebuilds"]:
+                break
+        src = info(service)
+        assert src["rebuilds"] == 1 and src["last_rebuild"] == "publisher_restart" and src["restarts"] == 1
+        assert not hashes(service) & {100, 101, 102, 103}  # nothing of the old incarnation kept
+        assert hashes(service) and hashes(service) <= {500 + 10 * i for i in range(last)}
+    finally:
+        service.stop()
+
+
+def test_a_replay_in_progress_is_state_replaying(pubs):
+    """A replay ROUTER that never answers: from the gap until the replay times out the source
+    is ``replaying`` (its blocks may trail the engine's), then the gap is accepted."""
+    import zmq
+
+    pub, svc = pubs(), unprobed()
+    mute = zmq.Context.instance().socket(zmq.ROUTER)  # takes replay requests, answers none
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        svc.add_source({"source_id": "pod-a", "instance_id": "inst", "endpoint": pub.endpoint,
+                        "replay_endpoint": f"tcp://127.0.0.1:{port}", "replay_timeout_s": 1.0})  # fmt: skip
+        # the slow joiner, and the catch-up replay a new subscription asks of the mute ROUTER
+        # (held batches wait for its timeout): a batch now and then until one is applied
+        for _ in range(200):
+            store(pub, 0, 1)
+            pump_for(svc, 0.05)
+            if info(svc)["last_seq"] >= 0 and not info(svc)["replaying"]:
+                break
+        pump(svc, lambda: not info(svc)["replaying"] and info(svc)["last_seq"] >= 0)
+        pump_for(svc, 0.3)  # past the backoff that failed replay started (backoff_initial_s 0.05)
+        pub.drop_next(1)
+        store(pub, 1, 1)
+        store(pub, 2, 1)  # a gap: replay from the lost seq, asked of the mute ROUTER
+        pump(svc, lambda: info(svc)["replaying"])
+        assert info(svc)["state"] == "replaying" and svc.freshness("pod-a")[0] == "replaying"
+        # the reply's freshness map is kept for poll_ms, so it may trail by that much
+        pump(svc, lambda: packed(svc)["freshness"]["pod-a"]["state"] == "replaying")
+        assert info(svc)["replaying"]  # still asking: the reply's state is the replay's, not a stale copy
+        pump(svc, lambda: info(svc)["state"] == "gap")  # timed out: the gap is accepted, flagged
+    finally:
+        mute.close(linger=0)
+        svc.stop()
 
 
 def test_replay_buffer_that_no_longer_reaches_back_is_a_rebuild(svc, pubs):

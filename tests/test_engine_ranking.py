@@ -214,6 +214,43 @@ def test_speculative_entries_are_bounded(ranked):
     assert len(entries) == 0 and entries.ended["removed"] == 2
 
 
+def test_expired_entries_end_on_later_notes_without_any_query():
+    """Entries nobody queries still end at their ttl: each note_routed ends the oldest expired
+    ones first, so a router that only notes never grows the entries past what is live."""
+    from kvcm.engines.speculative import SpeculativeEntries
+
+    now = [0.0]
+    entries = SpeculativeEntries(max_entries=1000, max_ttl_s=60, clock=lambda: now[0])
+    for i in range(3):
+        entries.note("llm", "pod-a", [i + 1, i + 2], ttl_s=1.0)
+    now[0] = 2.0
+    entries.note("llm", "pod-a", [9], ttl_s=1.0)
+    assert len(entries) == 1 and entries.ended["expired"] == 3 and entries.ended["dropped"] == 0
+    assert not entries.matched("llm", [1, 2])  # and what ended is no longer counted
+
+
+def test_a_stale_source_is_left_out_unless_asked_for_over_rpc():
+    """Stale (not heard for stale_after_s, never expired here): match_engines and
+    get_host_cache_state leave it out and count it; ``include_stale`` brings it back, flagged."""
+    events = {"probe_interval_s": 0.2, "stale_after_s": 0.5, "expire_after_s": 0, "poll_ms": 20}
+    with serve_in_thread(overrides={"events": events}) as server, server.client() as kv:
+        _register(kv)
+        kv.report_events(source_id="push-a", op="register", instance_id="llm")
+        kv.report_events(source_id="push-a", op="events", seq=0, events=[
+            {"type": "add", "block_hashes": [1, 2], "token_ids": TOKENS[: 2 * BLOCK], "block_size": BLOCK}])
+        assert _entry(_match(kv), "push-a") is not None
+        assert wait_for(lambda: _match(kv)["stale_sources"] == 1)
+        reply = _match(kv)
+        assert reply["sources"] == [] and reply["freshness"]["push-a"]["state"] == "stale"
+        kept = _match(kv, include_stale=True)
+        assert _order(kept) == ["push-a"] and kept["stale_sources"] == 0 and kept["sources"][0]["matched_blocks"] == 2
+        hosts = kv.call("get_host_cache_state", {"instance_id": "llm", "token_ids": TOKENS, "include_storage": False})
+        assert hosts["hosts"] == []  # a stale host is not listed, holding or not
+        hosts = kv.call("get_host_cache_state", {"instance_id": "llm", "token_ids": TOKENS, "include_storage": False,
+                                                 "include_stale": True})  # fmt: skip
+        assert [(h["host_ip_port"], h["local"]) for h in hosts["hosts"]] == [("push-a", 2)]
+
+
 def test_include_storage_adds_the_storage_tier_as_a_pseudo_source(ranked):
     _, kv, _ = ranked
     keys = token_ids_to_block_keys(TOKENS, BLOCK)
@@ -246,6 +283,14 @@ def test_get_host_cache_state_answers_in_tairs_shape(ranked):
     reply = kv.call("get_host_cache_state", {"instance_id": "llm", "token_ids": TOKENS, "medium": ["GPU"]})
     assert [(h["host_ip_port"], h["local"], h["p2p_1_total_match"]) for h in reply["hosts"]] == [
         ("pod-gpu", 5, 5), ("pod-cpu", 0, 5)]
+    # loads: each host's score is its best rank's score minus that rank's load, best first
+    reply = kv.call("get_host_cache_state", {"instance_id": "llm", "token_ids": TOKENS, "loads": {"pod-gpu": 2.0}})
+    assert [(h["host_ip_port"], h["score"]) for h in reply["hosts"]] == [("pod-cpu", pytest.approx(4.8)),
+                                                                           ("pod-gpu", pytest.approx(3.0))]
+    reply = kv.call("get_host_cache_state", {"instance_id": "llm", "token_ids": TOKENS, "medium": ["GPU"],
+                                             "loads": {"pod-cpu": 1.5}})  # fmt: skip
+    assert [(h["host_ip_port"], h["score"]) for h in reply["hosts"]] == [("pod-gpu", pytest.approx(5.0)),
+                                                                           ("pod-cpu", pytest.approx(-1.5))]
     for bad in ({"query_type": "batch_get"}, {"block_keys": keys, "block_cache_keys": keys}, {"top_k": -1}):
         with pytest.raises(InvalidArgument):
             kv.call("get_host_cache_state", {"instance_id": "llm", "token_ids": TOKENS, **bad})
