@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import zmq
 from prometheus_client import generate_latest
 from test_engine_subscriber import pump
 
@@ -63,12 +64,16 @@ def pubs() -> Iterator[Callable[..., FakeEnginePublisher]]:
         pub.close()
 
 
+def service_with(**events: float) -> EngineService:
+    """A service on EVENTS with ``events`` changed (the caller stops it)."""
+    cfg = load(environ={}, overrides={"events": {**EVENTS, **events}}).events
+    return EngineService(MemoryStore(), lookup, SubscriberSettings.from_config(cfg))
+
+
 def unprobed() -> EngineService:
     """A service that never probes, nor marks a source stale, within a test's time: only the
     event stream itself moves a source's state."""
-    cfg = load(environ={}, overrides={"events": {**EVENTS, "probe_interval_s": 60.0, "stale_after_s": 120.0,
-                                                 "expire_after_s": 240.0}}).events  # fmt: skip
-    return EngineService(MemoryStore(), lookup, SubscriberSettings.from_config(cfg))
+    return service_with(probe_interval_s=60.0, stale_after_s=120.0, expire_after_s=240.0)
 
 
 def pump_for(svc: EngineService, seconds: float) -> None:
@@ -219,8 +224,6 @@ def test_restart_seen_in_the_live_stream_is_a_rebuild(pubs):
 def test_a_replay_in_progress_is_state_replaying(pubs):
     """A replay ROUTER that never answers: from the gap until the replay times out the source
     is ``replaying`` (its blocks may trail the engine's), then the gap is accepted."""
-    import zmq
-
     pub, svc = pubs(), unprobed()
     mute = zmq.Context.instance().socket(zmq.ROUTER)  # takes replay requests, answers none
     port = mute.bind_to_random_port("tcp://127.0.0.1")
@@ -300,8 +303,7 @@ def test_liveness_settings_are_validated(events, needle):
 
 
 def test_expire_zero_never_drops(pubs):
-    cfg = load(environ={}, overrides={"events": {**EVENTS, "expire_after_s": 0}}).events
-    service = EngineService(MemoryStore(), lookup, SubscriberSettings.from_config(cfg))
+    service = service_with(expire_after_s=0)
     try:
         pub = pubs()
         add(service, pub)
