@@ -338,14 +338,16 @@ class Client:
         return await self._typed("list_instance_groups", AdminReply, timeout, trace_id=trace_id)
 
     async def register_instance(self, *, instance_group: str, instance_id: str, block_size: int,
-                                location_spec_infos: Sequence[SpecInfo | dict[str, Any]],
+                                location_spec_infos: Sequence[SpecInfo | dict[str, Any]] | None = None,
                                 model_deployment: ModelDeployment | dict[str, Any] | None = None,
                                 location_spec_groups: Sequence[SpecGroup | dict[str, Any]] | None = None,
                                 trace_id: str | None = None, timeout: float | None = None) -> Registered:
-        """Register an instance (data plane; the same registration again gives ``created=False``)."""
+        """Register an instance, or attach to it (data plane; the same registration again gives
+        ``created=False``). Fields left out (None) are not compared with a registered instance's;
+        a new instance without ``location_spec_infos`` is router-only (engine tier only)."""
         return await self._typed("register_instance", Registered, timeout, instance_group=instance_group,
                                  instance_id=instance_id, block_size=block_size,
-                                 location_spec_infos=list(location_spec_infos), model_deployment=model_deployment,
+                                 location_spec_infos=_listed(location_spec_infos), model_deployment=model_deployment,
                                  location_spec_groups=_listed(location_spec_groups), trace_id=trace_id)
 
     async def get_instance_info(self, *, instance_id: str, instance_group: str | None = None,

@@ -68,6 +68,17 @@ def open_store(config: Config, orphans: str = "refuse") -> MetaStore:
     )
 
 
+def require_redis_client(config: Config) -> None:
+    """The Redis store and the leader lease need redis-py, an optional extra: without it, say
+    which extra to install instead of a ModuleNotFoundError from deep inside the start."""
+    try:
+        import redis  # noqa: F401 - only whether it imports
+    except ImportError:
+        setting = "ha.enabled = true" if config.ha.enabled else f"store.backend = {config.store.backend}"
+        raise ConfigError(f"{setting} needs the Redis client, an optional extra: pip install 'kvcm[redis]' "
+                          "(from a checkout: pip install '.[redis]')") from None
+
+
 def redis_password(config: Config) -> str | None:
     """The Redis password of ``store.redis_password_file`` (None: none, or the URL's own)."""
     if not config.store.redis_password_file:
@@ -85,6 +96,7 @@ def _open_redis(config: Config, orphans: str = "refuse", follower: bool = False)
 
     ``follower``: a follower stage's store, which reads the leader's metadata and refuses
     every commit (the stage holds the data dir's lock itself)."""
+    require_redis_client(config)
     from kvcm.store.redis import RedisStore, redact
 
     cfg = config.store
@@ -591,6 +603,7 @@ class HaNode:
     binds the same endpoints, so clients only see refusals and a reconnect."""
 
     def __init__(self, config: Config, orphans: str = "refuse") -> None:
+        require_redis_client(config)
         import redis
 
         from kvcm.ha.lease import Lease

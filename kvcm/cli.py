@@ -233,7 +233,7 @@ def _drop_unclaimed(lock: str) -> None:
 
 
 def cmd_call(args: argparse.Namespace) -> int:
-    from kvcm.client import Client
+    from kvcm.client import Client, Endpoints
 
     try:
         params = json.loads(args.params)
@@ -248,7 +248,12 @@ def cmd_call(args: argparse.Namespace) -> int:
     except _CredentialsError as exc:
         print(f"kvcm call: {exc}", file=sys.stderr)
         return 2
-    endpoint, _ = call_endpoint(args)
+    endpoint, source = call_endpoint(args)
+    if not any(_accepts_connections(e, min(CONNECT_PROBE_S, args.timeout)) for e in Endpoints(endpoint).all):
+        print(f"kvcm call: no server answered at {endpoint} (from {source}) within "
+              f"{min(CONNECT_PROBE_S, args.timeout):g} s: start one with `kvcm serve`, or point --endpoint "
+              "or KVCM_SERVER_ENDPOINT at a running one", file=sys.stderr)
+        return 1
     curve: dict[str, Any] = {}
     if args.curve_server_key or args.curve_client_key:  # a client key alone is refused by Client
         curve = {"curve_server_key": args.curve_server_key, "curve_client_keys": args.curve_client_key}
@@ -256,6 +261,36 @@ def cmd_call(args: argparse.Namespace) -> int:
         result = client.call(args.method, params)
     print(json.dumps(result, indent=2, sort_keys=True, default=_jsonable))
     return 0
+
+
+#: How long ``kvcm call`` waits for a connection before saying no server is there: well under
+#: the call's own timeout, which (with retries) is meant for a server that is slow, not absent.
+CONNECT_PROBE_S = 2.0
+
+
+def _accepts_connections(endpoint: str, timeout: float) -> bool:
+    """Something accepts connections at ``endpoint`` (seen by the socket monitor, no message
+    sent): a refused TCP port or a missing ipc socket never gets a connection, and zmq alone
+    would retry silently until the call times out."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+    try:
+        sock.connect(endpoint)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if monitor.poll(int(left * 1000) + 1) and recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED:
+                return True
+        return False
+    except zmq.ZMQError:
+        return False  # a malformed endpoint: the call itself reports it
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
 
 
 class _CredentialsError(Exception):

@@ -32,7 +32,7 @@ Threads: a ``Connector`` is used from one thread at a time (its client is not th
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -40,9 +40,11 @@ import msgspec
 
 from kvcm.blocks import BlockIO
 from kvcm.client import Client
-from kvcm.errors import InvalidArgument
+from kvcm.errors import InvalidArgument, NotFound
+from kvcm.results import CacheLocations
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:6381"
+DEFAULT_GROUP = "default"  # the instance group the embedded default creates
 ENDPOINT_ENV = "KVCM_SERVER_ENDPOINT"  # the same variable ``kvcm call`` and ``kvcm serve`` read
 
 
@@ -150,32 +152,17 @@ class ReadBlock:
         return uri
 
 
-class WriteSession:
-    """A started write (see :meth:`Connector.begin_write`): ``new_blocks`` are the blocks to
-    write, ``cached`` how many of the prompt's blocks kvcm already had (or has being written by
-    another writer). Leave the ``with`` block to finish it; or call :meth:`finish` / :meth:`fail`."""
+class WriteState:
+    """What a started write knows, sync or async alike: its blocks, the ranks' reports, and the
+    ``finish_write_cache`` request that follows from them."""
 
-    def __init__(self, client: Client, io: BlockIO, instance_id: str, session_id: str,
-                 new_blocks: list[NewBlock], cached: int) -> None:
-        self._client = client
-        self._io = io
+    def __init__(self, instance_id: str, session_id: str, new_blocks: list[NewBlock], cached: int) -> None:
         self.instance_id = instance_id
         self.session_id = session_id
         self.new_blocks = new_blocks
         self.cached = cached
         self.result: dict[str, Any] | None = None  # the finish reply, once finished
         self._by_index = {b.index: b for b in new_blocks}
-
-    def __enter__(self) -> WriteSession:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        if self.result is not None:
-            return
-        if exc_type is not None:
-            self.fail()  # and the exception propagates
-        else:
-            self.finish()
 
     def ticket(self) -> Ticket:
         """What the other ranks need to write their specs (``bytes(ticket)`` to send it)."""
@@ -196,21 +183,42 @@ class WriteSession:
         """Per block not fully written yet, the specs still missing."""
         return {b.index: sorted(b.uris.keys() - b.written) for b in self.new_blocks if not b.done}
 
+    def _finish_params(self, succeeded: bool) -> dict[str, Any]:
+        """The finish request: the fully written blocks served (when ``succeeded``), the rest failed."""
+        done = [succeeded and b.done for b in self.new_blocks]
+        mask: dict[str, Any] = {"offset": len(done)} if all(done) else {"bool_masks": done}
+        return {"instance_id": self.instance_id, "write_session_id": self.session_id, "success_blocks": mask}
+
+
+class WriteSession(WriteState):
+    """A started write (see :meth:`Connector.begin_write`): ``new_blocks`` are the blocks to
+    write, ``cached`` how many of the prompt's blocks kvcm already had (or has being written by
+    another writer). Leave the ``with`` block to finish it; or call :meth:`finish` / :meth:`fail`."""
+
+    def __init__(self, client: Client, instance_id: str, session_id: str, new_blocks: list[NewBlock],
+                 cached: int) -> None:
+        super().__init__(instance_id, session_id, new_blocks, cached)
+        self._client = client
+
+    def __enter__(self) -> WriteSession:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if self.result is None:
+            self._finish(exc_type is None)  # an exception fails every block, and propagates
+
     def finish(self) -> dict[str, Any]:
         """Finish: the fully written blocks are served, the others failed. Returns the reply
         (``served``, ``failed``)."""
-        return self._finish([b.done for b in self.new_blocks])
+        return self._finish(True)
 
     def fail(self) -> dict[str, Any]:
         """Finish with every block failed (their space is freed at once)."""
-        return self._finish([False] * len(self.new_blocks))
+        return self._finish(False)
 
-    def _finish(self, done: list[bool]) -> dict[str, Any]:
-        if self.result is not None:
-            return self.result
-        mask: dict[str, Any] = {"offset": len(done)} if all(done) else {"bool_masks": done}
-        self.result = dict(self._client.call("finish_write_cache", {
-            "instance_id": self.instance_id, "write_session_id": self.session_id, "success_blocks": mask}))
+    def _finish(self, succeeded: bool) -> dict[str, Any]:
+        if self.result is None:
+            self.result = dict(self._client.call("finish_write_cache", self._finish_params(succeeded)))
         return self.result
 
 
@@ -248,12 +256,16 @@ class RankWrite:
 class Connector:
     """An instance's KV connector: lookups, writes and reads over one client.
 
-    ``specs`` (spec name -> bytes per block) registers the instance in ``instance_group`` when it
-    is not registered yet (idempotent: the same registration again is fine; a different one is
-    ``DUPLICATE_ENTITY``); without ``specs`` the instance must exist. ``client`` reuses a client
-    (its endpoint wins); other keyword arguments go to :class:`kvcm.Client`; ``io_options`` to
-    :class:`kvcm.blocks.BlockIO` (``mounts``, ``direct`` ...). ``endpoint`` defaults to
-    ``$KVCM_SERVER_ENDPOINT``, else ``tcp://127.0.0.1:6381``."""
+    ``specs`` (spec name -> bytes per block) registers the instance when it is not registered
+    yet, in ``instance_group`` (default ``"default"``), and otherwise attaches to it: the block
+    size and specs must be the registered ones, while the group and the deployment are compared
+    only when given (an instance an operator registered is attached to as it is). A real
+    difference is ``DUPLICATE_ENTITY`` naming the field and both values. Without ``specs`` the
+    instance must exist and have this ``block_size`` (else InvalidArgument naming both).
+    ``client`` reuses a client (its endpoint wins); other keyword arguments go to
+    :class:`kvcm.Client`; ``io_options`` to :class:`kvcm.blocks.BlockIO` (``mounts``,
+    ``direct`` ...). ``endpoint`` defaults to ``$KVCM_SERVER_ENDPOINT``, else
+    ``tcp://127.0.0.1:6381``. :class:`kvcm.aio_connector.AsyncConnector` is the same for asyncio."""
 
     def __init__(
         self,
@@ -262,34 +274,34 @@ class Connector:
         instance_id: str,
         block_size: int,
         specs: Mapping[str, int] | None = None,
-        instance_group: str = "default",
+        instance_group: str | None = None,
         model_deployment: Mapping[str, Any] | None = None,
         client: Client | None = None,
         io_options: Mapping[str, Any] | None = None,
         **client_options: Any,
     ) -> None:
-        if block_size < 1:
-            raise InvalidArgument(f"block_size must be at least 1, got {block_size}")
+        check_block_size(block_size)
         self.instance_id = instance_id
         self.block_size = block_size
         self._own_client = client is None
-        if endpoint is None:
-            endpoint = os.environ.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT
-        self.client = client if client is not None else Client(endpoint, **client_options)
+        self.client = client if client is not None else Client(default_endpoint(endpoint), **client_options)
         try:
-            if specs is not None:
-                self._register(instance_group, specs, model_deployment)
+            self._attach(specs, instance_group, model_deployment)
             self.io = BlockIO.for_instance(self.client, instance_id, **dict(io_options or {}))
         except BaseException:
             self.close()
             raise
 
-    def _register(self, group: str, specs: Mapping[str, int], deployment: Mapping[str, Any] | None) -> None:
-        self.client.call("register_instance", {
-            "instance_group": group, "instance_id": self.instance_id, "block_size": self.block_size,
-            "location_spec_infos": [{"name": name, "size": size} for name, size in specs.items()],
-            "model_deployment": dict(deployment or {"model_name": self.instance_id}),
-        })
+    def _attach(self, specs: Mapping[str, int] | None, group: str | None,
+                deployment: Mapping[str, Any] | None) -> None:
+        registered = None
+        if specs is None or group is None:  # the registered instance decides the group, or is required
+            registered = registered_info(self.client.call, self.instance_id, must_exist=specs is None)
+        if specs is None:
+            check_same_block_size(self.instance_id, registered, self.block_size)
+            return
+        self.client.call("register_instance", registration(self.instance_id, self.block_size, specs,
+                                                           group_of(group, registered), deployment))
 
     def __enter__(self) -> Connector:
         return self
@@ -318,35 +330,102 @@ class Connector:
 
     def read(self, token_ids: Sequence[int]) -> list[ReadBlock]:
         """The cached prefix's blocks, in prompt order, each readable per spec."""
-        return [ReadBlock(i, uris, self.io) for i, uris in enumerate(self._locate(token_ids))]
-
-    def begin_write(self, token_ids: Sequence[int], timeout_s: float | None = None) -> WriteSession:
-        """Start writing the prompt's blocks kvcm does not have; use as a context manager
-        (see the module docstring). ``timeout_s``: the session's lifetime (server default if None)."""
-        params: dict[str, Any] = {"instance_id": self.instance_id, "token_ids": list(token_ids)}
-        if timeout_s is not None:
-            params["write_timeout_seconds"] = timeout_s
-        reply = self.client.call("start_write_cache", params)
-        locations = reply.get("locations") or []
-        indices = _new_indices(reply.get("block_mask"), len(token_ids) // self.block_size, len(locations))
-        blocks = [NewBlock(i, _uris(loc), self.io) for i, loc in zip(indices, locations)]
-        return WriteSession(self.client, self.io, self.instance_id, reply["write_session_id"], blocks,
-                            len(token_ids) // self.block_size - len(blocks))
-
-    def rank_write(self, ticket: bytes | Ticket, spec: str) -> RankWrite:
-        """This rank's part of a session another rank started (see the module docstring)."""
-        got = Ticket.from_bytes(ticket)
-        if got.instance_id != self.instance_id:
-            raise InvalidArgument(f"ticket of instance {got.instance_id!r}, not {self.instance_id!r}")
-        return RankWrite(self.io, got, spec)
-
-    def _locate(self, token_ids: Sequence[int]) -> list[dict[str, str]]:
         if len(token_ids) < self.block_size:
             return []  # not one whole block: nothing to ask
         # The typed call: msgspec's Structs cost 0.5-0.65 of the client CPU of call()'s dicts.
         reply = self.client.get_cache_location(instance_id=self.instance_id, query_type="prefix_match",
                                                token_ids=list(token_ids))
-        return [{spec.name: spec.uri for spec in loc.location_specs} for loc in reply.locations]
+        return read_blocks(reply, self.io)
+
+    def begin_write(self, token_ids: Sequence[int], timeout_s: float | None = None) -> WriteSession:
+        """Start writing the prompt's blocks kvcm does not have; use as a context manager
+        (see the module docstring). ``timeout_s``: the session's lifetime (server default if None)."""
+        reply = self.client.call("start_write_cache", start_params(self.instance_id, token_ids, timeout_s))
+        blocks, cached = new_blocks(reply, len(token_ids) // self.block_size, self.io)
+        return WriteSession(self.client, self.instance_id, reply["write_session_id"], blocks, cached)
+
+    def rank_write(self, ticket: bytes | Ticket, spec: str) -> RankWrite:
+        """This rank's part of a session another rank started (see the module docstring)."""
+        return RankWrite(self.io, checked_ticket(ticket, self.instance_id), spec)
+
+
+# -- what the sync and async connectors share ----------------------------------------------------
+
+
+def check_block_size(block_size: int) -> None:
+    if block_size < 1:
+        raise InvalidArgument(f"block_size must be at least 1, got {block_size}")
+
+
+def default_endpoint(endpoint: str | None) -> str:
+    return endpoint if endpoint is not None else os.environ.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT
+
+
+def registered_info(call: Callable[[str, dict[str, Any]], Any], instance_id: str,
+                    must_exist: bool) -> dict[str, Any] | None:
+    """The registered instance (``get_instance_info``'s ``instance_info``); None when it is not
+    registered and need not be."""
+    try:
+        return dict(call("get_instance_info", {"instance_id": instance_id})["instance_info"])
+    except NotFound:
+        if must_exist:
+            raise
+        return None
+
+
+def check_same_block_size(instance_id: str, registered: Mapping[str, Any] | None, block_size: int) -> None:
+    """A reader's block size is the registered one: any other would split prompts into other
+    blocks, and a lookup would count blocks of the wrong size (a wrong answer, not an error)."""
+    if registered is not None and registered["block_size"] != block_size:
+        raise InvalidArgument(f"instance {instance_id!r} is registered with block_size {registered['block_size']}, "
+                              f"this connector was given block_size {block_size}")
+
+
+def group_of(group: str | None, registered: Mapping[str, Any] | None) -> str:
+    """The group to register in: the one given, else the registered instance's, else the default."""
+    if group is not None:
+        return group
+    return str(registered["instance_group_name"]) if registered is not None else DEFAULT_GROUP
+
+
+def registration(instance_id: str, block_size: int, specs: Mapping[str, int], group: str,
+                 deployment: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``register_instance``'s params: the deployment only when given, so attaching to an
+    instance registered without one (or with another the caller does not know) succeeds."""
+    params: dict[str, Any] = {
+        "instance_group": group, "instance_id": instance_id, "block_size": block_size,
+        "location_spec_infos": [{"name": name, "size": size} for name, size in specs.items()],
+    }
+    if deployment is not None:
+        params["model_deployment"] = dict(deployment)
+    return params
+
+
+def start_params(instance_id: str, token_ids: Sequence[int], timeout_s: float | None) -> dict[str, Any]:
+    params: dict[str, Any] = {"instance_id": instance_id, "token_ids": list(token_ids)}
+    if timeout_s is not None:
+        params["write_timeout_seconds"] = timeout_s
+    return params
+
+
+def new_blocks(reply: Mapping[str, Any], blocks: int, io: BlockIO) -> tuple[list[NewBlock], int]:
+    """The blocks a start reply hands out to write, and how many of the prompt's it masked."""
+    locations = reply.get("locations") or []
+    indices = _new_indices(reply.get("block_mask"), blocks, len(locations))
+    written = [NewBlock(i, _uris(loc), io) for i, loc in zip(indices, locations)]
+    return written, blocks - len(written)
+
+
+def read_blocks(reply: CacheLocations, io: BlockIO) -> list[ReadBlock]:
+    return [ReadBlock(i, {spec.name: spec.uri for spec in loc.location_specs}, io)
+            for i, loc in enumerate(reply.locations)]
+
+
+def checked_ticket(ticket: bytes | Ticket, instance_id: str) -> Ticket:
+    got = Ticket.from_bytes(ticket)
+    if got.instance_id != instance_id:
+        raise InvalidArgument(f"ticket of instance {got.instance_id!r}, not {instance_id!r}")
+    return got
 
 
 def _uris(location: Mapping[str, Any]) -> dict[str, str]:
@@ -374,5 +453,6 @@ def iter_blocks(token_ids: Sequence[int], block_size: int) -> Iterator[tuple[int
         yield i, token_ids[i * block_size:(i + 1) * block_size]
 
 
-__all__ = ["Connector", "Match", "NewBlock", "RankWrite", "ReadBlock", "Report", "Ticket", "WriteSession",
+__all__ = ["DEFAULT_GROUP", "Connector", "Match", "NewBlock", "RankWrite", "ReadBlock", "Report", "Ticket", "WriteSession",
+           "WriteState",
            "iter_blocks"]

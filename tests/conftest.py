@@ -2,74 +2,51 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
 from kvcm.store import LmdbStore, MemoryStore
 from kvcm.testing import default_overrides
+from kvcm.testing.redis_server import NoRedisServer, find_server
+from kvcm.testing.redis_server import RedisServer as _RedisServer
 
 TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 
 
-class RedisServer:
-    """A real ``redis-server`` on a free loopback port (or a unix socket), in its own dir."""
+def _redis_binary():
+    """The Redis-compatible server the suite starts; a skip saying what to install when there is
+    none (a failure under ``KVCM_TEST_REQUIRE_REDIS=1``, which CI sets: its Redis runs must run)."""
+    try:
+        return find_server()
+    except NoRedisServer as exc:
+        if os.environ.get("KVCM_TEST_REQUIRE_REDIS") == "1":
+            pytest.fail(str(exc), pytrace=False)
+        pytest.skip(str(exc))
 
+
+class RedisServer(_RedisServer):
     def __init__(self, workdir, *extra: str, port: int | None = None) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not installed: the Redis store tests need it "
-                        "(apt-get install -y redis-server; .ci/run installs it)")
-        os.makedirs(workdir, exist_ok=True)
-        self.workdir = str(workdir)
-        self.port = port if port is not None else _free_port()
-        self.args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.workdir,
-                     "--save", "", "--appendonly", "no", *extra]
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        log = open(os.path.join(self.workdir, "redis.log"), "ab")  # noqa: SIM115 - the child's
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + 10 * TIME_FACTOR
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.workdir}/redis.log")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
-                    conn.sendall(b"PING\r\n")
-                    reply = conn.recv(64)
-                    if reply.startswith((b"+PONG", b"-NOAUTH")):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError("redis-server did not come up")
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            if kill:
-                self.proc.kill()
-            else:
-                self.proc.terminate()
-            self.proc.wait(10)
-        self.proc = None
+        super().__init__(str(workdir), *extra, port=port, binary=_redis_binary(),
+                         start_timeout=10 * TIME_FACTOR)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _which_redis() -> str:
+    try:
+        return f"redis-compatible server: {find_server().describe()}"
+    except NoRedisServer as exc:
+        return f"redis-compatible server: none ({exc})"
+
+
+def pytest_report_header(config):
+    return _which_redis()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Also under ``-q`` (which hides the header): the CI log says which server the run used."""
+    terminalreporter.write_line(_which_redis())
 
 
 @pytest.fixture(scope="session")
@@ -193,3 +170,13 @@ def kvcm_store(request):
         yield backend
     # A [redis] run whose servers wrote nothing to Redis would pass without testing Redis.
     assert layer.drop_keys() > 0, f"{request.node.nodeid}: no server of the [redis] run wrote to Redis"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``redis`` every test that starts a Redis-compatible server: by its fixtures, or by
+    its store parameter (those fixtures ask for the server at run time)."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if ({"redis_server", "redis_factory"} & set(getattr(item, "fixturenames", ()))
+                or "redis" in params.values()):
+            item.add_marker(pytest.mark.redis)

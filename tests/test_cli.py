@@ -28,8 +28,20 @@ def test_python_dash_m_entry_point():
     assert "default-file" in done.stdout
 
 
-def test_unreachable_server_times_out_cleanly(capsys, tmp_path):
+def test_an_endpoint_with_no_server_says_so(capsys, tmp_path):
     assert main(["call", "check_health", "{}", "--endpoint", f"ipc://{tmp_path}/nobody", "--timeout", "0.2"]) == 1
+    assert "no server answered at ipc://" in capsys.readouterr().err
+
+
+def test_a_server_that_never_answers_times_out_cleanly(capsys, tmp_path):
+    import zmq
+
+    mute = zmq.Context.instance().socket(zmq.ROUTER)  # accepts the connection, never replies
+    mute.bind(f"ipc://{tmp_path}/mute")
+    try:
+        assert main(["call", "check_health", "{}", "--endpoint", f"ipc://{tmp_path}/mute", "--timeout", "0.2"]) == 1
+    finally:
+        mute.close(linger=0)
     assert "TIMEOUT" in capsys.readouterr().err
 
 

@@ -16,11 +16,13 @@ A ``sh``/``bash``/``shell``/``console`` block without a marker fails
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -252,14 +254,38 @@ def test_every_shell_block_is_marked():
                 assert f"def {name}(" in (ROOT / path).read_text(), b.where
 
 
-def test_the_front_door_commands_are_exact():
-    readme = (ROOT / "README.md").read_text()
-    assert "python3 -m pip install -e '.[test]' && python3 -m pytest -q\n" in readme
+#: The README's two commands, exactly: each makes (or reuses) a virtual environment inside the
+#: command, so it runs the same on a Python that refuses installs outside one (PEP 668).
+SERVE_COMMAND = "python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/kvcm serve --data-dir ./kvcm-data"
+TEST_COMMAND = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -q"
+
+
+def front_door() -> tuple[str, str]:
+    """The README's first two ``sh`` blocks: the serve command and the test command."""
     first = [b for b in blocks(ROOT / "README.md") if b.info == "sh"][:2]
-    assert "kvcm serve" in first[0].text and "pytest" in first[1].text
+    return first[0].text.strip(), first[1].text.strip()
 
 
+def test_the_front_door_commands_are_exact():
+    assert front_door() == (SERVE_COMMAND, TEST_COMMAND)
+    assert (ROOT / "README.md").read_text().count("\n") < 300
+
+
+def test_every_install_goes_into_a_venv():
+    """A reader on Debian or Ubuntu copies these: a bare ``pip install`` there is refused
+    (externally managed), so every install command names the venv's own pip."""
+    bare = []
+    for page in [*PAGES, ROOT / "CONTRIBUTING.md"]:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for m in re.finditer(r"pip3? install", line):
+                if not line[:m.start()].endswith(".venv/bin/"):
+                    bare.append(f"{page.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not bare, bare
+
+
+#: Kills what a block left running, even when a command fails under ``set -e`` (the EXIT trap).
 PRELUDE = """set -euo pipefail
+trap 'jobs -p | xargs -r kill -TERM 2>/dev/null; wait 2>/dev/null || true' EXIT
 kvcm_wait_ready() {
   for _ in $(seq 300); do
     kvcm call check_health '{}' --timeout 0.5 >/dev/null 2>&1 && return 0
@@ -269,17 +295,21 @@ kvcm_wait_ready() {
 }
 """
 
+#: ``python3 -m venv .venv && .venv/bin/pip install ... &&``: the harness's ``.venv`` runs this
+#: checkout already (see :func:`shim`), so the install is dropped.
+_INSTALL = re.compile(r"^python3 -m venv \.venv && \.venv/bin/pip install [^&]*&& ")
+
 
 def _prepare(block: Block) -> str:
-    """The block as a bash script: ``pip install ... &&`` dropped (the checkout is what runs),
-    ``kvcm serve`` in the background until it answers (stopped at the end, must exit 0), and the
-    whole test suite (``python3 -m pytest -q``) collected, not run (it runs this test)."""
+    """The block as a bash script: the venv install dropped (the checkout is what runs), ``kvcm
+    serve`` in the background until it answers (stopped at the end, must exit 0), and the
+    whole test suite (``.venv/bin/python -m pytest -q``) collected, not run (it runs this test)."""
     out, serving = [PRELUDE], False
     for line in block.text.splitlines():
-        line = re.sub(r"^python3 -m pip install [^&]*&& ", "", line)
-        if line.strip() == "python3 -m pytest -q":
+        line = _INSTALL.sub("", line)
+        if line.strip() in (".venv/bin/python -m pytest -q", "python3 -m pytest -q"):
             line = f"(cd {shlex.quote(str(ROOT))} && python3 -m pytest -q --collect-only -p no:cacheprovider >/dev/null)"
-        if line.startswith("kvcm serve"):
+        if re.match(r"(\.venv/bin/)?kvcm serve", line):
             serving = True
             command = line.split("#")[0].strip().rstrip("&").strip()
             line = f"{command} > serve.log 2>&1 &\nKVCM_PID=$!\nkvcm_wait_ready"
@@ -315,8 +345,14 @@ def _normal(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def shim(tmp_path_factory):
-    """A ``kvcm`` on PATH that runs this checkout; ``kvcm call`` goes to the test's server."""
-    bin_dir = tmp_path_factory.mktemp("bin")
+    """A stand-in for the reader's ``.venv``: ``bin/kvcm`` runs this checkout (``kvcm call`` goes
+    to the test's server), ``bin/python`` and ``bin/python3`` run the test's own interpreter, and
+    ``bin/activate`` puts them first on the PATH. The interpreters are scripts that exec it by
+    its own path: a symlink to a venv's Python in another directory would start the base
+    interpreter, without the venv's packages."""
+    venv = tmp_path_factory.mktemp("venv")
+    bin_dir = venv / "bin"
+    bin_dir.mkdir()
     script = bin_dir / "kvcm"
     script.write_text(f"""#!{sys.executable}
 import os, sys
@@ -328,9 +364,36 @@ if endpoint and argv[:1] == ["call"] and "--endpoint" not in argv:
 from kvcm.cli import main
 sys.exit(main(argv))
 """)
-    script.chmod(0o755)
-    (bin_dir / "python3").symlink_to(sys.executable)
+    for name in ("python", "python3"):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    (bin_dir / "activate").write_text(f'PATH={shlex.quote(str(bin_dir))}:"$PATH"\nexport PATH\n')
+    for path in bin_dir.iterdir():
+        path.chmod(0o755)
     return bin_dir
+
+
+def _left_running(work: Path) -> list[tuple[int, str]]:
+    """Processes still running in ``work`` (their cwd): what a block started and did not stop."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(entry / "cwd")
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if cwd == str(work) or cwd.startswith(f"{work}/"):
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def _stop_leftovers(work: Path) -> list[str]:
+    left = _left_running(work)
+    for pid, _ in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return [cmdline for _, cmdline in left]
 
 
 RUNNABLE = [p for p in PAGES if any(b.marker == "run" for b in blocks(p))]
@@ -349,7 +412,9 @@ def test_runnable_commands(page, shim):
     page_blocks = blocks(page)
     assert any(b.marker == "run" for b in page_blocks), "no runnable blocks"
     work = Path(tempfile.mkdtemp(prefix="kvcm-docs-", dir="/tmp"))
+    (work / ".venv").symlink_to(shim.parent)
     server = None
+    leftovers: list[str] = []
     try:
         endpoint = f"ipc://{work}/rpc.sock"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVCM_")}
@@ -377,15 +442,93 @@ def test_runnable_commands(page, shim):
                 env["KVCM_TEST_DOCS_ENDPOINT"] = endpoint
             done = subprocess.run(["bash", "-c", _prepare(block)], cwd=work, env=env, capture_output=True,
                                   text=True, timeout=120)
+            leftovers = _stop_leftovers(work)
             assert done.returncode == 0, f"{block.where}:\n{block.text}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+            assert not leftovers, f"{block.where} left processes running: {leftovers}"
     finally:
         if server is not None:
             stop_subprocess(server)
+        leftovers = _stop_leftovers(work)
         shutil.rmtree(work, ignore_errors=True)
+    assert not leftovers, f"{page.name} left processes running: {leftovers}"
 
 
 def test_runner_drops_install_and_backgrounds_serve():
-    block = Block(ROOT / "README.md", "sh", "python3 -m pip install . && kvcm serve --data-dir d\n", "run", 1)
+    block = Block(ROOT / "README.md", "sh", SERVE_COMMAND + "\n", "run", 1)
     script = _prepare(block)
-    assert "pip install" not in script and "kvcm serve --data-dir d > serve.log 2>&1 &" in script
+    assert "pip install" not in script and "venv" not in script.split("kvcm_wait_ready()")[1].split("}")[1]
+    assert ".venv/bin/kvcm serve --data-dir ./kvcm-data > serve.log 2>&1 &" in script
     assert "kill -TERM" in script
+
+
+def test_a_failing_block_stops_what_it_started(shim, tmp_path):
+    """``set -e`` ends the script at the failing command, before the block's own ``kill``: the
+    EXIT trap still stops the server."""
+    (tmp_path / ".venv").symlink_to(shim.parent)
+    block = Block(ROOT / "README.md", "sh", "kvcm serve --data-dir ./d &\nfalse\nkill %1 && wait %1\n", "run", 1)
+    endpoint = f"ipc://{tmp_path}/rpc.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCM_")}
+    env.update(PATH=f"{shim}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(ROOT), KVCM_SERVER_ENDPOINT=endpoint,
+               KVCM_HTTP_PORT="0", KVCM_TEST_DOCS_ENDPOINT=endpoint)
+    done = subprocess.run(["bash", "-c", _prepare(block)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    left = _stop_leftovers(tmp_path)
+    assert not left, left
+
+
+def test_the_venv_interpreter_keeps_its_packages(shim, tmp_path):
+    """``python3`` of the harness's ``.venv`` imports what the test's own interpreter imports
+    (a symlink to a venv's Python elsewhere would lose the venv's site-packages)."""
+    done = subprocess.run([str(shim / "python3"), "-c", "import sys, msgspec; print(sys.prefix)"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == sys.prefix
+
+
+# --- names ---------------------------------------------------------------------------------------
+
+#: ``kvcm.`` followed by these is a file or host name in the docs (``kvcm.toml``, ``kvcm.lock``,
+#: a segment ``kvcm.sidecar.0``, the host ``kvcm.internal``), not a Python name.
+NOT_NAMES = {"toml", "lock", "sock", "md", "internal", "sidecar", "shm_01"}
+KVCM_NAME = re.compile(r"(?<![\w/.\-])kvcm((?:\.[A-Za-z_]\w*)+)")
+
+
+def documented_names() -> dict[str, list[str]]:
+    """Every ``kvcm.X[.Y...]`` the README and docs name, with where."""
+    found: dict[str, list[str]] = {}
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for m in KVCM_NAME.finditer(line):
+                parts = m.group(1).lstrip(".").split(".")
+                if parts[0] not in NOT_NAMES:
+                    found.setdefault("kvcm." + ".".join(parts), []).append(f"{page.relative_to(ROOT)}:{number}")
+    return found
+
+
+def resolve(name: str) -> object:
+    """Import the longest module prefix of ``name``, then take the rest as attributes."""
+    import importlib
+
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            value: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            value = getattr(value, attr)
+        return value
+    raise ModuleNotFoundError(name)
+
+
+def test_every_kvcm_name_the_docs_use_exists():
+    names = documented_names()
+    assert {"kvcm.Connector", "kvcm.AsyncConnector", "kvcm.Client", "kvcm.blocks"} <= names.keys()
+    missing = []
+    for name, where in sorted(names.items()):
+        try:
+            resolve(name)
+        except (ImportError, AttributeError) as exc:
+            missing.append(f"{name} ({', '.join(where[:3])}): {exc}")
+    assert not missing, missing

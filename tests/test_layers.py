@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvcm.reclaimer", "kvcm.engines", "kvcm.publish"),  # eviction; the inbound engine tier; outbound events
     ("kvcm.rpc.dispatch", "kvcm.rpc.auth", "kvcm.api"),  # the method table and its handlers
     ("kvcm.rpc.server", "kvcm.client", "kvcm.aio", "kvcm.results", "kvcm.blocks", "kvcm.rpc.http", "kvcm.tair"),  # sockets, client SDK; Tair's HTTP surface
-    ("kvcm.connector",),  # the connector helper over the client and block I/O
+    ("kvcm.connector", "kvcm.aio_connector"),  # the connector helpers over the clients and block I/O
     ("kvcm.follower",),  # a follower node's serving stage (reads from the shared store)
     ("kvcm.app", "kvcm.testing", "kvcm.optimizer", "kvcm.rpc.keygen", "kvcm.cli", "kvcm.__main__"),
 ]
@@ -165,8 +165,8 @@ def test_optimizer_never_opens_lmdb():
 
 def test_public_api():
     assert set(kvcm.__all__) == {
-        "AccessDenied", "CapacityError", "Client", "Code", "Config", "ConfigError", "Conflict",
-        "InvalidArgument", "KvcmError", "NotFound", "ServerError", "Unavailable", "__version__",
+        "AccessDenied", "AsyncConnector", "CapacityError", "Client", "Code", "Config", "ConfigError", "Conflict",
+        "Connector", "InvalidArgument", "KvcmError", "NotFound", "ServerError", "Unavailable", "__version__",
     }
     for name in kvcm.__all__:
         assert hasattr(kvcm, name)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from kvcm.control.records import (
+    OPTIONAL_IDENTITY_FIELDS,
     Instance,
     InstanceGroup,
     LocationSpecGroup,
@@ -27,6 +28,12 @@ from kvcm.errors import InvalidArgument
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Method
 from kvcm.schema import RequestBase
+
+T = TypeVar("T")
+
+
+def _given(value: T | msgspec.UnsetType, default: Callable[[], T]) -> T:
+    return default() if value is msgspec.UNSET else value
 
 
 # msgspec.Struct named again only so that linters see a Struct (its defaults are copied, not shared).
@@ -72,9 +79,11 @@ class RegisterInstanceRequest(_Request):
     instance_group: str
     instance_id: str
     block_size: int
-    location_spec_infos: list[LocationSpecInfo] = []  # none = a router-only instance (engine tier only)
-    model_deployment: ModelDeployment = msgspec.field(default_factory=ModelDeployment)
-    location_spec_groups: list[LocationSpecGroup] = []
+    # Left out: attach to the registered instance whatever its value; a new instance takes the
+    # default (no specs = a router-only instance, engine tier only).
+    location_spec_infos: list[LocationSpecInfo] | msgspec.UnsetType = msgspec.UNSET
+    model_deployment: ModelDeployment | msgspec.UnsetType = msgspec.UNSET
+    location_spec_groups: list[LocationSpecGroup] | msgspec.UnsetType = msgspec.UNSET
 
 
 class InstanceIdRequest(_Request):
@@ -169,15 +178,16 @@ class _Handlers:
 
     # instances
     def register_instance(self, req: RegisterInstanceRequest) -> dict[str, Any]:
+        given = frozenset(name for name in OPTIONAL_IDENTITY_FIELDS if getattr(req, name) is not msgspec.UNSET)
         instance = Instance(
             instance_id=req.instance_id,
             instance_group=req.instance_group,
             block_size=req.block_size,
-            location_spec_infos=req.location_spec_infos,
-            location_spec_groups=req.location_spec_groups,
-            model_deployment=req.model_deployment,
+            location_spec_infos=_given(req.location_spec_infos, list),
+            location_spec_groups=_given(req.location_spec_groups, list),
+            model_deployment=_given(req.model_deployment, ModelDeployment),
         )
-        done = self.registry.register_instance(instance)
+        done = self.registry.register_instance(instance, given)
         # Any data-plane user registers: its storage specs are the client-visible fields only,
         # as get_storage_specs shows them (a connection URL may embed credentials).
         return {"storage_configs": [_visible(to_wire(s)) for s in done.storages], "created": done.created}

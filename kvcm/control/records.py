@@ -259,19 +259,46 @@ def _check_spec_group(group: LocationSpecGroup, i: int, spec_names: set[str]) ->
     return LocationSpecGroup(group.name, sorted(group.spec_names))
 
 
-def instance_identity(instance: Instance) -> tuple[Any, ...]:
-    """What must match for a repeated ``register_instance`` to be the same registration.
+#: The fields of an instance that must match for a repeated ``register_instance`` to be the same
+#: registration, each as a comparable value: spec and group order do not matter (unlike Tair),
+#: the instance group does, and a deployment's ``user_data`` is opaque.
+IDENTITY_FIELDS = ("instance_group", "block_size", "location_spec_infos", "location_spec_groups", "model_deployment")
 
-    Unlike Tair, spec and group order do not matter, and the instance group does.
-    """
-    deployment = msgspec.structs.replace(instance.model_deployment, user_data="")
-    return (
-        instance.instance_group,
-        instance.block_size,
-        sorted((s.name, s.size) for s in instance.location_spec_infos),
-        sorted((g.name, tuple(sorted(g.spec_names))) for g in instance.location_spec_groups),
-        msgspec.structs.astuple(deployment),
-    )
+#: The fields a caller may leave out of ``register_instance`` to attach to an existing instance
+#: whatever its value there; a new instance takes their defaults.
+OPTIONAL_IDENTITY_FIELDS = frozenset({"location_spec_infos", "location_spec_groups", "model_deployment"})
+
+
+def identity_value(instance: Instance, name: str) -> Any:
+    """One identity field of ``instance`` in its comparable form."""
+    if name == "location_spec_infos":
+        return sorted((s.name, s.size) for s in instance.location_spec_infos)
+    if name == "location_spec_groups":
+        return sorted((g.name, tuple(sorted(g.spec_names))) for g in instance.location_spec_groups)
+    if name == "model_deployment":
+        return msgspec.structs.replace(instance.model_deployment, user_data="")
+    return getattr(instance, name)
+
+
+def identity_difference(old: Instance, new: Instance, given: frozenset[str] | None = None) -> str | None:
+    """The first identity field (among ``given``; all when None) in which ``new`` differs from
+    ``old``, as ``"field: registered X, requested Y"``; None when they are the same registration."""
+    for name in IDENTITY_FIELDS:
+        if given is not None and name in OPTIONAL_IDENTITY_FIELDS and name not in given:
+            continue
+        before, after = identity_value(old, name), identity_value(new, name)
+        if before != after:
+            return f"{name}: registered {_shown(before)}, requested {_shown(after)}"
+    return None
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, ModelDeployment):
+        changed = {f: getattr(value, f) for f in value.__struct_fields__
+                   if f != "user_data" and getattr(value, f) != getattr(ModelDeployment(), f)}
+        return repr(changed)
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 # -- accounts and API tokens ---------------------------------------------------------------------

@@ -44,7 +44,7 @@ from kvcm.control.records import (
     convert,
     decoder,
     encode,
-    instance_identity,
+    identity_difference,
     new_token,
     now_ms,
     parse_snapshot,
@@ -463,21 +463,26 @@ class Registry:
 
     # -- instances ----------------------------------------------------------------------------
 
-    def register_instance(self, instance: Instance) -> Registration:
-        """Register, or confirm an identical registration (Tair's idempotency).
+    def register_instance(self, instance: Instance, given: frozenset[str] | None = None) -> Registration:
+        """Register, or confirm a registration of the same instance (Tair's idempotency).
+
+        ``given``: the optional identity fields the caller gave (``OPTIONAL_IDENTITY_FIELDS``);
+        those left out are not compared, so a worker attaches to an instance an operator
+        registered without restating its deployment. None compares every field.
 
         :raises Conflict: DUPLICATE_ENTITY if the id exists with another group, block size, specs,
-            spec groups or deployment (order of specs and groups does not matter).
+            spec groups or deployment (order of specs and groups does not matter); the message
+            names the field and both values.
         :raises NotFound: the group does not exist.
         """
         instance = check_instance(instance)
         with self._store.write() as txn:
             old = self._instances.read(txn, instance.instance_id)
             if old is not None:
-                if instance_identity(old) != instance_identity(instance):
+                difference = identity_difference(old, instance, given)
+                if difference is not None:
                     raise Conflict(
-                        f"instance {instance.instance_id!r} is already registered with a different "
-                        f"{_difference(old, instance)}",
+                        f"instance {instance.instance_id!r} is already registered with another {difference}",
                         Code.DUPLICATE_ENTITY,
                     )
                 return Registration(
@@ -734,11 +739,3 @@ def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
 def _names(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _difference(old: Instance, new: Instance) -> str:
-    labels = ("instance_group", "block_size", "location_spec_infos", "location_spec_groups", "model_deployment")
-    for label, a, b in zip(labels, instance_identity(old), instance_identity(new), strict=True):
-        if a != b:
-            return label
-    return "definition"  # pragma: no cover - only called when the identities differ

@@ -136,6 +136,11 @@ def write_marker(path: str, marker: Marker) -> None:
         raise
 
 
+#: What an operator can do about a directory kvcm did not create (one line, both places it meets it).
+_REMEDY = ("give the storage another directory, or take this one over with add_storage's adopt_directory: true "
+           "(at start-up: kvcm serve --adopt-orphans); its files are kept, and kvcm never deletes files it did not name")
+
+
 def claim(path: str, owner: Owner, storage: str, where: str, files: int) -> Marker | None:
     """Check (and write if needed) the marker at ``path`` for ``owner``; see the module docstring.
 
@@ -151,12 +156,12 @@ def claim(path: str, owner: Owner, storage: str, where: str, files: int) -> Mark
         if files and owner.on_foreign == "refuse":
             raise ForeignDirectory(
                 f"{where} is not empty ({files} entries) and carries no kvcm ownership marker; "
-                "kvcm refuses to manage a directory it did not create (adopt it explicitly to go on; "
-                "kvcm never deletes files it did not name)",
+                f"kvcm refuses to manage a directory it did not create: {_REMEDY}",
                 None, files,
             )
     elif owner.on_foreign == "refuse":
-        raise ForeignDirectory(f"{where} belongs to {found.describe()}; nothing there was touched", found, files)
+        raise ForeignDirectory(f"{where} belongs to {found.describe()}; nothing there was touched: {_REMEDY}",
+                               found, files)
     kept = _kept(found) if found is not None and owner.on_foreign == "adopt" else ()
     write_marker(path, owner.marker(storage, kept))
     return found

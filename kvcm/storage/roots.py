@@ -95,7 +95,9 @@ def check_placement(
     if not any(_inside(directory, root) for root in allowed):
         raise InvalidArgument(
             f"storage {name!r}: storage_spec.{field} {spec[field]!r} (really {directory}) is outside the "
-            f"allowed roots ({', '.join(allowed) or 'none'}; set storage.allowed_roots in the config)"
+            f"allowed roots ({', '.join(allowed) or 'none'}); to allow it, restart kvcm with "
+            f"--set storage.allowed_roots={','.join([*allowed, directory])} (or set storage.allowed_roots "
+            "in its config file)"
         )
     if roots.data_dir and directory == real_path(roots.data_dir):
         raise InvalidArgument(
