@@ -28,7 +28,7 @@ from kvcm.follower import FollowerStage
 from kvcm.metrics import Metrics
 from kvcm.rpc.curve import CurveServer, serve_curve
 from kvcm.rpc.dispatch import Dispatcher, Limits, Method
-from kvcm.rpc.http import SideHttp, SidePort
+from kvcm.rpc.http import SideHttp, SidePort, refuse_unguarded
 from kvcm.rpc.server import AddressInUse, Server, Timer, endpoint_in_use
 from kvcm.storage.ownership import leftovers
 from kvcm.store import DataDirLocked, LmdbStore, MemoryStore, MetaStore
@@ -85,6 +85,10 @@ def redis_password(config: Config) -> str | None:
         return None
     try:
         with open(config.store.redis_password_file, encoding="utf-8") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            if mode & 0o077:  # as for CURVE secrets: a warning, since mounted secrets are often 0644
+                log.warning("store.redis_password_file %s is readable by other users (mode %o); chmod 600 it",
+                            config.store.redis_password_file, mode & 0o777)
             return fh.read().rstrip("\r\n")
     except OSError as exc:
         raise StartRefused(f"cannot read store.redis_password_file: {exc.strerror}") from None
@@ -97,7 +101,7 @@ def _open_redis(config: Config, orphans: str = "refuse", follower: bool = False)
     ``follower``: a follower stage's store, which reads the leader's metadata and refuses
     every commit (the stage holds the data dir's lock itself)."""
     require_redis_client(config)
-    from kvcm.store.redis import RedisStore, redact
+    from kvcm.store.redis import RedisStore, check_persistence, redact
 
     cfg = config.store
     where = f"Redis {redact(cfg.redis_url)} (prefix {cfg.redis_prefix})"
@@ -111,15 +115,20 @@ def _open_redis(config: Config, orphans: str = "refuse", follower: bool = False)
         if isinstance(exc, DataDirLocked):
             raise
         raise StartRefused(f"the metadata store {where} cannot be reached ({exc.message}); nothing was changed") from None
-    if follower:
-        store.read_only = f"node {config.ha.node_id} is a follower: it never writes the shared store"
-        return store
-    if orphans == "refuse" and store.is_empty():
-        try:
+    try:
+        if follower:
+            store.read_only = f"node {config.ha.node_id} is a follower: it never writes the shared store"
+            store.claim(data_dir, create=False)
+            return store
+        check_persistence(store.client, where, refuse=config.ha.enabled and config.ha.require_aof)
+        # Without the lease this process is the prefix's only writer: it holds a mark that says so.
+        store.check_start(data_dir, writer=not config.ha.enabled)
+        if orphans == "refuse" and store.is_empty():
             _refuse_leftovers(data_dir, f"in {where}")
-        except BaseException:
-            store.close()
-            raise
+        store.claim(data_dir)
+    except BaseException:
+        store.close()
+        raise
     return store
 
 
@@ -183,6 +192,7 @@ class App:
         self.lease = lease
         self.side_port = side_port
         self.term = lease.epoch if lease is not None else 0  # the lease term this App serves
+        refuse_unguarded(config)
         # A taken port refuses the start before the data dir is even opened; the binds below
         # still report a port taken in between (and clean up what was built).
         if endpoint_in_use(config.server.endpoint):
@@ -231,7 +241,7 @@ class App:
                 group_commit=config.server.group_commit,
                 access_log=config.server.access_log,
                 grow=getattr(self.store, "grow", None),
-                gate=self._leader_gate if self.lease is not None else None,
+                gate=self._gate if self.lease is not None or hasattr(self.store, "lost_error") else None,
             )
             self.server = Server(
                 config.server.endpoint,
@@ -420,10 +430,19 @@ class App:
         # Same cadence: a tick with nothing due is one comparison per pinned instance.
         self.timers.append(Timer("pin-expiry", cfg.session_check_ms / 1000.0, self._leading(self.cache.expire_pins)))
         self.threads.append(LoopThread("deleter", self._leading(self.cache.background_once), cfg.delete_poll_ms / 1000.0))
-        health = StorageHealth(self.storages.backends, self.registry.set_storage_available)
+        # A storage whose lock another process holds for now (a paused leader) waits: the health
+        # thread opens it once the lock frees, and the deleter keeps its frees until then.
+        self.cache.deleter.waiting = self.storages.waiting
+        health = StorageHealth(self.storages.backends, self.registry.set_storage_available,
+                               reopen=lambda: self.storages.reopen_waiting(self.cache))
         StorageAvailability(lambda: [(s.global_unique_name, s.available) for s in self.registry.list_storages()],
                             self.metrics.registry)
         self.threads.append(LoopThread("storage-health", health.run_once, cfg.storage_health_interval_s))
+        watch = getattr(self.store, "watch", None)  # Redis: is the store still this deployment's?
+        if watch is not None:
+            from kvcm.store.redis import WATCH_EVERY_S
+
+            self.threads.append(LoopThread("store-watch", watch, WATCH_EVERY_S))
         return cache_api.methods(self.cache, self.engines)
 
     def _build_reclaimer(self) -> None:
@@ -460,6 +479,13 @@ class App:
         """This App's term is the lease's current, valid term (always true without a lease)."""
         lease = self.lease
         return lease is None or (lease.is_leader() and lease.epoch == self.term)
+
+    def _gate(self, method: Method | None) -> KvcmError | None:
+        """A Redis store that lost this deployment's data refuses everything (no read answered
+        from memory either); then the lease's role check."""
+        lost = getattr(self.store, "lost_error", None)
+        refused = lost() if lost is not None else None
+        return refused if refused is not None else self._leader_gate(method)
 
     def _leader_gate(self, method: Method | None) -> KvcmError | None:
         lease = self.lease
@@ -604,8 +630,11 @@ class HaNode:
 
     def __init__(self, config: Config, orphans: str = "refuse") -> None:
         require_redis_client(config)
+        refuse_unguarded(config)
         import redis
 
+        from kvcm.ha.floor import EpochFloor
+        from kvcm.ha.guard import check_node_start
         from kvcm.ha.lease import Lease
         from kvcm.store.redis import CONNECT_TIMEOUT_S
 
@@ -619,9 +648,11 @@ class HaNode:
         client = redis.Redis.from_url(config.store.redis_url, password=password,
                                       socket_timeout=ha.renew_ms / 1000.0,
                                       socket_connect_timeout=min(CONNECT_TIMEOUT_S, ha.renew_ms / 1000.0))
+        check_node_start(client, config)  # a node that could never lead says so before binding anything
         self.lease = Lease(client, config.store.redis_prefix, ha.node_id,
                            ha.advertise_endpoint or config.server.endpoint, ha.lease_ms, ha.renew_ms,
-                           on_change=self._changed, campaign_delay_ms=ha.campaign_delay_ms)
+                           on_change=self._changed, campaign_delay_ms=ha.campaign_delay_ms,
+                           floor=EpochFloor.in_data_dir(os.path.abspath(config.store.data_dir)))
         self.stage: App | FollowerStage | None = None
         self._stop = threading.Event()
         self._stage_lock = threading.Lock()

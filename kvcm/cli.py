@@ -165,11 +165,19 @@ def effective_config(args: argparse.Namespace) -> Config:
     return load(getattr(args, "config", None), overrides=layer)
 
 
+#: ``kvcm serve``'s GIL switch interval (see cmd_serve); measured by ``scripts/bench_hostile``.
+GIL_SWITCH_S = 0.0005
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvcm.app import App, HaNode
 
     config = effective_config(args)
     logging.basicConfig(level=config.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The RPC loop shares the GIL with the side port's threads, the subscriber and the deleter:
+    # a busy one holds it up to the switch interval (5 ms by default) before the loop gets it,
+    # which is what one client's load (an HTTP flood, a replay) would add to everyone's latency.
+    sys.setswitchinterval(GIL_SWITCH_S)
     stop = threading.Event()  # a stop asked for before the app exists (standing by, building)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

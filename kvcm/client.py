@@ -224,8 +224,12 @@ class Client:
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_keys: CurveClientKeys | None = None,
+        routing_id_prefix: bytes = b"",
     ) -> None:
+        """``routing_id_prefix``: the socket's ZeroMQ routing id starts with it (then random
+        bytes); kvcm's own relays use :data:`kvcm.rpc.wire.RELAY_ID_PREFIX`."""
         self.endpoints = Endpoints(endpoint)
+        self._routing_prefix = routing_id_prefix
         self._curve: tuple[bytes, KeyPair] | None = None
         if curve_server_key is not None:
             self._curve = (load_public_key(curve_server_key), client_keypair(curve_client_keys))
@@ -750,6 +754,8 @@ class Client:
         if self._socket is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self._routing_prefix:
+                sock.setsockopt(zmq.ROUTING_ID, self._routing_prefix + os.urandom(8))
             if self._curve is not None:
                 apply_client(sock, *self._curve)
             sock.connect(self.endpoint)

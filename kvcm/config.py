@@ -63,6 +63,9 @@ class HttpConfig:
     read_timeout_s: float = 10.0  # a whole request (line, headers, body) must arrive within this
     idle_timeout_s: float = 5.0  # a kept-alive connection with no new request is closed after this
     max_connections: int = 64  # open connections (one thread each); more get 503 and are closed
+    max_connections_per_peer: int = 16  # open connections from one remote address; more get 503 and are closed
+    max_unauthenticated_body_bytes: int = 65536  # auth on: a larger /api body needs Authorization: Bearer (checked before reading)
+    allow_unauthenticated_with_curve: bool = False  # serve with auth off although a CURVE allow-list guards the RPC port
     admin_port: int = -1  # a second HTTP port serving only Tair's admin RPCs (Tair uses 6492); -1 = off, 0 picks a free port
 
 
@@ -145,6 +148,11 @@ class EventsConfig:
     speculative_weight: float = 0.9  # score weight of a block note_routed says is on its way to a source
     speculative_max_entries: int = 1000  # note_routed entries kept at most (the oldest dropped, counted)
     speculative_max_ttl_s: float = 60.0  # the longest ttl_s note_routed accepts
+    max_blocks_per_source: int = 262_144  # engine blocks one source holds at most; past it its oldest are dropped
+    max_blocks: int = 4_194_304  # engine blocks of all sources together at most; past it the largest lose their oldest
+    max_sources_per_account: int = 16  # push sources one non-admin account may register (auth on)
+    reserved_admin_sources: int = 16  # source slots of max_sources that only admins' sources may take (auth on)
+    push_budget_ms_per_s: float = 200.0  # estimated report work one account (auth off: one source) may cost per second
 
 
 @dataclass(frozen=True)
@@ -188,6 +196,7 @@ class HaConfig:
     renew_ms: int = 1000  # renew (leader) or contend (follower) this often; below lease_ms / 2
     follower_reads: bool = True  # followers answer the read RPCs from the shared store
     campaign_delay_ms: int = 5000  # a leader that stepped down (leader_demote) contends again after this
+    require_aof: bool = True  # refuse to start on a Redis whose AOF (appendonly) is off or unreadable; false: warn
 
 
 @dataclass(frozen=True)
@@ -367,6 +376,8 @@ def validate(config: Config) -> None:
         (0 < config.http.read_timeout_s <= 3600, "http.read_timeout_s must be in (0, 3600]"),
         (0 < config.http.idle_timeout_s <= 3600, "http.idle_timeout_s must be in (0, 3600]"),
         (0 < config.http.max_connections <= 10000, "http.max_connections must be in 1..10000"),
+        (0 < config.http.max_connections_per_peer <= 10000, "http.max_connections_per_peer must be in 1..10000"),
+        (config.http.max_unauthenticated_body_bytes >= 0, "http.max_unauthenticated_body_bytes must not be negative"),
         (all(_HOST_ENTRY.fullmatch(h.strip().lower()) for h in config.http.allowed_hosts),
          "http.allowed_hosts: each entry must be a host name, an IP address or [IPv6], with an optional :port"),
         (config.cache.write_timeout_seconds > 0, "cache.write_timeout_seconds must be positive"),
@@ -404,6 +415,11 @@ def validate(config: Config) -> None:
         (0 <= config.events.speculative_weight <= 1000, "events.speculative_weight must be in 0..1000"),
         (1 <= config.events.speculative_max_entries <= 10_000_000, "events.speculative_max_entries must be in 1..10000000"),
         (0 < config.events.speculative_max_ttl_s <= 3600, "events.speculative_max_ttl_s must be in (0, 3600]"),
+        (1 <= config.events.max_blocks_per_source <= config.events.max_blocks <= 1 << 32,
+         "events.max_blocks_per_source must be at least 1 and at most events.max_blocks, which is at most 4294967296"),
+        (0 <= config.events.max_sources_per_account <= 16000, "events.max_sources_per_account must be in 0..16000"),
+        (0 <= config.events.reserved_admin_sources <= 16000, "events.reserved_admin_sources must be in 0..16000"),
+        (0 < config.events.push_budget_ms_per_s <= 1000, "events.push_budget_ms_per_s must be in (0, 1000]"),
         (config.server.hash_kernel in ("python", "numba"), "server.hash_kernel must be python or numba"),
         (all(os.path.isabs(r) and r.isprintable() for r in config.storage.allowed_roots),
          "storage.allowed_roots: each entry must be an absolute path without control characters"),

@@ -5,12 +5,20 @@ exclusive ``flock`` on a lock file says so, and a clean stop unlinks the file wh
 the lock, so no lock file outlives its owner and none can be taken over half-released. The file
 names the holder's pid, for the messages of whoever finds it taken; a standby waits for the lock
 (:func:`wait_lock_file`) and passes it on to the store it opens (:func:`pass_lock_file`).
+
+A lock file may sit in a directory other local users write (an shm prefix's lock in
+``/dev/shm``): it is created private (0600), never opened through a symlink, never blocked on
+(a FIFO planted at its name), and only a regular file counts. Whatever else sits at the name
+makes the lock :class:`LockBusy`, like a lock another process holds: whoever waits for it tries
+again, and gets it once that thing is gone.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable
 
@@ -20,7 +28,14 @@ log = logging.getLogger("kvcm.lockfile")
 
 
 class LockBusy(Conflict):
-    """Another owner (in this process or another) holds the lock."""
+    """Another owner (in this process or another) holds the lock, or something other than a lock
+    file sits at its name: a state that passes, so worth trying again."""
+
+
+# Flags of every open of a lock file: no symlink followed, no FIFO blocked on, no child inherits it.
+_SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# What opening a lock file's name fails with when someone planted a symlink, directory or FIFO there.
+_PLANTED = {errno.ELOOP, errno.EISDIR, errno.ENXIO}
 
 
 # lock file -> (fd, owner, holders, pid). A child of fork() inherits the table but not the
@@ -66,7 +81,7 @@ def _lock_once(path: str, what: str) -> int | None:
     """A descriptor holding the lock on the file ``path`` names now; None if it was replaced."""
     import fcntl  # POSIX only, like the storages that use it
 
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    fd = _open_lock(path, what)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -85,6 +100,22 @@ def _lock_once(path: str, what: str) -> int | None:
     return None
 
 
+def _open_lock(path: str, what: str) -> int:
+    """The lock file ``path`` names, created private if missing; LockBusy if the name holds
+    anything but a regular file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _SAFE, 0o600)
+    except OSError as exc:
+        if exc.errno in _PLANTED:
+            raise LockBusy(f"{what}: its lock file {path} cannot be opened ({exc.strerror}); "
+                           "remove whatever is there") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise LockBusy(f"{what}: its lock file {path} is not a regular file; remove whatever is there")
+    return fd
+
+
 def _write_pid(fd: int) -> None:
     """Say who holds the lock, for whoever finds it taken (a standby names the process it
     waits for); the lock, not this text, is what counts."""
@@ -98,10 +129,15 @@ def _write_pid(fd: int) -> None:
 def lock_holder(path: str) -> int | None:
     """The pid the holder of ``path`` wrote into it, if the file says one."""
     try:
-        with open(path, "rb") as fh:
-            text = fh.read(32)
+        fd = os.open(path, os.O_RDONLY | _SAFE)
     except OSError:
         return None
+    try:
+        text = os.read(fd, 32) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     return int(text) if text.strip().isdigit() else None
 
 

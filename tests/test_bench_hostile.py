@@ -20,4 +20,5 @@ def test_bench_hostile_prints_one_line_per_figure():
     costs = [line for line in lines if line.startswith("hostile costs ")]
     assert len(costs) == 7 and all(re.search(r": +[\d.]+ us per key", line) for line in costs), lines
     attacked = [line for line in lines if line.startswith("hostile tokens_3_9m")]
-    assert len(attacked) == 2 and all("ms attacked" in line for line in attacked), lines
+    assert len(attacked) == 3 and all("ms attacked" in line for line in attacked[:2]), lines
+    assert "worst round" in attacked[1] and "target" in attacked[2], lines

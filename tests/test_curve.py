@@ -85,6 +85,8 @@ def _curve(keys: Keys, allowed: bool = True, **extra) -> dict:
     server = {"curve_secret_key_file": keys.server_secret}
     if allowed:
         server["curve_allowed_clients_dir"] = keys.allowed_dir
+        # With auth off, an allow-list and the side port refuse to start (tests/test_http_hostile2.py).
+        extra.setdefault("http", {"enabled": False})
     return {"server": server, **extra}
 
 
@@ -184,11 +186,17 @@ def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
 
 
 def test_http_api_works_with_curve_and_an_allow_list(keys):
-    with serve_in_thread(overrides=_curve(keys)) as server:
-        status, body = _post(server.http_port, "/api/check_health", {})
+    """The side port's internal key gets its calls past the allow-list; auth on, each needs an
+    account's credentials there, as on the RPC port."""
+    admin = {"user": "admin", "password": "Curve-admin-passw0rd"}
+    overrides = _curve(keys, http={"port": 0}, auth={"enabled": True, "admin_password": admin["password"]})
+    with serve_in_thread(overrides=overrides) as server:
+        status, body = _post(server.http_port, "/api/check_health", {"auth": admin})
         assert status == 200 and body["result"]["status"] == "ok"
-        status, body = _post(server.http_port, "/api/list_storage", {})
+        status, body = _post(server.http_port, "/api/list_storage", {"auth": admin})
         assert status == 200 and body["result"]["storage"]
+        status, body = _post(server.http_port, "/api/list_storage", {})
+        assert status == 401 and body["error"]["name"] == "UNAUTHENTICATED"
         assert _rejected(server.app) == 0
 
 

@@ -404,10 +404,16 @@ def check_offline(redis_url: str, prefix: str, data_dir: str, acked: list[int], 
     ``storages``) once the open sessions expired."""
     from unittest import mock
 
+    import redis as redis_py
+
     from kvcm.app import App
     from kvcm.cache import consistency
     from kvcm.testing import make_test_config
 
+    # A killed node's lease and a killed writer's mark stay until they expire; every kvcm is down,
+    # so they are stale, and this App (without the lease, on its own data dir) would be refused.
+    with redis_py.Redis.from_url(redis_url) as raw:
+        raw.delete(f"{{{prefix}}}:leader", f"{{{prefix}}}:writer")
     config = make_test_config(data_dir, f"ipc://{data_dir}.rpc", {
         "store": {"backend": "redis", "redis_url": redis_url, "redis_prefix": prefix},
         "cache": {"session_check_ms": 50, "delete_poll_ms": 20}, "reclaim": {"enabled": False}})
@@ -488,7 +494,7 @@ def test_the_leader_stage_commits_with_its_epoch_and_is_fenced_by_a_newer_one(re
     assert lease.try_acquire()
     config = make_test_config(os.path.join(sock_dir, "data"), f"ipc://{sock_dir}/rpc", {
         "store": {"backend": "redis", "redis_url": redis_server.url, "redis_prefix": prefix},
-        "ha": {"enabled": True, "node_id": "n1"}})
+        "ha": {"enabled": True, "node_id": "n1", "require_aof": False}})  # the session's Redis keeps no AOF
     app = App(config, lease=lease)
     try:
         assert app.store.fencing_token == lease.epoch == 1

@@ -273,7 +273,7 @@ def test_slowloris_and_silent_connections_are_cut_at_the_deadline_and_the_cap_ho
                 time.sleep(0.25)
             assert not open_socks, f"{len(open_socks)} connections still open"
             assert max(cut.values()) < timeout + SLACK, sorted(cut.values())
-            assert peak - baseline <= cap + 2, (peak, baseline)
+            assert peak - baseline <= cap + 1 + 2, (peak, baseline)  # + the one probe slot of this address
         assert get(port, "/livez").status == 200
         counts = refused(server)
         assert counts.get("timeout", 0) + counts.get("connection_cap", 0) >= cap + 20, counts
@@ -298,8 +298,9 @@ def test_connections_past_the_cap_get_503_at_once_and_slots_come_back():
 
 
 def _busy(port: int) -> bool:
+    """A request that is not a probe is turned away (probes have slots of their own past the cap)."""
     try:
-        reply = get(port, "/livez")
+        reply = get(port, "/metrics")
     except (EOFError, OSError):
         return True  # the 503 was lost to the reset: still turned away
     return reply.status == 503

@@ -59,9 +59,20 @@ def stored_pins(store, instance: str) -> dict[int, int]:
         return {from_i64(k[8:]): from_u64(v) for k, v in view.scan(PINS, prefix=ns)}
 
 
+def deletes_done(srv) -> bool:
+    """No delete left to do: no purge of a removed instance queued for the deleter thread, and
+    no delete entry or queued free. A queued purge counts: until it commits, its marks are in no
+    delete entry, and it runs a read-modify-write of the block index on the deleter thread
+    (``check()`` asserts nothing writes), whenever that thread next wakes up. The purge queue is
+    read first: a purge is popped from it only after its marks committed, so the entries are
+    counted by the second read."""
+    cache = srv.app.cache
+    return not cache.purges and cache.deleter.pending() == 0
+
+
 def check(srv) -> None:
     """The data plane's invariants, pins included (mirror == store), on a quiet server."""
-    wait_for(lambda: srv.app.cache.deleter.pending() == 0)
+    assert wait_for(lambda: deletes_done(srv), timeout=30)
     srv.app.cache.check()
 
 
@@ -284,10 +295,13 @@ def test_removing_an_instance_removes_its_pins(server, c, inst):
     assert wait_for(lambda: stored_pins(server.app.store, inst) == {}, timeout=30)  # rows: at the next sweep
     register(c, inst)
     assert pins.count(inst) == 0
+    # The old instance's purge runs on the deleter thread at its next wake-up; until it has, the
+    # new instance's data plane answers SERVICE_NOT_READY (tests/test_reregistration.py).
+    assert wait_for(lambda: not server.app.cache.purges, timeout=30)
     assert pin(c, inst, list(range(CAP)))["pinned"] == CAP  # nothing of the old instance counts
-    # The purge's deletes free their slots inside the deleter's transaction: a check that reads
-    # between that free and the commit sees a deleting copy the storage no longer reserves.
-    assert wait_for(lambda: server.app.cache.deleter.pending() == 0, timeout=30)
+    # check() waits for the frees of the purge's deletes too (deletes_done), which happen inside
+    # the deleter's transaction: a check that reads between that free and the commit sees a
+    # deleting copy the storage no longer reserves.
     check(server)
 
 

@@ -58,10 +58,10 @@ def test_a_commit_cut_off_while_sent_applies_nothing(rstore, redis_server):
     """A client that dies half-way through sending the commit command: Redis never runs it."""
     with rstore.write() as txn:
         txn.put("blocks", b"a", b"1")
-    keys = [rstore.epoch_key, rstore.commit_key, rstore.versions_key, rstore.hash_key("blocks"),
-            rstore.zset_key("blocks")]
-    args = [b"", b"cut", b"1", b"0", b"b", b"2"]
-    parts = [b"EVALSHA", rstore.commit_script.sha.encode(), b"5", *keys, *args]
+    keys = [rstore.epoch_key, rstore.commit_key, rstore.versions_key, rstore.deployment_key,
+            rstore.hash_key("blocks"), rstore.zset_key("blocks")]
+    args = [b"", b"cut", b"", b"1", b"0", b"b", b"2"]
+    parts = [b"EVALSHA", rstore.commit_script.sha.encode(), b"6", *keys, *args]
     command = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
     with socket.create_connection(("127.0.0.1", redis_server.port)) as conn:
         conn.sendall(command[: len(command) - 9])  # everything but the end of the last argument

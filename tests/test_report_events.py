@@ -257,18 +257,19 @@ def test_auth_a_reporter_reports_only_for_its_own_sources() -> None:
                                          "location_spec_infos": [{"name": "tp0", "size": 1024}]})  # fmt: skip
         alice, bob, carol = (srv.client(auth={"token": tokens[u]}) for u in ("alice", "bob", "carol"))
         with alice, bob, carol:
-            register(alice)
-            assert alice.report_events(source_id="push-a", op="events", seq=0,
+            mine = "llm/push-a"  # a non-admin's ids are in its instance's namespace
+            register(alice, mine)
+            assert alice.report_events(source_id=mine, op="events", seq=0,
                                        events=[add([1], TOKENS[:BS])]).applied_blocks == 1
-            assert refused(lambda: bob.report_events(source_id="push-a", op="heartbeat")).code \
+            assert refused(lambda: bob.report_events(source_id=mine, op="heartbeat")).code \
                 is Code.PERMISSION_DENIED
-            assert refused(lambda: register(bob)).code is Code.PERMISSION_DENIED  # no hijack by re-registering
-            assert refused(lambda: bob.report_events(source_id="push-a", op="down")).code is Code.PERMISSION_DENIED
+            assert refused(lambda: register(bob, mine)).code is Code.PERMISSION_DENIED  # no hijack by re-registering
+            assert refused(lambda: bob.report_events(source_id=mine, op="down")).code is Code.PERMISSION_DENIED
             # another tenant's source looks missing, and its instance cannot be registered against
-            assert refused(lambda: carol.report_events(source_id="push-a", op="heartbeat")).code is Code.NOT_FOUND
-            assert refused(lambda: register(carol, "push-c")).code is Code.INSTANCE_NOT_EXIST
-            assert admin.report_events(source_id="push-a", op="heartbeat").state == "live"  # an admin may
-            assert alice.report_events(source_id="push-a", op="down").state == "down"
+            assert refused(lambda: carol.report_events(source_id=mine, op="heartbeat")).code is Code.NOT_FOUND
+            assert refused(lambda: register(carol, "llm/push-c")).code is Code.INSTANCE_NOT_EXIST
+            assert admin.report_events(source_id=mine, op="heartbeat").state == "live"  # an admin may
+            assert alice.report_events(source_id=mine, op="down").state == "down"
 
 
 def test_a_turns_pooled_hashing_never_uses_states_of_a_batch_not_applied() -> None:

@@ -307,7 +307,8 @@ def tair_pair(redis_factory, tmp_path) -> Iterator[Callable[..., Pair]]:
     made: list[Pair] = []
 
     def make(*args: str) -> Pair:
-        pair = Pair(redis_factory().url, f"tair{len(made)}", str(tmp_path / f"pair{len(made)}"), list(args))
+        pair = Pair(redis_factory("--appendonly", "yes").url, f"tair{len(made)}", str(tmp_path / f"pair{len(made)}"),
+                    list(args))
         made.append(pair)
         pair.endpoints = {n: f"tcp://127.0.0.1:{_free_port()}" for n in ("n1", "n2")}
         pair.start("n1")

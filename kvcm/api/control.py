@@ -383,6 +383,11 @@ def methods(
 def _storage_health(storage: Any, reasons: dict[str, str]) -> dict[str, Any]:
     """``enabled``/``available`` of one storage, and why it is unavailable when it is."""
     out: dict[str, Any] = {"enabled": storage.enabled, "available": storage.available}
+    reason = reasons.get(storage.global_unique_name)
     if not storage.available:
-        out["unavailable_reason"] = reasons.get(storage.global_unique_name, "unavailable at the last probe")
+        out["unavailable_reason"] = reason or "unavailable at the last probe"
+    elif reason is not None:
+        # Available in the shared registry, but this node cannot open it yet (a lock another
+        # process holds): it serves nothing here until the health thread reopens it.
+        out["waiting"] = reason
     return out

@@ -27,6 +27,7 @@ from kvcm.errors import InvalidArgument
 from kvcm.rpc import wire
 from kvcm.rpc.dispatch import Estimate, Method, TokenWork
 from kvcm.schema import KEYS_CEILING, Flags, Int64, Keys, RequestBase, Tokens
+from kvcm.storage.base import parse_block_uri
 
 InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
@@ -88,10 +89,25 @@ class StartWriteCacheRequest(_Keys, kw_only=True):
     write_timeout_seconds: float = 0.0  # 0 = the server's cache.write_timeout_seconds
 
 
+class SentLocationSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    uri: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+
+
+class SentLocation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A location a Tair client echoes back on finish: the shape kvcm handed out."""
+
+    type: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    spec_size: int = 0
+    location_specs: Annotated[list[SentLocationSpec], msgspec.Meta(max_length=256)] = []
+
+
 class FinishWriteCacheRequest(_Request, kw_only=True):
     write_session_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     success_blocks: WireMask | None = None
-    locations: list[Any] = []  # accepted and ignored, as in Tair
+    # Accepted and not used, as in Tair (the session knows its locations), but held to the
+    # shape kvcm hands out: a URI of another scheme is a client bug worth an error, not silence.
+    locations: Annotated[list[SentLocation], msgspec.Meta(max_length=KEYS_CEILING)] = []
 
 
 class RemoveCacheRequest(_Keys, kw_only=True):
@@ -162,6 +178,7 @@ class CacheApi:
                                         r.write_timeout_seconds)
 
     def finish_write_cache(self, r: FinishWriteCacheRequest) -> Any:
+        _check_sent_uris(r.locations)
         return self.m.finish_write_cache(r.instance_id, r.write_session_id, _mask(r.success_blocks))
 
     def remove_cache(self, r: RemoveCacheRequest) -> Any:
@@ -275,3 +292,13 @@ def methods(manager: CacheManager, engines: EngineService | None = None) -> list
         Method("pin_cache", api.pin_cache, request=PinCacheRequest, writes=True, cost=costs.pins),
         Method("unpin_cache", api.unpin_cache, request=UnpinCacheRequest, writes=True, cost=costs.pins),
     ]
+
+
+def _check_sent_uris(locations: list[SentLocation]) -> None:
+    for i, location in enumerate(locations):
+        for j, spec in enumerate(location.location_specs):
+            if spec.uri:  # "" is a filler entry's
+                try:
+                    parse_block_uri(spec.uri)
+                except InvalidArgument as exc:
+                    raise InvalidArgument(f"locations[{i}].location_specs[{j}].uri: {exc.message}") from None

@@ -21,21 +21,31 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvcm.cache.manager import CacheManager
-from kvcm.engines.index import KEYED
-from kvcm.engines.push import Report
+from kvcm.engines.index import KEYED, MAX_LABEL
+from kvcm.engines.push import Report, Reporter
 from kvcm.engines.scoring import BLOCKS, MAX_LOAD, SCORE, SOURCE, pod_summary
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SourceSpec
 from kvcm.errors import Code, InvalidArgument, error
-from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, count_events
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Estimate, Method, TokenWork
 from kvcm.rpc.wire import Raw
 from kvcm.schema import KEYS_CEILING, Keys, RequestBase, Tokens
 
-#: ``loads``: source id -> load, each checked while decoding (a router sends a hundred per call).
-#: NaN fails the bounds too.
-Loads = dict[Annotated[str, msgspec.Meta(max_length=200)], Annotated[float, msgspec.Meta(ge=0.0, le=MAX_LOAD)]]
+#: ``loads``: source id -> load, each checked while decoding (a router sends a hundred per call),
+#: at most one per source events.max_sources allows at its most. NaN fails the bounds too.
+Loads = Annotated[
+    dict[Annotated[str, msgspec.Meta(max_length=200)], Annotated[float, msgspec.Meta(ge=0.0, le=MAX_LOAD)]],
+    msgspec.Meta(max_length=16000),
+]
+#: A medium name as queries give it (the engine index holds none longer).
+Medium = Annotated[str, msgspec.Meta(max_length=MAX_LABEL)]
+#: ``media`` filters: a handful of names, bounded so that no filter costs more than its keys.
+MAX_MEDIA = 64
+Media = Annotated[list[Medium], msgspec.Meta(max_length=MAX_MEDIA)]
+#: An adapter name as queries give it.
+LoraName = Annotated[str, msgspec.Meta(max_length=MAX_LABEL)]
 
 
 # msgspec.Struct named again only so that linters see a Struct (its defaults are copied, not shared).
@@ -73,9 +83,9 @@ class MatchEnginesRequest(_Request):
     instance_id: str
     token_ids: Tokens = []
     block_keys: Keys = []
-    lora_name: str | None = None
-    media: list[str] | None = None  # e.g. ["GPU"]; absent = every medium
-    medium: str | None = None  # shorthand for media=[medium]
+    lora_name: LoraName | None = None
+    media: Media | None = None  # e.g. ["GPU"]; absent = every medium
+    medium: Medium | None = None  # shorthand for media=[medium]
     group_idx: int | None = None  # absent = full-attention-like groups
     limit: int = 0  # 0 = every source with a match
     include_stale: bool = False  # also match sources not heard for events.stale_after_s
@@ -89,7 +99,7 @@ class NoteRoutedRequest(_Request):
     source_id: str
     token_ids: Tokens = []
     block_keys: Keys = []
-    lora_name: str | None = None  # the adapter the prompt runs with (matches of that adapter count it)
+    lora_name: LoraName | None = None  # the adapter the prompt runs with (matches of that adapter count it)
     ttl_s: float = 2.0  # at most events.speculative_max_ttl_s
 
 
@@ -101,7 +111,7 @@ class GetHostCacheStateRequest(_Request):
     block_keys: Keys = []
     token_ids: Tokens = []
     query_type: str | int = "prefix_match"  # prefix matching only: "prefix_match", "QT_PREFIX_MATCH" or 2
-    medium: list[str] | None = None  # Tair's media filter; absent or empty = every medium
+    medium: Media | None = None  # Tair's media filter; absent or empty = every medium
     p2p_host_count: int = 0  # Tair's P2P peer count: accepted, kvcm does not plan P2P fetches
     top_k: int = 0  # 0 = every host
     loads: Loads | None = None
@@ -144,11 +154,15 @@ class _Handlers:
         return TokenWork(req.token_ids, self.service.instance_lookup(req.instance_id), done)
 
     def match_cost(self, req: MatchEnginesRequest) -> Estimate:
-        return Estimate(len(req.block_keys) * _MATCH_US_PER_KEY, 0, _MATCH_US_PER_KEY)
+        return Estimate(len(req.block_keys) * _MATCH_US_PER_KEY + _options_us(req.media, req.loads), 0,
+                        _MATCH_US_PER_KEY)  # fmt: skip
 
     def host_cost(self, req: GetHostCacheStateRequest) -> Estimate:
         n = len(req.block_keys or req.block_cache_keys)
-        return Estimate(n * _MATCH_US_PER_KEY, 0, _MATCH_US_PER_KEY)
+        return Estimate(n * _MATCH_US_PER_KEY + _options_us(req.medium, req.loads), 0, _MATCH_US_PER_KEY)
+
+    def note_cost(self, req: NoteRoutedRequest) -> Estimate:
+        return Estimate(len(req.block_keys) * _NOTE_US_PER_KEY, 0, _NOTE_US_PER_KEY)
 
     def match_engines(self, req: MatchEnginesRequest) -> Raw:
         media = req.media if req.media is not None else ([req.medium] if req.medium else None)
@@ -248,7 +262,16 @@ def _check_loads(loads: dict[str, float] | None, most: int) -> dict[str, float] 
 
 # Work per key of match_engines on the RPC thread (microseconds; docs/limits.md).
 _MATCH_US_PER_KEY = 0.5
+#: Per medium of a filter and per entry of ``loads`` (normalised, set up, looked up per source).
+_MATCH_US_PER_OPTION = 1.0
+#: Per key of a note_routed entry (copied, compared when matched).
+_NOTE_US_PER_KEY = 0.1
 _MAX_TOP_K = 1 << 16
+
+
+def _options_us(media: list[str] | None, loads: dict[str, float] | None) -> float:
+    """The work of a match's filter and loads, both bounded by the schema."""
+    return (len(media or ()) + len(loads or ())) * _MATCH_US_PER_OPTION
 
 
 # --- report_events (push sources: kvcm/engines/push.py) ------------------------------------------
@@ -259,6 +282,9 @@ Hash = int | Annotated[bytes, msgspec.Meta(max_length=64)]
 Hashes = Annotated[list[Hash], msgspec.Meta(max_length=KEYS_CEILING)]
 Name = Annotated[str, msgspec.Meta(max_length=200)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+#: A batch's time (seconds): finite, and never a date no clock gives (NaN fails the bounds too).
+Ts = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
+_UNSET = msgspec.UNSET
 #: Bounds of one report: what one turn's budget can apply (docs/engines.md#push-ingestion).
 MAX_REPORT_EVENTS = 4096
 MAX_REPORT_PAYLOADS = 1024
@@ -304,22 +330,26 @@ class Payload(_Strict):
     ``payload_b64`` (base64 text, for JSON over HTTP)."""
 
     seq: Seq
-    payload: bytes | None = None
-    payload_b64: str | None = None
+    # UNSET, not None: an explicit null is refused like any value of the wrong type
+    payload: bytes | msgspec.UnsetType = _UNSET
+    payload_b64: str | msgspec.UnsetType = _UNSET
 
 
 class ReportEventsRequest(_Request, dict=True):  # dict: the handler keeps its Report on it
+    """The optional fields are UNSET when absent: an explicit null is a wrong type (refused,
+    naming the field), never read as 0, "" or "now"."""
+
     source_id: Name
     op: Literal["register", "heartbeat", "payloads", "events", "snapshot", "down"]
     generation: Seq = 0
     # register
-    instance_id: str | None = None
-    dp_rank: Annotated[int, msgspec.Meta(ge=0, lt=4096)] | None = None
-    pod: Name | None = None
-    medium: Annotated[str, msgspec.Meta(max_length=32)] | None = None
+    instance_id: str | msgspec.UnsetType = _UNSET
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, lt=4096)] | msgspec.UnsetType = _UNSET
+    pod: Name | msgspec.UnsetType = _UNSET
+    medium: Annotated[str, msgspec.Meta(max_length=32)] | msgspec.UnsetType = _UNSET
     # events, snapshot
-    seq: Seq | None = None
-    ts: float | None = None
+    seq: Seq | msgspec.UnsetType = _UNSET
+    ts: Ts | msgspec.UnsetType = _UNSET
     events: Annotated[list[AddEvent | RemoveEvent | ClearEvent], msgspec.Meta(max_length=MAX_REPORT_EVENTS)] = []
     # payloads
     payloads: Annotated[list[Payload], msgspec.Meta(max_length=MAX_REPORT_PAYLOADS)] = []
@@ -334,8 +364,8 @@ _OP_FIELDS = {
     "snapshot": frozenset({"seq", "ts", "events"}),
     "down": frozenset(),
 }
-_OP_DEFAULTS: dict[str, Any] = {"instance_id": None, "dp_rank": None, "pod": None, "medium": None, "seq": None, "ts": None,
-                "events": [], "payloads": []}  # fmt: skip
+_OP_DEFAULTS: dict[str, Any] = {"instance_id": _UNSET, "dp_rank": _UNSET, "pod": _UNSET, "medium": _UNSET,
+                                "seq": _UNSET, "ts": _UNSET, "events": [], "payloads": []}  # fmt: skip
 
 
 def _not_taken(taken: frozenset[str]) -> tuple[Callable[[Any], tuple[Any, ...]], tuple[Any, ...], tuple[str, ...]]:
@@ -367,7 +397,7 @@ def report(req: ReportEventsRequest) -> Report:
         name = next(n for n, v, d in zip(names, get(req), defaults) if v != d)
         raise InvalidArgument(f"report_events: op {req.op} does not take the field {name}")
     keyed = bool(req.events) and all(getattr(e, "keyed", False) for e in req.events)
-    if req.op == "events" and req.seq is None and not keyed:
+    if req.op == "events" and req.seq is _UNSET and not keyed:
         raise InvalidArgument("report_events: op events needs seq (the batch's sequence number), "
                               "unless every event is keyed")
     for i, e in enumerate(req.events):
@@ -379,10 +409,16 @@ def report(req: ReportEventsRequest) -> Report:
     if req.op == "snapshot" and any(type(e) is not AddEvent for e in req.events):
         raise InvalidArgument("report_events: a snapshot holds add events only (it replaces the source's blocks)")
     return Report(
-        source_id=req.source_id, op=req.op, generation=req.generation, instance_id=req.instance_id,
-        dp_rank=req.dp_rank or 0, pod=req.pod or "", medium=req.medium or "", seq=req.seq, ts=req.ts,
+        source_id=req.source_id, op=req.op, generation=req.generation, instance_id=_given(req.instance_id, None),
+        dp_rank=_given(req.dp_rank, 0), pod=_given(req.pod, ""), medium=_given(req.medium, ""),
+        seq=_given(req.seq, None), ts=_given(req.ts, None),
         events=[_event(e) for e in req.events], payloads=[(p.seq, _payload(i, p)) for i, p in enumerate(req.payloads)],
     )  # fmt: skip
+
+
+def _given(value: Any, absent: Any) -> Any:
+    """A request field's value, or what its absence means."""
+    return absent if value is _UNSET else value
 
 
 def _work(r: Report) -> tuple[int, int, int]:
@@ -400,6 +436,11 @@ def _work(r: Report) -> tuple[int, int, int]:
     return events, blocks, tokens
 
 
+def _typed_blocks(req: ReportEventsRequest) -> int:
+    """Blocks the report's typed events name: their work is known before anything is decoded."""
+    return sum(len(e.block_hashes) for e in req.events if isinstance(e, AddEvent | RemoveEvent))
+
+
 def _event(e: AddEvent | RemoveEvent | ClearEvent) -> Event:
     if type(e) is AddEvent and e.keyed:
         return BlockStored(list(e.block_hashes), None, [], 0, None, e.medium, e.lora_name, KEYED, e.group_idx)
@@ -412,14 +453,18 @@ def _event(e: AddEvent | RemoveEvent | ClearEvent) -> Event:
 
 
 def _payload(i: int, p: Payload) -> bytes:
-    if (p.payload is None) == (p.payload_b64 is None):
+    if (p.payload is _UNSET) == (p.payload_b64 is _UNSET):
         raise InvalidArgument(f"report_events: payloads[{i}] needs exactly one of payload and payload_b64")
-    if p.payload is not None:
+    if not isinstance(p.payload, msgspec.UnsetType):
         return p.payload
     try:
-        return base64.b64decode(p.payload_b64 or "", validate=True)
+        return base64.b64decode(_given(p.payload_b64, ""), validate=True)
     except (binascii.Error, ValueError):
         raise InvalidArgument(f"report_events: payloads[{i}].payload_b64 is not base64") from None
+
+
+#: The ``report_events`` operations that carry batches, paid from the owner's work budget.
+_PAID_OPS = frozenset({"payloads", "events", "snapshot"})
 
 
 class _Reports:
@@ -441,14 +486,33 @@ class _Reports:
     def cost(self, req: ReportEventsRequest) -> Estimate:
         made = self.prepared(req)
         size = sum(len(p) for _, p in made.payloads)
-        if size * _US_PER_PAYLOAD_BYTE <= _DECODE_CEILING_US:
-            self.service.push.prepare(made)
+        # What the payloads claim, from their headers: a payload of many tiny events is refused
+        # on that before any of them is decoded.
+        claimed = _US_PER_REPORT + size * _US_PER_PAYLOAD_BYTE + _typed_blocks(req) * _US_PER_BLOCK + \
+            (len(req.events) + sum(map(count_events, (p for _, p in made.payloads)))) * _US_PER_EVENT
+        if claimed > _DECODE_CEILING_US:
+            return Estimate(claimed)
+        # A carried report is costed again and paid once; a register, heartbeat or down carries
+        # no batches and is never refused for budget (a source kept quiet would turn stale).
+        charged = req.__dict__.get("charged") if req.op in _PAID_OPS else 0.0
+        if charged is None:
+            self.service.push_budget.check(self._owner(req), claimed, "report_events")  # before decoding
+        self.service.push.prepare(made)
         events, blocks, tokens = _work(made)
         if blocks > MAX_REPORT_BLOCKS or tokens > MAX_REPORT_TOKENS:
             raise error(Code.TOO_MANY_KEYS, f"report_events: {blocks} blocks and {tokens} tokens; a report takes "
                                             f"at most {MAX_REPORT_BLOCKS} blocks and {MAX_REPORT_TOKENS} tokens")
-        return Estimate(_US_PER_REPORT + events * _US_PER_EVENT + blocks * _US_PER_BLOCK + tokens * _US_PER_TOKEN
-                        + size * _US_PER_PAYLOAD_BYTE)
+        us = (_US_PER_REPORT + events * _US_PER_EVENT + blocks * _US_PER_BLOCK + tokens * _US_PER_TOKEN
+              + size * _US_PER_PAYLOAD_BYTE)
+        if charged is None:
+            self.service.push_budget.charge(self._owner(req), us, "report_events")
+            req.__dict__["charged"] = us
+        return Estimate(us)
+
+    def _owner(self, req: ReportEventsRequest) -> str:
+        """Who pays for a report: its caller's account with auth on, else its source."""
+        principal = None if self.auth is None else self.auth.principal(req)
+        return f"account {principal.user_name}" if principal is not None else f"source {req.source_id}"
 
     def admitted(self, reqs: list[ReportEventsRequest]) -> None:
         """The turn's reports that run: their batches are hashed together (``PushIngest.pool``)."""
@@ -461,14 +525,15 @@ class _Reports:
 
     def report_events(self, req: ReportEventsRequest) -> dict[str, Any]:
         made = self.prepared(req)
-        if self.auth is None or not self.auth.enabled:
+        principal = None if self.auth is None else self.auth.principal(req)
+        if self.auth is None or principal is None:
             return self.service.report_events(made)
         auth = self.auth
 
         def authorize(spec: SourceSpec) -> None:
             auth.check_reporter(req, spec.owner, spec.instance_id, spec.source_id)
 
-        return self.service.report_events(made, auth.caller(req) or "", authorize)
+        return self.service.report_events(made, Reporter(principal.user_name, principal.admin, authorize))
 
 
 def methods(
@@ -482,7 +547,8 @@ def methods(
         Method("remove_event_source", h.remove_event_source, RemoveEventSourceRequest, writes=True, idempotent=False, admin=True),
         Method("list_event_sources", h.list_event_sources, ListEventSourcesRequest),
         Method("match_engines", h.match_engines, MatchEnginesRequest, cost=h.match_cost, tokens=h.match_tokens),
-        Method("note_routed", h.note_routed, NoteRoutedRequest, idempotent=False, tokens=h.match_tokens),
+        Method("note_routed", h.note_routed, NoteRoutedRequest, idempotent=False, cost=h.note_cost,
+               tokens=h.match_tokens),
         Method("get_host_cache_state", h.get_host_cache_state, GetHostCacheStateRequest, cost=h.host_cost,
                tokens=h.match_tokens),
         Method("report_events", reports.report_events, ReportEventsRequest, idempotent=False, cost=reports.cost,

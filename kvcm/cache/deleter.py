@@ -26,6 +26,10 @@ record is decoded and each named copy dropped if it is still ``deleting``, as be
 Entries written before those fields existed (six fields, or four, without bytes and type: those
 are looked up in their block record) take that path.
 
+A storage *waiting* to be opened again (its lock held by another process for now, see
+:mod:`kvcm.cache.storage_pool`) cannot free anything: its entries stay, and are freed once it
+is back. Only a storage that is gone from the registry has its locations dropped unfreed.
+
 Thread ownership: :meth:`Deleter.run_once` on the deleter thread; :func:`schedule` on whichever
 thread owns the write transaction.
 """
@@ -124,6 +128,8 @@ class Deleter:
         self.being_freed = being_freed if being_freed is not None else BeingFreed()
         self.freed = 0  # locations freed since start (metrics, tests)
         self.external_tasks: list[str] = []  # URIs an external owner must delete (last chunk)
+        # The storages waiting to be opened again (the pool's ``waiting``): their frees wait too.
+        self.waiting: Callable[[], frozenset[str]] = _nothing_waits
         # Copies whose records a committed transaction dropped (in-line eviction without a grace
         # delay): freed at the deleter's next wake-up, off the request path, in one batch.
         self._queued: deque[tuple[str, list[bytes]]] = deque()
@@ -165,23 +171,37 @@ class Deleter:
         were freed."""
         limit = u64(int((self.clock() if now is None else now) * 1000) + 1)
         total = self.free_queued() if self._queued else 0
+        start = b""  # past the entries read so far: those left were a waiting storage's
         while True:
             with self.store.read() as view:
                 # Entries come out in due order: stop at the first one not due (the rest of a
                 # chunk is the deletes still in their grace period, read again at every poll).
-                due = list(takewhile(lambda item: item[0][:8] < limit, view.scan(DB, limit=self.chunk)))
+                due = list(takewhile(lambda item: item[0][:8] < limit, view.scan(DB, start=start, limit=self.chunk)))
             if not due:
                 return total
-            total += self._free_chunk(due)
+            ready = self._not_waiting(due)
+            if ready:
+                total += self._free_chunk(ready)
             if len(due) < self.chunk:
                 return total
+            start = due[-1][0] + b"\0"
+
+    def _not_waiting(self, entries: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The entries whose storage can free now (entries older than the storage field are
+        sorted out per location, inside the transaction)."""
+        waiting = self.waiting()
+        if not waiting:
+            return entries
+        return [e for e in entries if _storage_of(e[1]) not in waiting]
 
     def _free_chunk(self, entries: list[tuple[bytes, bytes]]) -> int:
         slow: dict[tuple[str, str], dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
         fast: dict[tuple[str, str], dict[int, list[list[Any]]]] = defaultdict(lambda: defaultdict(list))
-        for _, value in entries:
+        ids: dict[bytes, tuple[str, int, str]] = {}  # entry -> (instance, key, location id)
+        for entry, value in entries:
             fields = msgpack.unpackb(value)
             group, instance, key, loc_id = fields[:4]
+            ids[entry] = (instance, key, loc_id)
             if len(fields) >= 10 and fields[8] is not None:
                 fast[(group, instance)][key].append(fields)
             else:
@@ -189,12 +209,13 @@ class Deleter:
         with self.store.write() as txn:
             doomed: dict[str, list[str]] = defaultdict(list)  # storage -> uris
             deltas: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+            held: set[tuple[str, int, str]] = set()  # locations of waiting storages: entries stay
             for (group, instance), by_key in fast.items():
                 self._drop_whole(txn, group, instance, by_key, doomed, deltas, slow[(group, instance)])
             for (group, instance), wanted in slow.items():
                 if wanted:
-                    self._drop(txn, group, instance, wanted, doomed, deltas)
-            txn.delete_many(DB, [k for k, _ in entries])
+                    self._drop(txn, group, instance, wanted, doomed, deltas, held)
+            txn.delete_many(DB, [k for k, _ in entries if ids[k] not in held])
             self.usage_add(txn, dict(deltas))
             # Every dropped location was deleting: its bytes leave the being-freed count too.
             freeing: dict[FreeKey, int] = defaultdict(int)
@@ -233,13 +254,20 @@ class Deleter:
                 delta[1] -= 1
 
     def _drop(self, txn: WriteTxn, group: str, instance: str, wanted: dict[int, set[str]],
-              doomed: dict[str, list[str]], deltas: dict[tuple[str, str, str], list[int]]) -> None:
+              doomed: dict[str, list[str]], deltas: dict[tuple[str, str, str], list[int]],
+              held: set[tuple[str, int, str]]) -> None:
+        waiting = self.waiting()
+
         def modify(_: int, key: int, record: Record | None) -> Any:
             if record is None:
                 return KEEP
             keep: list[Location] = []
             gone: list[Location] = []
             for loc in record.locs:
+                if loc.id in wanted[key] and loc.storage in waiting:
+                    held.add((instance, key, loc.id))  # freed once its storage is back
+                    keep.append(loc)
+                    continue
                 # Compare-and-delete: a location that is no longer "deleting" is not ours to free.
                 (gone if loc.id in wanted[key] and loc.status == Status.DELETING else keep).append(loc)
             if not gone:
@@ -260,6 +288,11 @@ class Deleter:
         """Free ``uris`` on storage ``name``, whose metadata no longer names them."""
         backend = self.storage(name)
         if backend is None:
+            if name in self.waiting():
+                # Only queued copies, whose records are gone (entries wait, see run_once): the
+                # storage reserves what the metadata names when it opens, so these come back free.
+                log.info("storage %r: %d location(s) freed when it opens again", name, len(uris))
+                return
             # The storage was removed or never opened: nothing of ours to free there any more.
             log.warning("dropping %d location(s) of storage %r without freeing: storage not open", len(uris), name)
             return
@@ -267,3 +300,13 @@ class Deleter:
         if tasks:
             self.external_tasks = list(tasks)
             log.info("storage %r: %d deletion task(s) for the external owner", name, len(tasks))
+
+
+def _nothing_waits() -> frozenset[str]:
+    return frozenset()
+
+
+def _storage_of(value: bytes) -> str | None:
+    """The storage an entry names (None for an entry older than that field)."""
+    fields = msgpack.unpackb(value)
+    return str(fields[6]) if len(fields) > 6 else None

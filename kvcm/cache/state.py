@@ -31,7 +31,7 @@ from kvcm.cache.sessions import InFlightStats, Sessions
 from kvcm.cache.storage_pool import StoragePool
 from kvcm.cache.usage import BeingFreed, Usage
 from kvcm.control.registry import GROUP, INSTANCE, Registry
-from kvcm.errors import InvalidArgument, NotFound
+from kvcm.errors import Code, InvalidArgument, NotFound, Unavailable
 from kvcm.store.base import MetaStore, ReadTxn, WriteTxn, i64
 
 
@@ -124,6 +124,11 @@ class CacheState:
             view = InstanceView.of(self.registry.get_instance(instance_id))
             self._views[instance_id] = view
             self.known[instance_id] = view.group
+        if self.purges and instance_id in self.purges:
+            # Removed and registered again before the deleter purged the old blocks: the purge
+            # takes every block of the namespace, so a block written now would go with them.
+            raise Unavailable(f"instance {instance_id[:200]!r} was removed and registered again; its old blocks "
+                              "are being purged: retry in a moment", Code.SERVICE_NOT_READY)
         return view
 
     def group_view(self, name: str) -> GroupView:

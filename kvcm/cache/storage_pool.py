@@ -6,27 +6,44 @@ and its backend opened. The pool keeps the set of unusable names as one frozense
 every registry change, so the read path pays one membership test per copy — and nothing at all
 while every storage is usable (the common case).
 
+A storage that cannot be opened *for now* (its lock is held by another process: a paused
+leader that has not stepped down yet) is *waiting*: never recorded unavailable in the registry
+(the registry is shared, and the storage is fine), unusable on this node, and opened again by
+the storage-health thread (:meth:`StoragePool.reopen_waiting`) once the lock frees, with its
+slots rebuilt from the metadata as at start-up; the deleter keeps its frees until then.
+
 Thread ownership: rebuilt on the thread that commits a registry change (RPC thread, or the
-health thread via ``set_storage_available``); read from any thread (attributes are replaced
-whole, never mutated).
+health thread via ``set_storage_available`` and reopens); read from any thread (attributes are
+replaced whole, never mutated).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import msgspec
 
+from kvcm.cache.blocks import decode
 from kvcm.control.registry import STORAGE, Registry, new_id
 from kvcm.errors import InvalidArgument, ServerError
-from kvcm.storage.ownership import ForeignDirectory, Owner
+from kvcm.lockfile import LockBusy
+from kvcm.storage.ownership import ForeignDirectory, Owner, marker_key
 
 log = logging.getLogger("kvcm.storage_pool")
 
 Opener = Callable[[Any, "str | None", Owner], Any]
+
+
+class Recorder(Protocol):
+    """What a storage reopened while serving needs from the data plane (the cache manager):
+    every block record, to reserve the slots they name, and a way to retire lost copies."""
+
+    def all_chunks(self) -> Iterator[list[tuple[bytes, bytes]]]: ...
+
+    def mark_lost(self, storage: str, lost: Callable[[list[str]], set[str]], source: str) -> int: ...
 
 
 def default_opener(storage: Any, data_dir: str | None, owner: Owner) -> Any:
@@ -55,6 +72,13 @@ class StoragePool:
         self.unusable: frozenset[str] = frozenset()
         self.removed: frozenset[str] = frozenset()  # removed since start: their copies are unreadable
         self._following = False  # a follower's pool (:meth:`follow`)
+        # Waiting storages (module docstring): name -> (record with its id, on_foreign, id to record).
+        self._waiting: dict[str, tuple[Any, str, bool]] = {}
+        self._recovering: frozenset[str] = frozenset()  # reopened, slots not rebuilt yet: unusable
+        self._key: bytes | None = None  # the data dir's marker key, read (or made) on first use
+        # One rebuild at a time: the RPC and health threads both rebuild, and a rebuild computed
+        # before another one's change must not be stored after it.
+        self._rebuilding = threading.Lock()
 
     def open_all(self) -> None:
         for storage in self.registry.list_storages():
@@ -73,9 +97,18 @@ class StoragePool:
         self.registry.on_change(self._on_change)
 
     def owner(self, storage: Any, on_foreign: str = "refuse") -> Owner:
-        taken = frozenset(s.storage_id for s in self.registry.list_storages()
-                          if s.global_unique_name != storage.global_unique_name and s.storage_id)
-        return Owner(storage.storage_id, self.registry.data_dir_id, self.data_dir or "", on_foreign, taken)
+        storages = self.registry.list_storages()
+        name = storage.global_unique_name
+        taken = frozenset(s.storage_id for s in storages if s.global_unique_name != name and s.storage_id)
+        recorded = bool(storage.storage_id) and any(
+            s.global_unique_name == name and s.storage_id == storage.storage_id for s in storages)
+        return Owner(storage.storage_id, self.registry.data_dir_id, self.data_dir or "", on_foreign, taken,
+                     key=self._marker_key(), recorded=recorded)
+
+    def _marker_key(self) -> bytes:
+        if self._key is None:
+            self._key = marker_key(self.data_dir) if self.data_dir else b""
+        return self._key
 
     def try_open(self, storage: Any, on_foreign: str = "refuse") -> None:
         """Open and close ``storage`` once; raises why it cannot be opened (``add_storage``
@@ -107,21 +140,97 @@ class StoragePool:
             backend = self._opener(storage, self.data_dir, self.owner(storage, on_foreign))
             if legacy and persist:
                 self.registry.assign_storage_id(name, storage.storage_id)
-        except Exception as exc:  # noqa: BLE001 - one broken storage must not stop the others
-            if isinstance(exc, ForeignDirectory):
-                self.foreign[name] = exc
-            log.error("storage %r (%s) cannot be opened: %s", name, storage.storage_type, exc)
-            reason = f"cannot be opened: {getattr(exc, 'message', None) or exc}"
-            if persist:
-                self._mark_unavailable(name, reason)
-            else:
-                self.registry.unavailable_reasons[name] = reason
+        except LockBusy as exc:
+            self._wait(name, (storage, on_foreign, legacy and persist), exc)
             return
+        except Exception as exc:  # noqa: BLE001 - one broken storage must not stop the others
+            self._failed(name, storage, exc, persist)
+            return
+        self._install(name, backend)
+
+    def _failed(self, name: str, storage: Any, exc: Exception, persist: bool) -> None:
+        if isinstance(exc, ForeignDirectory):
+            self.foreign[name] = exc
+        log.error("storage %r (%s) cannot be opened: %s", name, storage.storage_type, exc)
+        reason = f"cannot be opened: {getattr(exc, 'message', None) or exc}"
+        if persist:
+            self._mark_unavailable(name, reason)
+        else:
+            self.registry.unavailable_reasons[name] = reason
+
+    def _wait(self, name: str, attempt: tuple[Any, str, bool], exc: LockBusy) -> None:
+        """A transient failure: kept out of the registry (another node may serve the storage
+        well), retried by :meth:`reopen_waiting`."""
+        with self._lock:
+            first = name not in self._waiting
+            self._waiting[name] = attempt
+        if first:
+            log.warning("storage %r waits: %s; it opens once that lock is free", name, exc.message)
+        self.registry.unavailable_reasons[name] = f"waiting for its lock: {exc.message}"
+
+    def _install(self, name: str, backend: Any) -> None:
         with self._lock:
             old = self._backends.get(name)
             self._backends[name] = backend
+            self._waiting.pop(name, None)
         if old is not None and old is not backend:
             _close(old)
+
+    def waiting(self) -> frozenset[str]:
+        """The storages waiting to be opened again (module docstring): the deleter keeps their
+        frees until then."""
+        return frozenset(self._waiting)
+
+    def reopen_waiting(self, recorder: Recorder) -> list[str]:
+        """Try every waiting storage again (the storage-health thread, each round); one that
+        opens gets its slots rebuilt from the metadata (``reserve``, lost copies, ``sweep``)
+        before it takes writes or serves reads. Returns the storages opened."""
+        opened: list[str] = []
+        for name, (storage, on_foreign, record_id) in list(self._waiting.items()):
+            try:
+                backend = self._opener(storage, self.data_dir, self.owner(storage, on_foreign))
+            except LockBusy:
+                continue
+            except Exception as exc:  # noqa: BLE001 - no longer transient: as at start-up
+                with self._lock:
+                    self._waiting.pop(name, None)
+                self._failed(name, storage, exc, persist=True)
+                continue
+            try:
+                if record_id:
+                    self.registry.assign_storage_id(name, storage.storage_id)
+            except Exception:  # removed meanwhile, or the store failed: the next round tries again
+                log.exception("storage %r: cannot record its id", name)
+                _close(backend)
+                continue
+            self._recover(name, backend, recorder)
+            opened.append(name)
+        return opened
+
+    def _recover(self, name: str, backend: Any, recorder: Recorder) -> None:
+        """Reserve what the metadata records on ``backend``, then let it serve. Installed first
+        (unusable): frees from here on reach it, and it knows not to reserve those again."""
+        with self._lock:
+            removed = self._waiting.pop(name, None) is None  # by remove_storage, meanwhile
+            if not removed:
+                self._backends[name] = backend
+                self._recovering = self._recovering | {name}
+        if removed:
+            _close(backend)
+            return
+        self._rebuild()
+        try:
+            backend.reserve(_recorded_uris(recorder, name))
+            if getattr(backend, "damaged", lambda: False)():
+                recorder.mark_lost(name, backend.lost, "startup")
+            swept = backend.sweep()
+            log.info("storage %r opened again (%d orphan container(s) removed)", name, swept)
+        except Exception:  # as at start-up: no sweep, the storage still serves what it reserved
+            log.exception("recovering storage %r failed", name)
+        finally:
+            self._recovering = self._recovering - {name}
+            self.registry.unavailable_reasons.pop(name, None)
+            self._rebuild()
 
     def _mark_unavailable(self, name: str, reason: str) -> None:
         try:
@@ -142,9 +251,12 @@ class StoragePool:
         if storage is None:
             with self._lock:
                 backend = self._backends.pop(name, None)
+                self._waiting.pop(name, None)
             if backend is not None:
                 _close(backend)
             self.removed = self.removed | {name}
+        elif name in self._waiting:
+            pass  # reopened by the health thread, which rebuilds its slots first
         elif name not in self._backends:
             self._open(storage)
             self.removed = self.removed - {name}
@@ -166,10 +278,11 @@ class StoragePool:
         return bool(self._specs.get(storage.global_unique_name) != storage.storage_spec)
 
     def _rebuild(self) -> None:
-        opened = None if self._following else self._backends
-        bad = {s.global_unique_name for s in self.registry.list_storages()
-               if not (s.enabled and s.available) or (opened is not None and s.global_unique_name not in opened)}
-        self.unusable = frozenset(bad | set(self.removed))
+        with self._rebuilding:
+            opened = None if self._following else self._backends
+            bad = {s.global_unique_name for s in self.registry.list_storages()
+                   if not (s.enabled and s.available) or (opened is not None and s.global_unique_name not in opened)}
+            self.unusable = frozenset(bad | self.removed | self._recovering)
 
     # -- lookups ----------------------------------------------------------------------------------
 
@@ -194,6 +307,15 @@ class StoragePool:
             backends, self._backends = list(self._backends.values()), {}
         for backend in backends:
             _close(backend)
+
+
+def _recorded_uris(recorder: Recorder, name: str) -> list[str]:
+    """Every URI a block record names on storage ``name``, whatever the copy's status."""
+    out: list[str] = []
+    for chunk in recorder.all_chunks():
+        for _, value in chunk:
+            out.extend(uri for loc in decode(value).locs if loc.storage == name for uri in loc.uris())
+    return out
 
 
 def _close(backend: Any) -> None:

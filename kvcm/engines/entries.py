@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import struct
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import and_, rshift
@@ -59,6 +60,13 @@ def block_id(group: int, h: int) -> int:
     """A block's key in ``SourceState.blocks``: its group and engine hash in one int (not a
     tuple: ints are not tracked by the garbage collector, and group 0's ids are the hashes)."""
     return group << 64 | h
+
+
+def weight(blk: EngineBlock) -> int:
+    """What one block counts against the index's bounds: its kvcm keys, at least 1 (a block
+    that closes no key still takes a record). A block covering many keys (an engine block of
+    ``k`` instance blocks) costs about ``k`` times the memory, so it counts ``k`` times."""
+    return len(blk.keys) or 1
 
 
 def normalize_medium(medium: str | None) -> str:
@@ -128,6 +136,20 @@ def decode_log(raw: bytes) -> LogRecord:
     return record
 
 
+class Ids(dict[int, None]):
+    """Block ids in the order they were first added (a set that keeps order): a flush logs its
+    changed blocks in this order, so a restart replays the blocks in the order they were stored,
+    which is the order the index's bounds drop them in (oldest first)."""
+
+    __slots__ = ()
+
+    def add(self, bid: int) -> None:
+        self[bid] = None
+
+    def extend(self, bids: Iterable[int]) -> None:
+        self.update(dict.fromkeys(bids))
+
+
 @dataclass
 class SourceState:
     """Index-side state of one source (its connection state lives in the subscriber)."""
@@ -140,7 +162,7 @@ class SourceState:
     last_event_time: float = 0.0
     blocks: dict[int, EngineBlock] = field(default_factory=dict)  # by block_id(group, engine hash)
     groups: dict[int, str | None] = field(default_factory=dict)
-    dirty: set[int] = field(default_factory=set)  # block ids changed since the last flush
+    dirty: Ids = field(default_factory=Ids)  # block ids changed since the last flush, in order
     #: stores of blocks new to the source since the last flush, as made: ``(ids, blocks)``,
     #: persisted without a lookup each. They stay the blocks' current records until a block
     #: is removed, so every other change first moves their ids into ``dirty`` (:meth:`spill`).
@@ -148,11 +170,15 @@ class SourceState:
     cleared: bool = False
     serial: int = 0  # of the source's next engine_log record
     logged: int = 0  # entries its persisted records hold (live, superseded and tombstones)
+    #: its blocks, each weighing its kvcm keys (at least 1): what the index's bounds count
+    #: (:func:`weight`), kept as blocks come and go
+    size: int = 0
+    evicted: int = 0  # blocks dropped to keep the index within its bounds, since start-up
 
     def spill(self) -> None:
         """Move the fresh stores' ids into ``dirty`` (before a change that may drop a block)."""
         for ids, _ in self.fresh:
-            self.dirty.update(ids)
+            self.dirty.extend(ids)
         self.fresh.clear()
 
     def record(self) -> bytes:

@@ -18,6 +18,19 @@ Rules:
   publisher restart and removing the source clear exactly that source;
 * LoRA adapters (``lora_name``) are separate namespaces; groups are separate holder slots.
 
+Bounds (a source is fed by an engine or a tenant's reporter, so the index it fills is someone
+else's memory): a source holds at most ``max_blocks_per_source`` blocks and all sources
+together ``max_blocks``, each block weighing its kvcm keys (:func:`~kvcm.engines.entries.weight`).
+Past its own bound a source loses its oldest blocks; past the total, the source that stores
+loses its own oldest while it holds more than its fair share (the total over the sources
+followed), else the largest source does. Either way down to :data:`_LOW_WATER` of the bound, so
+evictions come in batches (each walks the dict's front once). A source holds at most
+:data:`MAX_SLOTS` (medium, group) slots per adapter and :data:`MAX_GROUPS` groups, with media
+and adapter names of at most :data:`MAX_LABEL` characters: a slot is a bit of every holder mask
+of its table, so slots unbounded would make every mask, not just the source, grow. Stores past
+these are refused and counted. Start-up applies the same bounds while it loads, so a lowered
+bound (or an index written before the bounds) never loads more than it allows.
+
 Persistence (``engine_sources``, ``engine_log``; layout in :mod:`kvcm.engines.entries`):
 :meth:`EngineIndex.flush` appends the blocks touched since the last flush (one log record per
 source, tombstones for the removed) and writes each source's ``last_seq``, in one transaction,
@@ -38,12 +51,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, MutableMapping, Sequence
 from itertools import accumulate, compress, islice, repeat
-from operator import and_, attrgetter, is_, is_not, or_
+from operator import and_, attrgetter, is_, is_not, itemgetter, or_
 from typing import Any
 
 from kvcm.engines.entries import (
     BLOCK_KEY,
     BLOCKS_DB,
+    CHUNK,
     DEC,
     LOG_DB,
     LOG_KEY,
@@ -62,10 +76,11 @@ from kvcm.engines.entries import (
     flush_source,
     new_block,
     normalize_medium,
+    weight,
 )
 from kvcm.engines.hashing import Chain, Precomputed, chain_states, hash_chains, to_signed
 from kvcm.engines.scoring import ENTRY, POD_ENTRY, Fragment, fragment
-from kvcm.engines.sources import SourceSpec
+from kvcm.engines.sources import SourceSpec, SubscriberSettings
 from kvcm.engines.table import MAIN_KINDS, HolderTable, Slot
 from kvcm.errors import Conflict, KvcmError, NotFound
 from kvcm.kv_events import (
@@ -84,14 +99,31 @@ from kvcm.threads import gc_paused
 #: ``keyed`` adds: Tair's reporters name blocks by key and send no tokens). Compared by identity,
 #: so no decoded engine payload can carry it.
 KEYED: list[Any] = ["kvcm-keys"]
+#: (medium, group) slots one source may hold in one adapter namespace (engines use a handful).
+MAX_SLOTS = 64
+#: KV-cache groups one source may name (vLLM's hybrid models have a few).
+MAX_GROUPS = 64
+#: Characters of a medium or adapter name at most (they key slots and tables).
+MAX_LABEL = 256
+#: An eviction takes a source (or the total) down to this share of its bound.
+_LOW_WATER = 31 / 32
 
 
 class EngineIndex:
     """Engine blocks of every source, mapped into kvcm keys (see the module docstring)."""
 
-    def __init__(self, store: MetaStore | None, block_size_of: Callable[[str], int]) -> None:
+    def __init__(
+        self,
+        store: MetaStore | None,
+        block_size_of: Callable[[str], int],
+        max_blocks_per_source: int = SubscriberSettings.max_blocks_per_source,
+        max_blocks: int = SubscriberSettings.max_blocks,
+    ) -> None:
         self._store = store
         self._block_size_of = block_size_of
+        self.max_per_source = max_blocks_per_source
+        self.max_total = max_blocks
+        self._total = 0  # the sizes of every source (SourceState.size), kept as they change
         self._lock = threading.RLock()
         self._sources: dict[str, SourceState] = {}
         self._tables: dict[tuple[str, str], HolderTable] = {}
@@ -203,6 +235,7 @@ class EngineIndex:
         state.blocks.clear()
         state.dirty.clear()
         state.fresh.clear()
+        self._grown(state, -state.size)
 
     # --- applying events ------------------------------------------------------------------------
 
@@ -242,10 +275,13 @@ class EngineIndex:
         if state is None or state.generation != generation:
             return None
         stats = ApplyStats()
+        evicted = state.evicted
         for event in batch.events:
             kind = type(event).__name__
             if type(event) is BlockStored:
                 stats.blocks += self._stored(state, event, pre, stats.errors)
+                if state.size > self.max_per_source or self._total > self.max_total:
+                    self._make_room(state)
             elif type(event) is BlockRemoved:
                 stats.blocks += self._removed(state, event, stats.errors)
             elif type(event) is AllBlocksCleared:
@@ -254,6 +290,8 @@ class EngineIndex:
             stats.processed[kind] += 1
         for kind in batch.errors:
             stats.errors[kind] += 1
+        if state.evicted > evicted:
+            stats.errors["evicted"] += state.evicted - evicted
         state.last_seq = seq
         state.last_ts = batch.ts
         state.last_event_time = time.time()
@@ -263,6 +301,10 @@ class EngineIndex:
     def _stored(self, state: SourceState, ev: BlockStored, pre: Precomputed, errors: MutableMapping[str, int]) -> int:
         group = ev.group_idx or 0
         medium = normalize_medium(ev.medium)
+        refused = self._refused(state, ev.lora_name or "", medium, group)
+        if refused is not None:
+            errors[refused] += 1
+            return 0
         hashes = _u64_hashes(ev.block_hashes)
         if ev.kv_cache_spec_kind is not None or group not in state.groups:
             state.groups[group] = ev.kv_cache_spec_kind
@@ -291,10 +333,11 @@ class EngineIndex:
         if new is not None:
             gained = new[0]
             state.fresh.append((touched, new[1]))  # persisted as made, no lookups (SourceState.fresh)
+            self._grown(state, len(touched))
         else:
             state.spill()
             gained = self._update_blocks(state, touched, states, lora, medium, group, pos, step, block_size, size)
-            state.dirty.update(touched)
+            state.dirty.extend(touched)
         if gained:
             table = self._table(state.spec.instance_id, lora)
             main = state.groups.get(group) in MAIN_KINDS
@@ -328,6 +371,7 @@ class EngineIndex:
         gained: list[int] = []  # keys this medium starts holding: one table update for all
         blocks = state.blocks
         same = step == block_size == size
+        grown = 0
         for i, key in enumerate(touched):
             blk = blocks.get(key)
             if blk is None:  # the common case: a new block, first held in this medium
@@ -339,6 +383,7 @@ class EngineIndex:
                     blk = blocks[key] = new_block(lora, states, i, size, pos, step, block_size)
                     gained.extend(blk.keys)
                 blk.refs = _held_once(medium)
+                grown += weight(blk)
                 continue
             count = blk.refs.get(medium, 0)
             if not count and blk.keys and blk.lora != lora:
@@ -347,6 +392,7 @@ class EngineIndex:
             blk.refs = {**blk.refs, medium: count + 1}
             if not count and blk.keys:
                 gained.extend(blk.keys)
+        self._grown(state, grown)
         return gained
 
     def _plan(
@@ -400,7 +446,9 @@ class EngineIndex:
             if blk is None:
                 errors["unknown_hash"] += 1
                 continue
-            self._hold(state, blk, medium, group)
+            if not self._hold(state, blk, medium, group):
+                errors["too_many_slots"] += 1
+                continue
             state.dirty.add(key)
             done += 1
         return done
@@ -409,6 +457,7 @@ class EngineIndex:
         """Blocks named by their kvcm keys, each held at most once per medium: a repeated add
         changes nothing, so one remove always drops it (Tair's adds are idempotent)."""
         state.spill()
+        before = len(state.blocks)
         for h in hashes:
             key = block_id(group, h)
             blk = state.blocks.get(key)
@@ -417,6 +466,7 @@ class EngineIndex:
             if medium not in blk.refs:
                 self._hold(state, blk, medium, group)
             state.dirty.add(key)
+        self._grown(state, len(state.blocks) - before)  # a keyed block is one key
         return len(hashes)
 
     def _removed(self, state: SourceState, ev: BlockRemoved, errors: MutableMapping[str, int]) -> int:
@@ -432,17 +482,78 @@ class EngineIndex:
             self._release(state, blk, medium, group)
             if not blk.refs:
                 del state.blocks[key]
+                self._grown(state, -weight(blk))
             state.dirty.add(key)
             done += 1
         return done
 
-    def _hold(self, state: SourceState, blk: EngineBlock, medium: str, group: int) -> None:
+    def _hold(self, state: SourceState, blk: EngineBlock, medium: str, group: int) -> bool:
+        """One more holding of ``blk`` on ``medium``; False (nothing held) when that would be a
+        slot past :data:`MAX_SLOTS`."""
         count = blk.refs.get(medium, 0)
+        if count == 0 and blk.keys and self._refused(state, blk.lora, medium, group) is not None:
+            return False
         blk.refs = {**blk.refs, medium: count + 1}
         if count == 0 and blk.keys:
             table = self._table(state.spec.instance_id, blk.lora)
             kind = state.groups.get(group)
             table.hold(table.slot(state.spec.source_id, medium, group, kind in MAIN_KINDS, state.spec.dp_rank), blk.keys)
+        return True
+
+    def _refused(self, state: SourceState, lora: str, medium: str, group: int) -> str | None:
+        """Why the source may not hold blocks of adapter ``lora`` on ``(medium, group)`` (the
+        error kind), or None: names past :data:`MAX_LABEL`, a group past :data:`MAX_GROUPS`, a
+        new slot past :data:`MAX_SLOTS` (module docstring). The usual answer is two lookups."""
+        if len(medium) > MAX_LABEL or len(lora) > MAX_LABEL:
+            return "bad_label"
+        if group not in state.groups and len(state.groups) >= MAX_GROUPS:
+            return "too_many_groups"
+        table = self._tables.get((state.spec.instance_id, lora))
+        source_id = state.spec.source_id
+        if table is None or (source_id, medium, group) in table.slot_ids:
+            return None
+        return "too_many_slots" if len(table.source_slots(source_id)) >= MAX_SLOTS else None
+
+    def _grown(self, state: SourceState, n: int) -> None:
+        """The source's size changed by ``n`` (blocks came or went)."""
+        state.size += n
+        self._total += n
+
+    # --- bounds -------------------------------------------------------------------------------------
+
+    def _make_room(self, state: SourceState) -> None:
+        """After a store by ``state``: back within the per-source bound and the total (module
+        docstring)."""
+        if state.size > self.max_per_source:
+            self._evict(state, state.size - int(self.max_per_source * _LOW_WATER))
+        if self._total <= self.max_total:
+            return
+        target = int(self.max_total * _LOW_WATER)
+        fair = self.max_total // max(1, len(self._sources))
+        while self._total > target:
+            victim = state if state.size > fair else max(self._sources.values(), key=_BY_SIZE)
+            most = victim.size - fair if victim is state and state.size > fair else victim.size
+            if not self._evict(victim, min(self._total - target, most)):
+                return
+
+    def _evict(self, state: SourceState, n: int) -> int:
+        """Drop the source's oldest blocks (in the order they were stored) until ``n`` of its
+        size is gone; persisted as tombstones at the next flush. Returns the size freed."""
+        state.spill()  # a fresh block dropped must not be persisted from SourceState.fresh
+        gone, freed = _oldest(state.blocks, n)
+        blocks, held = state.blocks, dict[tuple[str, str, int], list[int]]()
+        for bid, blk in gone:
+            del blocks[bid]
+            if blk.keys:  # each medium of a block holds its keys once in the table, however many holdings
+                for medium in blk.refs:
+                    held.setdefault((blk.lora, medium, bid >> 64), []).extend(blk.keys)
+        state.dirty.extend(map(itemgetter(0), gone))
+        for (lora, medium, group), keys in held.items():  # one table pass per slot, not per block
+            self._release_keys(state, lora, medium, group, keys)
+        state.evicted += len(gone)
+        self._grown(state, -freed)
+        self._dirty.add(state.spec.source_id)
+        return freed
 
     def _release(self, state: SourceState, blk: EngineBlock, medium: str, group: int) -> None:
         count = blk.refs[medium]
@@ -450,16 +561,21 @@ class EngineIndex:
             blk.refs = {**blk.refs, medium: count - 1}
             return
         blk.refs = {m: n for m, n in blk.refs.items() if m != medium}
-        table = self._tables.get((state.spec.instance_id, blk.lora))
-        if table is None or not blk.keys:
+        if blk.keys:
+            self._release_keys(state, blk.lora, medium, group, blk.keys)
+
+    def _release_keys(self, state: SourceState, lora: str, medium: str, group: int, keys: Sequence[int]) -> None:
+        """One holding less of each key in the source's slot; the slot (and its table) go once empty."""
+        table = self._tables.get((state.spec.instance_id, lora))
+        if table is None:
             return
         sid = table.slot_ids.get((state.spec.source_id, medium, group))
         if sid is not None:
-            table.release(sid, blk.keys)
+            table.release(sid, keys)
             if not table.count(sid):
                 table.drop_slot(sid)
                 if table.empty:
-                    del self._tables[(state.spec.instance_id, blk.lora)]
+                    del self._tables[(state.spec.instance_id, lora)]
 
     def _table(self, instance_id: str, lora: str) -> HolderTable:
         table = self._tables.get((instance_id, lora))
@@ -709,6 +825,24 @@ class EngineIndex:
                 for k in keys
             ]
 
+    def check(self) -> list[str]:
+        """Problems with the bounds' bookkeeping (tests): each source's size is what its blocks
+        weigh, the total their sum, and both within their bounds."""
+        with self._lock:
+            problems = []
+            for state in self._sources.values():
+                weighed = sum(map(weight, state.blocks.values()))
+                if weighed != state.size:
+                    problems.append(f"{state.spec.source_id}: size {state.size}, its blocks weigh {weighed}")
+                if state.size > self.max_per_source:
+                    problems.append(f"{state.spec.source_id}: size {state.size} over {self.max_per_source}")
+            total = sum(s.size for s in self._sources.values())
+            if total != self._total:
+                problems.append(f"total {self._total}, the sources' sizes sum to {total}")
+            if total > self.max_total:
+                problems.append(f"total {total} over {self.max_total}")
+            return problems
+
     # --- persistence ------------------------------------------------------------------------------
 
     def flush(self) -> int:
@@ -741,7 +875,7 @@ class EngineIndex:
     def _mark_all_dirty(self) -> None:
         for state in self._sources.values():
             state.cleared = True
-            state.dirty.update(state.blocks)
+            state.dirty.extend(state.blocks)
             state.fresh.clear()
             self._dirty.add(state.spec.source_id)
 
@@ -753,28 +887,67 @@ class EngineIndex:
         with self._store.read() as txn, self._lock:
             for _, raw in list(txn.scan(SOURCES_DB)):
                 state = self._load_source(DEC.decode(raw))
-                prefix = SID.pack(state.number)
-                blocks = state.blocks
-                for bkey, braw in txn.scan(BLOCKS_DB, prefix=prefix):
-                    _, group, h = BLOCK_KEY.unpack(bkey)
-                    blocks[block_id(group, h)] = EngineBlock.unpack(braw)
-                    state.logged += 1
-                for lkey, lraw in txn.scan(LOG_DB, prefix=prefix):
-                    self._replay(state, LOG_KEY.unpack(lkey)[1], lraw)
-                for bid, blk in blocks.items():
-                    self._load_block(state, bid >> 64, blk)
+                self._load_blocks(txn, state)
                 self._sources[state.spec.source_id] = state
+        with self._lock:
+            self._trim_loaded()
+            for state in self._sources.values():
+                for bid, blk in list(state.blocks.items()):
+                    self._load_block(state, bid, blk)
             return list(self._sources.values())
+
+    def _load_blocks(self, txn: Any, state: SourceState) -> None:
+        """A source's blocks: its per-block records of the older format, then its log replayed
+        in order, never holding more than its bound (plus one record) on the way."""
+        prefix = SID.pack(state.number)
+        blocks = state.blocks
+        for bkey, braw in txn.scan(BLOCKS_DB, prefix=prefix):
+            _, group, h = BLOCK_KEY.unpack(bkey)
+            blocks[block_id(group, h)] = EngineBlock.unpack(braw)
+            state.logged += 1
+            if len(blocks) > self.max_per_source + CHUNK:
+                self._drop_loaded(state, len(blocks) - self.max_per_source, counted=False)
+        for lkey, lraw in txn.scan(LOG_DB, prefix=prefix):
+            self._replay(state, LOG_KEY.unpack(lkey)[1], lraw)
+            if len(blocks) > self.max_per_source:  # each block weighs at least 1
+                self._drop_loaded(state, len(blocks) - self.max_per_source, counted=False)
+        self._grown(state, sum(map(weight, blocks.values())))
+        if state.size > self.max_per_source:
+            self._drop_loaded(state, state.size - self.max_per_source)
+
+    def _trim_loaded(self) -> None:
+        """At start-up, before any block is indexed: the total within its bound, the largest
+        sources losing their oldest blocks first."""
+        while self._total > self.max_total:
+            victim = max(self._sources.values(), key=_BY_SIZE)
+            if not self._drop_loaded(victim, min(self._total - self.max_total, victim.size)):
+                return
+
+    def _drop_loaded(self, state: SourceState, n: int, counted: bool = True) -> int:
+        """Drop a loading source's oldest blocks worth ``n`` (they are in no table yet); its
+        records are rewritten at the next flush, so the persisted index is within bounds too.
+        ``counted``: its size counts its blocks already (else the caller counts what is left)."""
+        gone, freed = _oldest(state.blocks, n)
+        for bid, _ in gone:
+            del state.blocks[bid]
+        state.evicted += len(gone)
+        if counted:
+            self._grown(state, -freed)
+        state.cleared = True
+        self._dirty.add(state.spec.source_id)
+        return freed
 
     @staticmethod
     def _replay(state: SourceState, serial: int, raw: bytes) -> None:
-        """One log record over the source's blocks: later versions replace, tombstones delete."""
+        """One log record over the source's blocks: later versions replace, tombstones delete
+        (a block a bound dropped while loading may have one)."""
         record = decode_log(raw)
         ids, found = record.ids(), record.blocks
         state.blocks.update(zip(ids, found))  # type: ignore[arg-type]  # the tombstones go next
         if None in found:
+            pop = state.blocks.pop
             for bid in compress(ids, map(is_, found, repeat(None))):
-                del state.blocks[bid]
+                pop(bid, None)
         state.logged += len(ids)
         state.serial = serial + 1
 
@@ -787,17 +960,25 @@ class EngineIndex:
         state.groups = {int(g): k for g, k in rec.get("groups", [])}
         return state
 
-    def _load_block(self, state: SourceState, group: int, blk: EngineBlock) -> None:
+    def _load_block(self, state: SourceState, bid: int, blk: EngineBlock) -> None:
+        """Index a loaded block; one whose every holding is refused (slots past the bounds, in an
+        index written before them) is dropped."""
         refs, blk.refs = blk.refs, {}
         for medium, count in refs.items():
-            self._hold(state, blk, medium, group)
-            blk.refs = {**blk.refs, medium: count}
+            if self._hold(state, blk, medium, bid >> 64):
+                blk.refs = {**blk.refs, medium: count}
+        if not blk.refs:
+            del state.blocks[bid]
+            self._grown(state, -weight(blk))
+            state.cleared = True
+            self._dirty.add(state.spec.source_id)
 
     def _txn(self) -> Any:
         return self._store.write() if self._store is not None else NullTxn()
 
 
 _BY_SOURCE = attrgetter("source_id")
+_BY_SIZE = attrgetter("size")
 _BY_MATCH = attrgetter("matched_blocks")
 _IGNORED: Counter[str] = Counter()  # errors of the precompute pass are counted when applied
 #: One run of a match: the sources holding exactly the same number of the query's keys, in
@@ -823,6 +1004,18 @@ def _held_once(medium: str) -> dict[str, int]:
             _ONCE.clear()
         found = _ONCE[medium] = {medium: 1}
     return found
+
+
+def _oldest(blocks: dict[int, EngineBlock], n: int) -> tuple[list[tuple[int, EngineBlock]], int]:
+    """The first-stored blocks that weigh at least ``n`` together, and their weight."""
+    gone: list[tuple[int, EngineBlock]] = []
+    freed = 0
+    for item in blocks.items():
+        if freed >= n:
+            break
+        gone.append(item)
+        freed += weight(item[1])
+    return gone, freed
 
 
 def _u64_hashes(raw: list[ExternalBlockHash]) -> list[int]:

@@ -32,6 +32,13 @@ source (not heard for ``events.expire_after_s``: its blocks were dropped) is in 
 when heard again. The first batch after a registration, or after a snapshot sent without a seq,
 sets the baseline.
 
+Ownership (auth on): a source records the account that registered it; later reports must come
+from it or an admin (:class:`Reporter`). A non-admin may only register ids in the namespace of
+the instance it registers for, ``<instance_id>/...`` (Tair's reporters: ``tair/<instance_id>/...``):
+instance ids are one namespace with a tenant each, so no tenant can take an id another tenant's
+engines will use (Tair's ids are predictable). Registering counts against the account's quota and
+leaves the slots kept for admins (``EngineService``).
+
 Liveness is the subscriber's (:class:`~kvcm.engines.subscriber.EventSubscriber` keeps a socket-less
 connection per push source): every report is heard, so a source that neither reports nor
 heartbeats turns stale and then expires exactly like a silent ZeroMQ publisher.
@@ -74,7 +81,7 @@ from kvcm.engines.index import EngineIndex
 from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.sources import SourceSpec, push_spec
 from kvcm.engines.subscriber import EventSubscriber, SourceConn
-from kvcm.errors import Code, Conflict, InvalidArgument, NotFound, error
+from kvcm.errors import AccessDenied, Code, Conflict, InvalidArgument, NotFound, error
 from kvcm.kv_events import BlockRemoved, BlockStored, DecodedBatch, Event, EventDecodeError, decode_batch
 
 OPS = ("register", "heartbeat", "payloads", "events", "snapshot", "down")
@@ -83,6 +90,19 @@ MAX_POOL = 4096
 
 #: ``authorize(spec)``: allow the caller to report for this registered source, or raise.
 Authorize = Callable[[SourceSpec], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reporter:
+    """The caller of a report with auth on (None everywhere when auth is off: anyone may report)."""
+
+    name: str  # the account: a source it registers is its own
+    admin: bool  # reports for any source, registers any id, past the accounts' quotas
+    authorize: Authorize  # may it report for this registered source? (raises if not)
+
+
+#: ``check_room(reporter)``: raise unless a new push source of ``reporter`` fits the limits.
+CheckRoom = Callable[[Reporter | None], None]
 
 
 class Report(msgspec.Struct):
@@ -125,7 +145,7 @@ class PushIngest:
         subscriber: EventSubscriber,
         metrics: EventMetrics,
         instance_lookup: Callable[[str], int],
-        check_room: Callable[[], None],
+        check_room: CheckRoom,
     ) -> None:
         self.index = index
         self.subscriber = subscriber
@@ -166,10 +186,10 @@ class PushIngest:
             self._hashed = self.index.precompute(self._pool) if len(self._pool) > 1 else {}
         return self._hashed
 
-    def report(self, r: Report, caller: str = "", authorize: Authorize | None = None) -> dict[str, Any]:
-        """Handle one report; ``caller`` is the account name that becomes a new source's owner."""
+    def report(self, r: Report, reporter: Reporter | None = None) -> dict[str, Any]:
+        """Handle one report; ``reporter`` is its caller with auth on (a new source's owner)."""
         try:
-            return self._report(r, caller, authorize)
+            return self._report(r, reporter)
         finally:
             self._ran(r)
 
@@ -182,16 +202,16 @@ class PushIngest:
             if not self._pending:
                 self._new_pool()
 
-    def _report(self, r: Report, caller: str, authorize: Authorize | None) -> dict[str, Any]:
+    def _report(self, r: Report, reporter: Reporter | None) -> dict[str, Any]:
         if r.op == "register":
-            return self._register(r, caller, authorize)
+            return self._register(r, reporter)
         state = self.index.get(r.source_id)
         if state is None or not state.spec.push:
             what = "is a ZeroMQ source (add_event_source)" if state is not None else "is not registered"
             raise NotFound(f"event source {r.source_id[:200]!r} {what}: report_events needs a push source "
                            f"(op register first)")
-        if authorize is not None:
-            authorize(state.spec)
+        if reporter is not None:
+            reporter.authorize(state.spec)
         state = self._generation(state, r)
         if r.op == "down":
             return self._down(state)
@@ -213,23 +233,26 @@ class PushIngest:
 
     # --- registration -----------------------------------------------------------------------------
 
-    def _register(self, r: Report, caller: str, authorize: Authorize | None) -> dict[str, Any]:
+    def _register(self, r: Report, reporter: Reporter | None) -> dict[str, Any]:
         if r.instance_id is None:
             raise InvalidArgument("report_events: op register needs instance_id")
         spec = push_spec(r.source_id, r.instance_id, dp_rank=r.dp_rank, pod=r.pod, medium=r.medium,
-                         generation=r.generation, owner=caller)  # fmt: skip
+                         generation=r.generation, owner=reporter.name if reporter is not None else "")  # fmt: skip
         state = self.index.get(r.source_id)
         if state is None:
             self.instance_lookup(spec.instance_id)  # raises NotFound for an unknown instance
-            self.check_room()
+            _check_namespace(spec, reporter)
+            self.check_room(reporter)
             state = self._create(spec)
             return self._reply(spec, self._conn(state), _Outcome())
         old = state.spec
         if not old.push:
             raise Conflict(f"event source {r.source_id[:200]!r} is a ZeroMQ source (add_event_source); "
                            f"a push source needs another source_id")
-        if authorize is not None:
-            authorize(old)
+        if reporter is not None:
+            reporter.authorize(old)
+        if spec.instance_id != old.instance_id:
+            _check_namespace(spec, reporter)
         self._check_not_older(old, r.generation)
         spec = dataclasses.replace(spec, owner=old.owner)  # an admin re-registering keeps the owner
         if spec != old:
@@ -364,6 +387,25 @@ class PushIngest:
             "resync": conn.gap, "last_seq": conn.last_seq, "applied_blocks": outcome.applied,
             "duplicates": outcome.duplicates, "missed": outcome.missed, "errors": dict(outcome.errors),
         }  # fmt: skip
+
+
+def _check_namespace(spec: SourceSpec, reporter: Reporter | None) -> None:
+    """A non-admin registers ids of its instance's namespace only (module docstring)."""
+    if reporter is None or reporter.admin or namespace_of(spec.source_id) == spec.instance_id:
+        return
+    raise AccessDenied(f"report_events: a push source of instance {spec.instance_id[:200]!r} registered by a "
+                       f"non-admin account must be named {spec.instance_id[:200] + '/'!r}... (or Tair's "
+                       f"'tair/{spec.instance_id[:200]}/...'): the ids of other instances are their tenants'",
+                       Code.PERMISSION_DENIED)
+
+
+def namespace_of(source_id: str) -> str:
+    """The instance whose namespace a push source id is in: ``<instance>/...``, or for Tair's
+    reporters ``tair/<instance>/...`` (instance ids hold no ``/``); "" for an id without one."""
+    parts = source_id.split("/", 2)
+    if parts[0] == "tair" and len(parts) == 3:
+        return parts[1]
+    return parts[0] if len(parts) > 1 else ""
 
 
 def _batches(r: Report) -> list[tuple[int, DecodedBatch | None]]:

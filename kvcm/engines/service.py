@@ -10,7 +10,9 @@ thread (:meth:`start`), or is driven by tests through ``service.subscriber.poll_
 At most ``settings.max_sources`` sources are followed, static and persisted ones included: past
 it ``add_event_source`` is refused (REACH_MAX_ENTITY_CAPACITY) rather than accepted and never
 connected, and a start-up that would exceed it (a lowered limit, too many static sources) fails
-with a ConfigError.
+with a ConfigError. With auth on, a non-admin account's push registrations stop earlier: at
+``settings.max_sources_per_account`` sources of its own, and when only the
+``settings.reserved_admin_sources`` kept for admins are left, so no tenant can take every slot.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from prometheus_client import CollectorRegistry
 
 from kvcm.cache.keys import derive_keys
 from kvcm.config import ConfigError
+from kvcm.engines.budget import WorkBudget
 from kvcm.engines.entries import SourceMatch, SourceState
 from kvcm.engines.index import EngineIndex, Run
 from kvcm.engines.metrics import EventMetrics
-from kvcm.engines.push import Authorize, PushIngest, Report
+from kvcm.engines.push import PushIngest, Report, Reporter
 from kvcm.engines.scoring import (
     ENTRY,
     STORAGE,
@@ -100,11 +103,12 @@ class EngineService:
             self.weights = parse_weights(self.settings.tier_weights)
         except ValueError as exc:
             raise ConfigError(f"events.tier_weights: {exc}") from None
+        self.push_budget = WorkBudget(self.settings.push_budget_ms_per_s)
         self.speculative = SpeculativeEntries(self.settings.speculative_max_entries, self.settings.speculative_max_ttl_s)
         self.metrics = EventMetrics(registry)
-        self.index = EngineIndex(store, instance_lookup)
+        self.index = EngineIndex(store, instance_lookup, self.settings.max_blocks_per_source, self.settings.max_blocks)
         self.subscriber = EventSubscriber(self.index, self.settings, self.metrics)
-        self.push = PushIngest(self.index, self.subscriber, self.metrics, instance_lookup, self._check_room)
+        self.push = PushIngest(self.index, self.subscriber, self.metrics, instance_lookup, self._check_push_room)
         loaded = self.index.load()
         statics = static_specs(tuple(static_sources), self.settings)
         self._check_start_count(loaded, statics)
@@ -166,10 +170,31 @@ class EngineService:
                         f"{count} event sources are followed, the most allowed (events.max_sources={limit}); "
                         f"remove one first")
 
-    def report_events(self, report: Report, caller: str = "", authorize: Authorize | None = None) -> dict[str, Any]:
+    def _check_push_room(self, reporter: Reporter | None) -> None:
+        """Room for a new push source: the server-wide limit, and for a non-admin account its own
+        quota and the slots kept for admins (module docstring)."""
+        self._check_room()
+        if reporter is None or reporter.admin:
+            return
+        sources = self.index.sources()
+        owned = sum(1 for s in sources if s.spec.push and s.spec.owner == reporter.name)
+        quota = self.settings.max_sources_per_account
+        if owned >= quota:
+            raise error(Code.REACH_MAX_ENTITY_CAPACITY,
+                        f"account {reporter.name[:200]!r} has {owned} push sources, the most one account may "
+                        f"register (events.max_sources_per_account={quota}); send op down for one first")
+        open_to_users = self.settings.max_sources - self.settings.reserved_admin_sources
+        if len(sources) >= open_to_users:
+            raise error(Code.REACH_MAX_ENTITY_CAPACITY,
+                        f"the event source slots open to non-admin accounts are taken; the last "
+                        f"{self.settings.reserved_admin_sources} of events.max_sources={self.settings.max_sources} "
+                        f"are kept for admins (events.reserved_admin_sources)")
+
+    def report_events(self, report: Report, reporter: Reporter | None = None) -> dict[str, Any]:
         """``report_events``: a push source registers, heartbeats, reports or goes down
-        (:mod:`kvcm.engines.push`). Push sources are this node's own: never shared definitions."""
-        return self.push.report(report, caller, authorize)
+        (:mod:`kvcm.engines.push`); ``reporter`` is the caller with auth on (None: auth off).
+        Push sources are this node's own: never shared definitions."""
+        return self.push.report(report, reporter)
 
     def remove_source(self, source_id: str) -> dict[str, Any]:
         """Stop following a source and drop exactly its blocks and metrics."""
@@ -277,6 +302,7 @@ class EngineService:
             "rebuilds": conn.get("rebuilds", 0),
             "expired": conn.get("expired", 0),
             "expired_blocks": conn.get("expired_blocks", 0),
+            "evicted_blocks": state.evicted,
             **({"generation": spec.generation, "medium": spec.medium or "GPU"} if spec.push else {}),
         }
 
@@ -444,13 +470,14 @@ class EngineService:
     def note_routed(self, instance_id: str, source_id: str, token_ids: Sequence[int] | None,
                     block_keys: Sequence[int] | None, ttl_s: float, lora_name: str | None = None) -> dict[str, Any]:
         """A router sent this prompt to ``source_id``: count its blocks for that source until
-        the engine's event confirms them or ``ttl_s`` ends (:mod:`kvcm.engines.speculative`)."""
+        the engine's event confirms them or ``ttl_s`` ends (:mod:`kvcm.engines.speculative`).
+        A prompt shorter than one block has nothing to count: nothing is noted (``num_blocks`` 0).
+
+        A source of another instance answers exactly as a missing one: the instance named is
+        the caller's (tenancy checked it), the source's may be another tenant's."""
         state = self.index.get(source_id)
-        if state is None:
-            raise NotFound(f"no event source {source_id[:200]!r}")
-        if state.spec.instance_id != instance_id:
-            raise InvalidArgument(f"event source {source_id[:200]!r} belongs to instance "
-                                  f"{state.spec.instance_id[:200]!r}, not {instance_id[:200]!r}")  # fmt: skip
+        if state is None or state.spec.instance_id != instance_id:
+            raise NotFound(f"no event source {source_id[:200]!r} of instance {instance_id[:200]!r}")
         if not 0 < ttl_s <= self.speculative.max_ttl_s:
             raise InvalidArgument(f"ttl_s must be in (0, {self.speculative.max_ttl_s:g}] "
                                   f"(events.speculative_max_ttl_s), got {ttl_s}")  # fmt: skip

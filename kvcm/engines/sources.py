@@ -50,6 +50,11 @@ class SubscriberSettings:
     speculative_weight: float = 0.9  # weight of a note_routed block (kvcm.engines.speculative)
     speculative_max_entries: int = 1000
     speculative_max_ttl_s: float = 60.0
+    max_blocks_per_source: int = 262_144  # blocks one source holds at most (its oldest go first)
+    max_blocks: int = 4_194_304  # blocks of every source together at most (kvcm.engines.index)
+    max_sources_per_account: int = 16  # push sources one non-admin account may register (auth on)
+    reserved_admin_sources: int = 16  # of max_sources, the ones only an admin's sources may take (auth on)
+    push_budget_ms_per_s: float = 200.0  # report work one account (auth off: one source) may cost per second
 
     @classmethod
     def from_config(cls, cfg: Any) -> SubscriberSettings:

@@ -65,7 +65,9 @@ class SpeculativeEntries:
         return len(self._entries)
 
     def note(self, instance_id: str, source_id: str, keys: Sequence[int], ttl_s: float, lora_name: str | None = None) -> float:
-        """Add an entry (``keys`` not empty); returns its ttl."""
+        """Add an entry; returns its ttl. No keys, no entry: an entry is found by its first key."""
+        if not keys:
+            return ttl_s
         now = self._clock()
         for oldest in list(itertools.islice(self._entries, _SWEEP)):  # the oldest first: most share one ttl
             if self._entries[oldest].expires_at > now:

@@ -29,6 +29,9 @@ from operator import ne, or_
 #: KV-cache group kinds that carry the prefix (Dynamo's "main attention"); SWA / mamba groups
 #: evict differently and are matched only when asked for by ``group_idx``.
 MAIN_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
+#: Query filters whose allowed-slot mask is kept per table: each filter is a request's media,
+#: so without a bound distinct filters would grow the table's memory with every query.
+_MAX_FILTERS = 256
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,8 @@ class HolderTable:
                 mask |= 1 << sid
                 sources.add(slot.source_id)
         entry = (mask, len(sources) == mask.bit_count())
+        if len(self._allowed) >= _MAX_FILTERS:
+            self._allowed.clear()
         self._allowed[(media, group)] = entry
         return entry
 

@@ -6,7 +6,9 @@ Keys (beside the store's, under the same hash tag ``{P}``):
   with ``PX lease_ms NX``: it vanishes by itself when the holder stops renewing;
 * ``{P}:epoch`` — the fencing epoch the store's commit script checks. Acquiring runs ``SET NX``
   and ``INCR`` in one Lua script, so every term has its own epoch and the new holder's commits
-  carry it (:attr:`RedisStore.fencing_token`) while a deposed holder's are refused.
+  carry it (:attr:`RedisStore.fencing_token`) while a deposed holder's are refused. The node's
+  epoch floor (:mod:`kvcm.ha.floor`, in its data dir) keeps a Redis that lost the key from
+  issuing an epoch again.
 
 The record embeds the epoch, so it is unique per term: renewing (``PEXPIRE`` only while the value
 is still ours) and releasing (compare-and-delete) can never touch a later term, not even one a
@@ -35,6 +37,7 @@ from typing import Any
 import redis
 
 from kvcm.errors import Code, Unavailable
+from kvcm.ha.floor import EpochFloor
 
 log = logging.getLogger("kvcm.ha")
 
@@ -42,12 +45,18 @@ log = logging.getLogger("kvcm.ha")
 #: rest covers clock-rate drift between hosts and the delay of Redis receiving the command.
 VALID_SHARE = 0.8
 
-# KEYS: leader, epoch. ARGV: node id, endpoint, lease ms. {1, record} when acquired, else
-# {0, the current holder's record}.
+# KEYS: leader, epoch. ARGV: node id, endpoint, lease ms, the epoch floor (kvcm.ha.floor). {1,
+# record} when acquired, else {0, the current holder's record}. The floor lifts an epoch that a
+# Redis which lost {P}:epoch would start again from 1: a term's token is never issued twice.
 _ACQUIRE = """
 local held = redis.call('GET', KEYS[1])
 if held then return {0, held} end
 local epoch = redis.call('INCR', KEYS[2])
+local floor = tonumber(ARGV[4]) or 0
+if epoch <= floor then
+  epoch = floor + 1
+  redis.call('SET', KEYS[2], epoch)
+end
 local record = cjson.encode({node_id = ARGV[1], endpoint = ARGV[2], epoch = epoch})
 redis.call('SET', KEYS[1], record, 'PX', ARGV[3], 'NX')
 return {1, record}
@@ -96,7 +105,9 @@ class Lease:
     each change from the lease thread.
 
     ``fence(epoch)``: called with the new term's epoch right after acquiring, before
-    :meth:`is_leader` turns true (hand it to the store as its fencing token)."""
+    :meth:`is_leader` turns true (hand it to the store as its fencing token). ``floor``: the
+    highest epoch this node has seen, kept outside Redis (:class:`~kvcm.ha.floor.EpochFloor`):
+    no epoch at or below it is issued, and every holder read raises it."""
 
     def __init__(
         self,
@@ -109,6 +120,7 @@ class Lease:
         fence: Callable[[int], None] | None = None,
         on_change: Callable[[bool], None] | None = None,
         campaign_delay_ms: int = 5000,
+        floor: EpochFloor | None = None,
     ) -> None:
         if not 0 < renew_ms < lease_ms:
             raise ValueError(f"renew_ms ({renew_ms}) must be below lease_ms ({lease_ms})")
@@ -122,6 +134,7 @@ class Lease:
         self._client = client
         self._fence = fence
         self._on_change = on_change
+        self._floor = floor
         self._acquire = client.register_script(_ACQUIRE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
@@ -160,10 +173,10 @@ class Lease:
         """One attempt; True when this node holds the lease now."""
         sent = time.monotonic()
         wall = time.time()
+        floor = self._floor.get() if self._floor is not None else 0
         got, raw = self._acquire(keys=[self.leader_key, self.epoch_key],
-                                 args=[self.node_id, self.endpoint, self.lease_ms])
-        self.holder = parse_holder(raw)
-        self._holder_at = sent
+                                 args=[self.node_id, self.endpoint, self.lease_ms, floor])
+        self._saw(parse_holder(raw), sent)
         if not int(got) or self.holder is None:
             return False
         if self._fence is not None:
@@ -202,9 +215,15 @@ class Lease:
     def refresh_holder(self) -> Holder | None:
         """Read the current holder (followers name the leader with it)."""
         at = time.monotonic()
-        self.holder = parse_holder(self._client.get(self.leader_key))
-        self._holder_at = at
+        self._saw(parse_holder(self._client.get(self.leader_key)), at)
         return self.holder
+
+    def _saw(self, holder: Holder | None, at: float) -> None:
+        """Note the holder just read; its epoch raises the floor (before a won term acts)."""
+        self.holder = holder
+        self._holder_at = at
+        if holder is not None and self._floor is not None:
+            self._floor.raise_to(holder.epoch)
 
     def known_holder(self, max_age_s: float = 0.1) -> Holder | None:
         """The holder, read again when the last reading is older than ``max_age_s`` (a deposed

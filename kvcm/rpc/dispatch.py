@@ -176,11 +176,17 @@ class _Carry(Exception):
         self.reason = reason
 
 
-# Fast path: ``[0, msgid, method, [ {map} ]]`` decoded by msgspec straight from the bytes into the
-# method's Struct (no intermediate dicts, about 3x cheaper than unpack + convert). Anything it
-# does not take — notifications, a bare params map, a bad field — is parsed again by the slow path,
-# which alone produces the error replies, so both paths answer alike.
-_ENVELOPE = msgspec.msgpack.Decoder(tuple[int, int, str, msgspec.Raw], ext_hook=wire.refuse_ext)
+#: (peer, method) pairs told to wait that are remembered at most (see Dispatcher._remember_waits).
+MAX_TOLD_TO_WAIT = 4096
+#: Requests smaller than this are read even from a peer told to wait: the box spares the loop
+#: decoding big requests, and a small one (a heartbeat) may be one the refusal did not concern.
+TOLD_TO_WAIT_MIN_BYTES = 16 << 10
+
+# Fast path: ``[0, msgid, method, [ {map} ]]``: the envelope's head read by hand
+# (:func:`kvcm.rpc.wire.split_request`), the params decoded by msgspec straight from the bytes
+# into the method's Struct (no intermediate dicts, about 3x cheaper than unpack + convert).
+# Anything it does not take — notifications, a bare params map — is parsed again by the slow
+# path, which answers alike.
 
 
 class Dispatcher:
@@ -226,6 +232,8 @@ class Dispatcher:
         self._decoders: dict[type, Callable[[Any], Any]] = {}
         self._fast: dict[str, tuple[Method, Callable[[Any], Any]]] = {}
         self._carried: list[_Outcome] = []
+        # (peer, method) -> (until when, the refusal): see _remember_waits
+        self._told_to_wait: dict[tuple[bytes, str], tuple[float, str]] = {}
         self._sized: dict[type, tuple[tuple[str, int], ...]] = {}  # request type -> its list fields under a limit
         self._hashing_us = 0.0
         self._settling = any(m.settle is not None for m in self.methods.values())
@@ -264,6 +272,7 @@ class Dispatcher:
         outcomes = self._carried + [self._parse(payload, tag, peer) for tag, peer, payload in arrivals]
         self._carried = []
         finished = self._schedule(outcomes)
+        self._remember_waits(finished)
         runnable = [o for o in finished if o.error is None and o.method is not None]
         if self._admitting:
             runnable = self._admit_turn(runnable)
@@ -361,6 +370,10 @@ class Dispatcher:
 
     def _parse(self, payload: bytes, tag: Any = None, peer: bytes = b"") -> _Outcome:
         try:
+            if self._told_to_wait:
+                waiting = self._still_waiting(payload, tag, peer)
+                if waiting is not None:
+                    return waiting
             fast = self._parse_fast(payload, tag, peer)
             if fast is not None:
                 return fast
@@ -397,12 +410,12 @@ class Dispatcher:
         return outcome
 
     def _parse_fast(self, payload: bytes, tag: Any, peer: bytes) -> _Outcome | None:
-        try:
-            kind, msgid, name, raw = _ENVELOPE.decode(payload)
-        except Exception:  # noqa: BLE001 - anything the fast decoder refuses, the slow path explains
-            return None
+        split = wire.split_request(payload)
+        if split is None:
+            return None  # anything the fast path does not take, the slow path explains
+        msgid, name, raw = split
         entry = self._fast.get(name)
-        if kind != wire.REQUEST or entry is None or not 0 <= msgid <= wire.MAX_MSGID:
+        if entry is None:
             return None
         method = entry[0]
         outcome = _Outcome(msgid, method, tag, peer)
@@ -422,6 +435,50 @@ class Dispatcher:
             outcome.error = self._to_error(exc, method.name)
         except Exception:  # noqa: BLE001 - e.g. RecursionError: the slow path explains
             return None
+        return outcome
+
+    # -- told to wait ---------------------------------------------------------------------------
+
+    def _remember_waits(self, finished: list[_Outcome]) -> None:
+        """A request refused ``RATE_LIMITED`` with ``retry_after_ms``: its peer's big requests of
+        the same method are refused from their envelope's head until then, undecoded. A client
+        that does not wait (a flood) then costs the loop microseconds a request, not a decode."""
+        for outcome in finished:
+            error = outcome.error
+            if error is None or error.get("code") != Code.RATE_LIMITED or outcome.method is None \
+                    or outcome.peer.startswith(wire.RELAY_ID_PREFIX):
+                continue
+            retry_ms = (error.get("detail") or {}).get("retry_after_ms")
+            if retry_ms is None:
+                continue
+            if len(self._told_to_wait) >= MAX_TOLD_TO_WAIT:
+                now = time.monotonic()
+                self._told_to_wait = {k: v for k, v in self._told_to_wait.items() if v[0] > now}
+                if len(self._told_to_wait) >= MAX_TOLD_TO_WAIT:
+                    continue
+            until = time.monotonic() + int(retry_ms) / 1000.0
+            self._told_to_wait[(outcome.peer, outcome.method.name)] = (until, str(error.get("message", "")))
+
+    def _still_waiting(self, payload: bytes, tag: Any, peer: bytes) -> _Outcome | None:
+        if len(payload) < TOLD_TO_WAIT_MIN_BYTES:
+            return None  # cheap to read: read it (a heartbeat of a source over its budget goes through)
+        split = wire.split_request(payload)
+        if split is None:
+            return None
+        msgid, name, _ = split
+        told = self._told_to_wait.get((peer, name))
+        if told is None:
+            return None
+        left = told[0] - time.monotonic()
+        if left <= 0:
+            del self._told_to_wait[(peer, name)]
+            return None
+        outcome = _Outcome(msgid, self.methods.get(name), tag, peer)
+        refused = error(Code.RATE_LIMITED, f"{name}: told to retry in {left:.3f} s and sent again sooner "
+                                          f"(not read); earlier: {told[1][:300]}")
+        refused.detail["retry_after_ms"] = str(max(1, round(left * 1000)))
+        self.metrics.bad_messages.labels("told_to_wait").inc()
+        outcome.error = refused.to_wire()
         return outcome
 
     # -- schedule -------------------------------------------------------------------------------

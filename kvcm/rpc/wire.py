@@ -151,6 +151,60 @@ def pack_array_raw(items: list[bytes]) -> Raw:
     return Raw(_packer.pack_array_header(len(items)) + b"".join(items))
 
 
+#: The routing id prefix of the sockets kvcm's HTTP side port forwards through: one such socket
+#: carries many callers' requests, so a refusal one of them earned is never applied to the socket.
+RELAY_ID_PREFIX = b"kvcm-relay/"
+
+
+def split_request(payload: bytes) -> tuple[int, str, memoryview] | None:
+    """``(msgid, method, params bytes)`` of ``[0, msgid, method, params]`` read from its first
+    bytes, or None for any other shape (the full parser then explains). The params are left
+    undecoded so that the method's own decoder meets them first: a schema that caps a list by
+    its header refuses a multi-megabyte request without anything walking past that header."""
+    view = memoryview(payload)
+    if len(view) < 4 or view[0] != 0x94 or view[1] != REQUEST:
+        return None
+    msgid, at = _uint(view, 2)
+    if msgid is None or msgid > MAX_MSGID:
+        return None
+    method, at = _str(view, at)
+    if method is None or at >= len(view):
+        return None
+    return msgid, method, view[at:]
+
+
+def _uint(view: memoryview, at: int) -> tuple[int | None, int]:
+    """A msgpack unsigned int at ``at`` (positive fixint, uint 8/16/32) and the offset after it."""
+    if at >= len(view):
+        return None, at
+    head = view[at]
+    if head <= 0x7F:
+        return head, at + 1
+    width = {0xCC: 1, 0xCD: 2, 0xCE: 4}.get(head)
+    if width is None or at + 1 + width > len(view):
+        return None, at
+    return int.from_bytes(view[at + 1:at + 1 + width], "big"), at + 1 + width
+
+
+def _str(view: memoryview, at: int) -> tuple[str | None, int]:
+    """A msgpack str of at most 255 bytes at ``at`` (fixstr, str 8) and the offset after it."""
+    if at >= len(view):
+        return None, at
+    head = view[at]
+    if 0xA0 <= head <= 0xBF:
+        size, start = head - 0xA0, at + 1
+    elif head == 0xD9 and at + 1 < len(view):
+        size, start = view[at + 1], at + 2
+    else:
+        return None, at
+    if start + size > len(view):
+        return None, at
+    try:
+        return bytes(view[start:start + size]).decode(), start + size
+    except UnicodeDecodeError:
+        return None, at
+
+
 def peek_msgid(payload: bytes) -> int:
     """Best-effort msgid of a request that will not (or could not) be decoded in full: 0 when
     unreadable, so that a REQ client still gets a reply."""

@@ -147,6 +147,10 @@ class StorageHealth:
     each probe runs on a short-lived daemon thread. A probe still running after
     ``probe_timeout`` counts as failed and its storage is not probed again until it returns.
     ``set_available`` is called on the health thread; it must be thread-safe on the caller side.
+
+    ``reopen`` runs first in every round: it opens again the storages whose open failed for a
+    passing reason (a lock another process holds), which only then join ``backends``. Such a
+    storage is never probed (nor reported unavailable) while it waits.
     """
 
     def __init__(
@@ -156,11 +160,13 @@ class StorageHealth:
         *,
         fall: int = 2,
         probe_timeout: float = 5.0,
+        reopen: Callable[[], object] | None = None,
     ) -> None:
         if fall < 1:
             raise InvalidArgument(f"fall must be >= 1, got {fall}")
         self._backends = backends
         self._set_available = set_available
+        self._reopen = reopen
         self.fall = fall
         self.probe_timeout = probe_timeout
         self._available: dict[str, bool] = {}
@@ -170,6 +176,11 @@ class StorageHealth:
 
     def run_once(self) -> dict[str, bool]:
         """Probe all storages once; returns the availability of each (after this round)."""
+        if self._reopen is not None:
+            try:
+                self._reopen()
+            except Exception:  # the probes still run; the next round tries again
+                log.exception("opening waiting storages failed")
         results = self._probe_all(list(self._backends()))
         for name in set(self._available) - set(results):  # removed storages: forget them
             self._available.pop(name, None)

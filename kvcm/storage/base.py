@@ -9,7 +9,8 @@ Every backend implements :class:`StorageBackend`; :mod:`kvcm.storage.backends` k
 registry keyed by type name. This module also holds what several backends share: the URI
 codec (Tair's ``proto://host<path>?k=v`` with params sorted by key and no escaping) and the typed
 decoder of every URI format (:func:`parse_block_uri`, also :mod:`kvcm.blocks`'s), a strict
-spec reader, the per-directory lock file, hole punching, and the slot pool of ``file``/``shm``.
+spec reader, safe opening of files in directories others may write, hole punching, and the slot
+pool of ``file``/``shm``.
 
 URI invariant (as in Tair KVCM): the URI *host* is the storage's ``global_unique_name``, so a
 location can always be traced back to the storage that owns it.
@@ -23,6 +24,8 @@ import errno
 import logging
 import os
 import re
+import secrets
+import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -457,6 +460,60 @@ def check_component(where: str, value: str) -> str:
     if not value or "/" in value or "\0" in value or value in (".", ".."):
         raise InvalidArgument(f"{where}: {value!r} is not a valid file name")
     return value
+
+
+# ---------------------------------------------------------------------------------- safe files
+#
+# A storage directory may be writable by other local users (``/dev/shm``, a shared root), who can
+# plant a symlink, a FIFO or a directory at any name kvcm would use. So every open there refuses
+# to follow a symlink, never blocks on a FIFO, and checks it got a regular file; every file kvcm
+# creates there is new (O_EXCL), private (0600), and named unpredictably unless the name itself is
+# the rendezvous (a container, a marker, a lock).
+
+#: Flags of every open in a storage directory (see above).
+SAFE_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: The mode of every file kvcm creates in a storage directory (clients run as kvcm's user).
+PRIVATE = 0o600
+
+
+class NotRegularFile(OSError):
+    """A name kvcm uses holds something other than a regular file (a FIFO, a device, a directory)."""
+
+
+def open_regular(path: str, flags: int, mode: int = PRIVATE) -> int:
+    """A descriptor of the regular file ``path`` names (created with ``mode`` if ``flags`` say
+    O_CREAT). OSError for a symlink (ELOOP), NotRegularFile for anything but a regular file;
+    never blocks, whatever was planted there."""
+    fd = os.open(path, flags | SAFE_OPEN, mode)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_unique(stem: str) -> tuple[str, int]:
+    """A new private file ``<stem><random hex>``, opened read-write: a name nobody can plant
+    anything at in advance, and O_EXCL so nothing already there is ever opened."""
+    for _ in range(8):  # a collision of 64 random bits means someone planted that very name
+        path = f"{stem}{secrets.token_hex(8)}"
+        try:
+            return path, os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_OPEN, PRIVATE)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free name", stem)
+
+
+def unlink_own(path: str, fd: int) -> None:
+    """Unlink ``path`` only while it still names the file open at ``fd`` (where others may write
+    the directory, the name could have been replaced since)."""
+    try:
+        if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 # --------------------------------------------------------------------------------------- holes

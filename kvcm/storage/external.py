@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvcm.errors import CapacityError, Code, InvalidArgument, ServerError
-from kvcm.storage.base import Inventory, ParsedUri, Slot, SpecReader, format_uri, parse_uri
+from kvcm.storage.base import PRIVATE, SAFE_OPEN, Inventory, ParsedUri, Slot, SpecReader, format_uri, parse_uri
 
 log = logging.getLogger("kvcm.storage")
 
@@ -278,7 +278,8 @@ class ThreeFsStorage(ExternalStorage):
     def _touch(self, path: str) -> None:
         if self.touch_file_when_create:
             try:
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666))
+                # A fresh random name: new (O_EXCL) and private, like every file kvcm makes in a shared place.
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | SAFE_OPEN, PRIVATE))
             except OSError as exc:
                 raise ServerError(f"storage {self.name!r}: touch {path}: {exc.strerror}", Code.IO_ERROR) from exc
 

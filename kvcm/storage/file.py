@@ -32,15 +32,20 @@ from kvcm.errors import CapacityError, Code, InvalidArgument, KvcmError, ServerE
 from kvcm.lockfile import drop_lock_file, hold_lock_file
 from kvcm.storage.base import (
     FILE_PATH,
+    PRIVATE,
+    SAFE_OPEN,
     Container,
     FileUri,
     Inventory,
     Slot,
     SlotPool,
     SpecReader,
+    create_unique,
+    open_regular,
     parse_block_uri,
     punch_hole,
     slot_runs,
+    unlink_own,
 )
 from kvcm.storage.ownership import Marker, Owner, claim, standalone_owner
 
@@ -89,6 +94,11 @@ class DirectoryStorage(ABC):
         self._next_index = 0
         self._opened = False
         self._free_seen, self._free_at = 0, -1.0  # the last statvfs reading (_free_disk_bytes)
+        # Until ``reserve`` ran, the URIs freed before it saw them: a storage reopened while
+        # serving is recovered from a walk of the metadata that a concurrent free may overtake,
+        # and a slot freed once must not be reserved again by that walk.
+        self._reserved = False
+        self._freed_early: set[str] = set()
 
     # ----------------------------------------------------------------- hooks for subclasses
 
@@ -137,8 +147,9 @@ class DirectoryStorage(ABC):
         if not os.path.isdir(self.directory):
             raise ServerError(f"storage {self.name!r}: {self.directory} is not a directory", Code.IO_ERROR)
 
-    def _probe_name(self) -> str:
-        return f".kvcm-probe-{os.getpid()}"
+    def _probe_stem(self) -> str:
+        """The start of a probe file's name; a random part follows (see :meth:`health`)."""
+        return ".kvcm-probe-"
 
     def _lock_name(self) -> str:
         return ".kvcm-lock"
@@ -147,7 +158,7 @@ class DirectoryStorage(ABC):
         return ".kvcm-storage"
 
     def _is_control(self, name: str) -> bool:
-        """kvcm's own lock, marker, probe and marker-temp files (not data)."""
+        """kvcm's own lock, marker, probe and temp files (not data)."""
         return name.startswith(".kvcm-")
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -177,7 +188,11 @@ class DirectoryStorage(ABC):
         previous = claim(self.path_of(self._marker_name()), self.owner, self.name, where, data)
         self.previous_owner = previous
         if previous is not None and self.owner.on_foreign == "discard":
-            self._discard(previous.ids())
+            if previous.authentic:
+                self._discard(previous.ids())
+            else:  # anyone can write a marker: only a signed one vouches for what kvcm named
+                log.warning("storage %s: the marker found in %s is not signed by this data dir; nothing discarded",
+                            self.name, self._namespace_label())
 
     def _namespace_label(self) -> str:
         return self.directory
@@ -273,7 +288,7 @@ class DirectoryStorage(ABC):
                 continue  # a lost container keeps its name until its URIs are deleted
             try:
                 self._make_parent(path)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_OPEN, PRIVATE)
             except FileExistsError:
                 continue  # someone left a file with this name; skip it, sweep() decides its fate
             except OSError as exc:
@@ -295,7 +310,7 @@ class DirectoryStorage(ABC):
         """The container's directory, never a symlink leading out of the storage."""
         parent = os.path.dirname(path)
         if parent != self.directory:
-            os.makedirs(parent, exist_ok=True)
+            os.makedirs(parent, 0o700, exist_ok=True)
             if os.path.islink(parent):
                 raise OSError(40, "is a symbolic link; kvcm does not follow links out of its storage", parent)
 
@@ -342,8 +357,11 @@ class DirectoryStorage(ABC):
     def delete(self, uris: Iterable[str]) -> list[str]:
         """Free slots (punching their space out) and unlink emptied files. Unknown URIs are
         ignored so a retried delete is harmless; malformed or foreign ones raise first."""
+        uris = list(uris)
         located = [self._locate(uri) for uri in uris]
         with self._lock:
+            if not self._reserved:
+                self._freed_early.update(u for u, (name, _, _) in zip(uris, located) if self._pool.get(name) is None)
             taken = [(c, slot) for name, slot, _ in located if (c := self._pool.get(name)) is not None]
             self._free_locked(taken)
         return []
@@ -388,7 +406,7 @@ class DirectoryStorage(ABC):
         fd = self._punch_fds.pop(name, None)
         if fd is None:
             try:
-                fd = os.open(self.path_of(name), os.O_WRONLY | os.O_NOFOLLOW)
+                fd = open_regular(self.path_of(name), os.O_WRONLY)
             except OSError as exc:
                 log.warning("storage %s: cannot open %s to free slots: %s", self.name, name, exc)
                 return None
@@ -406,11 +424,15 @@ class DirectoryStorage(ABC):
         bad = 0
         with self._lock:
             for uri in uris:
+                if uri in self._freed_early:
+                    continue
                 try:
                     self._reserve_one(uri)
                 except KvcmError as exc:
                     bad += 1
                     log.warning("storage %s: not reserving: %s", self.name, exc)
+            self._reserved = True
+            self._freed_early.clear()
         if bad:
             raise InvalidArgument(f"storage {self.name!r}: {bad} uri(s) could not be reserved (see log)")
 
@@ -566,18 +588,20 @@ class DirectoryStorage(ABC):
 
     def health(self) -> bool:
         """Write, read back and remove a probe file. Never creates the directory: a vanished
-        NFS mount point must read as unhealthy, not be papered over with a local directory."""
+        NFS mount point must read as unhealthy, not be papered over with a local directory.
+
+        The probe file is new (O_EXCL) and randomly named: whatever others planted in the
+        directory (a symlink to a file to truncate, a directory, a FIFO) is never opened."""
         if not self._opened:
             return False
-        path = self.path_of(self._probe_name())
         payload = os.urandom(64)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            path, fd = create_unique(self.path_of(self._probe_stem()))
             try:
                 ok = os.write(fd, payload) == len(payload) and os.pread(fd, len(payload), 0) == payload
             finally:
+                unlink_own(path, fd)
                 os.close(fd)
-                os.unlink(path)
         except OSError as exc:
             log.info("storage %s: health probe failed: %s", self.name, exc)
             return False
@@ -626,7 +650,7 @@ class FileStorage(DirectoryStorage):
 
     def _prepare_directory(self) -> None:
         if self.create_root:
-            os.makedirs(self.root, exist_ok=True)
+            os.makedirs(self.root, 0o700, exist_ok=True)
         super()._prepare_directory()
 
     def _slots_per_container(self, size: int) -> int:

@@ -92,8 +92,8 @@ class ShmStorage(DirectoryStorage):
             if entry.name.startswith(self.prefix):
                 yield entry.name
 
-    def _probe_name(self) -> str:
-        return f"{self.prefix}probe.{os.getpid()}"
+    def _probe_stem(self) -> str:
+        return f"{self.prefix}probe."
 
     def _lock_name(self) -> str:
         return f"{self.prefix}lock"

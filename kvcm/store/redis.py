@@ -20,6 +20,14 @@ process's commits take exclusively, so a read transaction never straddles this p
 commit: within one ``read()`` block every read sees the same committed state, as long as no other
 process writes the same prefix (the single-writer rule above).
 
+Identity: ``{P}:deployment`` holds the id of the deployment that created the store, recorded in
+each data dir that serves it (:class:`StoreRecord`). Every commit checks it, a writer watches it
+(:meth:`RedisStore.watch`) and a follower reads it with the versions: a Redis that lost it (a
+restart without persistence, a flush) lost the metadata, and the store turns lost
+(:class:`StoreLost`) instead of answering from memory or writing into an empty store; a start on
+such a store, or on another deployment's, is refused naming the remedy. Without the lease the
+writer holds ``{P}:writer`` (:class:`WriterMark`), so a second deployment on the prefix is refused.
+
 A lost connection during the commit call leaves its outcome in doubt; the store then asks for
 ``{P}:commit``: holding this commit's id means it was applied. Redis errors become kvcm's
 typed errors (a connection failure is :class:`~kvcm.errors.Unavailable`), never raw redis-py
@@ -29,21 +37,24 @@ exceptions.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import random
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvcm.errors import Code, ServerError, Unavailable
+from kvcm.errors import Code, ServerError, StartRefused, Unavailable
 from kvcm.lockfile import LockBusy, drop_lock_file, hold_lock_file
 from kvcm.store.base import DATABASES, bad_key, key_fits, merge_savepoint, run_aborts
 
@@ -56,10 +67,13 @@ PROBE_EVERY_S = 1.0  # at most one readiness PING per this, however hot the prob
 _PAGE = 512  # keys per scan round trip
 _ABSENT = object()  # undo-log marker: the key had no overlay entry
 
-# KEYS: epoch, commit marker, versions, then (hash, zset) per database touched.
-# ARGV: fencing token ("" = none), commit id, then per database: #puts, #deletes, k, v, ..., k, ...
+# KEYS: epoch, commit marker, versions, deployment, then (hash, zset) per database touched.
+# ARGV: fencing token ("" = none), commit id, deployment id ("" = unchecked), then per database:
+# #puts, #deletes, k, v, ..., k, ...
 # Each database touched counts one more version (field: its hash key), so a follower knows what
-# it must reload or forget with one HMGET.
+# it must reload or forget with one HMGET. The deployment key is checked like the fencing token:
+# a Redis that lost it (restarted without persistence, flushed) lost this kvcm's metadata, and a
+# write there would build a second, partial store under the same prefix.
 _COMMIT = """
 local token = ARGV[1]
 if token ~= '' then
@@ -68,15 +82,21 @@ if token ~= '' then
     return redis.error_reply('KVCMFENCED ' .. tostring(redis.call('GET', KEYS[1])))
   end
 end
-for i = 4, #KEYS, 2 do
+if ARGV[3] ~= '' then
+  local stored = redis.call('GET', KEYS[4])
+  if stored ~= ARGV[3] then
+    return redis.error_reply('KVCMLOST ' .. (stored or ''))
+  end
+end
+for i = 5, #KEYS, 2 do
   local h = redis.call('TYPE', KEYS[i])['ok']
   local z = redis.call('TYPE', KEYS[i + 1])['ok']
   if (h ~= 'none' and h ~= 'hash') or (z ~= 'none' and z ~= 'zset') then
     return redis.error_reply('KVCMTYPE ' .. KEYS[i] .. ' is ' .. h .. ', ' .. KEYS[i + 1] .. ' is ' .. z)
   end
 end
-local a = 3
-for i = 4, #KEYS, 2 do
+local a = 4
+for i = 5, #KEYS, 2 do
   local h, z = KEYS[i], KEYS[i + 1]
   redis.call('HINCRBY', KEYS[3], h, 1)
   local nput, ndel = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
@@ -114,6 +134,33 @@ if #keys == 0 then return {{}, {}} end
 return {keys, redis.call('HMGET', KEYS[2], unpack(keys))}
 """
 
+# KEYS: deployment, writer mark. ARGV: deployment id, this process's writer mark ("" = not the
+# writer), the mark's TTL in ms. {stored deployment, the mark now held}. The mark is refreshed only
+# while the store is still this deployment's: a lost store gets no new key from a watcher.
+_WATCH = """
+local stored = redis.call('GET', KEYS[1]) or ''
+if ARGV[2] == '' or stored ~= ARGV[1] then return {stored, ''} end
+local held = redis.call('GET', KEYS[2])
+if not held or held == ARGV[2] then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+  return {stored, ARGV[2]}
+end
+return {stored, held}
+"""
+
+# KEYS: writer mark. ARGV: this process's mark. Compare-and-delete (a clean stop).
+_DROP_MARK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+#: The file in the data dir naming the store it belongs to (:class:`StoreRecord`).
+RECORD_FILE = "redis-store.json"
+#: How long a writer's mark outlives its last refresh (a kvcm killed without a clean stop).
+WRITER_TTL_MS = 10_000
+#: How often a writer checks that the store is still its deployment's and refreshes its mark.
+WATCH_EVERY_S = 1.0
+
 
 class Fenced(Unavailable):
     """A commit refused: a newer leader's epoch is stored (this process is no longer the writer)."""
@@ -132,6 +179,12 @@ class NotReplicated(Unavailable):
     acknowledged in time: it is not lost now, but may be if the primary fails before they copy it."""
 
     default_code = Code.TIMEOUT
+
+
+class StoreLost(Unavailable):
+    """The Redis store is not this deployment's any more: Redis lost its data (a restart without
+    persistence, a flush) or another kvcm took it over. Everything is refused until a restart,
+    which then refuses to start and names the remedy."""
 
 
 def translate(exc: redis.RedisError) -> Exception:
@@ -164,6 +217,160 @@ def redact(url: str) -> str:
         return url
     user = userinfo.split(":", 1)[0]
     return f"{scheme}://{user + ':' if user else ':'}***@{host}"
+
+
+def aof_state(client: Any) -> tuple[bool | None, str]:
+    """Whether Redis keeps an append-only file, and how that was learnt: ``CONFIG GET
+    appendonly``, else (a managed Redis may forbid CONFIG) ``INFO persistence``'s ``aof_enabled``;
+    ``(None, why neither answered)`` when both are refused. Connection errors propagate."""
+    reasons: list[str] = []
+    try:
+        got = client.config_get("appendonly")
+        value = _text(got.get("appendonly", got.get(b"appendonly")))
+        if value:
+            return value == "yes", "CONFIG GET appendonly"
+        reasons.append("CONFIG GET appendonly: no such setting")
+    except redis.ResponseError as exc:
+        reasons.append(f"CONFIG GET appendonly: {exc}")
+    try:
+        info = client.info("persistence")
+        if "aof_enabled" in info:
+            return bool(int(info["aof_enabled"])), "INFO persistence"
+        reasons.append("INFO persistence: no aof_enabled field")
+    except redis.ResponseError as exc:
+        reasons.append(f"INFO persistence: {exc}")
+    return None, "; ".join(reasons)
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value or "")
+
+
+def persistence_problem(client: Any) -> str | None:
+    """Why a restart of this Redis may lose kvcm's metadata (its AOF is off, or cannot be read);
+    None when the AOF is on."""
+    enabled, how = aof_state(client)
+    if enabled:
+        return None
+    if enabled is None:
+        return (f"cannot tell whether Redis keeps an append-only file (neither answered: {how}); "
+                "without one a Redis restart loses the metadata and the lease's epoch")
+    return (f"Redis runs without an append-only file (appendonly no, by {how}): a restart of Redis "
+            "loses the metadata and the lease's epoch; run it with appendonly yes and appendfsync always")
+
+
+def check_persistence(client: Any, where: str, refuse: bool) -> None:
+    """At a start: a Redis without an AOF (or one that will not say) refuses it when ``refuse``
+    (the lease, ``ha.require_aof``), else is logged as a warning.
+    :raises StartRefused: ``refuse`` and the AOF is off or unknown.
+    :raises Unavailable: Redis cannot be reached."""
+    try:
+        problem = persistence_problem(client)
+    except redis.RedisError as exc:
+        raise translate(exc) from None
+    if problem is None:
+        return
+    if refuse:
+        raise StartRefused(f"{where}: {problem}. The leader lease (ha.enabled) needs the epoch to survive a Redis "
+                           "restart; turn the AOF on, or set ha.require_aof = false to start anyway")
+    log.warning("%s: %s (a store that lost its data is noticed and refused, not served; docs/redis.md"
+                "#persistence-check)", where, problem)
+
+
+@dataclass(frozen=True)
+class StoreRecord:
+    """What a data dir remembers of the Redis store it served (:data:`RECORD_FILE`): the prefix
+    and that store's deployment id, written when the store was created or first joined. A Redis
+    that no longer holds the id lost this deployment's metadata; one holding another id is
+    another deployment's."""
+
+    prefix: str
+    deployment: str
+
+    @staticmethod
+    def path(data_dir: str) -> str:
+        return os.path.join(data_dir, RECORD_FILE)
+
+    @classmethod
+    def read(cls, data_dir: str | None) -> StoreRecord | None:
+        """The data dir's record; None when it has none (a data dir that never served a Redis
+        store). A record kvcm cannot parse refuses the start: guessing could hide a lost store."""
+        if data_dir is None:
+            return None
+        path = cls.path(data_dir)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                obj = json.load(fh)
+            return cls(str(obj["prefix"]), str(obj["deployment"]))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise StartRefused(f"the data dir's {path} cannot be read ({exc}); restore it, or remove it if this "
+                               "data dir should join the store as new") from None
+
+    def write(self, data_dir: str, where: str) -> None:
+        """Replace the record atomically (a crash leaves the old one or the new one)."""
+        path = self.path(data_dir)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        os.makedirs(data_dir, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"prefix": self.prefix, "deployment": self.deployment, "redis": where}, fh)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+
+def identity_refusal(stored: str | None, record: StoreRecord | None, prefix: str, where: str,
+                     data_dir: str) -> StartRefused | None:
+    """Why this data dir must not serve the store ``where`` whose deployment key holds ``stored``
+    (None: no key): its store lost its data, or the prefix holds another deployment's."""
+    if record is None:
+        return None  # a data dir new to Redis stores joins (an HA node) or creates one
+    remove = f"remove {StoreRecord.path(data_dir)}"
+    if stored is None and record.prefix == prefix:
+        return StartRefused(
+            f"the metadata store {where} lost this deployment's data (its key {{{prefix}}}:deployment is gone: "
+            f"Redis restarted without persistence or was flushed, or the URL names another Redis), while this "
+            f"data dir served deployment {record.deployment} there; restore Redis's data and start again, or, "
+            f"to start over on an empty store, {remove}")
+    if stored is not None and stored != record.deployment:
+        return StartRefused(
+            f"store.redis_prefix {prefix} on {where} holds deployment {stored}, but this data dir belongs to "
+            f"deployment {record.deployment} (on prefix {record.prefix}): two deployments must not share a "
+            f"prefix; give this one its own store.redis_prefix (or, if this data dir should join deployment "
+            f"{stored}, {remove})")
+    return None
+
+
+@dataclass(frozen=True)
+class WriterMark:
+    """Who writes a prefix without the lease (``ha.enabled`` off): ``{P}:writer``, refreshed
+    while it serves. A second kvcm on the prefix finds it and refuses to start; a restart on the
+    same host and data dir takes it over (holding the data dir's lock, its predecessor is gone)."""
+
+    host: str
+    data_dir: str
+    pid: int
+    run: str
+
+    def encode(self) -> bytes:
+        return json.dumps({"host": self.host, "data_dir": self.data_dir, "pid": self.pid, "run": self.run},
+                          sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: Any) -> WriterMark | None:
+        try:
+            obj = json.loads(raw)
+            return cls(str(obj["host"]), str(obj["data_dir"]), int(obj["pid"]), str(obj["run"]))
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def same_place(self, other: WriterMark | None) -> bool:
+        return other is not None and (other.host, other.data_dir) == (self.host, self.data_dir)
+
+    def describe(self) -> str:
+        return f"host {self.host}, data dir {self.data_dir}, pid {self.pid}"
 
 
 def _upper(prefix: bytes) -> bytes | None:
@@ -407,6 +614,7 @@ class _Reading:
         self._store = store
 
     def __enter__(self) -> RedisReadTxn:
+        self._store.refuse_if_lost()
         if self._store.in_doubt:
             # Settled as soon as Redis can tell; until then a read may still be answered from
             # memory: what memory holds was committed before the doubtful commit was sent.
@@ -466,6 +674,18 @@ class RedisStore:
         self.epoch_key = f"{tag}:epoch".encode()
         self.commit_key = f"{tag}:commit".encode()
         self.versions_key = f"{tag}:versions".encode()
+        self.deployment_key = f"{tag}:deployment".encode()
+        self.writer_key = f"{tag}:writer".encode()
+        self.leader_key = f"{tag}:leader".encode()  # the lease's (kvcm.ha.lease), read here only
+        self.where = f"Redis {redact(url)} (prefix {prefix})"
+        #: This deployment's id, checked by every commit ("" = unchecked: a store opened by a tool
+        #: or a test, never claimed). Set by :meth:`claim`.
+        self.deployment = ""
+        #: Why the store is not this deployment's any more ("" = it is): then every read, commit
+        #: and readiness probe is refused (:class:`StoreLost`).
+        self.lost = ""
+        self._mark = b""  # this process's writer mark while it holds one (check_start)
+        self._adopt_into: str | None = None  # the data dir that records the deployment once one exists
         self.commit_script = self.client.register_script(_COMMIT)
         self.scan_script = self.client.register_script(_SCAN)
         self._ranks_script = self.client.register_script(_AT_RANKS)
@@ -482,6 +702,8 @@ class RedisStore:
                                            socket_connect_timeout=PROBE_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
         self._probe_lock = threading.Lock()
         self._probed = (-PROBE_EVERY_S, True)  # (monotonic time, answered)
+        self._watch_script = self._probe.register_script(_WATCH)
+        self._drop_mark_script = self._probe.register_script(_DROP_MARK)
 
     def _lock_dir(self, path: str) -> str:
         lock = os.path.join(path, "kvcm.lock")
@@ -524,6 +746,7 @@ class RedisStore:
 
     @contextmanager
     def group(self) -> Iterator[None]:
+        self.refuse_if_lost()
         if self.in_doubt:
             self.settle()
         if getattr(self._local, "group", None) is not None:
@@ -608,11 +831,14 @@ class RedisStore:
         token = b"" if self.fencing_token is None else str(self.fencing_token).encode()
         with self._gate.exclusive():
             try:
-                self.commit_script(keys=[self.epoch_key, self.commit_key, self.versions_key, *keys],
-                                   args=[token, commit_id, *args])
+                self.commit_script(keys=[self.epoch_key, self.commit_key, self.versions_key, self.deployment_key,
+                                         *keys],
+                                   args=[token, commit_id, self.deployment.encode(), *args])
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 self._resolve_in_doubt(commit_id, exc)
             except redis.RedisError as exc:
+                if str(exc).startswith("KVCMLOST"):
+                    raise self._lose(str(exc).split(" ", 1)[1] if " " in str(exc) else "") from None
                 raise translate(exc) from None
         return self._wait_replicas()
 
@@ -691,11 +917,140 @@ class RedisStore:
         return NotReplicated(f"metadata commit applied on the Redis primary but not confirmed on "
                              f"{self.wait_replicas} replica(s): {reason}")
 
+    # -- identity: the deployment, lost data, the single writer ---------------------------------
+
+    def stored_deployment(self) -> str | None:
+        """The deployment id the store holds (None: no key, a new or lost store)."""
+        raw = _call(self.client.get, self.deployment_key)
+        return None if raw is None else _text(raw)
+
+    def check_start(self, data_dir: str, writer: bool) -> None:
+        """Before a start serves this store from ``data_dir``: refuse (:class:`StartRefused`)
+        a store that lost the data dir's deployment or holds another's, and, for a ``writer``
+        without the lease, a prefix another kvcm writes or an HA deployment leads; then hold
+        the writer mark until :meth:`close`. Changes nothing in Redis on a refusal."""
+        refusal = identity_refusal(self.stored_deployment(), StoreRecord.read(data_dir), self.prefix, self.where,
+                                   data_dir)
+        if refusal is not None:
+            raise refusal
+        if writer:
+            self._hold_writer(data_dir)
+
+    def _hold_writer(self, data_dir: str) -> None:
+        leader = _call(self.client.get, self.leader_key)
+        if leader is not None:
+            raise StartRefused(
+                f"store.redis_prefix {self.prefix} on {self.where} is led by a node under the leader lease "
+                f"({_text(leader)}): a kvcm without ha.enabled would write beside it; start this one with "
+                "ha.enabled and its own ha.node_id, or give it its own store.redis_prefix")
+        mine = WriterMark(socket.gethostname(), data_dir, os.getpid(), self._run)
+        for _ in range(3):  # a mark that expires between the SET and the GET: try again
+            if _call(self.client.set, self.writer_key, mine.encode(), px=WRITER_TTL_MS, nx=True):
+                break
+            raw = _call(self.client.get, self.writer_key)
+            if raw is None:
+                continue
+            held = WriterMark.decode(raw)
+            if not mine.same_place(held):
+                who = held.describe() if held is not None else _text(raw)
+                raise StartRefused(
+                    f"store.redis_prefix {self.prefix} on {self.where} is written by another kvcm ({who}): two "
+                    f"deployments must not share a prefix; give this one its own store.redis_prefix (several nodes "
+                    f"of one deployment share it under ha.enabled). If that kvcm is gone, its mark expires "
+                    f"within {WRITER_TTL_MS // 1000} s")
+            # The same host and data dir: its last process, gone (this one holds the data dir's lock).
+            _call(self.client.set, self.writer_key, mine.encode(), px=WRITER_TTL_MS)
+            break
+        self._mark = mine.encode()
+
+    def claim(self, data_dir: str, create: bool = True) -> None:
+        """Make this store the data dir's: the deployment id it holds (created now on a store
+        without one, when ``create``: a new store, or one from before deployment ids) is
+        recorded in ``data_dir`` and checked by every commit from now on. Without ``create`` (a
+        follower) a store without an id is adopted once its leader created one (:meth:`versions`).
+        :raises StartRefused: the store lost the data dir's deployment, or holds another's."""
+        stored = self.stored_deployment()
+        refusal = identity_refusal(stored, StoreRecord.read(data_dir), self.prefix, self.where, data_dir)
+        if refusal is not None:
+            raise refusal
+        if stored is None and create:
+            new = uuid.uuid4().hex
+            if not _call(self.client.set, self.deployment_key, new, nx=True):
+                return self.claim(data_dir, create)  # another node created it first: check that one
+            log.info("%s: a new store, deployment %s", self.where, new)
+            stored = new
+        if stored is None:
+            self._adopt_into = data_dir
+            return None
+        self._adopt(stored, data_dir)
+        return None
+
+    def _adopt(self, deployment: str, data_dir: str) -> None:
+        record = StoreRecord(self.prefix, deployment)
+        if StoreRecord.read(data_dir) != record:
+            try:
+                record.write(data_dir, redact(self.url))
+            except OSError as exc:
+                raise StartRefused(f"cannot write {StoreRecord.path(data_dir)} ({exc.strerror or exc}): the data "
+                                   "dir must record the store it serves") from None
+        self.deployment = deployment
+        self._adopt_into = None
+
+    def watch(self) -> None:
+        """A writer's check, every :data:`WATCH_EVERY_S` (a thread of the app): the store still
+        holds this deployment (else it is lost: every request is refused from now on, before a
+        read is answered from memory or a write lands in an empty store) and the writer mark is
+        still this process's (refreshed). Redis away changes nothing here: the probe says so."""
+        if not self.deployment or self.lost or self._closed:
+            return
+        try:
+            stored, held = self._watch_script(keys=[self.deployment_key, self.writer_key],
+                                              args=[self.deployment, self._mark, WRITER_TTL_MS],
+                                              client=self._probe)
+        except redis.RedisError:
+            return
+        if _text(stored) != self.deployment:
+            self._lose(_text(stored))
+        elif self._mark and _text(held) != self._mark.decode():
+            other = WriterMark.decode(held)
+            self._lose_to(other.describe() if other is not None else _text(held))
+
+    def _lose(self, stored: str) -> StoreLost:
+        """Mark the store lost (its deployment key is gone or names another); returns the error."""
+        why = "is gone (Redis restarted without persistence, or was flushed)" if not stored else \
+            f"names deployment {stored}"
+        return self._set_lost(f"the metadata store {self.where} lost this deployment's data: its key "
+                              f"{self.deployment_key.decode()} {why}, not deployment {self.deployment}")
+
+    def _lose_to(self, other: str) -> None:
+        self._set_lost(f"another kvcm ({other}) writes the metadata store {self.where} now")
+
+    def _set_lost(self, why: str) -> StoreLost:
+        with self._probe_lock:
+            first = not self.lost
+            if first:
+                self.lost = (f"{why}; every request is refused until kvcm is restarted, and a restart names "
+                             "the remedy")
+        if first:
+            log.error("%s", self.lost)
+        return StoreLost(self.lost)
+
+    def refuse_if_lost(self) -> None:
+        """:raises StoreLost: the store is not this deployment's any more."""
+        if self.lost:
+            raise StoreLost(self.lost)
+
+    def lost_error(self) -> StoreLost | None:
+        """What every request is answered while the store is lost; None while it is not."""
+        return StoreLost(self.lost) if self.lost else None
+
     # -- misc ------------------------------------------------------------------------------------
 
     def reachable(self) -> bool:
         """Redis answered a PING within ``PROBE_TIMEOUT_S`` (the answer is reused for
         ``PROBE_EVERY_S``): what the readiness probe reports about the store."""
+        if self.lost:
+            return False
         with self._probe_lock:
             at, answered = self._probed
             if time.monotonic() - at < PROBE_EVERY_S:
@@ -710,8 +1065,25 @@ class RedisStore:
     def versions(self, dbs: Sequence[str]) -> tuple[int, ...]:
         """How many commits touched each of ``dbs`` so far (0 = never): a reader that cached
         something of a database knows it is stale when its number moved."""
-        got = _call(self.client.hmget, self.versions_key, [self._hash[db] for db in dbs])
+        self.refuse_if_lost()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hmget(self.versions_key, [self._hash[db] for db in dbs])
+        pipe.get(self.deployment_key)
+        got, stored = _call(pipe.execute)
+        self._check_deployment(None if stored is None else _text(stored))
         return tuple(int(v) if v is not None else 0 for v in got)
+
+    def _check_deployment(self, stored: str | None) -> None:
+        """A reader's check of the deployment key it just read (each :meth:`versions`)."""
+        if self.deployment:
+            if stored != self.deployment:
+                raise self._lose(stored or "")
+        elif stored is not None and self._adopt_into is not None:
+            try:
+                self._adopt(stored, self._adopt_into)  # the leader created the store since
+            except StartRefused as exc:  # checked in memory all the same; the next stage writes it
+                log.warning("%s", exc.message)
+                self.deployment, self._adopt_into = stored, None
 
     def sample(self, db: str, n: int, prefix: bytes = b"") -> list[tuple[bytes, bytes]]:
         """Up to ``n`` items picked uniformly at random (by rank: every score is 0)."""
@@ -748,7 +1120,19 @@ class RedisStore:
         if self._closed:
             return
         self._closed = True
+        self._drop_mark()
         with self._writer, self._gate.exclusive():
             self.client.close()
         self._probe.close()
         self._release_lock()
+
+    def _drop_mark(self) -> None:
+        """A clean stop gives the writer mark up, so the next writer need not wait for it to expire."""
+        mark, self._mark = self._mark, b""
+        if not mark:
+            return
+        try:
+            self._drop_mark_script(keys=[self.writer_key], args=[mark], client=self._probe)
+        except redis.RedisError as exc:
+            log.warning("%s: the writer mark was not given up (%s); it expires in %d s", self.where, exc,
+                        WRITER_TTL_MS // 1000)

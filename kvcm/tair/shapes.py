@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -66,7 +67,14 @@ def int64_list(value: Any, where: str) -> list[int]:
         raise InvalidArgument(f"{where}: expected a list of int64, got {_show(value)}")
     if all(type(v) is int for v in value):
         return value
-    return [int64(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return [int64(_element(v, f"{where}[{i}]"), f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def _element(value: Any, where: str) -> Any:
+    """An element of a repeated field: ``null`` there is no unset value, and never 0 or ""."""
+    if value is None:
+        raise InvalidArgument(f"{where}: null in a list (a repeated field has no unset elements)")
+    return value
 
 
 def text(value: Any, where: str) -> str:
@@ -82,7 +90,7 @@ def texts(value: Any, where: str) -> list[str]:
         return []
     if not isinstance(value, list):
         raise InvalidArgument(f"{where}: expected a list of strings, got {_show(value)}")
-    return [text(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return [text(_element(v, f"{where}[{i}]"), f"{where}[{i}]") for i, v in enumerate(value)]
 
 
 def boolean(value: Any, where: str) -> bool:
@@ -103,6 +111,8 @@ def double(value: Any, where: str) -> float:
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(f"{where}: expected a number, got {_show(value)}")
+    if isinstance(value, float) and not math.isfinite(value):  # "NaN", "inf": float() takes them
+        raise InvalidArgument(f"{where}: {value} is not a finite number")
     return float(value)
 
 
@@ -149,6 +159,8 @@ def messages(value: Any, where: str) -> list[Any]:
         return []
     if not isinstance(value, list):
         raise InvalidArgument(f"{where}: expected a list, got {_show(value)}")
+    for i, item in enumerate(value):
+        _element(item, f"{where}[{i}]")
     return value
 
 

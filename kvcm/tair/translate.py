@@ -22,8 +22,8 @@ from typing import Any
 
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError
 from kvcm.tair import shapes as s
+from kvcm.tair.uris import CallerRoots as CallerRoots  # re-exported: the listener keeps one
 from kvcm.tair.uris import Fetch, Translator
-from kvcm.tair.uris import Roots as Roots  # re-exported: the listener keeps one
 
 log = logging.getLogger("kvcm.tair")
 
@@ -65,8 +65,8 @@ class Context:
     #: ``get_manager_cluster_info`` of the node at an RPC endpoint (None when it does not answer):
     #: a follower asks the leader for its HTTP port, which the lease does not record.
     ask: Callable[[str], Mapping[str, Any] | None] = lambda endpoint: None
-    #: the storages' directories, kept by the listener across calls (Tair's URIs carry them)
-    roots: Roots = field(default_factory=Roots)
+    #: the storages' directories, kept by the listener across calls per caller (Tair's URIs carry them)
+    roots: CallerRoots = field(default_factory=CallerRoots)
     #: this call's URI translation (set by :func:`serve`)
     uris: Translator | None = None
 
@@ -580,7 +580,7 @@ def serve(name: str, body: dict[str, Any], surface: str, ctx: Context,
             params["trace_id"] = trace_id
         if auth is not None:
             params["auth"] = auth
-        uris = ctx.roots.translator(_fetcher(forward, params))
+        uris = ctx.roots.of(auth).translator(_fetcher(forward, params))
         if "locations" in params:
             params["locations"] = _locations_in(params["locations"], uris)
         result = forward(rpc.kvcm, params)

@@ -15,11 +15,21 @@ location names a storage the group no longer lists), cached per storage name for
 :data:`ROOTS_TTL_S`: a reply costs a dictionary look-up per URI, and an RPC only when a name is
 new or its entry expired. A URI coming back (``finishWriteCache.locations``) is translated to
 kvcm's form and refused unless it names a file kvcm's own form can name under that storage's
-directory: nothing outside the root, no ``..``, nothing kvcm would not have created.
+directory: nothing outside the root, no ``..``, nothing kvcm would not have created; a URI of
+another scheme must be one kvcm's storages hand out.
+
+The directories are kept per caller (:class:`CallerRoots`): each set of credentials learns, and
+sees, only what its own ``get_storage_specs`` shows, so one tenant's ``root_path`` never reaches
+another tenant, not even in an error message.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -36,6 +46,9 @@ DIR_FIELD = {"file": "root_path", "shm": "shm_dir"}
 #: At most this many translated URIs are remembered (a few MB): a lookup's reply repeats the URIs
 #: of hot prefixes, and a remembered one costs a dictionary look-up instead of a new string.
 MEMO_MAX = 16384
+#: The callers whose directories are kept at once (past it all are forgotten and asked again);
+#: each with credentials remembers a quarter of :data:`MEMO_MAX` translations.
+MAX_CALLERS = 16
 #: What a URI path cannot carry unescaped (Tair's URIs are not escaped).
 _UNSAFE = frozenset("?#\0")
 
@@ -45,11 +58,14 @@ Fetch = Callable[[str], Any]
 
 
 class Roots:
-    """The directories of ``file`` and ``shm`` storages by name, shared by a listener's calls."""
+    """The directories of ``file`` and ``shm`` storages by name, shared by one caller's calls
+    (:class:`CallerRoots`)."""
 
-    def __init__(self, ttl_s: float = ROOTS_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ttl_s: float = ROOTS_TTL_S, clock: Callable[[], float] = time.monotonic,
+                 memo_max: int = MEMO_MAX) -> None:
         self._ttl = ttl_s
         self._clock = clock
+        self._memo_max = memo_max
         # name -> (storage type, directory without a trailing "/", expiry); replaced whole, never
         # mutated, so concurrent calls read it without a lock
         self._dirs: dict[str, tuple[str, str, float]] = {}
@@ -93,13 +109,51 @@ class Roots:
 
     def remember(self, uri: str, tair: str, expires: float) -> None:
         memo = self._memo
-        if len(memo) >= MEMO_MAX:
+        if len(memo) >= self._memo_max:
             memo = self._memo = {}
         self._memo_until = expires if not memo else min(self._memo_until, expires)
         memo[uri] = tair
 
     def translator(self, fetch: Fetch) -> Translator:
         return Translator(self, fetch)
+
+
+class CallerRoots:
+    """A :class:`Roots` per caller: per set of credentials (``auth``, the remote address a relay
+    adds aside), so a directory learned with one tenant's credentials is never used, nor shown,
+    for another's call. Without credentials (auth off: no tenants) every call shares one."""
+
+    def __init__(self, ttl_s: float = ROOTS_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl = ttl_s
+        self._clock = clock
+        self._by_caller: dict[bytes, Roots] = {}
+        self._lock = threading.Lock()
+        # Credentials are keyed by a hash under a per-process key, never kept as they are.
+        self._key = secrets.token_bytes(32)
+
+    def of(self, auth: Any) -> Roots:
+        caller = self._caller(auth)
+        with self._lock:
+            roots = self._by_caller.get(caller)
+            if roots is None:
+                if len(self._by_caller) >= MAX_CALLERS:
+                    self._by_caller = {}
+                memo = MEMO_MAX if not caller else MEMO_MAX // 4
+                roots = self._by_caller[caller] = Roots(self._ttl, self._clock, memo)
+        return roots
+
+    def clear(self) -> None:
+        """Forget every caller's directories (a storage was added, updated or removed here)."""
+        with self._lock:
+            self._by_caller = {}
+
+    def _caller(self, auth: Any) -> bytes:
+        if auth is None:
+            return b""
+        if isinstance(auth, Mapping):
+            auth = {k: v for k, v in auth.items() if k != "client"}
+        text = json.dumps(auth, sort_keys=True, default=repr)
+        return hmac.new(self._key, text.encode(), hashlib.sha256).digest()
 
 
 class Translator:
@@ -160,8 +214,12 @@ class Translator:
         if not isinstance(uri, str):
             raise InvalidArgument(f"{where}: expected a string, got {type(uri).__name__}")
         kind, start, slash = _parts(uri)
-        if not kind:
-            return uri  # 3FS, Mooncake, MemPool: the same form on both sides
+        if not kind:  # 3FS, Mooncake, MemPool: the same form on both sides, if it is kvcm's
+            try:
+                parse_block_uri(uri)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"{where}: {_cut(uri)} is not a block kvcm created ({exc.message})") from None
+            return uri
         name = uri[start:slash] if slash > start else ""
         found = self.directory(name, kind) if name else None
         if found is None:
