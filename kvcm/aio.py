@@ -35,6 +35,7 @@ from kvcm.client import (
     CurveClientKeys,
     Endpoints,
     Ints,
+    MmFeatures,
     QueryType,
     ReportOp,
     TrimStrategy,
@@ -434,42 +435,56 @@ class Client:
     async def get_cache_location(self, *, instance_id: str, query_type: QueryType | str, block_keys: Ints | None = None,
                                  token_ids: Ints | None = None, block_mask: Mask | None = None, sw_size: int | None = None,
                                  location_spec_names: Sequence[str] | None = None, include_engines: bool | None = None,
-                                 lora_name: str | None = None, trace_id: str | None = None,
-                                 timeout: float | None = None) -> CacheLocations:
+                                 lora_name: str | None = None, extra_keys: Sequence[Any] | None = None,
+                                 mm_features: MmFeatures | None = None, cache_salt: str | None = None,
+                                 trace_id: str | None = None, timeout: float | None = None) -> CacheLocations:
         """Locations of the blocks of ``block_keys`` or ``token_ids``: the matched prefix
         (``prefix_match``) or one entry per key (``batch_get``, ``reverse_roll_sw_match``)."""
         return await self._typed("get_cache_location", CacheLocations, timeout, instance_id=instance_id,
                                  query_type=query_type, block_keys=block_keys, token_ids=token_ids, block_mask=block_mask,
                                  sw_size=sw_size, location_spec_names=_listed(location_spec_names),
-                                 include_engines=include_engines, lora_name=lora_name, trace_id=trace_id)
+                                 include_engines=include_engines, lora_name=lora_name, extra_keys=_listed(extra_keys),
+                                 mm_features=_listed(mm_features), cache_salt=cache_salt, trace_id=trace_id)
 
     async def get_cache_location_len(self, *, instance_id: str, query_type: QueryType | str, block_keys: Ints | None = None,
                                      token_ids: Ints | None = None, block_mask: Mask | None = None,
                                      sw_size: int | None = None, location_spec_names: Sequence[str] | None = None,
+                                     extra_keys: Sequence[Any] | None = None, mm_features: MmFeatures | None = None,
+                                     lora_name: str | None = None, cache_salt: str | None = None,
                                      trace_id: str | None = None, timeout: float | None = None) -> CacheLocationLen:
         """How many locations :meth:`get_cache_location` would answer, without them: for
         ``prefix_match`` the matched prefix in blocks (Tair's ``getCacheLocationLen``). The
         cheapest lookup on both sides: the reply is a few bytes, whatever the prompt."""
         return await self._typed("get_cache_location_len", CacheLocationLen, timeout, instance_id=instance_id,
                                  query_type=query_type, block_keys=block_keys, token_ids=token_ids, block_mask=block_mask,
-                                 sw_size=sw_size, location_spec_names=_listed(location_spec_names), trace_id=trace_id)
+                                 sw_size=sw_size, location_spec_names=_listed(location_spec_names),
+                                 extra_keys=_listed(extra_keys), mm_features=_listed(mm_features), lora_name=lora_name,
+                                 cache_salt=cache_salt, trace_id=trace_id)
 
     async def get_cache_meta(self, *, instance_id: str, block_keys: Ints | None = None, token_ids: Ints | None = None,
-                             block_mask: Mask | None = None, detail_level: int | None = None, trace_id: str | None = None,
+                             block_mask: Mask | None = None, detail_level: int | None = None,
+                             extra_keys: Sequence[Any] | None = None, mm_features: MmFeatures | None = None,
+                             lora_name: str | None = None, cache_salt: str | None = None, trace_id: str | None = None,
                              timeout: float | None = None) -> CacheMeta:
         """What kvcm knows of each key: one location and one :class:`BlockMeta` per request key."""
         return await self._typed("get_cache_meta", CacheMeta, timeout, instance_id=instance_id, block_keys=block_keys,
-                                 token_ids=token_ids, block_mask=block_mask, detail_level=detail_level, trace_id=trace_id)
+                                 token_ids=token_ids, block_mask=block_mask, detail_level=detail_level,
+                                 extra_keys=_listed(extra_keys), mm_features=_listed(mm_features), lora_name=lora_name,
+                                 cache_salt=cache_salt, trace_id=trace_id)
 
     async def start_write_cache(self, *, instance_id: str, block_keys: Ints | None = None, token_ids: Ints | None = None,
                                 location_spec_group_names: Sequence[str] | None = None,
-                                write_timeout_seconds: float | None = None, trace_id: str | None = None,
+                                write_timeout_seconds: float | None = None, extra_keys: Sequence[Any] | None = None,
+                                mm_features: MmFeatures | None = None, lora_name: str | None = None,
+                                cache_salt: str | None = None, trace_id: str | None = None,
                                 timeout: float | None = None) -> WriteSession:
         """Allocate space for the keys not there yet (never retried: a write is not idempotent)."""
         return await self._typed("start_write_cache", WriteSession, timeout, instance_id=instance_id,
                                  block_keys=block_keys, token_ids=token_ids,
                                  location_spec_group_names=_listed(location_spec_group_names),
-                                 write_timeout_seconds=write_timeout_seconds, trace_id=trace_id)
+                                 write_timeout_seconds=write_timeout_seconds, extra_keys=_listed(extra_keys),
+                                 mm_features=_listed(mm_features), lora_name=lora_name, cache_salt=cache_salt,
+                                 trace_id=trace_id)
 
     async def finish_write_cache(self, *, instance_id: str, write_session_id: str, success_blocks: Mask | None = None,
                                  trace_id: str | None = None, timeout: float | None = None) -> WriteFinished:
@@ -478,17 +493,25 @@ class Client:
                                  write_session_id=write_session_id, success_blocks=success_blocks, trace_id=trace_id)
 
     async def remove_cache(self, *, instance_id: str, block_keys: Ints | None = None, token_ids: Ints | None = None,
-                           block_mask: Mask | None = None, trace_id: str | None = None,
+                           block_mask: Mask | None = None, extra_keys: Sequence[Any] | None = None,
+                           mm_features: MmFeatures | None = None, lora_name: str | None = None,
+                           cache_salt: str | None = None, trace_id: str | None = None,
                            timeout: float | None = None) -> Removed:
         """Mark every copy of the unmasked keys ``deleting``; the count of copies marked."""
         return await self._typed("remove_cache", Removed, timeout, instance_id=instance_id, block_keys=block_keys,
-                                 token_ids=token_ids, block_mask=block_mask, trace_id=trace_id)
+                                 token_ids=token_ids, block_mask=block_mask, extra_keys=_listed(extra_keys),
+                                 mm_features=_listed(mm_features), lora_name=lora_name, cache_salt=cache_salt,
+                                 trace_id=trace_id)
 
     async def report_lost(self, *, instance_id: str, block_keys: Ints | None = None, token_ids: Ints | None = None,
-                          block_mask: Mask | None = None, trace_id: str | None = None, timeout: float | None = None) -> Lost:
+                          block_mask: Mask | None = None, extra_keys: Sequence[Any] | None = None,
+                          mm_features: MmFeatures | None = None, lora_name: str | None = None,
+                          cache_salt: str | None = None, trace_id: str | None = None, timeout: float | None = None) -> Lost:
         """Blocks this client could not read: they stop being served and are freed at once."""
         return await self._typed("report_lost", Lost, timeout, instance_id=instance_id, block_keys=block_keys,
-                                 token_ids=token_ids, block_mask=block_mask, trace_id=trace_id)
+                                 token_ids=token_ids, block_mask=block_mask, extra_keys=_listed(extra_keys),
+                                 mm_features=_listed(mm_features), lora_name=lora_name, cache_salt=cache_salt,
+                                 trace_id=trace_id)
 
     async def trim_cache(self, *, instance_id: str, strategy: TrimStrategy | str, begin_timestamp: int | None = None,
                          end_timestamp: int | None = None, trace_id: str | None = None,
@@ -515,14 +538,14 @@ class Client:
                                replay_port: int | None = None, replay: bool | None = None, topic: str | None = None,
                                dp_rank: int | None = None, replay_timeout_s: float | None = None,
                                backoff_initial_s: float | None = None, backoff_max_s: float | None = None,
-                               poll_ms: int | None = None, trace_id: str | None = None,
+                               poll_ms: int | None = None, report_mode: str | None = None, trace_id: str | None = None,
                                timeout: float | None = None) -> AdminReply:
         """Add one engine event source (``endpoint`` or ``host``); ``{"source": ...}``."""
         return await self._typed("add_event_source", AdminReply, timeout, source_id=source_id, instance_id=instance_id,
                                  endpoint=endpoint, replay_endpoint=replay_endpoint, host=host, port=port,
                                  replay_port=replay_port, replay=replay, topic=topic, dp_rank=dp_rank,
                                  replay_timeout_s=replay_timeout_s, backoff_initial_s=backoff_initial_s,
-                                 backoff_max_s=backoff_max_s, poll_ms=poll_ms, trace_id=trace_id)
+                                 backoff_max_s=backoff_max_s, poll_ms=poll_ms, report_mode=report_mode, trace_id=trace_id)
 
     async def remove_event_source(self, *, source_id: str, trace_id: str | None = None,
                                   timeout: float | None = None) -> AdminReply:
@@ -538,40 +561,51 @@ class Client:
                             lora_name: str | None = None, media: Sequence[str] | None = None, medium: str | None = None,
                             group_idx: int | None = None, limit: int | None = None, top_k: int | None = None,
                             loads: Mapping[str, float] | None = None, include_stale: bool | None = None,
-                            include_storage: bool | None = None, trace_id: str | None = None,
-                            timeout: float | None = None) -> EngineMatches:
+                            include_storage: bool | None = None, extra_keys: Sequence[Any] | None = None,
+                            mm_features: MmFeatures | None = None, cache_salt: str | None = None,
+                            trace_id: str | None = None, timeout: float | None = None) -> EngineMatches:
         """Per engine source and pod, the longest prefix of the query it holds, scored, best first
         (sources not heard for ``events.stale_after_s`` left out unless ``include_stale``;
-        ``include_storage`` adds kvcm's own storage tier as ``storage``)."""
+        ``include_storage`` adds kvcm's own storage tier as ``storage``). The prompt's extra keys
+        (an image, a salt) as vLLM sends them per block (``extra_keys``), or ``mm_features``,
+        ``lora_name`` and ``cache_salt``, enter the keys of ``token_ids``."""
         return await self._typed("match_engines", EngineMatches, timeout, instance_id=instance_id, token_ids=token_ids,
                                  block_keys=block_keys, lora_name=lora_name, media=_listed(media), medium=medium,
                                  group_idx=group_idx, limit=limit, top_k=top_k,
                                  loads=None if loads is None else dict(loads), include_stale=include_stale,
-                                 include_storage=include_storage, trace_id=trace_id)
+                                 include_storage=include_storage, extra_keys=_listed(extra_keys),
+                                 mm_features=_listed(mm_features), cache_salt=cache_salt, trace_id=trace_id)
 
     async def note_routed(self, *, instance_id: str, source_id: str, token_ids: Ints | None = None,
                           block_keys: Ints | None = None, ttl_s: float | None = None, lora_name: str | None = None,
-                          trace_id: str | None = None, timeout: float | None = None) -> Routed:
+                          extra_keys: Sequence[Any] | None = None, mm_features: MmFeatures | None = None,
+                          cache_salt: str | None = None, trace_id: str | None = None,
+                          timeout: float | None = None) -> Routed:
         """The router sent this prompt to ``source_id``: count its blocks there, ``speculative``,
         until the engine's event confirms them or ``ttl_s`` ends."""
         return await self._typed("note_routed", Routed, timeout, instance_id=instance_id, source_id=source_id,
                                  token_ids=token_ids, block_keys=block_keys, ttl_s=ttl_s, lora_name=lora_name,
+                                 extra_keys=_listed(extra_keys), mm_features=_listed(mm_features), cache_salt=cache_salt,
                                  trace_id=trace_id)
 
     async def get_host_cache_state(self, *, instance_id: str, block_cache_keys: Ints | None = None,
                                    block_keys: Ints | None = None, token_ids: Ints | None = None,
                                    medium: Sequence[str] | None = None, top_k: int | None = None,
                                    loads: Mapping[str, float] | None = None, include_stale: bool | None = None,
-                                   include_storage: bool | None = None, trace_id: str | None = None,
+                                   include_storage: bool | None = None, lora_name: str | None = None,
+                                   extra_keys: Sequence[Any] | None = None, mm_features: MmFeatures | None = None,
+                                   cache_salt: str | None = None, trace_id: str | None = None,
                                    timeout: float | None = None) -> HostCacheState:
         """Tair KVCM's ``GetHostCacheState``: per host (pod), local and global prefix hits."""
         return await self._typed("get_host_cache_state", HostCacheState, timeout, instance_id=instance_id,
                                  block_cache_keys=block_cache_keys, block_keys=block_keys, token_ids=token_ids,
                                  medium=_listed(medium), top_k=top_k, loads=None if loads is None else dict(loads),
-                                 include_stale=include_stale, include_storage=include_storage, trace_id=trace_id)
+                                 include_stale=include_stale, include_storage=include_storage, lora_name=lora_name,
+                                 extra_keys=_listed(extra_keys), mm_features=_listed(mm_features), cache_salt=cache_salt,
+                                 trace_id=trace_id)
 
     async def report_events(self, *, source_id: str, op: ReportOp, generation: int | None = None,
-                            instance_id: str | None = None, dp_rank: int | None = None, pod: str | None = None, medium: str | None = None, seq: int | None = None,
+                            instance_id: str | None = None, dp_rank: int | None = None, pod: str | None = None, medium: str | None = None, report_mode: str | None = None, seq: int | None = None,
                             ts: float | None = None, events: Sequence[dict[str, Any]] | None = None,
                             payloads: Sequence[dict[str, Any]] | None = None, trace_id: str | None = None,
                             timeout: float | None = None) -> EventsReported:
@@ -579,7 +613,7 @@ class Client:
         ``payloads`` (``[{"seq", "payload"}]``, vLLM-encoded), ``events`` / ``snapshot`` (decoded
         ``add`` / ``remove`` / ``clear`` events) or ``down``; ``resync`` in the reply asks for a snapshot."""
         return await self._typed("report_events", EventsReported, timeout, source_id=source_id, op=op,
-                                 generation=generation, instance_id=instance_id, dp_rank=dp_rank, pod=pod, medium=medium,
+                                 generation=generation, instance_id=instance_id, dp_rank=dp_rank, pod=pod, medium=medium, report_mode=report_mode,
                                  seq=seq, ts=ts, events=_listed(events), payloads=_listed(payloads), trace_id=trace_id)
 
     # system, tokens

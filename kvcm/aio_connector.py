@@ -35,6 +35,7 @@ from kvcm.connector import (
     check_same_block_size,
     checked_ticket,
     default_endpoint,
+    extras_of,
     group_of,
     new_blocks,
     read_blocks,
@@ -162,30 +163,33 @@ class AsyncConnector:
 
     # -- the round trip ----------------------------------------------------------------------
 
-    async def lookup(self, token_ids: Sequence[int]) -> Match:
-        """The longest cached prefix of the prompt, in whole blocks (its length only)."""
+    async def lookup(self, token_ids: Sequence[int], **extras: Any) -> Match:
+        """The longest cached prefix of the prompt, in whole blocks (its length only).
+        ``extras``: the prompt's extra keys (:func:`kvcm.connector.extras_of`)."""
         await self.open()
         if len(token_ids) < self.block_size:
             return Match(0, 0)
         found = await self.client.get_cache_location_len(instance_id=self.instance_id, query_type="prefix_match",
-                                                         token_ids=list(token_ids))
+                                                         token_ids=list(token_ids), **extras_of(**extras))
         return Match(found.cache_location_len, found.cache_location_len * self.block_size)
 
-    async def read(self, token_ids: Sequence[int]) -> list[ReadBlock]:
+    async def read(self, token_ids: Sequence[int], **extras: Any) -> list[ReadBlock]:
         """The cached prefix's blocks, in prompt order, each readable per spec."""
         await self.open()
         if len(token_ids) < self.block_size:
             return []
         reply = await self.client.get_cache_location(instance_id=self.instance_id, query_type="prefix_match",
-                                                     token_ids=list(token_ids))
+                                                     token_ids=list(token_ids), **extras_of(**extras))
         found = read_blocks(reply, self.io)
         await self._know_storages_of([uri for block in found for uri in block.uris.values()])
         return found
 
-    async def begin_write(self, token_ids: Sequence[int], timeout_s: float | None = None) -> AsyncWriteSession:
+    async def begin_write(self, token_ids: Sequence[int], timeout_s: float | None = None,
+                          **extras: Any) -> AsyncWriteSession:
         """Start writing the prompt's blocks kvcm does not have (``async with`` the session)."""
         await self.open()
-        reply = await self.client.call("start_write_cache", start_params(self.instance_id, token_ids, timeout_s))
+        reply = await self.client.call("start_write_cache", start_params(self.instance_id, token_ids, timeout_s,
+                                                                         **extras))
         blocks, cached = new_blocks(reply, len(token_ids) // self.block_size, self.io)
         session = AsyncWriteSession(self.client, self.instance_id, reply["write_session_id"], blocks, cached)
         try:

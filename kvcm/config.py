@@ -36,8 +36,8 @@ class ConfigError(ValueError):
 class ServerConfig:
     endpoint: str = "tcp://127.0.0.1:6381"  # the msgpack-RPC ROUTER endpoint (tcp:// or ipc://)
     max_message_bytes: int = 4 << 20  # larger requests get MESSAGE_TOO_LARGE
-    max_keys: int = 65536  # keys per request (block_keys, or token_ids / block_size); more gets TOO_MANY_KEYS
-    max_tokens: int = 262144  # token_ids per request; more gets TOO_MANY_KEYS
+    max_keys: int = 131072  # keys per request (block_keys, or token_ids / block_size); more gets TOO_MANY_KEYS
+    max_tokens: int = 524288  # token_ids per request; more gets TOO_MANY_KEYS
     max_reply_bytes: int = 16 << 20  # a request whose reply would be larger gets TOO_LARGE
     turn_budget_ms: float = 50.0  # work per loop turn before heavy requests wait for the next turn
     defer_timeout_s: float = 30.0  # a request carried over loop turns this long is answered TIMEOUT
@@ -139,7 +139,7 @@ class EventsConfig:
     max_held: int = 100_000  # live batches held per source during a replay (older ones dropped, counted)
     rcvhwm: int = 100_000  # SUB receive queue per source
     sync: bool = False  # fsync engine-index commits (it can be rebuilt from the engines by replay)
-    sources: tuple[str, ...] = ()  # static sources, JSON objects as given to add_event_source
+    sources: tuple[str, ...] = ()  # static sources, JSON objects as given to add_event_source (report_mode too)
     max_sources: int = 128  # sources followed at most, static ones included (each: 4 ZeroMQ sockets, ~6 fds)
     probe_interval_s: float = 5.0  # a source silent this long is probed through its replay ROUTER
     stale_after_s: float = 30.0  # a source not heard this long is stale: left out of match_engines

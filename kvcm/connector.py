@@ -25,6 +25,12 @@ block a rank did not report (the rank died, timed out, or failed it) is failed, 
 half-written. How tickets and reports travel is the caller's (vLLM returns worker output to the
 scheduler; any pipe, queue or RPC does).
 
+**Prompts with more than tokens.** ``lookup``, ``read`` and ``begin_write`` take the prompt's
+extra keys: ``extra_keys`` (one entry per block, as vLLM's ``BlockStored`` carries them), or
+``mm_features`` (``{"identifier", "offset", "length"}`` per image), ``lora_name`` and
+``cache_salt``, from which kvcm derives them as vLLM does. Blocks of the same tokens with other
+images, another adapter or another salt are other blocks (docs/engines.md, "Keys").
+
 Threads: a ``Connector`` is used from one thread at a time (its client is not thread-safe);
 :mod:`kvcm.blocks` I/O itself may run on several threads.
 """
@@ -41,6 +47,7 @@ import msgspec
 from kvcm.blocks import BlockIO
 from kvcm.client import Client
 from kvcm.errors import InvalidArgument, NotFound
+from kvcm.extra_keys import MmFeature
 from kvcm.results import CacheLocations
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:6381"
@@ -319,28 +326,30 @@ class Connector:
 
     # -- the round trip ----------------------------------------------------------------------
 
-    def lookup(self, token_ids: Sequence[int]) -> Match:
+    def lookup(self, token_ids: Sequence[int], **extras: Any) -> Match:
         """The longest cached prefix of the prompt (whole blocks only). Asks for the matched
-        length alone (``get_cache_location_len``): no locations travel or get decoded."""
+        length alone (``get_cache_location_len``): no locations travel or get decoded.
+        ``extras``: the prompt's extra keys (:func:`extras_of`, module docstring)."""
         if len(token_ids) < self.block_size:
             return Match(0, 0)  # not one whole block: nothing to ask
         blocks = self.client.get_cache_location_len(instance_id=self.instance_id, query_type="prefix_match",
-                                                    token_ids=list(token_ids)).cache_location_len
+                                                    token_ids=list(token_ids), **extras_of(**extras)).cache_location_len
         return Match(blocks, blocks * self.block_size)
 
-    def read(self, token_ids: Sequence[int]) -> list[ReadBlock]:
+    def read(self, token_ids: Sequence[int], **extras: Any) -> list[ReadBlock]:
         """The cached prefix's blocks, in prompt order, each readable per spec."""
         if len(token_ids) < self.block_size:
             return []  # not one whole block: nothing to ask
         # The typed call: msgspec's Structs cost 0.5-0.65 of the client CPU of call()'s dicts.
         reply = self.client.get_cache_location(instance_id=self.instance_id, query_type="prefix_match",
-                                               token_ids=list(token_ids))
+                                               token_ids=list(token_ids), **extras_of(**extras))
         return read_blocks(reply, self.io)
 
-    def begin_write(self, token_ids: Sequence[int], timeout_s: float | None = None) -> WriteSession:
+    def begin_write(self, token_ids: Sequence[int], timeout_s: float | None = None, **extras: Any) -> WriteSession:
         """Start writing the prompt's blocks kvcm does not have; use as a context manager
         (see the module docstring). ``timeout_s``: the session's lifetime (server default if None)."""
-        reply = self.client.call("start_write_cache", start_params(self.instance_id, token_ids, timeout_s))
+        reply = self.client.call("start_write_cache", start_params(self.instance_id, token_ids, timeout_s,
+                                                                   **extras))
         blocks, cached = new_blocks(reply, len(token_ids) // self.block_size, self.io)
         return WriteSession(self.client, self.instance_id, reply["write_session_id"], blocks, cached)
 
@@ -401,8 +410,23 @@ def registration(instance_id: str, block_size: int, specs: Mapping[str, int], gr
     return params
 
 
-def start_params(instance_id: str, token_ids: Sequence[int], timeout_s: float | None) -> dict[str, Any]:
-    params: dict[str, Any] = {"instance_id": instance_id, "token_ids": list(token_ids)}
+def extras_of(
+    *,
+    extra_keys: Sequence[Any] | None = None,
+    mm_features: Sequence[MmFeature | Mapping[str, Any]] | None = None,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+) -> dict[str, Any]:
+    """A prompt's extra keys as request fields (those given): per block ``extra_keys``, or
+    ``mm_features``, ``lora_name`` and ``cache_salt`` (a misspelled name is a TypeError here)."""
+    given = {"extra_keys": None if extra_keys is None else list(extra_keys),
+             "mm_features": None if mm_features is None else list(mm_features),
+             "lora_name": lora_name, "cache_salt": cache_salt}  # fmt: skip
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def start_params(instance_id: str, token_ids: Sequence[int], timeout_s: float | None, **extras: Any) -> dict[str, Any]:
+    params: dict[str, Any] = {"instance_id": instance_id, "token_ids": list(token_ids), **extras_of(**extras)}
     if timeout_s is not None:
         params["write_timeout_seconds"] = timeout_s
     return params

@@ -186,6 +186,19 @@ class InstanceInfoReply(msgspec.Struct, gc=False):
     instance_info: InstanceInfo
 
 
+class EngineGroup(msgspec.Struct, gc=False):
+    """One KV-cache group of a hybrid source's ``match_engines`` entry (docs/engines.md,
+    "Hybrid models"): the blocks it holds from the first on, and the longest prefix it alone
+    would let the engine reuse, in the instance's blocks."""
+
+    group_idx: int
+    kind: str | None
+    block_size: int
+    held_blocks: int = 0
+    reusable_blocks: int = 0
+    window: int | None = None
+
+
 class EngineMatch(msgspec.Struct, gc=False):
     """One engine source: the longest prefix of the query it holds, per medium, and its score
     (docs/routers.md)."""
@@ -200,6 +213,8 @@ class EngineMatch(msgspec.Struct, gc=False):
     score: float = 0.0
     speculative: bool = False  # counts blocks note_routed said are on their way (speculative_blocks of them)
     speculative_blocks: int = 0
+    groups: list[EngineGroup] | None = None  # a hybrid model's KV-cache groups: why its prefix is what it is
+    unsupported: str | None = None  # why a hybrid source counts as holding nothing (a group kvcm cannot reason about)
 
 
 class EnginePod(msgspec.Struct, gc=False):

@@ -8,10 +8,11 @@ from collections import Counter
 
 import pytest
 
-from kvcm.cache.keys import token_ids_to_block_keys
+from kvcm.cache.keys import derive_keys, token_ids_to_block_keys
 from kvcm.engines.hashing import chain_states, chain_states_many, to_signed
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
+from kvcm.extra_keys import request_extras
 from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
 from kvcm.store import MemoryStore
 
@@ -138,7 +139,14 @@ def test_lora_namespaces_and_groups():
     apply("a", stored([1], 0, 1, lora_name="ad-1"))
     apply("a", stored([2, 3], 0, 2, group_idx=1, kv_cache_spec_kind="sliding_window"))
     assert best(index, keys) == 0  # base model holds nothing; SWA group is not a prefix holder
-    assert best(index, keys, lora_name="ad-1") == 1
+    # two groups make a hybrid source, and a sliding-window group without a window is one kvcm
+    # cannot reason about: it holds nothing by default, and says why (tests/test_hybrid.py)
+    (found,) = index.match("inst", keys)
+    assert found.matched_blocks == 0 and "without a window" in (found.unsupported or "")
+    # the adapter's name is the extra key of each of its blocks (docs/engines.md "Keys")
+    lora_keys = derive_keys(None, TOKENS, 16, request_extras(tokens=len(TOKENS), block_size=16, lora_name="ad-1"))
+    assert best(index, lora_keys, lora_name="ad-1", group_idx=0) == 1
+    assert best(index, keys, lora_name="ad-1", group_idx=0) == 0
     assert best(index, keys, group_idx=1) == 2
 
 
@@ -188,7 +196,7 @@ class Model:
         for blk in self.blocks.get(source, {}).values():
             if blk["refs"].get(medium, 0) > 0 and blk["lora"] == lora:
                 prefix, e = blk["prefix"], blk["e"]
-                keys = token_ids_to_block_keys(prefix, self.b)
+                keys = lora_keys(prefix, self.b, lora)
                 for j, k in enumerate(keys):
                     if len(prefix) - e < (j + 1) * self.b <= len(prefix):
                         out.add(k)
@@ -208,6 +216,12 @@ class Model:
             if media:
                 out[source] = media
         return out
+
+
+def lora_keys(tokens, b, lora):
+    """kvcm keys of a prompt run with adapter ``lora`` (its name is every block's extra key)."""
+    extras = request_extras(tokens=len(tokens), block_size=b, lora_name=lora or None)
+    return derive_keys(None, tokens, b, extras) if tokens else []
 
 
 def engine_hash(prefix, lora):
@@ -237,7 +251,7 @@ def test_match_agrees_with_brute_force(seed):
         index.apply_many(items)
         for _ in range(5):
             doc, lora = rng.choice(docs), rng.choice([None, None, "ad"])
-            keys = token_ids_to_block_keys(doc[: rng.randrange(len(doc) + 1)], b)
+            keys = lora_keys(doc[: rng.randrange(len(doc) + 1)], b, lora)
             full = index.match("inst", keys, lora_name=lora)
             got = {r.source_id: r.media for r in full}
             assert got == model.expected(keys, lora or "")

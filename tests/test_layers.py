@@ -18,7 +18,7 @@ ROOT = pathlib.Path(kvcm.__file__).parent
 # belongs to the longest prefix that names it; "kvcm" alone is the package root only.
 LAYERS: list[tuple[str, ...]] = [
     # foundations: they import nothing of kvcm but each other
-    ("kvcm.errors", "kvcm.version", "kvcm.threads", "kvcm.lockfile", "kvcm.metrics", "kvcm.schema", "kvcm.kv_events", "kvcm.rpc",
+    ("kvcm.errors", "kvcm.version", "kvcm.threads", "kvcm.lockfile", "kvcm.metrics", "kvcm.schema", "kvcm.kv_events", "kvcm.extra_keys", "kvcm.rpc",
      "kvcm.rpc.wire", "kvcm.rpc.curve", "kvcm.config"),
     ("kvcm.store", "kvcm.ha", "kvcm.storage"),  # metadata stores, the leader lease; KV-block storages
     ("kvcm.control", "kvcm.policies"),  # the registry; eviction policies

@@ -40,7 +40,9 @@ def _methods(ran: list[str], block_size: int = 4) -> list[Method]:
         return {"tag": r.tag, "keys": r.block_keys}
 
     def cost(r: Work) -> Estimate:
-        return Estimate(r.micros, 0, 1.0)
+        # a microsecond per key when the request says it costs anything (for the refusal's key
+        # count); a request estimated at nothing stays free however many keys its tokens make
+        return Estimate(r.micros, 0, 1.0 if r.micros else 0.0)
 
     def tokens(r: Work) -> TokenWork | None:
         if r.block_keys or not r.token_ids:
@@ -317,16 +319,20 @@ def test_the_3_9m_token_request_is_refused_fast_and_others_keep_being_served(big
 
 
 def test_a_long_prompt_by_tokens_is_answered_correctly_while_others_are_served(big_server):
-    tokens = list(range(1, 262_145))  # the most token_ids a request may carry by default
+    tokens = list(range(1, 524_289))  # the most token_ids a request may carry by default
     keys = token_ids_to_block_keys(tokens, 16)
-    assert len(keys) == 16384
+    assert len(keys) == 32768
     with big_server.client(timeout=60) as c:
         session = c.call("start_write_cache", {"instance_id": "inst16", "block_keys": keys[:128]})
         c.call("finish_write_cache", {"instance_id": "inst16", "write_session_id": session["write_session_id"],
                                       "success_blocks": {"offset": 128}})
-        by_tokens = c.call("get_cache_location", {"instance_id": "inst16", "token_ids": tokens,
+        length = c.call("get_cache_location_len", {"instance_id": "inst16", "token_ids": tokens,
+                                                   "query_type": "prefix_match"})
+        assert length == {"cache_location_len": 128}
+        # the full locations of a prompt by tokens: as many blocks as the estimate lets through
+        by_tokens = c.call("get_cache_location", {"instance_id": "inst16", "token_ids": tokens[: 8000 * 16],
                                                   "query_type": "prefix_match"})
-        by_keys = c.call("get_cache_location", {"instance_id": "inst16", "block_keys": keys,
+        by_keys = c.call("get_cache_location", {"instance_id": "inst16", "block_keys": keys[:8000],
                                                 "query_type": "prefix_match"})
         assert len(by_tokens["locations"]) == 128 and by_tokens == by_keys
     carried = big_server.app.metrics.registry.get_sample_value("kvcm_rpc_carried_total", {"reason": "hashing"})

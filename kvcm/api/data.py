@@ -19,11 +19,19 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvcm.api.costs import (
+    REPLY_BYTES_PER_SPEC,
+    US_PER_CONTAINER,
+    US_PER_HELD_PIN,
+    US_PER_KEY,
+    US_PER_SLOT,
+)
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.manager import CacheManager
 from kvcm.cache.masks import BlockMask
 from kvcm.engines.service import EngineService
 from kvcm.errors import InvalidArgument
+from kvcm.extra_keys import CacheSalt, ExtraKeys, LoraName, MmFeatures, check_request, request_extras
 from kvcm.rpc import wire
 from kvcm.rpc.dispatch import Estimate, Method, TokenWork
 from kvcm.schema import KEYS_CEILING, Flags, Int64, Keys, RequestBase, Tokens
@@ -59,6 +67,13 @@ class _Request(RequestBase, msgspec.Struct, kw_only=True):
 class _Keys(_Request, kw_only=True):
     block_keys: Keys = []
     token_ids: Tokens = []
+    # A prompt's extra keys (docs/engines.md#keys-block-sizes-namespaces), mixed into the keys of
+    # its token_ids: per block as vLLM sends them, or what vLLM's rule derives them from.
+    # lora_name also names the adapter whose engine blocks include_engines lists.
+    extra_keys: ExtraKeys | None = None
+    mm_features: MmFeatures | None = None
+    lora_name: LoraName | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class GetCacheLocationRequest(_Keys, kw_only=True):
@@ -67,7 +82,6 @@ class GetCacheLocationRequest(_Keys, kw_only=True):
     sw_size: int = 0
     location_spec_names: list[str] = []
     include_engines: bool = False  # add "engine_locations": per key, the engines holding it
-    lora_name: str | None = None  # engine blocks of this LoRA adapter (with include_engines)
 
 
 class GetCacheLocationLenRequest(_Keys, kw_only=True):
@@ -200,28 +214,24 @@ class CacheApi:
         return derive_keys(r.block_keys, r.token_ids, self.m.instance(r.instance_id).block_size)
 
 
-# Work on the RPC thread, in microseconds, measured on the 2-core reference VM (docs/limits.md has
-# the figures and the command): what the dispatcher refuses a request by before running it. A
-# write pays per key, per spec (a slot), and for each container file or segment it must create.
-_US_PER_KEY = {"prefix_match": 3.0, "batch_get": 6.0, "reverse_roll_sw_match": 6.0, "meta": 14.0,
-               "remove": 20.0, "write": 15.0, "pin": 4.0}
-# A pin request also re-reads every pin the instance holds (the cap counts them, lapsed ones go).
-# Pins are not in bench_hostile: a one-off run measured 1.1 us per key and 1.5 per held pin on
-# LMDB; both are rounded up.
-_US_PER_HELD_PIN = 2.0
-_US_PER_SLOT = 5.0
-_US_PER_CONTAINER = 150.0
-# Reply bytes of one location spec (its name and URI), for the reply-size check before the work.
-_REPLY_BYTES_PER_SPEC = 96
+#: A lookup's kind of work (:data:`kvcm.api.costs.US_PER_KEY`) by query type; an unknown type
+#: is costed as the dearest and then refused by the handler.
+_FULL = {"prefix_match": "prefix_match", "batch_get": "batch_get", "reverse_roll_sw_match": "reverse_roll_sw_match"}
+#: The same for the length alone: only a prefix walk has a cheaper form (the others count every
+#: key's copy as they do for the full reply).
+_LENGTH = {**_FULL, "prefix_match": "prefix_match_len"}
 
 
 class CacheCosts:
-    """The dispatcher's pre-run hooks of the data plane: keys from ``token_ids`` and estimates."""
+    """The dispatcher's pre-run hooks of the data plane: keys from ``token_ids`` and estimates
+    (per key, from :mod:`kvcm.api.costs`)."""
 
-    def __init__(self, manager: CacheManager) -> None:
+    def __init__(self, manager: CacheManager, engines: EngineService | None = None) -> None:
         self.m = manager
+        self.engines = engines
 
     def tokens(self, r: _Keys) -> TokenWork | None:
+        check_request(bool(r.token_ids) and not r.block_keys, r.extra_keys, r.mm_features, r.cache_salt)
         if r.block_keys or not r.token_ids:
             return None
         block_size = self.m.instance(r.instance_id).block_size
@@ -229,27 +239,32 @@ class CacheCosts:
         def done(keys: list[int]) -> None:
             r.block_keys = keys
 
-        return TokenWork(r.token_ids, block_size, done)
+        extras = request_extras(tokens=len(r.token_ids), block_size=block_size, extra_keys=r.extra_keys,
+                                mm_features=r.mm_features, lora_name=r.lora_name, cache_salt=r.cache_salt)
+        return TokenWork(r.token_ids, block_size, done, extras)
 
     def _per_key(self, r: _Keys, per_key: float, reply: bool = True) -> Estimate:
         keys = len(r.block_keys)
-        reply_bytes = keys * len(self.m.instance(r.instance_id).specs) * _REPLY_BYTES_PER_SPEC if reply and keys else 0
-        return Estimate(keys * per_key, reply_bytes, per_key)
+        reply_bytes = keys * len(self.m.instance(r.instance_id).specs) * REPLY_BYTES_PER_SPEC if reply and keys else 0
+        return Estimate(keys * per_key, reply_bytes, per_key, keys)
 
     def get_cache_location(self, r: GetCacheLocationRequest) -> Estimate:
-        return self._per_key(r, _US_PER_KEY.get(_enum(r.query_type, "qt_"), _US_PER_KEY["batch_get"]))
+        per_key = US_PER_KEY[_FULL.get(_enum(r.query_type, "qt_"), "batch_get")]
+        if r.include_engines and self.engines is not None:
+            # each key's holders, one entry per source holding it (at most every source followed)
+            followed = sum(1 for state in self.engines.index.sources() if state.spec.instance_id == r.instance_id)
+            per_key += US_PER_KEY["engine_location"] * followed
+        return self._per_key(r, per_key)
 
     def get_cache_location_len(self, r: GetCacheLocationLenRequest) -> Estimate:
-        return self._per_key(r, _US_PER_KEY.get(_enum(r.query_type, "qt_"), _US_PER_KEY["batch_get"]), reply=False)
+        return self._per_key(r, US_PER_KEY[_LENGTH.get(_enum(r.query_type, "qt_"), "batch_get")], reply=False)
 
     def get_cache_meta(self, r: GetCacheMetaRequest) -> Estimate:
-        return self._per_key(r, _US_PER_KEY["meta"])
+        return self._per_key(r, US_PER_KEY["get_cache_meta"])
 
     def start_write_cache(self, r: StartWriteCacheRequest) -> Estimate:
-        if not r.block_keys:
-            return Estimate(0.0)
         inst = self.m.instance(r.instance_id)
-        per_key = _US_PER_KEY["write"] + sum(self._per_slot(inst.group, size) for _, size in inst.specs)
+        per_key = US_PER_KEY["start_write_cache"] + sum(self._per_slot(inst.group, size) for _, size in inst.specs)
         return self._per_key(r, per_key)
 
     def _per_slot(self, group: str, size: int) -> float:
@@ -259,20 +274,20 @@ class CacheCosts:
         backend = self.m.pool.get(candidates[0]) if candidates else None
         slots_of = getattr(backend, "slots_per_container", None)
         slots = slots_of(size) if slots_of is not None else 0
-        return _US_PER_SLOT + (_US_PER_CONTAINER / slots if slots > 0 else 0.0)
+        return US_PER_SLOT + (US_PER_CONTAINER / slots if slots > 0 else 0.0)
 
     def remove_cache(self, r: RemoveCacheRequest | ReportLostRequest) -> Estimate:
-        return self._per_key(r, _US_PER_KEY["remove"], reply=False)
+        return self._per_key(r, US_PER_KEY["remove_cache"], reply=False)
 
     def pins(self, r: PinCacheRequest | UnpinCacheRequest) -> Estimate:
-        per_key = _US_PER_KEY["pin"]
-        held = self.m.pins.count(r.instance_id) * _US_PER_HELD_PIN
-        return Estimate(len(r.block_keys) * per_key + held, 0, per_key)
+        per_key = US_PER_KEY["pin_cache"]
+        held = self.m.pins.count(r.instance_id) * US_PER_HELD_PIN
+        return Estimate(len(r.block_keys) * per_key + held, 0, per_key, len(r.block_keys))
 
 
 def methods(manager: CacheManager, engines: EngineService | None = None) -> list[Method]:
     api = CacheApi(manager, engines)
-    costs = CacheCosts(manager)
+    costs = CacheCosts(manager, engines)
     return [
         Method("get_cache_location", api.get_cache_location, request=GetCacheLocationRequest,
                cost=costs.get_cache_location, tokens=costs.tokens),

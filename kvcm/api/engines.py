@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvcm.api.costs import US_PER_KEY, US_PER_MATCH_OPTION
 from kvcm.cache.manager import CacheManager
 from kvcm.engines.index import KEYED, MAX_LABEL
 from kvcm.engines.push import Report, Reporter
@@ -27,6 +28,7 @@ from kvcm.engines.scoring import BLOCKS, MAX_LOAD, SCORE, SOURCE, pod_summary
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SourceSpec
 from kvcm.errors import Code, InvalidArgument, error
+from kvcm.extra_keys import MAX_BLOCK_BYTES, CacheSalt, ExtraKeys, MmFeatures, check_request, request_extras
 from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, count_events
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Estimate, Method, TokenWork
@@ -46,6 +48,8 @@ MAX_MEDIA = 64
 Media = Annotated[list[Medium], msgspec.Meta(max_length=MAX_MEDIA)]
 #: An adapter name as queries give it.
 LoraName = Annotated[str, msgspec.Meta(max_length=MAX_LABEL)]
+#: vLLM's ``kv_cache_report_mode``: ``full`` also re-reports reused prefixes (docs/engines.md).
+ReportMode = Literal["incremental", "full"]
 
 
 # msgspec.Struct named again only so that linters see a Struct (its defaults are copied, not shared).
@@ -65,6 +69,7 @@ class AddEventSourceRequest(_Request):
     topic: str = ""
     dp_rank: int = 0
     pod: str | None = None  # the pod this DP rank belongs to (match_engines groups by it); absent = source_id
+    report_mode: ReportMode | None = None  # vLLM's kv_cache_report_mode of the engine's requests; absent = incremental
     replay_timeout_s: float | None = None
     backoff_initial_s: float | None = None
     backoff_max_s: float | None = None
@@ -83,7 +88,10 @@ class MatchEnginesRequest(_Request):
     instance_id: str
     token_ids: Tokens = []
     block_keys: Keys = []
-    lora_name: LoraName | None = None
+    lora_name: LoraName | None = None  # the adapter's namespace; enters the keys of token_ids too
+    extra_keys: ExtraKeys | None = None  # per block, as vLLM sends them (docs/engines.md#keys-block-sizes-namespaces)
+    mm_features: MmFeatures | None = None  # or what vLLM's rule derives them from
+    cache_salt: CacheSalt | None = None
     media: Media | None = None  # e.g. ["GPU"]; absent = every medium
     medium: Medium | None = None  # shorthand for media=[medium]
     group_idx: int | None = None  # absent = full-attention-like groups
@@ -100,6 +108,9 @@ class NoteRoutedRequest(_Request):
     token_ids: Tokens = []
     block_keys: Keys = []
     lora_name: LoraName | None = None  # the adapter the prompt runs with (matches of that adapter count it)
+    extra_keys: ExtraKeys | None = None
+    mm_features: MmFeatures | None = None
+    cache_salt: CacheSalt | None = None
     ttl_s: float = 2.0  # at most events.speculative_max_ttl_s
 
 
@@ -110,6 +121,10 @@ class GetHostCacheStateRequest(_Request):
     block_cache_keys: Keys = []  # Tair's name of block_keys
     block_keys: Keys = []
     token_ids: Tokens = []
+    lora_name: LoraName | None = None
+    extra_keys: ExtraKeys | None = None
+    mm_features: MmFeatures | None = None
+    cache_salt: CacheSalt | None = None
     query_type: str | int = "prefix_match"  # prefix matching only: "prefix_match", "QT_PREFIX_MATCH" or 2
     medium: Media | None = None  # Tair's media filter; absent or empty = every medium
     p2p_host_count: int = 0  # Tair's P2P peer count: accepted, kvcm does not plan P2P fetches
@@ -145,24 +160,34 @@ class _Handlers:
 
     def match_tokens(self, req: MatchEnginesRequest | NoteRoutedRequest | GetHostCacheStateRequest) -> TokenWork | None:
         """Keys of a token query, derived by the dispatcher a slice at a time before the match."""
-        if req.block_keys or not req.token_ids or getattr(req, "block_cache_keys", None):
+        given = req.block_keys or getattr(req, "block_cache_keys", None)
+        check_request(bool(req.token_ids) and not given, req.extra_keys, req.mm_features, req.cache_salt)
+        if given or not req.token_ids:
             return None
 
         def done(keys: list[int]) -> None:
             req.block_keys = keys
 
-        return TokenWork(req.token_ids, self.service.instance_lookup(req.instance_id), done)
+        block_size = self.service.instance_lookup(req.instance_id)
+        extras = request_extras(tokens=len(req.token_ids), block_size=block_size, extra_keys=req.extra_keys,
+                                mm_features=req.mm_features, lora_name=req.lora_name, cache_salt=req.cache_salt)
+        return TokenWork(req.token_ids, block_size, done, extras)
 
     def match_cost(self, req: MatchEnginesRequest) -> Estimate:
-        return Estimate(len(req.block_keys) * _MATCH_US_PER_KEY + _options_us(req.media, req.loads), 0,
-                        _MATCH_US_PER_KEY)  # fmt: skip
+        # with include_storage, the storage tier's prefix too (its locations, counted by type)
+        per_key = US_PER_KEY["match_engines"] + (US_PER_KEY["storage_prefix"] if req.include_storage else 0.0)
+        n = len(req.block_keys)
+        return Estimate(n * per_key + _options_us(req.media, req.loads), 0, per_key, n)
 
     def host_cost(self, req: GetHostCacheStateRequest) -> Estimate:
+        # with include_storage (Tair's default), the storage tier's prefix length too
+        per_key = US_PER_KEY["match_engines"] + (US_PER_KEY["prefix_match_len"] if req.include_storage else 0.0)
         n = len(req.block_keys or req.block_cache_keys)
-        return Estimate(n * _MATCH_US_PER_KEY + _options_us(req.medium, req.loads), 0, _MATCH_US_PER_KEY)
+        return Estimate(n * per_key + _options_us(req.medium, req.loads), 0, per_key, n)
 
     def note_cost(self, req: NoteRoutedRequest) -> Estimate:
-        return Estimate(len(req.block_keys) * _NOTE_US_PER_KEY, 0, _NOTE_US_PER_KEY)
+        n = len(req.block_keys)
+        return Estimate(n * US_PER_KEY["note_routed"], 0, US_PER_KEY["note_routed"], n)
 
     def match_engines(self, req: MatchEnginesRequest) -> Raw:
         media = req.media if req.media is not None else ([req.medium] if req.medium else None)
@@ -189,6 +214,13 @@ class _Handlers:
             counts[loc.type] = counts.get(loc.type, 0) + 1
         return counts
 
+    def _storage_length(self, instance_id: str, keys: list[int]) -> int:
+        """Blocks of the storage tier's prefix of ``keys`` (its length alone: no location built)."""
+        cache = self.cache() if self.cache is not None else None
+        if cache is None:
+            raise InvalidArgument("include_storage: this server has no storage tier to ask")
+        return cache.get_cache_location_len(instance_id, "prefix_match", keys, None, None) if keys else 0
+
     def note_routed(self, req: NoteRoutedRequest) -> dict[str, Any]:
         return self.service.note_routed(req.instance_id, req.source_id, req.token_ids, req.block_keys, req.ttl_s,
                                         req.lora_name)  # fmt: skip
@@ -206,12 +238,12 @@ class _Handlers:
         service = self.service
         block_size = service.instance_lookup(req.instance_id)
         keys = service.keys_for(req.instance_id, req.token_ids, req.block_cache_keys or req.block_keys)
-        storage = self._storage_prefix(req.instance_id, [], keys) if req.include_storage else {}
-        ranked = service.ranked(req.instance_id, keys, block_size, media=req.medium or None,
+        stored = self._storage_length(req.instance_id, keys) if req.include_storage else 0
+        ranked = service.ranked(req.instance_id, keys, block_size, lora_name=req.lora_name, media=req.medium or None,
                                 include_stale=req.include_stale,
                                 loads=_check_loads(req.loads, service.settings.max_sources))  # fmt: skip
         pods = pod_summary(ranked)
-        shared = max([sum(storage.values())] + [best[BLOCKS] for _, best, _ in pods])
+        shared = max([stored] + [best[BLOCKS] for _, best, _ in pods])
         hosts = [_host(pod, best[BLOCKS], shared, best[SCORE], best[SOURCE], ranks) for pod, best, ranks in pods]
         listed = {h["host_ip_port"] for h in hosts}
         for pod, ranks in service.pods_of(req.instance_id, req.include_stale).items():
@@ -219,7 +251,7 @@ class _Handlers:
                 hosts.append(_host(pod, 0, shared, -(req.loads or {}).get(ranks[0], 0.0), ranks[0], ranks))
         limit = _top_k(0, req.top_k)
         return {"instance_id": req.instance_id, "num_blocks": len(keys), "global": shared,
-                "storage": sum(storage.values()), "hosts": hosts[:limit] if limit else hosts}  # fmt: skip
+                "storage": stored, "hosts": hosts[:limit] if limit else hosts}  # fmt: skip
 
 
 def _host(pod: str, local: int, shared: int, score: float, best: str, ranks: list[str]) -> dict[str, Any]:
@@ -260,18 +292,12 @@ def _check_loads(loads: dict[str, float] | None, most: int) -> dict[str, float] 
     return loads
 
 
-# Work per key of match_engines on the RPC thread (microseconds; docs/limits.md).
-_MATCH_US_PER_KEY = 0.5
-#: Per medium of a filter and per entry of ``loads`` (normalised, set up, looked up per source).
-_MATCH_US_PER_OPTION = 1.0
-#: Per key of a note_routed entry (copied, compared when matched).
-_NOTE_US_PER_KEY = 0.1
 _MAX_TOP_K = 1 << 16
 
 
 def _options_us(media: list[str] | None, loads: dict[str, float] | None) -> float:
     """The work of a match's filter and loads, both bounded by the schema."""
-    return (len(media or ()) + len(loads or ())) * _MATCH_US_PER_OPTION
+    return (len(media or ()) + len(loads or ())) * US_PER_MATCH_OPTION
 
 
 # --- report_events (push sources: kvcm/engines/push.py) ------------------------------------------
@@ -285,6 +311,7 @@ Seq = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 #: A batch's time (seconds): finite, and never a date no clock gives (NaN fails the bounds too).
 Ts = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
 _UNSET = msgspec.UNSET
+_ENCODE = msgspec.msgpack.Encoder().encode
 #: Bounds of one report: what one turn's budget can apply (docs/engines.md#push-ingestion).
 MAX_REPORT_EVENTS = 4096
 MAX_REPORT_PAYLOADS = 1024
@@ -307,6 +334,8 @@ class AddEvent(_Strict, tag="add", tag_field="type"):
     lora_name: Name | None = None
     group_idx: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
     kv_cache_spec_kind: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    #: per block, its extra keys as vLLM's BlockStored carries them (kvcm.extra_keys)
+    extra_keys: ExtraKeys | None = None
     #: block_hashes are kvcm block keys, held as they are (no token_ids, no parent); a batch of
     #: keyed events only may come without seq (unsequenced: applied in arrival order)
     keyed: bool = False
@@ -347,6 +376,7 @@ class ReportEventsRequest(_Request, dict=True):  # dict: the handler keeps its R
     dp_rank: Annotated[int, msgspec.Meta(ge=0, lt=4096)] | msgspec.UnsetType = _UNSET
     pod: Name | msgspec.UnsetType = _UNSET
     medium: Annotated[str, msgspec.Meta(max_length=32)] | msgspec.UnsetType = _UNSET
+    report_mode: ReportMode | msgspec.UnsetType = _UNSET
     # events, snapshot
     seq: Seq | msgspec.UnsetType = _UNSET
     ts: Ts | msgspec.UnsetType = _UNSET
@@ -357,7 +387,7 @@ class ReportEventsRequest(_Request, dict=True):  # dict: the handler keeps its R
 
 #: The fields each op takes besides source_id, op and generation (any other one given is refused).
 _OP_FIELDS = {
-    "register": frozenset({"instance_id", "dp_rank", "pod", "medium"}),
+    "register": frozenset({"instance_id", "dp_rank", "pod", "medium", "report_mode"}),
     "heartbeat": frozenset(),
     "payloads": frozenset({"payloads"}),
     "events": frozenset({"seq", "ts", "events"}),
@@ -365,7 +395,7 @@ _OP_FIELDS = {
     "down": frozenset(),
 }
 _OP_DEFAULTS: dict[str, Any] = {"instance_id": _UNSET, "dp_rank": _UNSET, "pod": _UNSET, "medium": _UNSET,
-                                "seq": _UNSET, "ts": _UNSET, "events": [], "payloads": []}  # fmt: skip
+                                "report_mode": _UNSET, "seq": _UNSET, "ts": _UNSET, "events": [], "payloads": []}  # fmt: skip
 
 
 def _not_taken(taken: frozenset[str]) -> tuple[Callable[[Any], tuple[Any, ...]], tuple[Any, ...], tuple[str, ...]]:
@@ -401,9 +431,9 @@ def report(req: ReportEventsRequest) -> Report:
         raise InvalidArgument("report_events: op events needs seq (the batch's sequence number), "
                               "unless every event is keyed")
     for i, e in enumerate(req.events):
-        if type(e) is AddEvent and e.keyed and (e.token_ids or e.parent_block_hash is not None):
+        if type(e) is AddEvent and e.keyed and (e.token_ids or e.parent_block_hash is not None or e.extra_keys):
             raise InvalidArgument(f"report_events: events[{i}] is keyed: its hashes are kvcm keys, with no "
-                                  f"token_ids or parent_block_hash")
+                                  f"token_ids, parent_block_hash or extra_keys")
     if req.op == "payloads" and not req.payloads:
         raise InvalidArgument("report_events: op payloads needs payloads")
     if req.op == "snapshot" and any(type(e) is not AddEvent for e in req.events):
@@ -411,6 +441,7 @@ def report(req: ReportEventsRequest) -> Report:
     return Report(
         source_id=req.source_id, op=req.op, generation=req.generation, instance_id=_given(req.instance_id, None),
         dp_rank=_given(req.dp_rank, 0), pod=_given(req.pod, ""), medium=_given(req.medium, ""),
+        report_mode=_given(req.report_mode, "incremental"),
         seq=_given(req.seq, None), ts=_given(req.ts, None),
         events=[_event(e) for e in req.events], payloads=[(p.seq, _payload(i, p)) for i, p in enumerate(req.payloads)],
     )  # fmt: skip
@@ -436,6 +467,19 @@ def _work(r: Report) -> tuple[int, int, int]:
     return events, blocks, tokens
 
 
+def _extra_bytes(req: ReportEventsRequest) -> int:
+    """Encoded bytes of the typed events' extra keys (one C-level encode each). Extra keys that
+    cannot be encoded are refused per event when applied; until then they cost their bound."""
+    total = 0
+    for e in req.events:
+        if type(e) is AddEvent and e.extra_keys:
+            try:
+                total += len(_ENCODE(e.extra_keys))
+            except (TypeError, ValueError, OverflowError):
+                total += len(e.extra_keys) * MAX_BLOCK_BYTES
+    return total
+
+
 def _typed_blocks(req: ReportEventsRequest) -> int:
     """Blocks the report's typed events name: their work is known before anything is decoded."""
     return sum(len(e.block_hashes) for e in req.events if isinstance(e, AddEvent | RemoveEvent))
@@ -446,7 +490,7 @@ def _event(e: AddEvent | RemoveEvent | ClearEvent) -> Event:
         return BlockStored(list(e.block_hashes), None, [], 0, None, e.medium, e.lora_name, KEYED, e.group_idx)
     if type(e) is AddEvent:
         return BlockStored(list(e.block_hashes), e.parent_block_hash, e.token_ids, e.block_size, None, e.medium,
-                           e.lora_name, None, e.group_idx, e.kv_cache_spec_kind)  # fmt: skip
+                           e.lora_name, e.extra_keys, e.group_idx, e.kv_cache_spec_kind)  # fmt: skip
     if type(e) is RemoveEvent:
         return BlockRemoved(list(e.block_hashes), e.medium, e.group_idx)
     return AllBlocksCleared()
@@ -485,7 +529,8 @@ class _Reports:
 
     def cost(self, req: ReportEventsRequest) -> Estimate:
         made = self.prepared(req)
-        size = sum(len(p) for _, p in made.payloads)
+        # Typed events' extra keys cost what the same bytes in a payload do (checked and digested per block).
+        size = sum(len(p) for _, p in made.payloads) + _extra_bytes(req)
         # What the payloads claim, from their headers: a payload of many tiny events is refused
         # on that before any of them is decoded.
         claimed = _US_PER_REPORT + size * _US_PER_PAYLOAD_BYTE + _typed_blocks(req) * _US_PER_BLOCK + \

@@ -349,7 +349,7 @@ def _offsets_and_body(value: bytes, n: int, pos: int, key: bytes | None) -> tupl
     return _inflated(value, pos, key), 4 * (n + 1)
 
 
-def run_match(value: bytes, request: bytes, key: bytes | None = None) -> tuple[str, int, bytes]:
+def run_match(value: bytes, request: bytes | memoryview, key: bytes | None = None) -> tuple[str, int, bytes]:
     """``(storage, m, body of the first m locations)`` where ``m`` is the number of leading
     8-byte keys ``request`` shares with the run. ``key``: the run's db key (its cache slot)."""
     storage, n, pos = _layout(value)

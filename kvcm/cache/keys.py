@@ -5,13 +5,22 @@ blocks: key *i* depends on every token of blocks ``0..i``. Only full blocks get 
 partial block is ignored. ``std::hash<int64_t>`` is the identity in libstdc++, so each token
 value enters the mix unchanged. :func:`derive_keys` is the one place a data-plane request's keys
 come from (its ``block_keys``, else the hash of its ``token_ids``).
+
+A block with extra keys (:mod:`kvcm.extra_keys`: an image, a LoRA adapter, a cache salt) gets
+``mix(state, digest)`` as its key, where ``state`` is the chained hash after its tokens and
+``digest`` that of its extra keys, and the chain goes on from that key; a block without extra
+keys keeps the plain chained hash, so prompts without any have the keys they always had.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kvcm.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from kvcm.extra_keys import BlockExtras
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -67,21 +76,43 @@ class ChainHasher:
     """The chained hash of :func:`token_ids_to_block_keys`, resumable: a long prompt can be hashed
     a slice at a time (the RPC loop spreads one request's hashing over several turns, so other
     clients are not held up behind it). Feed slices in order; only full blocks produce keys.
+    ``extras``: the prompt's extra keys (module docstring), digested as the blocks are reached.
     """
 
-    __slots__ = ("_pending", "_state", "block_size", "keys")
+    __slots__ = ("_extras", "_pending", "_state", "block_size", "keys")
 
-    def __init__(self, block_size: int, seed: int = 0) -> None:
+    def __init__(self, block_size: int, seed: int = 0, extras: BlockExtras | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.keys: list[int] = []
         self._state = seed & _M64  # kept unsigned: the signed view is only taken per key
         self._pending = 0  # tokens of the current, not yet complete block
+        self._extras = extras
 
     def feed(self, tokens: Sequence[int]) -> None:
         """Hash ``tokens`` (the next ones of the prompt); whole blocks of a long slice take the
-        compiled kernel when one is loaded (:func:`set_native`)."""
+        compiled kernel when one is loaded (:func:`set_native`). With extra keys, the runs of
+        blocks between those that have any are hashed so, and each of those is mixed alone."""
+        if self._extras is None:
+            self._feed_plain(tokens)
+            return
+        size, first = self.block_size, len(self.keys)
+        fed = first * size + self._pending  # tokens of the prompt hashed before these
+        digests = self._extras.digests(first, (fed + len(tokens)) // size)
+        at = 0
+        for i, d in enumerate(digests):
+            if d is None:
+                continue
+            end = (first + i + 1) * size - fed  # where block first + i ends in ``tokens``
+            self._feed_plain(tokens[at:end])
+            at = end
+            key = mix(self.keys[-1], d)
+            self.keys[-1] = key
+            self._state = key & _M64
+        self._feed_plain(tokens[at:])
+
+    def _feed_plain(self, tokens: Sequence[int]) -> None:
         size = self.block_size
         if _native is not None and len(tokens) >= NATIVE_MIN_TOKENS:
             head = min(len(tokens), (size - self._pending) % size)  # the rest of the current block
@@ -117,10 +148,16 @@ def chain_hash_ids(hash_ids: Iterable[int], seed: int = 0) -> list[int]:
     return keys
 
 
-def derive_keys(block_keys: Sequence[int] | None, token_ids: Sequence[int] | None, block_size: int) -> list[int]:
-    """Keys of a request: ``block_keys`` verbatim, else Tair's chained hash of ``token_ids``."""
+def derive_keys(
+    block_keys: Sequence[int] | None, token_ids: Sequence[int] | None, block_size: int,
+    extras: BlockExtras | None = None,
+) -> list[int]:
+    """Keys of a request: ``block_keys`` verbatim, else Tair's chained hash of ``token_ids``
+    (with the blocks' ``extras`` mixed in, module docstring)."""
     if block_keys:
         return list(block_keys)
     if token_ids:
-        return token_ids_to_block_keys(token_ids, block_size)
+        hasher = ChainHasher(block_size, extras=extras)
+        hasher.feed(token_ids)
+        return hasher.keys
     raise InvalidArgument("block_keys or token_ids: one of them must be non-empty")

@@ -23,7 +23,8 @@ Mask rules (every query type honours the mask, unlike Tair KVCM):
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from operator import itemgetter
 from typing import Any
 
 import msgpack
@@ -55,6 +56,11 @@ _packer = msgpack.Packer(use_bin_type=True)
 _LOCATIONS_MAP = _packer.pack_map_header(1) + _packer.pack("locations")  # {"locations": <spliced array>}
 _U64 = struct.Struct(">Q")
 _SIGN = 1 << 63
+#: Keys of a prefix walk's first read (:func:`_walk`); each next read takes twice as many.
+_FIRST_SLICE = 256
+#: Record kinds that hold exactly one serving copy in their header (:func:`visible`'s fast case).
+_ONE_COPY = frozenset({ONE, FAST})
+_KIND = itemgetter(0)
 QUERY_TYPES = ("prefix_match", "batch_get", "reverse_roll_sw_match")
 DETAIL_LEVELS = (0, 1, 2)
 
@@ -94,7 +100,7 @@ def get_cache_location(
     keys = derive_keys(block_keys, token_ids, inst.block_size)
     checked = check_mask(mask, len(keys))
     if query_type == "prefix_match":
-        hits, chunks = _prefix(s, inst, keys, checked, spec_names)
+        hits, chunks = _prefix(s, inst, keys, checked, spec_names, reply)
         count = len(hits)
     else:
         if query_type == "batch_get":
@@ -117,9 +123,10 @@ def get_cache_location(
 
 
 def _prefix(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None,
-            spec_names: Sequence[str] | None) -> tuple[list[int], list[bytes]]:
+            spec_names: Sequence[str] | None, reply: bool = True) -> tuple[list[int], list[bytes]]:
     """Matched keys and the reply's chunks (``{"locations": [...]}``): runs first, then block
-    by block."""
+    by block. Without ``reply`` (the length alone) no location's wire bytes are built: the
+    chunks are then meaningless."""
     wanted = keys if mask is None else [keys[i] for i in unmasked_indices(mask, len(keys))]
     unusable = s.pool.unusable
     parts: list[bytes] = []
@@ -128,6 +135,9 @@ def _prefix(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask 
         done = _runs(view, inst.ns, wanted, unusable, parts) if s.runs and not spec_names else 0
         if done < len(wanted):
             rank = s.group_view(inst.group).rank
+            if not reply:
+                done += _visible_count(s, CachedRead(view, epoch), inst, wanted[done:], unusable, rank)
+                return (wanted if done == len(wanted) else wanted[:done]), parts
             wires = _blocks(s, CachedRead(view, epoch), inst, wanted[done:], unusable, rank)
             if spec_names:
                 names = frozenset(spec_names)
@@ -140,13 +150,15 @@ def _prefix(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask 
 
 def _runs(view: Any, ns: bytes, wanted: list[int], unusable: frozenset[str], parts: list[bytes]) -> int:
     """Match the leading keys against run records; returns how many keys they covered."""
-    packed = pack_keys(wanted)
+    packed: memoryview | None = None  # the keys packed once a run is found; sliced without a copy
     done = 0
     while done < len(wanted):
         key = ns + _U64.pack(wanted[done] + _SIGN)
         value = view.get(RUNS_DB, key)
         if value is None:
             break
+        if packed is None:
+            packed = memoryview(pack_keys(wanted))
         storage, matched, body = run_match(value, packed[8 * done :], key)
         if storage in unusable:
             break
@@ -157,23 +169,53 @@ def _runs(view: Any, ns: bytes, wanted: list[int], unusable: frozenset[str], par
     return done
 
 
+def _walk(s: CacheState, snap: Any, ns: bytes, wanted: list[int]) -> Iterator[list[bytes]]:
+    """The stored values of a prefix walk's keys, a slice at a time (the first of
+    :data:`_FIRST_SLICE` keys, each next one twice as long), until a slice ends at a key
+    without a record. A long prompt whose prefix ends early (a miss at its fourth block of
+    100,000) is read a slice deep, not whole; a walk over every key reads each once."""
+    lo, size = 0, _FIRST_SLICE
+    while lo < len(wanted):
+        part = wanted[lo : lo + size]
+        values: list[bytes] = s.index.get_values(snap, ns, part, stop_at_missing=True)  # type: ignore[assignment]
+        yield values
+        if len(values) < len(part):
+            return
+        lo += size
+        size *= 2
+
+
 def _blocks(s: CacheState, snap: Any, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
             rank: Callable[[str], int]) -> list[bytes]:
-    if not wanted:
-        return []
-    values = s.index.get_values(snap, inst.ns, wanted, stop_at_missing=True)
-    if not unusable:
-        # The common case, inlined: every block has exactly one serving copy (records.ONE).
-        fast = _fast_wires(values)  # type: ignore[arg-type]
-        if fast is not None:
-            return fast
     wires: list[bytes] = []
-    for value in values:
-        wire = visible(value, unusable, rank)  # type: ignore[arg-type]
-        if wire is None:
-            break
-        wires.append(wire)
+    for values in _walk(s, snap, inst.ns, wanted):
+        # The common case, inlined: every block has exactly one serving copy (records.ONE).
+        fast = None if unusable else _fast_wires(values)
+        if fast is not None:
+            wires += fast
+            continue
+        for value in values:
+            wire = visible(value, unusable, rank)
+            if wire is None:
+                return wires
+            wires.append(wire)
     return wires
+
+
+def _visible_count(s: CacheState, snap: Any, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
+                   rank: Callable[[str], int]) -> int:
+    """How many leading keys of ``wanted`` have a visible copy (:func:`_blocks`' length,
+    without building a location's wire bytes)."""
+    count = 0
+    for values in _walk(s, snap, inst.ns, wanted):
+        if not unusable and _ONE_COPY.issuperset(map(_KIND, values)):
+            count += len(values)  # one serving copy each, in its header: all visible
+            continue
+        for value in values:
+            if visible(value, unusable, rank) is None:
+                return count
+            count += 1
+    return count
 
 
 def _fast_wires(values: list[bytes]) -> list[bytes] | None:

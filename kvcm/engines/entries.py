@@ -2,7 +2,9 @@
 
 Persisted layout (sub-databases reserved in ``kvcm.store.base.DATABASES``):
 
-* ``engine_sources``: ``source_id`` (UTF-8) -> msgpack ``{spec, number, last_seq, last_ts, groups}``;
+* ``engine_sources``: ``source_id`` (UTF-8) -> msgpack ``{spec, number, last_seq, last_ts, groups}``,
+  ``groups`` being ``[group, kind, window, engine block size]`` per KV-cache group the source
+  named (``[group, kind]`` in records written before the window and block size were kept);
 * ``engine_log``: ``number (u32) | serial (u64)``, big-endian, -> msgpack ``[hashes, groups,
   blocks]``: the blocks one flush changed, block *i* being engine hash ``hashes[i]`` of group
   ``groups[i]`` (``groups`` is empty when every group is 0, the usual case) and ``blocks[i]``
@@ -35,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from kvcm.engines.hybrid import GroupInfo, group_record
 from kvcm.engines.sources import SourceSpec
 from kvcm.kv_events import DecodedBatch
 
@@ -75,12 +78,16 @@ def normalize_medium(medium: str | None) -> str:
 
 
 class SourceMatch(msgspec.Struct, gc=False):
-    """One ``match_engines`` entry: a source and its matched prefix per medium."""
+    """One ``match_engines`` entry: a source and its matched prefix per medium. A hybrid
+    source's (:mod:`kvcm.engines.hybrid`) also has its groups' detail, and why it holds nothing
+    when kvcm cannot reason about one of its groups."""
 
     source_id: str
     dp_rank: int
     matched_blocks: int
     media: dict[str, int]
+    groups: list[dict[str, Any]] | None = None
+    unsupported: str | None = None
 
 
 class EngineBlock(msgspec.Struct, array_like=True, gc=False):
@@ -161,7 +168,7 @@ class SourceState:
     last_ts: float = 0.0
     last_event_time: float = 0.0
     blocks: dict[int, EngineBlock] = field(default_factory=dict)  # by block_id(group, engine hash)
-    groups: dict[int, str | None] = field(default_factory=dict)
+    groups: dict[int, GroupInfo] = field(default_factory=dict)  # what its stores said of each group
     dirty: Ids = field(default_factory=Ids)  # block ids changed since the last flush, in order
     #: stores of blocks new to the source since the last flush, as made: ``(ids, blocks)``,
     #: persisted without a lookup each. They stay the blocks' current records until a block
@@ -188,7 +195,7 @@ class SourceState:
                 "number": self.number,
                 "last_seq": self.last_seq,
                 "last_ts": self.last_ts,
-                "groups": [[g, k] for g, k in self.groups.items()],
+                "groups": [group_record(g, info) for g, info in self.groups.items()],
             }
         )
 

@@ -20,7 +20,7 @@ from itertools import repeat
 from operator import add, itemgetter
 from typing import TYPE_CHECKING, Literal, cast
 
-from kvcm.cache.keys import NATIVE_MIN_TOKENS, native_states
+from kvcm.cache.keys import NATIVE_MIN_TOKENS, mix, native_states
 from kvcm.kv_events import PackedTokens
 
 if TYPE_CHECKING:
@@ -63,6 +63,24 @@ def chain_states(u: int, tokens: Sequence[int], step: int) -> list[int]:
         for v in tokens[s : s + step]:
             u ^= (v + _GOLDEN_SHIFTED + ((u & _M52) << 12) + ((u ^ _TOP) >> 32)) & _M64
         append(u - _TWO64 if u >= _TOP else u)
+    return out
+
+
+def chain_states_mixed(u: int, tokens: Sequence[int], step: int, digests: Sequence[int | None]) -> list[int]:
+    """:func:`chain_states` of a store with extra keys: after step *i* the digest ``digests[i]``
+    (when not None) is mixed in, and the chain goes on from there (:mod:`kvcm.cache.keys`). The
+    runs of steps between digests take :func:`chain_states` (a slice of packed tokens is read as
+    ids: a store with extra keys takes this slower path, plain stores never do)."""
+    out: list[int] = []
+    start = 0
+    for i, d in enumerate(digests):
+        if d is None:
+            continue
+        out += chain_states(u, tokens[start * step : (i + 1) * step], step)
+        key = out[-1] = mix(out[-1], d)
+        u, start = key, i + 1
+    if start * step < len(tokens):
+        out += chain_states(u, tokens[start * step :], step)
     return out
 
 

@@ -14,9 +14,16 @@ Rules:
   (``e = k*b``: one engine block covers ``k`` kvcm keys; ``b = k*e``: every ``k``-th engine block
   closes a kvcm key), else refused and counted (``block_size_mismatch``);
 * stores without token ids (tier placeholders) resolve through the hash map, else are skipped;
+* a block's ``extra_keys`` entry is mixed into its kvcm key (:mod:`kvcm.extra_keys`); a store
+  whose extra keys cannot be canonicalised, or cannot be placed in re-chunked blocks, is refused
+  and counted (``bad_extra_keys``, ``extra_keys_block_size``), never indexed without them;
 * ``BlockRemoved`` drops one holding of that source/medium/group only; ``AllBlocksCleared``, a
   publisher restart and removing the source clear exactly that source;
-* LoRA adapters (``lora_name``) are separate namespaces; groups are separate holder slots.
+* LoRA adapters (``lora_name``) are separate namespaces; groups are separate holder slots, and a
+  source of several groups (a hybrid model) is matched on what all of them can reuse
+  (:mod:`kvcm.engines.hybrid`);
+* a source in report mode ``full`` re-reports reused blocks: a held block re-reported is made
+  the newest, never held twice.
 
 Bounds (a source is fed by an engine or a tenant's reporter, so the index it fills is someone
 else's memory): a source holds at most ``max_blocks_per_source`` blocks and all sources
@@ -78,11 +85,13 @@ from kvcm.engines.entries import (
     normalize_medium,
     weight,
 )
-from kvcm.engines.hashing import Chain, Precomputed, chain_states, hash_chains, to_signed
+from kvcm.engines.hashing import Chain, Precomputed, chain_states, chain_states_mixed, hash_chains, to_signed
+from kvcm.engines.hybrid import FULL, Holdings, answer, group_from_record, noted
 from kvcm.engines.scoring import ENTRY, POD_ENTRY, Fragment, fragment
 from kvcm.engines.sources import SourceSpec, SubscriberSettings
 from kvcm.engines.table import MAIN_KINDS, HolderTable, Slot
 from kvcm.errors import Conflict, KvcmError, NotFound
+from kvcm.extra_keys import ExtraKeysError, event_digests, lora_digest
 from kvcm.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -306,8 +315,7 @@ class EngineIndex:
             errors[refused] += 1
             return 0
         hashes = _u64_hashes(ev.block_hashes)
-        if ev.kv_cache_spec_kind is not None or group not in state.groups:
-            state.groups[group] = ev.kv_cache_spec_kind
+        self._note_group(state, group, ev)
         if ev.extra_keys is KEYED:
             return self._keyed(state, hashes, ev.lora_name or "", group, medium)
         if not ev.token_ids or ev.block_size <= 0:
@@ -316,9 +324,18 @@ class EngineIndex:
         if plan is None:
             return 0
         seed, pos, step, block_size = plan
-        found = pre.get(id(ev))
+        digests = _step_digests(ev, len(hashes), pos, step, block_size)
+        if isinstance(digests, str):
+            errors[digests] += 1  # never indexed without its extra keys: that would be another block's key
+            return 0
+        found = pre.get(id(ev)) if digests is None else None
         try:
-            states = found[1] if found is not None and found[0] == seed & M64 else chain_states(seed, ev.token_ids, step)
+            if found is not None and found[0] == seed & M64:
+                states = found[1]
+            elif digests is None:
+                states = chain_states(seed, ev.token_ids, step)
+            else:
+                states = chain_states_mixed(seed, ev.token_ids, step, digests)
         except EventDecodeError:  # packed token ids that are not ids (read only now): the store is refused
             errors["bad_token_ids"] += 1
             return 0
@@ -340,8 +357,7 @@ class EngineIndex:
             state.dirty.extend(touched)
         if gained:
             table = self._table(state.spec.instance_id, lora)
-            main = state.groups.get(group) in MAIN_KINDS
-            table.hold(table.slot(state.spec.source_id, medium, group, main, state.spec.dp_rank), gained)
+            table.hold(self._slot(table, state, medium, group), gained)
         return len(hashes)
 
     @staticmethod
@@ -370,6 +386,7 @@ class EngineIndex:
         """Any store, one block at a time (held ones gain a holding): the keys newly held."""
         gained: list[int] = []  # keys this medium starts holding: one table update for all
         blocks = state.blocks
+        full = state.spec.report_mode == FULL
         same = step == block_size == size
         grown = 0
         for i, key in enumerate(touched):
@@ -388,6 +405,9 @@ class EngineIndex:
             count = blk.refs.get(medium, 0)
             if not count and blk.keys and blk.lora != lora:
                 self._hold(state, blk, medium, group)  # the same engine hash under another adapter
+                continue
+            if count and full:  # a re-report (vLLM's kv_cache_report_mode "full"): newest again, no holding
+                blocks[key] = blocks.pop(key)
                 continue
             blk.refs = {**blk.refs, medium: count + 1}
             if not count and blk.keys:
@@ -491,14 +511,38 @@ class EngineIndex:
         """One more holding of ``blk`` on ``medium``; False (nothing held) when that would be a
         slot past :data:`MAX_SLOTS`."""
         count = blk.refs.get(medium, 0)
+        if count and state.spec.report_mode == FULL:
+            return True  # a re-report: the block is held once however often it is reported
         if count == 0 and blk.keys and self._refused(state, blk.lora, medium, group) is not None:
             return False
         blk.refs = {**blk.refs, medium: count + 1}
         if count == 0 and blk.keys:
             table = self._table(state.spec.instance_id, blk.lora)
-            kind = state.groups.get(group)
-            table.hold(table.slot(state.spec.source_id, medium, group, kind in MAIN_KINDS, state.spec.dp_rank), blk.keys)
+            table.hold(self._slot(table, state, medium, group), blk.keys)
         return True
+
+    def _slot(self, table: HolderTable, state: SourceState, medium: str, group: int) -> int:
+        """The source's slot of ``(medium, group)``: counted by the default walk only for a
+        source that ever sent one group, of a main kind (a hybrid source is matched by
+        :mod:`kvcm.engines.hybrid`)."""
+        groups = state.groups
+        hybrid = len(groups) > 1
+        info = groups.get(group)
+        main = not hybrid and (info is None or info.kind in MAIN_KINDS)
+        return table.slot(state.spec.source_id, medium, group, main, state.spec.dp_rank, hybrid)
+
+    def _note_group(self, state: SourceState, group: int, ev: BlockStored) -> None:
+        """What a store says of its group (kind, window, engine block size); a source's second
+        group makes it hybrid: its slots leave the default walk."""
+        info = state.groups.get(group)
+        known = noted(info, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.block_size)
+        if known is info:
+            return
+        state.groups[group] = known
+        if info is None and len(state.groups) == 2:
+            for (instance_id, _), table in self._tables.items():
+                if instance_id == state.spec.instance_id:
+                    table.mark_hybrid(state.spec.source_id)
 
     def _refused(self, state: SourceState, lora: str, medium: str, group: int) -> str | None:
         """Why the source may not hold blocks of adapter ``lora`` on ``(medium, group)`` (the
@@ -632,8 +676,8 @@ class EngineIndex:
 
     def _head(self, state: SourceState, ev: BlockStored) -> tuple[int | None, int] | None:
         """``(seed, step)`` for a store; seed None if its parent is not indexed yet; None to skip."""
-        if not ev.block_hashes or len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
-            return None
+        if not ev.block_hashes or len(ev.token_ids) != len(ev.block_hashes) * ev.block_size or _has_extras(ev):
+            return None  # a store with extra keys is hashed alone, in _stored
         block_size = self._instance_block_size(state, _IGNORED)
         if not block_size or (ev.block_size % block_size and block_size % ev.block_size):
             return None
@@ -661,7 +705,9 @@ class EngineIndex:
 
         Sources holding nothing of the prefix are left out. ``matched_blocks`` is the source's
         best medium; ties are ordered by source id. ``O(len(keys))`` C-level steps plus
-        ``O(matching slots)`` Python steps.
+        ``O(matching slots)`` Python steps. Without ``group_idx``, a hybrid source's prefix is
+        the one all its groups can reuse (:mod:`kvcm.engines.hybrid`), listed with its groups'
+        detail as soon as one of its groups holds the first key, even when that prefix is 0.
         """
         wanted = None if media is None else frozenset(normalize_medium(m) for m in media)
         with self._lock:
@@ -684,8 +730,34 @@ class EngineIndex:
                     else:
                         entry.media[slot.medium] = max(n, entry.media.get(slot.medium, 0))
                         entry.matched_blocks = n
+            if group_idx is None and table.hybrid_slots:
+                for source_id, found in self._hybrid(instance_id, table, keys, wanted, exclude):
+                    per_source[source_id] = found
         out = sorted(per_source.values(), key=_BY_SOURCE)
         out.sort(key=_BY_MATCH, reverse=True)  # stable: ties stay in source id order
+        return out
+
+    def _hybrid(
+        self, instance_id: str, table: HolderTable, keys: Sequence[int], wanted: frozenset[str] | None,
+        exclude: Collection[str],
+    ) -> list[tuple[str, SourceMatch]]:
+        """The table's hybrid sources that hold the query's first key in some group, each with
+        the prefix all its groups can reuse (:func:`kvcm.engines.hybrid.answer`)."""
+        try:
+            block_size = int(self._block_size_of(instance_id))
+        except KvcmError:
+            return []
+        rows = Holdings(list(map(table.holders.__getitem__, keys)), len(table.slots))
+        out = []
+        for source_id, slots in table.hybrid_sources().items():
+            state = self._sources.get(source_id)
+            if state is None or source_id in exclude or block_size <= 0:
+                continue
+            found = answer(state.groups, state.spec.report_mode, slots, rows, block_size, wanted)
+            if found is not None:
+                best = max(found.media.values(), default=0)
+                out.append((source_id, SourceMatch(source_id, state.spec.dp_rank, best, found.media, found.groups,
+                                                   found.unsupported)))  # fmt: skip
         return out
 
     def ranked(
@@ -717,7 +789,7 @@ class EngineIndex:
             table = self._tables.get((instance_id, lora))
             if table is None or not keys:
                 return [], True
-            if not table.single_slot_sources(wanted, group_idx):
+            if (group_idx is None and table.hybrid_slots) or not table.single_slot_sources(wanted, group_idx):
                 return None
             allowed = table.allowed(wanted, group_idx)
             if exclude:
@@ -820,10 +892,18 @@ class EngineIndex:
             if table is None:
                 return [[] for _ in keys]
             allowed = table.allowed(None, None)
-            return [
+            out = [
                 [{"source_id": s.source_id, "medium": s.medium, "group_idx": s.group} for s in table.holders_of(k, allowed)]
                 for k in keys
             ]
+            if table.hybrid_slots:  # a hybrid source holds, for this, what all its groups can reuse
+                for source_id, found in self._hybrid(instance_id, table, keys, None, ()):
+                    for medium, n in found.media.items():
+                        for i in range(n):
+                            for slot in table.holders_of(keys[i], ~allowed):
+                                if slot.source_id == source_id and slot.medium == medium:
+                                    out[i].append({"source_id": source_id, "medium": medium, "group_idx": slot.group})
+            return out
 
     def check(self) -> list[str]:
         """Problems with the bounds' bookkeeping (tests): each source's size is what its blocks
@@ -957,7 +1037,7 @@ class EngineIndex:
             SourceSpec.from_dict(rec["spec"]), int(rec["number"]), self._generation,
             int(rec["last_seq"]), float(rec["last_ts"]),
         )  # fmt: skip
-        state.groups = {int(g): k for g, k in rec.get("groups", [])}
+        state.groups = dict(map(group_from_record, rec.get("groups", [])))
         return state
 
     def _load_block(self, state: SourceState, bid: int, blk: EngineBlock) -> None:
@@ -1026,6 +1106,31 @@ def _u64_hashes(raw: list[ExternalBlockHash]) -> list[int]:
     except TypeError:  # bytes among them
         pass
     return [h & M64 if type(h) is int else hash_to_u64(h) for h in raw]
+
+
+def _has_extras(ev: BlockStored) -> bool:
+    """Whether a store may have extra keys (an adapter, or an entry that is not null)."""
+    extra = ev.extra_keys
+    return bool(ev.lora_name) or (extra is not None and extra.count(None) != len(extra))
+
+
+def _step_digests(ev: BlockStored, blocks: int, pos: int, step: int, block_size: int) -> list[int | None] | str | None:
+    """Per hash step of a store (``_plan``), the digest of the extra keys that closes it; None
+    for a store without any; or the error kind that refuses it. A digest belongs to an engine
+    block, so a re-chunked store (engine and instance block sizes differ) can only place one
+    that every block has alike: its adapter's name alone, mixed into every kvcm key."""
+    if ev.extra_keys is None and not ev.lora_name:
+        return None
+    try:
+        digests = event_digests(ev.extra_keys, ev.lora_name, blocks)
+        if digests is None or ev.block_size == block_size:
+            return digests
+        lora = lora_digest(ev.lora_name) if ev.lora_name else None
+    except ExtraKeysError:
+        return "bad_extra_keys"
+    if lora is None or any(d != lora for d in digests):
+        return "extra_keys_block_size"
+    return [lora if (pos + (i + 1) * step) % block_size == 0 else None for i in range(len(ev.token_ids) // step)]
 
 
 def _mask(table: HolderTable, sources: Collection[str]) -> int:

@@ -6,9 +6,9 @@ batches; kvcm applies them to the same :class:`~kvcm.engines.index.EngineIndex` 
 subscriber's, so ``match_engines`` sees push and ZeroMQ sources alike. One report is one
 :class:`Report`, with an ``op``:
 
-* ``register``: create the source (``instance_id``, ``dp_rank``, ``pod``, ``medium``) at a
-  ``generation``; the same registration again is a no-op, a higher generation replaces the
-  source (a restarted engine: its blocks are dropped);
+* ``register``: create the source (``instance_id``, ``dp_rank``, ``pod``, ``medium``,
+  ``report_mode``) at a ``generation``; the same registration again is a no-op, a higher
+  generation replaces the source (a restarted engine: its blocks are dropped);
 * ``heartbeat``: heard, nothing else;
 * ``payloads``: vLLM-encoded ``KVEventBatch`` bytes with their seq, decoded by the subscriber's
   own lenient codec (:func:`kvcm.kv_events.decode_batch`: a broken event is counted and skipped);
@@ -77,6 +77,7 @@ import msgspec
 from kvcm.cache.keys import native_states
 from kvcm.engines.entries import ApplyStats, Item, SourceState, Tally
 from kvcm.engines.hashing import Precomputed
+from kvcm.engines.hybrid import INCREMENTAL
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.sources import SourceSpec, push_spec
@@ -116,6 +117,7 @@ class Report(msgspec.Struct):
     dp_rank: int = 0
     pod: str = ""
     medium: str = ""
+    report_mode: str = INCREMENTAL  # register: vLLM's kv_cache_report_mode of the engine's requests
     seq: int | None = None
     ts: float | None = None
     events: list[Event] = msgspec.field(default_factory=list)
@@ -237,7 +239,8 @@ class PushIngest:
         if r.instance_id is None:
             raise InvalidArgument("report_events: op register needs instance_id")
         spec = push_spec(r.source_id, r.instance_id, dp_rank=r.dp_rank, pod=r.pod, medium=r.medium,
-                         generation=r.generation, owner=reporter.name if reporter is not None else "")  # fmt: skip
+                         generation=r.generation, owner=reporter.name if reporter is not None else "",
+                         report_mode=r.report_mode)  # fmt: skip
         state = self.index.get(r.source_id)
         if state is None:
             self.instance_lookup(spec.instance_id)  # raises NotFound for an unknown instance

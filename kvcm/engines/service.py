@@ -76,6 +76,24 @@ _FRESHNESS = _ENCODER.encode("freshness")
 _STORAGE = _ENCODER.encode(STORAGE)
 
 
+def _unknown_parent(errors: Mapping[str, int], report_mode: str) -> dict[str, Any]:
+    """``unknown_parent`` (stores skipped since start-up because kvcm never saw their parent
+    block) and, when there are any, what to make of them."""
+    n = errors.get("unknown_parent", 0)
+    if not n:
+        return {"unknown_parent": 0}
+    if report_mode == "full":
+        hint = ("stores named a parent block kvcm never saw (kvcm joined after the engine's replay buffer rolled "
+                "over, or the parent was evicted here): their blocks are not indexed; the engine's next request "
+                "over such a prefix re-reports it from its root (report_mode full) and fills it in")
+    else:
+        hint = ("stores named a parent block kvcm never saw (kvcm joined after the engine's replay buffer rolled "
+                "over, or the parent was evicted here): their blocks stay unindexed until the engine stores the "
+                "prefix again from its root; with vLLM's kv_cache_report_mode \"full\" on the engine's requests and "
+                "report_mode full here, the next request over a prefix fills it in")
+    return {"unknown_parent": n, "unknown_parent_hint": hint}
+
+
 class EngineService:
     """Sources + engine index + subscriber (see the module docstring).
 
@@ -303,6 +321,8 @@ class EngineService:
             "expired": conn.get("expired", 0),
             "expired_blocks": conn.get("expired_blocks", 0),
             "evicted_blocks": state.evicted,
+            "report_mode": spec.report_mode,
+            **_unknown_parent(conn.get("errors_by_kind", {}), spec.report_mode),
             **({"generation": spec.generation, "medium": spec.medium or "GPU"} if spec.push else {}),
         }
 
@@ -444,8 +464,11 @@ class EngineService:
     def _merged_fragment(self, m: SourceMatch, block_size: int) -> Fragment:
         state = self.index.get(m.source_id)
         pod = (state.spec.pod if state is not None else "") or m.source_id
+        extra: dict[str, Any] | None = None
+        if m.groups is not None:  # a hybrid source: why its prefix is what it is
+            extra = {"groups": m.groups} if m.unsupported is None else {"groups": m.groups, "unsupported": m.unsupported}
         return fragment(m.source_id, m.dp_rank, pod, m.media, m.matched_blocks, block_size,
-                        self.weights.weighted_blocks(m.media))  # fmt: skip
+                        self.weights.weighted_blocks(m.media), extra)  # fmt: skip
 
     def storage_fragment(self, storage: Mapping[str, int], block_size: int) -> Fragment:
         """The storage tier as a pseudo-source: per storage type its blocks of the prefix, each

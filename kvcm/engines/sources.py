@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcm.config import ConfigError
+from kvcm.engines.hybrid import INCREMENTAL, REPORT_MODES
 from kvcm.engines.scoring import DEFAULT_TIER_WEIGHTS
 from kvcm.errors import InvalidArgument
 from kvcm.schema import suggest
@@ -87,6 +88,10 @@ class SourceSpec:
     medium: str = ""  # what a reported event without a medium is held on ("" = GPU)
     generation: int = 0  # the reporter's incarnation: a higher one replaces the source
     owner: str = ""  # the account that registered it (auth on), the only non-admin that may report
+    #: vLLM's ``kv_cache_report_mode`` of the engine's requests: ``incremental`` (a store is a
+    #: new physical block: each one is a holding) or ``full`` (reused prefixes are re-reported
+    #: once per request: a held block re-reported is only made newest, never held twice)
+    report_mode: str = INCREMENTAL
 
     @property
     def push(self) -> bool:
@@ -167,7 +172,16 @@ def build_spec(params: dict[str, Any], settings: SubscriberSettings) -> SourceSp
         poll_ms=_positive_int(params, "poll_ms", _MAX_POLL_MS),
         static=bool(params.get("static", False)),
         pod=pod,
+        report_mode=check_report_mode(params.get("report_mode", INCREMENTAL)),
     )
+
+
+def check_report_mode(value: Any) -> str:
+    """A source's ``report_mode``, checked strictly (a typo must not count re-reports as holdings)."""
+    if not isinstance(value, str) or value not in REPORT_MODES:
+        raise InvalidArgument(f"report_mode must be one of {list(REPORT_MODES)} (vLLM's kv_cache_report_mode of the "
+                              f"engine's requests), got {str(value)[:40]!r}")
+    return value
 
 
 def _endpoints(
@@ -224,7 +238,7 @@ def _port(params: dict[str, Any], name: str, default: int, rank: int) -> int:
 #: What a source description may hold: ``add_event_source``'s fields (and ``static``, set here).
 _KEYS = frozenset({"source_id", "instance_id", "endpoint", "replay_endpoint", "host", "port", "replay_port",
                    "replay", "topic", "dp_rank", "replay_timeout_s", "backoff_initial_s", "backoff_max_s",
-                   "poll_ms", "static", "pod"})
+                   "poll_ms", "static", "pod", "report_mode"})
 
 
 def _check_keys(params: dict[str, Any]) -> None:
@@ -238,7 +252,7 @@ def _check_keys(params: dict[str, Any]) -> None:
 
 def push_spec(
     source_id: str, instance_id: str, *, dp_rank: int = 0, pod: str = "", medium: str = "", generation: int = 0,
-    owner: str = "",
+    owner: str = "", report_mode: str = INCREMENTAL,
 ) -> SourceSpec:
     """The spec of a source registered through ``report_events`` (validated like ``build_spec``)."""
     if not isinstance(source_id, str) or not _ID.match(source_id):
@@ -252,7 +266,8 @@ def push_spec(
     if medium and not _MEDIUM.match(medium):
         raise InvalidArgument(f"medium must be 1-32 chars of [A-Za-z0-9_-], got {medium[:40]!r}")
     return SourceSpec(source_id=source_id, instance_id=instance_id, endpoint="", dp_rank=dp_rank, pod=pod,
-                      kind=PUSH, medium=medium.upper(), generation=generation, owner=owner)
+                      kind=PUSH, medium=medium.upper(), generation=generation, owner=owner,
+                      report_mode=check_report_mode(report_mode))
 
 
 _MEDIUM = re.compile(r"^[A-Za-z0-9_\-]{1,32}$")

@@ -21,13 +21,14 @@ Thread ownership: none of its own; :class:`~kvcm.engines.index.EngineIndex` guar
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import reduce
 from itertools import compress, count, islice, repeat
 from operator import ne, or_
 
-#: KV-cache group kinds that carry the prefix (Dynamo's "main attention"); SWA / mamba groups
-#: evict differently and are matched only when asked for by ``group_idx``.
+#: KV-cache group kinds that carry the prefix (Dynamo's "main attention"). A source that only
+#: ever sent one group is matched on it by the walk when its kind is one of these; a source of
+#: several groups (a hybrid model) is matched by :mod:`kvcm.engines.hybrid` instead.
 MAIN_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
 #: Query filters whose allowed-slot mask is kept per table: each filter is a request's media,
 #: so without a bound distinct filters would grow the table's memory with every query.
@@ -39,8 +40,9 @@ class Slot:
     source_id: str
     medium: str
     group: int
-    main: bool
+    main: bool  # counted by the default walk (a single-group source's main-kind group)
     dp_rank: int = 0
+    hybrid: bool = False  # its source has several groups: matched by kvcm.engines.hybrid
 
 
 class Holders(dict[int, int]):
@@ -61,11 +63,13 @@ class HolderTable:
         self.extra: list[dict[int, int]] = []  # per slot: key -> holdings beyond the first
         self.slot_ids: dict[tuple[str, str, int], int] = {}
         self._free: list[int] = []
+        self.hybrid_slots = 0  # slots of hybrid sources: the default walk alone cannot answer for them
+        self._hybrid: dict[str, dict[tuple[str, int], int]] | None = None  # hybrid_sources(), kept
         self._allowed: dict[tuple[frozenset[str] | None, int | None], tuple[int, bool]] = {}
 
     # --- slots ------------------------------------------------------------------------------
 
-    def slot(self, source_id: str, medium: str, group: int, main: bool, dp_rank: int = 0) -> int:
+    def slot(self, source_id: str, medium: str, group: int, main: bool, dp_rank: int = 0, hybrid: bool = False) -> int:
         """The id of the slot, allocated on first use (ids of freed slots are reused)."""
         key = (source_id, medium, group)
         sid = self.slot_ids.get(key)
@@ -77,7 +81,9 @@ class HolderTable:
             self.counts.append(0)
             self.extra.append({})
         self._allowed.clear()
-        self.slots[sid] = Slot(source_id, medium, group, main, dp_rank)
+        self._hybrid = None
+        self.slots[sid] = Slot(source_id, medium, group, main, dp_rank, hybrid)
+        self.hybrid_slots += hybrid
         self.counts[sid], self.extra[sid] = 0, {}
         self.slot_ids[key] = sid
         return sid
@@ -87,10 +93,12 @@ class HolderTable:
         slot = self.slots[sid]
         if slot is not None:
             del self.slot_ids[(slot.source_id, slot.medium, slot.group)]
+            self.hybrid_slots -= slot.hybrid
         self.slots[sid] = None
         self.counts[sid], self.extra[sid] = 0, {}
         self._free.append(sid)
         self._allowed.clear()
+        self._hybrid = None
 
     def forget(self, bits: int, keys: Iterable[int]) -> None:
         """Clear the slots in ``bits`` from ``keys`` (their slots are about to be dropped)."""
@@ -105,6 +113,31 @@ class HolderTable:
 
     def source_slots(self, source_id: str) -> list[int]:
         return [sid for (src, _, _), sid in self.slot_ids.items() if src == source_id]
+
+    def mark_hybrid(self, source_id: str) -> None:
+        """The source turned out to have several groups: none of its slots is counted by the
+        default walk any more (:mod:`kvcm.engines.hybrid` answers for it)."""
+        for sid in self.source_slots(source_id):
+            slot = self.slots[sid]
+            if slot is not None and not slot.hybrid:
+                self.slots[sid] = replace(slot, main=False, hybrid=True)
+                self.hybrid_slots += 1
+        self._allowed.clear()
+        self._hybrid = None
+
+    def hybrid_sources(self) -> dict[str, dict[tuple[str, int], int]]:
+        """Per hybrid source, its slots by ``(medium, group)`` (kept until a slot changes; not to
+        be changed by the caller)."""
+        if self._hybrid is not None:
+            return self._hybrid
+        out: dict[str, dict[tuple[str, int], int]] = {}
+        if self.hybrid_slots:
+            for (source_id, medium, group), sid in self.slot_ids.items():
+                slot = self.slots[sid]
+                if slot is not None and slot.hybrid:
+                    out.setdefault(source_id, {})[(medium, group)] = sid
+        self._hybrid = out
+        return out
 
     @property
     def empty(self) -> bool:

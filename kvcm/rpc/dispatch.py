@@ -44,6 +44,7 @@ import msgspec
 from kvcm import schema
 from kvcm.cache.keys import ChainHasher
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, StoreFull, Unavailable, error
+from kvcm.extra_keys import BlockExtras
 from kvcm.metrics import Metrics
 from kvcm.rpc import wire
 
@@ -71,15 +72,20 @@ class Estimate(NamedTuple):
     micros: float
     reply_bytes: int = 0
     per_key_micros: float = 0.0
+    #: the keys the estimate counted (0: not said): the rest of ``micros`` is the request's
+    #: fixed cost, and ``reply_bytes`` grows with them, so the refusal's key count fits both
+    keys: int = 0
 
 
 @dataclass(frozen=True)
 class TokenWork:
-    """Keys to derive before the handler runs: ``done(keys)`` stores them on the request."""
+    """Keys to derive before the handler runs: ``done(keys)`` stores them on the request.
+    ``extras``: the prompt's extra keys (:func:`kvcm.extra_keys.request_extras`), mixed in."""
 
     tokens: Sequence[int]
     block_size: int
     done: Callable[[list[int]], None]
+    extras: BlockExtras | None = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ class Method:
     :param admin: needs the admin role when auth is on
     :param cost: estimates the work of a validated request (keys already derived); None = small
     :param tokens: the ``token_ids`` hashing a request needs before it runs, or None (asked
-        only of a request whose ``token_ids`` is not empty)
+        of every request of the method: None when it has no ``token_ids`` to hash)
     :param settle: called once at the end of a turn in which the method ran, before any reply
         of that turn is built (``report_events`` persists the turn's engine batches with it:
         one transaction for the turn, every reply after it); if it raises, the turn's
@@ -119,8 +125,8 @@ class Method:
 class Limits:
     """Per-request limits (``server.*`` in the config; docs/limits.md has the measured defaults)."""
 
-    max_keys: int = 65536
-    max_tokens: int = 262144
+    max_keys: int = 131072
+    max_tokens: int = 524288
     max_reply_bytes: int = 16 << 20
     turn_budget_ms: float = 50.0
     defer_timeout_s: float = 30.0
@@ -150,8 +156,8 @@ class Deferred(Exception):
 
 
 class _Outcome:
-    __slots__ = ("authorized", "carried", "error", "hasher", "method", "msgid", "params", "peer", "result",
-                 "since", "tag", "waiting")
+    __slots__ = ("authorized", "carried", "derived", "error", "hasher", "method", "msgid", "params", "peer",
+                 "result", "since", "tag", "waiting")
 
     def __init__(self, msgid: int | None, method: Method | None, tag: Any = None, peer: bytes = b"") -> None:
         self.msgid = msgid
@@ -165,6 +171,7 @@ class _Outcome:
         self.authorized = False
         self.carried = False  # kept over from an earlier turn at least once
         self.hasher: ChainHasher | None = None  # token hashing in progress
+        self.derived = False  # keys derived (or none to derive): a carried request is not asked again
         self.waiting = False  # carried for a verdict of another thread (not runnable yet)
 
 
@@ -533,9 +540,9 @@ class Dispatcher:
                 raise _Carry("auth") from None
             outcome.waiting = False
         outcome.authorized = True
-        # Keys come from token_ids only: a request without them has nothing to derive.
-        if method.tokens is not None and getattr(params, "token_ids", None) and \
-                not self._derive_keys(outcome, method, started):
+        # Keys come from token_ids only; the hook is asked of every request of the method, so
+        # it also refuses extra keys sent without token_ids (they would be left out silently).
+        if method.tokens is not None and not self._derive_keys(outcome, method, started):
             raise _Carry("hashing")
         if method.cost is None:
             return None
@@ -553,8 +560,11 @@ class Dispatcher:
         once its keys are set."""
         tokens_of = method.tokens
         assert tokens_of is not None  # internal: checked by the caller
+        if outcome.derived:
+            return True
         work = tokens_of(outcome.params)  # cheap: the instance's block size and the token list
         if work is None:
+            outcome.derived = True
             return True
         hasher = outcome.hasher
         if hasher is None:
@@ -562,7 +572,8 @@ class Dispatcher:
             if keys > self.limits.max_keys:
                 raise error(Code.TOO_MANY_KEYS, f"{method.name}: token_ids make {keys} blocks of {work.block_size}; "
                                                 f"the limit is {self.limits.max_keys} (server.max_keys)")
-            hasher = outcome.hasher = ChainHasher(work.block_size)
+            self._refuse_before_hashing(outcome, method, keys, work.block_size)
+            hasher = outcome.hasher = ChainHasher(work.block_size, extras=work.extras)
         step = max(1, _HASH_SLICE // work.block_size) * work.block_size  # whole blocks per slice
         fed = len(hasher.keys) * work.block_size
         began = time.perf_counter()
@@ -576,19 +587,49 @@ class Dispatcher:
             self._hashing_us += (time.perf_counter() - began) * 1e6
         work.done(hasher.keys)
         outcome.hasher = None
+        outcome.derived = True
         return True
 
-    def _refuse(self, method: Method, estimate: Estimate) -> None:
-        """TOO_LARGE for an estimate over the turn's budget or ``max_reply_bytes``."""
+    def _refuse_before_hashing(self, outcome: _Outcome, method: Method, keys: int, block_size: int) -> None:
+        """TOO_LARGE before any hashing for a request whose ``keys`` (from its token ids) would
+        be refused once hashed: the method's estimate without keys, plus ``keys`` at its rate."""
+        if method.cost is None:
+            return
+        bare = method.cost(outcome.params)  # no keys yet: the fixed cost, and the rate per key
+        if bare.per_key_micros <= 0:
+            return
+        projected = Estimate(bare.micros + keys * bare.per_key_micros, 0, bare.per_key_micros, keys)
+        if projected.micros > self._budget_us:
+            self._refuse(method, projected, block_size)
+
+    def _refuse(self, method: Method, estimate: Estimate, block_size: int = 0) -> None:
+        """TOO_LARGE for an estimate over the turn's budget or ``max_reply_bytes``, naming the
+        most keys (and token ids, for a request by ``token_ids`` of ``block_size``) that fit."""
+        fits = self._fits(estimate)
+        hint = "" if fits is None else f"; send at most {fits} keys per request" + \
+            (f" ({fits * block_size} token_ids)" if block_size else "")
         if estimate.micros > self._budget_us:
-            fits = f"; send at most {int(self._budget_us / estimate.per_key_micros)} keys per request" \
-                if estimate.per_key_micros > 0 else ""
             raise error(Code.TOO_LARGE, f"{method.name}: estimated at {estimate.micros / 1000:.0f} ms of work, over "
                                         f"the {self.limits.turn_budget_ms:g} ms a request may take "
-                                        f"(server.turn_budget_ms){fits}")
+                                        f"(server.turn_budget_ms){hint}")
         if estimate.reply_bytes > self.limits.max_reply_bytes:
             raise error(Code.TOO_LARGE, f"{method.name}: the reply would take at least {estimate.reply_bytes} bytes, "
-                                        f"over server.max_reply_bytes ({self.limits.max_reply_bytes})")
+                                        f"over server.max_reply_bytes ({self.limits.max_reply_bytes}){hint}")
+
+    def _fits(self, estimate: Estimate) -> int | None:
+        """The most keys a request like the estimated one may carry: its fixed cost plus that
+        many keys within the budget, and (keys said) their reply within ``max_reply_bytes``;
+        None when its cost does not grow with its keys."""
+        rate = estimate.per_key_micros
+        if rate <= 0:
+            return None
+        fixed = max(0.0, estimate.micros - estimate.keys * rate) if estimate.keys else 0.0
+        fits = int((self._budget_us - fixed) / rate)
+        while fits > 0 and fixed + fits * rate > self._budget_us:  # float rounding: fit for sure
+            fits -= 1
+        if estimate.keys and estimate.reply_bytes:
+            fits = min(fits, self.limits.max_reply_bytes * estimate.keys // estimate.reply_bytes)
+        return max(0, min(fits, self.limits.max_keys))
 
     def _carry(self, outcome: _Outcome, reason: str) -> None:
         if len(self._carried) >= self.limits.max_carried:

@@ -98,7 +98,14 @@ def _keys(body: dict[str, Any]) -> dict[str, Any]:
         out["block_keys"] = s.int64_list(body["block_keys"], "block_keys")
     if body.get("token_ids") is not None:
         out["token_ids"] = s.int64_list(body["token_ids"], "token_ids")
+    for name in _EXTRAS:  # kvcm's own fields (Tair has none for them), checked by kvcm's schema
+        if body.get(name) is not None:
+            out[name] = body[name]
     return out
+
+
+#: A prompt's extra keys (docs/engines.md "Keys"): kvcm's fields, taken by Tair's routes with token_ids.
+_EXTRAS = ("extra_keys", "mm_features", "lora_name", "cache_salt")
 
 
 def _mask(out: dict[str, Any], body: dict[str, Any], field: str, kvcm_field: str | None = None) -> dict[str, Any]:
@@ -466,7 +473,7 @@ def _manager_cluster(result: Any, ctx: Context) -> dict[str, Any]:
 
 # -- the tables -----------------------------------------------------------------------------------
 
-_KEYS = "instance_id block_keys token_ids"
+_KEYS = "instance_id block_keys token_ids " + " ".join(_EXTRAS)
 
 #: Tair name -> (fields of its request message, the translator).
 META: dict[str, tuple[frozenset[str], Rpc]] = {

@@ -165,17 +165,23 @@ class FakeEnginePublisher:
         medium: str | None = "GPU",
         lora_name: str | None = None,
         group_idx: int | None = None,
+        extra_keys: Sequence[Any] | None = None,
         **extra: Any,
     ) -> int:
-        """Publish one ``BlockStored`` (a batch of one event)."""
+        """Publish one ``BlockStored`` (a batch of one event). ``extra_keys``: one entry per
+        block, as vLLM sends them: None, or a tuple such as ``("my-lora", ("<image hash>", -6),
+        "<salt>")`` (:func:`kvcm.extra_keys.derive` makes them by vLLM's rule). Without them, a
+        ``lora_name`` is sent as vLLM did before it sent extra keys."""
         event = BlockStored(
-            list(block_hashes), parent, list(token_ids), block_size,
-            medium=medium, lora_name=lora_name, group_idx=group_idx, **extra,
+            list(block_hashes), parent, list(token_ids), block_size, medium=medium, lora_name=lora_name,
+            extra_keys=None if extra_keys is None else list(extra_keys), group_idx=group_idx, **extra,
         )  # fmt: skip
         return self.publish([event])
 
-    def remove(self, block_hashes: Sequence[ExternalBlockHash], medium: str | None = "GPU") -> int:
-        return self.publish([BlockRemoved(list(block_hashes), medium)])
+    def remove(
+        self, block_hashes: Sequence[ExternalBlockHash], medium: str | None = "GPU", group_idx: int | None = None
+    ) -> int:
+        return self.publish([BlockRemoved(list(block_hashes), medium, group_idx)])
 
     def clear(self) -> int:
         return self.publish([AllBlocksCleared()])
