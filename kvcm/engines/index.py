@@ -57,8 +57,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, MutableMapping, Sequence
-from itertools import accumulate, compress, islice, repeat
-from operator import and_, attrgetter, is_, is_not, itemgetter, or_
+from itertools import compress, repeat
+from operator import attrgetter, is_, itemgetter, or_
 from typing import Any
 
 from kvcm.engines.entries import (
@@ -778,11 +778,10 @@ class EngineIndex:
         the same weight (then that order *is* the ranking). None if a source has several
         allowed slots (media or groups to merge): use :meth:`match`.
 
-        Only C-level iteration touches the keys and the holder masks: the positions where the
-        masks change, the running AND there (``accumulate``), and one memo lookup per *run*
-        ``(length, running AND before and after it)``, whose fragments are kept while the
-        table's slots stay the same (:meth:`_run_memo`). Python code runs per run not seen
-        before only; the walk stops at the first key nobody holds."""
+        Only C-level iteration touches the keys (:meth:`HolderTable.runs`), and there is one
+        memo lookup per *run* ``(length, running AND before and after it)``, whose fragments are
+        kept while the table's slots stay the same (:meth:`_run_memo`). Python code runs per
+        stretch of keys held alike and per run not seen before."""
         wanted = None if media is None else frozenset(normalize_medium(m) for m in media)
         lora = lora_name or ""
         with self._lock:
@@ -794,31 +793,11 @@ class EngineIndex:
             allowed = table.allowed(wanted, group_idx)
             if exclude:
                 allowed &= ~_mask(table, exclude)
-            masks = list(map(table.holders.__getitem__, keys))  # 0: nobody holds the key
-            if not masks[0] & allowed:
-                return [], True
-            # The running AND of the masks can only change where a mask differs from the one
-            # before: there, and only there, it is computed (``held``); the slots it loses at
-            # such a position hold exactly that many keys. A run is looked up by its length and
-            # the running AND before and after it (no third big-int pass for the slots lost);
-            # each step is one C-level pass (a position where a mask changed but the running AND
-            # did not is an empty run).
-            n = len(masks)
-            # by identity: the table gives the keys of a stretch held alike one mask object (two
-            # equal masks that are not the same object only make an empty run)
-            changed = list(map(is_not, masks, islice(masks, 1, None)))
-            held = list(accumulate(compress(islice(masks, 1, None), changed), and_, initial=masks[0] & allowed))
-            if not held[-1]:  # nothing matches past the first running AND of 0 (a key nobody allowed holds)
-                del held[held.index(0) + 1 :]
+            runs = table.runs(keys, allowed)
             memo, uniform = self._run_memo(instance_id, lora, table, block_size, weight)
             try:
-                found = list(map(memo.__getitem__, zip(compress(range(1, n), changed), held, islice(held, 1, None))))
-                if held[-1]:
-                    found.append(memo[(n, held[-1], 0)])
-            except KeyError:  # runs not seen before (rare): made again, to encode the missing ones
-                runs = list(zip(compress(range(1, n), changed), held, islice(held, 1, None)))
-                if held[-1]:
-                    runs.append((n, held[-1], 0))
+                found = list(map(memo.__getitem__, runs))
+            except KeyError:  # runs not seen before (rare): encode the missing ones
                 found = [memo.get(run) or self._run_fragments(memo, table.slots, run, block_size, weight) for run in runs]
             if not found:
                 return [], True

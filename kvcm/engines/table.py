@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import reduce
-from itertools import compress, count, islice, repeat
-from operator import ne, or_
+from itertools import groupby, repeat
+from operator import or_
 
 #: KV-cache group kinds that carry the prefix (Dynamo's "main attention"). A source that only
 #: ever sent one group is matched on it by the walk when its kind is one of these; a source of
@@ -218,29 +218,41 @@ class HolderTable:
 
     def longest_prefixes(self, keys: Sequence[int], allowed: int) -> list[tuple[int, int]]:
         """``(length, bits)`` pairs, ascending: the slots in ``bits`` hold exactly the first
-        ``length`` keys (length > 0). Every allowed slot with a match appears once.
+        ``length`` keys (length > 0). Every allowed slot with a match appears once."""
+        return [(n, before & ~after) for n, before, after in self.runs(keys, allowed)]
 
-        Only C-level iteration touches every key: the holder masks (``map``) and the positions
-        where the mask differs from the previous key's (``compress``). The running AND of the
-        masks can only change at those positions, so Python visits just them: about one per
-        slot when engines hold contiguous prefixes.
+    def runs(self, keys: Iterable[int], allowed: int) -> list[tuple[int, int, int]]:
+        """``(length, before, after)`` triples, ascending: the running AND of the allowed slots'
+        holder masks over the first ``length`` keys is ``before``, over one key more ``after``
+        (0 past the last key), so the slots in ``before`` and not in ``after`` hold exactly
+        ``length`` keys. Only where the running AND changes is there a triple.
+
+        The keys are looked up lazily and grouped (``groupby``: C-level, identity first) into
+        stretches of one mask: Python runs once per stretch, about one per slot when engines
+        hold contiguous prefixes, and no key past the point where no slot is left is looked up.
         """
-        if not keys or not allowed:
-            return []
-        masks = list(map(self.holders.get, keys, repeat(0, len(keys))))
-        running = masks[0] & allowed
-        out: list[tuple[int, int]] = []
+        found: list[tuple[int, int, int]] = []
+        if not allowed:
+            return found
+        stretches = groupby(map(self.holders.__getitem__, keys))
+        first = next(stretches, None)
+        if first is None:
+            return found
+        running = first[0] & allowed
         if not running:
-            return out
-        for i in compress(count(1), map(ne, masks, islice(masks, 1, None))):
-            kept = running & masks[i]
-            if kept != running:  # these slots hold keys 0..i-1 but not key i
-                out.append((i, running & ~kept))
+            return found
+        length = len(list(first[1]))
+        for mask, stretch in stretches:
+            kept = running & mask
+            if kept != running:  # these slots hold keys 0..length-1 but not key ``length``
+                found.append((length, running, kept))
                 if not kept:
-                    return out
+                    return found
                 running = kept
-        out.append((len(keys), running))
-        return out
+            length += len(list(stretch))
+        if running:
+            found.append((length, running, 0))
+        return found
 
     def holders_of(self, key: int, allowed: int) -> list[Slot]:
         mask = self.holders.get(key, 0) & allowed
