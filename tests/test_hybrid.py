@@ -28,6 +28,7 @@ from kvcm.engines.entries import SourceMatch
 from kvcm.engines.hybrid import FULL_KINDS, STATE_KINDS, WINDOW_KINDS
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
+from kvcm.errors import Code, KvcmError
 from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
 from kvcm.results import EngineMatches
 from kvcm.store import LmdbStore, MemoryStore
@@ -588,3 +589,59 @@ def test_routers_doc_hybrid_example() -> None:
         exec(compile(code.group(1), "docs/routers.md", "exec"), scope)
         assert scope["reusable_tokens"] == 640
         assert scope["held"] == {"full_attention": 100, "sliding_window": 40}
+
+
+def _push_event(ev: Any) -> dict[str, Any]:
+    """A vLLM-shaped store or removal as a push ``report_events`` event."""
+    if isinstance(ev, BlockRemoved):
+        return {"type": "remove", "block_hashes": ev.block_hashes, "group_idx": ev.group_idx}
+    return {"type": "add", "block_hashes": ev.block_hashes, "parent_block_hash": ev.parent_block_hash,
+            "token_ids": list(ev.token_ids), "block_size": ev.block_size, "group_idx": ev.group_idx,
+            "kv_cache_spec_kind": ev.kv_cache_spec_kind,
+            "kv_cache_spec_sliding_window": ev.kv_cache_spec_sliding_window}  # fmt: skip
+
+
+def test_a_push_source_declares_its_window_and_is_matched_as_a_hybrid_source() -> None:
+    """report_events carries kv_cache_spec_sliding_window as vLLM's BlockStored does: a pushed
+    Gemma 3 stream whose window lost its newest 60 blocks answers 40, with the window shown."""
+    gemma = Engine(GEMMA3)
+    with serve_in_thread() as server, server.client() as kv:
+        kv.call("register_instance", {"instance_group": "default", "instance_id": "gemma", "block_size": B,
+                                      "location_spec_infos": [{"name": "tp0", "size": 1024}]})  # fmt: skip
+        kv.call("report_events", {"source_id": "gemma/pod-a", "op": "register", "instance_id": "gemma"})
+        events = [*gemma.request(100), gemma.remove(1, range(40, 100))]
+        kv.call("report_events", {"source_id": "gemma/pod-a", "op": "events", "seq": 0,
+                                  "events": [_push_event(ev) for ev in events]})  # fmt: skip
+        (found,) = kv.call("match_engines", {"instance_id": "gemma", "token_ids": PROMPT})["sources"]
+        assert found["matched_blocks"] == 40
+        assert [(g["kind"], g.get("window"), g["held_blocks"]) for g in found["groups"]] == [
+            ("full_attention", None, 100), ("sliding_window", 1024, 40)]
+
+
+def test_the_cost_of_a_default_query_grows_with_the_hybrid_slots_it_answers_for() -> None:
+    """A default match_engines over a table with hybrid sources is costed per key and hybrid slot
+    (kvcm.api.costs), so a request whose hybrid answer would pass the turn budget is refused with
+    the key count that fits; naming one group_idx costs the plain walk only."""
+    from kvcm.api.costs import US_PER_KEY
+
+    budget_ms = 20.0
+    with serve_in_thread(overrides={"server": {"turn_budget_ms": budget_ms}}) as server, server.client() as kv:
+        kv.call("register_instance", {"instance_group": "default", "instance_id": "gemma", "block_size": B,
+                                      "location_spec_infos": [{"name": "tp0", "size": 1024}]})  # fmt: skip
+        keys = list(range(1, 20_001))
+        plain = budget_ms * 1000 / US_PER_KEY["match_engines"]
+        assert len(keys) < plain  # without hybrid sources the request fits
+        kv.call("match_engines", {"instance_id": "gemma", "block_keys": keys})
+        sources = 8
+        for i in range(sources):
+            kv.call("report_events", {"source_id": f"gemma/pod-{i}", "op": "register", "instance_id": "gemma"})
+            kv.call("report_events", {"source_id": f"gemma/pod-{i}", "op": "events", "seq": 0,
+                                      "events": [_push_event(ev) for ev in Engine(GEMMA3).request(4)]})  # fmt: skip
+        per_key = US_PER_KEY["match_engines"] + US_PER_KEY["hybrid"] + 2 * sources * US_PER_KEY["hybrid_slot"]
+        fits = int(budget_ms * 1000 / per_key)
+        assert fits < len(keys)
+        with pytest.raises(KvcmError) as refused:
+            kv.call("match_engines", {"instance_id": "gemma", "block_keys": keys}, retry=False)
+        assert refused.value.code is Code.TOO_LARGE and f"send at most {fits} keys" in refused.value.message
+        kv.call("match_engines", {"instance_id": "gemma", "block_keys": keys[:fits]})
+        kv.call("match_engines", {"instance_id": "gemma", "block_keys": keys, "group_idx": 0})

@@ -38,6 +38,11 @@ US_PER_KEY: dict[str, float] = {
     # engine tier, 100 sources holding parts of the chain: 0.15 reported by vLLM-shaped stores,
     # 0.43 by keyed adds ("match_engines (keyed reports)": every key's holder mask is its own)
     "match_engines": 0.45,
+    # a default query of a table with hybrid sources (kvcm.engines.hybrid): the query's holder
+    # masks laid out once as a matrix, then per hybrid slot (a source's group on a medium) its
+    # column (full attention + sliding window: 2 slots per source; 1 and 100 hybrid sources)
+    "hybrid": 0.5,  # 0.12 (0.38 with the other core busy)
+    "hybrid_slot": 0.005,  # 0.0017 per key and hybrid slot (0.0032 with the other core busy)
     "note_routed": 0.1,  # 0.04
     # match_engines with include_storage: the storage tier's prefix, its locations counted by type
     "storage_prefix": 5.0,  # 4.1

@@ -176,14 +176,23 @@ class _Handlers:
     def match_cost(self, req: MatchEnginesRequest) -> Estimate:
         # with include_storage, the storage tier's prefix too (its locations, counted by type)
         per_key = US_PER_KEY["match_engines"] + (US_PER_KEY["storage_prefix"] if req.include_storage else 0.0)
+        per_key += self._hybrid_us(req.instance_id, req.lora_name, req.group_idx)
         n = len(req.block_keys)
         return Estimate(n * per_key + _options_us(req.media, req.loads), 0, per_key, n)
 
     def host_cost(self, req: GetHostCacheStateRequest) -> Estimate:
         # with include_storage (Tair's default), the storage tier's prefix length too
         per_key = US_PER_KEY["match_engines"] + (US_PER_KEY["prefix_match_len"] if req.include_storage else 0.0)
+        per_key += self._hybrid_us(req.instance_id, req.lora_name, None)
         n = len(req.block_keys or req.block_cache_keys)
         return Estimate(n * per_key + _options_us(req.medium, req.loads), 0, per_key, n)
+
+    def _hybrid_us(self, instance_id: str, lora_name: str | None, group_idx: int | None) -> float:
+        """Per key, what a default query's hybrid answer adds (none when it names one group)."""
+        if group_idx is not None:
+            return 0.0
+        slots = self.service.index.hybrid_slots(instance_id, lora_name)
+        return US_PER_KEY["hybrid"] + slots * US_PER_KEY["hybrid_slot"] if slots else 0.0
 
     def note_cost(self, req: NoteRoutedRequest) -> Estimate:
         n = len(req.block_keys)
@@ -334,6 +343,8 @@ class AddEvent(_Strict, tag="add", tag_field="type"):
     lora_name: Name | None = None
     group_idx: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
     kv_cache_spec_kind: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    #: a sliding-window group's window in tokens (vLLM's ``kv_cache_spec_sliding_window``)
+    kv_cache_spec_sliding_window: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)] | None = None
     #: per block, its extra keys as vLLM's BlockStored carries them (kvcm.extra_keys)
     extra_keys: ExtraKeys | None = None
     #: block_hashes are kvcm block keys, held as they are (no token_ids, no parent); a batch of
@@ -490,7 +501,8 @@ def _event(e: AddEvent | RemoveEvent | ClearEvent) -> Event:
         return BlockStored(list(e.block_hashes), None, [], 0, None, e.medium, e.lora_name, KEYED, e.group_idx)
     if type(e) is AddEvent:
         return BlockStored(list(e.block_hashes), e.parent_block_hash, e.token_ids, e.block_size, None, e.medium,
-                           e.lora_name, e.extra_keys, e.group_idx, e.kv_cache_spec_kind)  # fmt: skip
+                           e.lora_name, e.extra_keys, e.group_idx, e.kv_cache_spec_kind,
+                           e.kv_cache_spec_sliding_window)  # fmt: skip
     if type(e) is RemoveEvent:
         return BlockRemoved(list(e.block_hashes), e.medium, e.group_idx)
     return AllBlocksCleared()

@@ -189,6 +189,12 @@ class EngineIndex:
         with self._lock:
             return list(self._sources.values())
 
+    def hybrid_slots(self, instance_id: str, lora_name: str | None = None) -> int:
+        """Slots of hybrid sources in the ``(instance, adapter)`` table: what a default query's
+        hybrid answer costs per key grows with them (:mod:`kvcm.api.costs`)."""
+        table = self._tables.get((instance_id, lora_name or ""))
+        return 0 if table is None else table.hybrid_slots
+
     def blocks_held(self, source_id: str) -> dict[str, int]:
         """Distinct kvcm keys the source holds, per medium."""
         with self._lock:

@@ -175,6 +175,8 @@ class Server:
     def _turn(self, arrivals: list[tuple[Any, bytes, bytes]]) -> None:
         for head, reply in self._safe_serve(arrivals):
             if reply is not None:
+                # the loop moves: a liveness probe right after this reply must see it alive
+                self.heartbeat = time.monotonic()
                 self._send(head, reply)
 
     def _finish_carried(self) -> None:
