@@ -65,6 +65,8 @@ class HttpConfig:
     max_connections: int = 64  # open connections (one thread each); more get 503 and are closed
     max_connections_per_peer: int = 16  # open connections from one remote address; more get 503 and are closed
     max_unauthenticated_body_bytes: int = 65536  # auth on: a larger /api body needs Authorization: Bearer (checked before reading)
+    suspect_after_failures: int = 10  # refusals for credentials within a second that make an address a suspect (10 s)
+    suspect_connections_per_s: float = 5.0  # a suspect address's new connections are served at most this often
     allow_unauthenticated_with_curve: bool = False  # serve with auth off although a CURVE allow-list guards the RPC port
     admin_port: int = -1  # a second HTTP port serving only Tair's admin RPCs (Tair uses 6492); -1 = off, 0 picks a free port
 
@@ -377,6 +379,8 @@ def validate(config: Config) -> None:
         (0 < config.http.idle_timeout_s <= 3600, "http.idle_timeout_s must be in (0, 3600]"),
         (0 < config.http.max_connections <= 10000, "http.max_connections must be in 1..10000"),
         (0 < config.http.max_connections_per_peer <= 10000, "http.max_connections_per_peer must be in 1..10000"),
+        (0 < config.http.suspect_after_failures <= 1_000_000, "http.suspect_after_failures must be in 1..1000000"),
+        (0 < config.http.suspect_connections_per_s <= 10000, "http.suspect_connections_per_s must be in (0, 10000]"),
         (config.http.max_unauthenticated_body_bytes >= 0, "http.max_unauthenticated_body_bytes must not be negative"),
         (all(_HOST_ENTRY.fullmatch(h.strip().lower()) for h in config.http.allowed_hosts),
          "http.allowed_hosts: each entry must be a host name, an IP address or [IPv6], with an optional :port"),

@@ -422,3 +422,46 @@ def test_tair_routes_refuse_duplicate_keys_and_nan_in_tair_s_reply(plain, body, 
     for route in ("getCacheLocation", "removeCache"):
         message = _tair_refusal(plain.http_port, f"/api/{route}", body)
         assert message.startswith(f"{path}: "), message
+
+
+# -- an address that keeps being refused waits in the slow lane -------------------------------------
+
+
+def _lane_server(rate: float) -> Any:
+    overrides = {**AUTH_ON, "http": {**AUTH_ON["http"], "suspect_after_failures": 3,
+                                     "suspect_connections_per_s": rate}}  # fmt: skip
+    return serve_in_thread(overrides=overrides)
+
+
+def test_an_address_refused_over_and_over_is_served_through_the_slow_lane_and_others_are_not():
+    """More than http.suspect_after_failures refusals within a second make the address a suspect:
+    its next connections (a good one included) are served through the slow lane, one at a time;
+    another address is served directly. A flood of refused requests then costs the process what
+    the lane admits, not what the attacker sends (scripts/bench_hostile http_unauth)."""
+    with _lane_server(50.0) as server:
+        port = server.http_port
+        token = _token(server, "lane", ["default"])
+        for _ in range(4):  # no credentials: 401 each
+            assert _call(port, "/api/check_health", b"{}", source="127.0.0.9").status == 401
+        assert refused(server).get("slow_lane", 0) == 0  # counted from the refusals on
+        good = _call(port, "/api/check_health", b"{}", [("Authorization", f"Bearer {token}")], source="127.0.0.9")
+        assert good.status == 200, good.body  # the suspect's own good request is still served
+        assert refused(server).get("slow_lane", 0) == 1
+        other = _call(port, "/api/check_health", b"{}", [("Authorization", f"Bearer {token}")], source="127.0.0.10")
+        assert other.status == 200 and refused(server).get("slow_lane", 0) == 1  # not through the lane
+
+
+def test_a_full_slow_lane_turns_the_suspect_away_at_once():
+    with _lane_server(0.2) as server:
+        port = server.http_port
+        for _ in range(4):
+            assert _call(port, "/api/check_health", b"{}", source="127.0.0.9").status == 401
+        waiting = [socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.9", 0))
+                   for _ in range(10)]  # fmt: skip
+        try:
+            assert _until(lambda: refused(server).get("slow_lane_full", 0) >= 1, 5.0), refused(server)
+            # a probe from another address is answered meanwhile
+            assert _get(port, "/livez", "127.0.0.11") == 200
+        finally:
+            for sock in waiting:
+                sock.close()

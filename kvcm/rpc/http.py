@@ -64,12 +64,14 @@ call) closes the connection and echoes nothing of the request; a call's own answ
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import ipaddress
 import json
 import logging
 import math
+import queue
 import re
 import select
 import socket
@@ -117,6 +119,12 @@ _BUSY_BODY = b'{"error": {"code": 4, "name": "SERVICE_NOT_READY", "message": "to
 # answered while the cap is full), at most one per remote address; a request must arrive on one
 # within this, so a silent connection holds it briefly.
 _PROBE_SLOTS = 4
+#: How long an address stays a suspect after its last burst of refusals (:class:`Suspects`).
+_SUSPECT_S = 10.0
+#: Addresses whose refusals are counted, and suspects, at most (a flood of addresses is forgotten).
+_MAX_TRACKED = 4096
+#: Connections of suspects waiting in the slow lane at most.
+_LANE_DEPTH = 8
 _PROBE_READ_S = 1.0
 _PROBES = frozenset({"/livez", "/readyz"})
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
@@ -321,6 +329,89 @@ class Slots:
                 self._peers[peer] = left
 
 
+class Suspects:
+    """Addresses whose requests the side port keeps refusing. More than ``limit`` refusals for
+    the client's own fault (no or bad credentials, a foreign Host or Origin, a malformed request)
+    within one second make an address a suspect for
+    :data:`_SUSPECT_S`; its new connections then wait in the :class:`SlowLane`. A client that
+    floods unauthenticated requests costs the process a thread, a parse and a reply each, and
+    those share the interpreter with the RPC loop: the lane caps what one address gets of it,
+    while another address's requests (and the suspect's own, at the lane's pace) are served."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._counts: dict[str, tuple[int, int]] = {}  # peer -> (second, refusals in it)
+        self._until: dict[str, float] = {}  # peer -> suspect until (monotonic)
+
+    def failed(self, peer: str) -> None:
+        now = time.monotonic()
+        second = int(now)
+        with self._lock:
+            was, count = self._counts.get(peer, (second, 0))
+            count = count + 1 if was == second else 1
+            if len(self._counts) >= _MAX_TRACKED and peer not in self._counts:
+                self._counts.clear()  # a flood of addresses: start counting afresh
+            self._counts[peer] = (second, count)
+            if count > self._limit:
+                if len(self._until) >= _MAX_TRACKED and peer not in self._until:
+                    self._until = {p: t for p, t in self._until.items() if t > now}
+                    if len(self._until) >= _MAX_TRACKED:
+                        return
+                self._until[peer] = now + _SUSPECT_S
+
+    def suspect(self, peer: str) -> bool:
+        until = self._until.get(peer)
+        return until is not None and until > time.monotonic()
+
+
+class SlowLane:
+    """Connections of suspect addresses, served one every ``1 / rate`` seconds on one thread
+    (which only starts their handling); at most :data:`_LANE_DEPTH` wait, the rest are turned
+    away (503) on the accept thread."""
+
+    def __init__(self, rate: float, serve: Callable[[socket.socket, Any], None],
+                 turn_away: Callable[[socket.socket], None]) -> None:
+        self._gap = 1.0 / rate
+        self._serve = serve
+        self._turn_away = turn_away
+        self._queue: queue.Queue[tuple[socket.socket, Any] | None] = queue.Queue(_LANE_DEPTH)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def offer(self, request: socket.socket, client_address: Any) -> bool:
+        """Queue the connection (False when the lane is full)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvcm-http-slow-lane", daemon=True)
+                self._thread.start()
+        try:
+            self._queue.put_nowait((request, client_address))
+            return True
+        except queue.Full:
+            return False
+
+    def close(self) -> None:
+        """Turn away what waits and end the thread."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._turn_away(item[0])
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._serve(*item)
+            except Exception:  # one connection's failure ends only that connection
+                log.debug("http: a slow-lane connection failed", exc_info=True)
+            time.sleep(self._gap)
+
+
 def _peer(client_address: Any) -> str:
     """The remote address a connection's slots are counted under (no port: one host is one peer)."""
     if isinstance(client_address, tuple) and client_address:
@@ -338,10 +429,14 @@ class _BoundedServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
                  slots: Slots, refused: Callable[[str], None],
-                 held: tuple[SidePort, bool] | None = None) -> None:
+                 held: tuple[SidePort, bool] | None = None, suspects: Suspects | None = None,
+                 lane_rate: float = 5.0) -> None:
         """``held``: the :class:`SidePort` whose listener this server accepts on (not bound, nor
-        closed, here) and whether it is the admin listener."""
+        closed, here) and whether it is the admin listener. ``suspects``: addresses whose new
+        connections wait in a :class:`SlowLane` served ``lane_rate`` times a second."""
         self._slots = slots
+        self._suspects = suspects
+        self._lane = SlowLane(lane_rate, self._start, self._turn_away)
         self._live: dict[socket.socket, tuple[str, str]] = {}  # connection -> (peer, slot kind)
         self._live_lock = threading.Lock()
         self._refused = refused
@@ -396,12 +491,24 @@ class _BoundedServer(ThreadingHTTPServer):
         super().shutdown_request(request)
 
     def server_close(self) -> None:
+        self._lane.close()
         if self._held is None:
             super().server_close()
         for sock in (self._wake_r, self._wake_w):
             sock.close()
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        if self._suspects is not None and self._suspects.suspect(_peer(client_address)):
+            if self._lane.offer(request, client_address):
+                self._refused("slow_lane")  # served later, at the lane's pace
+            else:
+                self._refused("slow_lane_full")
+                self._turn_away(request)
+            return
+        self._start(request, client_address)
+
+    def _start(self, request: Any, client_address: Any) -> None:
+        """A connection's slot and thread (or 503 when no slot is left)."""
         peer = _peer(client_address)
         kind = self._slots.take(peer)
         if kind not in (ANY, PROBE):
@@ -609,8 +716,9 @@ class SideHttp:
         self._tokens_lock = threading.Lock()
         self._held = port
         kind = _Server6 if ":" in config.host else _BoundedServer
+        self.suspects = Suspects(config.suspect_after_failures)
         self._httpd = kind((config.host, config.port), _handler_for(self), self._new_slots(), self.refused,
-                           None if port is None else (port, False))
+                           None if port is None else (port, False), self.suspects, config.suspect_connections_per_s)
         self.port = int(self._httpd.server_address[1])
         self.authorities = Authorities(config.host, self.port, config.allowed_hosts)
         self._thread = self._serving(self._httpd, "kvcm-http")
@@ -634,7 +742,8 @@ class SideHttp:
         try:
             return kind((self.config.host, self.config.admin_port), _handler_for(self, admin=True),
                         self._new_slots(), self.refused,
-                        None if self._held is None else (self._held, True))
+                        None if self._held is None else (self._held, True), self.suspects,
+                        self.config.suspect_connections_per_s)
         except OSError as exc:
             self._httpd.server_close()
             raise StartRefused(f"cannot bind the admin HTTP port {self.config.host}:{self.config.admin_port} "
@@ -1109,8 +1218,15 @@ def _handler_for(side: SideHttp, admin: bool = False) -> type[BaseHTTPRequestHan
                 return
             self._json(*side.tair(name, params, admin, self._local_ip()))
 
+        def _count_refusal(self, refusal: Refused) -> None:
+            # the client's own fault (credentials, Host, Origin, framing...), not the server's
+            # capacity: a client that behaves is not refused ten times a second
+            if refusal.status < 500:
+                side.suspects.failed(self._client())
+
         def _tair_refused(self, refusal: Refused, params: dict[str, Any]) -> None:
             side.refused(refusal.reason)
+            self._count_refusal(refusal)
             self._json(200, tair.refused(refusal.error, params), refusal.headers)
 
         def _forward(self, name: str, params: dict[str, Any]) -> None:
@@ -1172,6 +1288,7 @@ def _handler_for(side: SideHttp, admin: bool = False) -> type[BaseHTTPRequestHan
 
         def _refuse(self, refusal: Refused) -> None:
             side.refused(refusal.reason)
+            self._count_refusal(refusal)
             self.close_connection = True
             self._linger = True
             self._json(refusal.status, {"error": refusal.error.to_wire()}, refusal.headers)
