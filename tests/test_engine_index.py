@@ -304,3 +304,32 @@ def _random_event(rng, model, source, e, docs):
         blk = blocks.setdefault(h, {"prefix": prefix, "lora": lora, "e": e, "refs": {}})
         blk["refs"][medium] = blk["refs"].get(medium, 0) + 1
     return BlockStored(hashes, parent, doc[start : start + n * e], e, None, medium, lora or None)
+
+
+def test_keyed_adds_are_held_once_per_medium_and_a_second_medium_is_held_too():
+    """Keyed adds (Tair's reporters) are idempotent per medium: the same keys again change nothing
+    and one remove drops them; the same keys on another medium are held there as well, and a
+    remove on the first leaves them held on the second."""
+    from kvcm.engines.index import KEYED
+    from kvcm.kv_events import BlockRemoved, BlockStored, DecodedBatch
+    from kvcm.store import MemoryStore
+
+    index = EngineIndex(MemoryStore(), lambda _: 16)
+    gen = index.add_source(SourceSpec("tair/pod", "inst", "push://pod")).generation
+    keys = [11, 12, 13, (1 << 64) - 5]  # the last one a kvcm key past 2**63 (signed: -5)
+    signed = [11, 12, 13, -5]
+
+    def add(seq: int, medium: str, hashes: list[int]) -> None:
+        ev = BlockStored(list(hashes), None, [], 0, None, medium, None, KEYED, None)
+        index.apply("tair/pod", gen, seq, DecodedBatch(1.0, [ev]))
+
+    add(0, "GPU", keys + keys[:2])  # named twice in one report: held once
+    add(1, "GPU", keys)
+    assert index.blocks_held("tair/pod") == {"GPU": 4}
+    add(2, "CPU", keys[:3])
+    assert index.blocks_held("tair/pod") == {"GPU": 4, "CPU": 3}
+    found = index.match("inst", signed, media=["CPU"])
+    assert [(m.source_id, m.media) for m in found] == [("tair/pod", {"CPU": 3})]
+    index.apply("tair/pod", gen, 3, DecodedBatch(1.0, [BlockRemoved(keys, "GPU")]))
+    assert index.blocks_held("tair/pod") == {"CPU": 3}
+    assert index.check() == []

@@ -58,7 +58,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, MutableMapping, Sequence
 from itertools import compress, repeat
-from operator import attrgetter, is_, itemgetter, or_
+from operator import and_, attrgetter, is_, itemgetter, or_
 from typing import Any
 
 from kvcm.engines.entries import (
@@ -481,18 +481,27 @@ class EngineIndex:
 
     def _keyed(self, state: SourceState, hashes: list[int], lora: str, group: int, medium: str) -> int:
         """Blocks named by their kvcm keys, each held at most once per medium: a repeated add
-        changes nothing, so one remove always drops it (Tair's adds are idempotent)."""
+        changes nothing, so one remove always drops it (Tair's adds are idempotent). New blocks
+        are made and held with C-level iteration (a report may name tens of thousands); a known
+        block not yet held on ``medium`` takes the general path."""
         state.spill()
-        before = len(state.blocks)
-        for h in hashes:
-            key = block_id(group, h)
-            blk = state.blocks.get(key)
-            if blk is None:
-                blk = state.blocks[key] = EngineBlock(lora, 0, 0, (to_signed(h),))
+        blocks = state.blocks
+        touched = hashes if not group else list(map(or_, repeat(group << 64), hashes))  # block ids
+        found = list(map(blocks.get, touched))
+        gained: list[int] = []
+        if None in found:
+            fresh = list(dict.fromkeys(compress(touched, map(is_, found, repeat(None)))))  # once each, in order
+            gained = list(map(to_signed, map(and_, fresh, repeat(M64))))
+            blocks.update(zip(fresh, map(EngineBlock, repeat(lora), repeat(0), repeat(0), zip(gained),
+                                         repeat(_held_once(medium)))))
+            self._grown(state, len(fresh))  # a keyed block is one key
+        for blk in filter(None, found):
             if medium not in blk.refs:
                 self._hold(state, blk, medium, group)
-            state.dirty.add(key)
-        self._grown(state, len(state.blocks) - before)  # a keyed block is one key
+        if gained:
+            table = self._table(state.spec.instance_id, lora)
+            table.hold(self._slot(table, state, medium, group), gained)
+        state.dirty.extend(touched)
         return len(hashes)
 
     def _removed(self, state: SourceState, ev: BlockRemoved, errors: MutableMapping[str, int]) -> int:
