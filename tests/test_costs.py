@@ -14,7 +14,7 @@ import pytest
 from kvcm.api.costs import US_PER_KEY
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.errors import Code, KvcmError
-from kvcm.testing import serve_in_thread
+from kvcm.testing import serve_in_subprocess, serve_in_thread
 from tests.cache_helpers import add_file_storage, add_group, register
 
 LONG = 100_000
@@ -285,3 +285,37 @@ def test_responses_are_decoded_as_msgpack_decodes_them():
     for payload in bad:
         with pytest.raises(wire.BadEnvelope):
             wire.parse_response(payload)
+
+
+def test_a_long_prompts_hashing_is_sliced_so_other_clients_are_answered_meanwhile():
+    """A length-only lookup by 524,288 token ids is hashed a slice per turn (about half a
+    millisecond of hashing), not the whole turn budget: a client sending small requests one after another
+    meanwhile gets many answers before the long one is answered (each turn's replies go out when
+    it ends). Counted in requests, not timed: a machine ten times faster still has room."""
+    import msgpack
+    import zmq
+
+    # a server of its own process: in this one, the test's client would share its interpreter
+    with serve_in_subprocess() as server, server.client() as c:
+        c.call("register_instance", {"instance_group": "default", "instance_id": "long", "block_size": 16,
+                                     "location_spec_infos": [{"name": "tp0", "size": 4096}]})  # fmt: skip
+        ctx = zmq.Context.instance()
+        long_client, small_client = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        try:
+            for sock in (long_client, small_client):
+                sock.connect(server.endpoint)
+            tokens = list(range(1, 524_288 + 1))
+            long_client.send(msgpack.packb([0, 1, "get_cache_location_len", [
+                {"instance_id": "long", "query_type": "prefix_match", "token_ids": tokens}]]))  # fmt: skip
+            answered = 0
+            while not long_client.poll(0):
+                small_client.send(msgpack.packb([0, 2, "check_health", [{}]]))
+                assert small_client.poll(30_000), "a small request was never answered"
+                assert msgpack.unpackb(small_client.recv())[2] is None
+                answered += 1
+            reply = msgpack.unpackb(long_client.recv())
+            assert reply[2] is None and reply[3]["cache_location_len"] == 0, reply
+            assert answered >= 20, answered  # about 130 here; 5 when a turn hashes its whole budget
+        finally:
+            long_client.close(0)
+            small_client.close(0)

@@ -53,8 +53,14 @@ log = logging.getLogger("kvcm.rpc.dispatch")
 #: List fields whose length is capped by ``max_keys`` before any handler runs.
 KEY_FIELDS = ("block_keys", "bool_masks", "success_blocks")
 _SIZED_NAMES = (*KEY_FIELDS, "token_ids")
-#: Tokens hashed per slice before the turn's budget is looked at again (about 5 ms of hashing).
-_HASH_SLICE = 8192
+#: Tokens hashed per slice before the turn's hashing time is looked at again (about 0.3 ms).
+_HASH_SLICE = 1024
+#: Hashing of token_ids one turn does at most (microseconds; every request gets at least one
+#: slice a turn): the rest is carried to the next turn, so the requests that arrive meanwhile
+#: are answered between slices instead of after all of a long prompt's hashing. The turn's
+#: replies are sent when it ends, so this, not the turn budget, is what one client's long
+#: prompt adds to everyone else's latency (scripts/bench_hostile ``largest``).
+_HASH_TURN_US = 500.0
 #: A request estimated at no more than this share of the budget is "small": it is never held back
 #: for the budget's sake, only behind its own peer's carried requests.
 _SMALL_SHARE = 0.02
@@ -579,7 +585,7 @@ class Dispatcher:
         began = time.perf_counter()
         try:
             while fed < len(work.tokens):
-                if fed and (time.perf_counter() - started) * 1e6 > self._budget_us:
+                if fed and self._hashing_us + (time.perf_counter() - began) * 1e6 > _HASH_TURN_US:
                     return False
                 hasher.feed(work.tokens[fed:fed + step])
                 fed += step
