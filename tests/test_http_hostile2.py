@@ -232,7 +232,9 @@ def test_probes_are_answered_while_the_cap_is_full():
                 assert _get(port, "/livez", "127.0.0.50") == 200
                 took = closed_within(silent, 1.0 + SLACK)
                 assert took is not None
-            assert _until(lambda: _get(port, "/livez", "127.0.0.20") == 200, 5.0)
+            # the slot is given back once the connection's thread ends, after the close the
+            # client saw: on a loaded 2-core box that can take seconds
+            assert _until(lambda: _get(port, "/livez", "127.0.0.20") == 200, 5.0 + SLACK), refused(server)
             # An address at its share of the cap has no probe slot either.
             assert _get(port, "/livez", "127.0.0.10") == 503
             assert refused(server).get("peer_cap", 0) >= 1
