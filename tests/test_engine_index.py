@@ -333,3 +333,5 @@ def test_keyed_adds_are_held_once_per_medium_and_a_second_medium_is_held_too():
     index.apply("tair/pod", gen, 3, DecodedBatch(1.0, [BlockRemoved(keys, "GPU")]))
     assert index.blocks_held("tair/pod") == {"CPU": 3}
     assert index.check() == []
+    # a key no slot holds any more leaves the holder table (its memory is someone's bound)
+    assert sorted(index._tables[("inst", "")].holders) == sorted(signed[:3])

@@ -55,9 +55,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from bisect import bisect_left
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, MutableMapping, Sequence
-from itertools import compress, repeat
+from itertools import accumulate, chain, compress, islice, repeat
 from operator import and_, attrgetter, is_, itemgetter, or_
 from typing import Any
 
@@ -600,14 +601,10 @@ class EngineIndex:
         size is gone; persisted as tombstones at the next flush. Returns the size freed."""
         state.spill()  # a fresh block dropped must not be persisted from SourceState.fresh
         gone, freed = _oldest(state.blocks, n)
-        blocks, held = state.blocks, dict[tuple[str, str, int], list[int]]()
-        for bid, blk in gone:
-            del blocks[bid]
-            if blk.keys:  # each medium of a block holds its keys once in the table, however many holdings
-                for medium in blk.refs:
-                    held.setdefault((blk.lora, medium, bid >> 64), []).extend(blk.keys)
-        state.dirty.extend(map(itemgetter(0), gone))
-        for (lora, medium, group), keys in held.items():  # one table pass per slot, not per block
+        ids = list(map(itemgetter(0), gone))
+        deque(map(state.blocks.__delitem__, ids), maxlen=0)
+        state.dirty.extend(ids)
+        for (lora, medium, group), keys in _held_keys(gone).items():  # one table pass per slot, not per block
             self._release_keys(state, lora, medium, group, keys)
         state.evicted += len(gone)
         self._grown(state, -freed)
@@ -1052,6 +1049,9 @@ class EngineIndex:
 
 
 _BY_SOURCE = attrgetter("source_id")
+_KEYS = attrgetter("keys")
+_REFS = attrgetter("refs")
+_LORA = attrgetter("lora")
 _BY_SIZE = attrgetter("size")
 _BY_MATCH = attrgetter("matched_blocks")
 _IGNORED: Counter[str] = Counter()  # errors of the precompute pass are counted when applied
@@ -1081,15 +1081,31 @@ def _held_once(medium: str) -> dict[str, int]:
 
 
 def _oldest(blocks: dict[int, EngineBlock], n: int) -> tuple[list[tuple[int, EngineBlock]], int]:
-    """The first-stored blocks that weigh at least ``n`` together, and their weight."""
-    gone: list[tuple[int, EngineBlock]] = []
-    freed = 0
-    for item in blocks.items():
-        if freed >= n:
-            break
-        gone.append(item)
-        freed += weight(item[1])
-    return gone, freed
+    """The first-stored blocks that weigh at least ``n`` together, and their weight. Each
+    weighs at least 1, so they are among the first ``n``: their weights are summed with C-level
+    iteration (:func:`~kvcm.engines.entries.weight`: the keys, at least 1) and the prefix cut there."""
+    first = list(islice(blocks.items(), max(0, n)))
+    sums = list(accumulate(map(max, map(len, map(_KEYS, map(itemgetter(1), first))), repeat(1))))
+    cut = bisect_left(sums, n) + 1 if sums and sums[-1] >= n else len(first)
+    return first[:cut], sums[cut - 1] if cut else 0
+
+
+def _held_keys(gone: list[tuple[int, EngineBlock]]) -> dict[tuple[str, str, int], list[int]]:
+    """The kvcm keys dropped blocks held, per ``(lora, medium, group)`` slot: each medium of a
+    block holds its keys once in the table, however many holdings. The usual eviction (blocks of
+    one adapter and group, held once on one medium: their ``refs`` is one shared map) is grouped
+    with C-level iteration; anything else block by block."""
+    blks = list(map(itemgetter(1), gone))
+    if blks and max(map(itemgetter(0), gone)) <= M64 and len(set(map(id, map(_REFS, blks)))) == 1 \
+            and len(set(map(_LORA, blks))) == 1:
+        keys = list(chain.from_iterable(map(_KEYS, blks)))
+        return {(blks[0].lora, medium, 0): keys for medium in blks[0].refs} if keys else {}
+    held: dict[tuple[str, str, int], list[int]] = {}
+    for bid, blk in gone:
+        if blk.keys:
+            for medium in blk.refs:
+                held.setdefault((blk.lora, medium, bid >> 64), []).extend(blk.keys)
+    return held
 
 
 def _u64_hashes(raw: list[ExternalBlockHash]) -> list[int]:

@@ -165,8 +165,11 @@ class HolderTable:
                 holders[key] = grown.get(mask) or grown.setdefault(mask, mask | bit)
                 self.counts[sid] += 1
 
-    def release(self, sid: int, keys: Iterable[int]) -> None:
+    def release(self, sid: int, keys: Sequence[int]) -> None:
         holders, bit, extra, shrunk = self.holders, 1 << sid, self.extra[sid], dict[int, int]()
+        if not extra:  # the usual release (the slot holds each key once): C-level but for one pass
+            self._release_once(sid, keys)
+            return
         for key in keys:
             more = extra.get(key)
             if more:
@@ -182,6 +185,24 @@ class HolderTable:
                     holders[key] = shrunk.get(mask) or shrunk.setdefault(mask, mask ^ bit)
                 else:
                     del holders[key]
+
+    def _release_once(self, sid: int, keys: Sequence[int]) -> None:
+        """:meth:`release` of a slot without holdings beyond the first: each key the slot holds
+        loses its bit (keys held alike keep sharing one mask object), a key left without holder
+        goes."""
+        holders, bit = self.holders, 1 << sid
+        found = dict(zip(keys, map(holders.get, keys, repeat(0))))  # once each
+        mine = {key: mask for key, mask in found.items() if mask & bit}
+        if not mine:
+            return
+        shrunk = {mask: mask ^ bit for mask in set(mine.values())}
+        kept = dict(zip(mine, map(shrunk.__getitem__, mine.values())))
+        if 0 in shrunk.values():
+            for key in [key for key, mask in kept.items() if not mask]:
+                del kept[key]
+                del holders[key]
+        holders.update(kept)
+        self.counts[sid] -= len(mine)
 
     def count(self, sid: int) -> int:
         """Distinct keys the slot holds."""
