@@ -645,3 +645,15 @@ def test_the_cost_of_a_default_query_grows_with_the_hybrid_slots_it_answers_for(
         assert refused.value.code is Code.TOO_LARGE and f"send at most {fits} keys" in refused.value.message
         kv.call("match_engines", {"instance_id": "gemma", "block_keys": keys[:fits]})
         kv.call("match_engines", {"instance_id": "gemma", "block_keys": keys, "group_idx": 0})
+
+
+def test_a_routed_prompt_on_a_hybrid_source_keeps_its_groups_detail() -> None:
+    """note_routed over the gemma pod's whole prompt: the entry is speculative past the 40 blocks
+    it can reuse, and still says why it reuses 40 (its groups), as without the note."""
+    with gemma_pod() as (_, kv):
+        kv.call("note_routed", {"instance_id": "gemma", "source_id": "pod-a", "token_ids": PROMPT, "ttl_s": 30})
+        (found,) = kv.call("match_engines", {"instance_id": "gemma", "token_ids": PROMPT})["sources"]
+        assert found["speculative"] is True and found["matched_blocks"] == 100
+        assert found["speculative_blocks"] == 60 and found["media"] == {"GPU": 40}
+        assert [(g["kind"], g["held_blocks"], g["reusable_blocks"]) for g in found["groups"]] == [
+            ("full_attention", 100, 100), ("sliding_window", 40, 40)]

@@ -451,22 +451,22 @@ class EngineService:
         fast-path answer (:meth:`EngineIndex.ranked`), None if a source needs merging."""
         ranked = None if runs is None else list(chain.from_iterable(run[0] for run in runs[0]))
         in_order = ranked is not None
+        explained: dict[str, dict[str, Any]] = {}  # hybrid sources: their groups' detail
         if ranked is None:  # a source with several media or groups: merge per source first
             found = self.index.match(instance_id, keys, lora_name=lora_name, media=media, group_idx=group_idx,
                                      exclude=left_out)  # fmt: skip
             ranked = [self._merged_fragment(m, block_size) for m in found]
+            explained = {m.source_id: _explanation(m) for m in found if m.groups is not None}
         if self.speculative.active(instance_id):
             ranked = with_speculative(self.speculative, self.index, instance_id, lora_name, keys, ranked, block_size,
-                                      left_out, self.settings.speculative_weight)  # fmt: skip
+                                      left_out, self.settings.speculative_weight, explained)  # fmt: skip
             in_order = False
         return ranked, in_order
 
     def _merged_fragment(self, m: SourceMatch, block_size: int) -> Fragment:
         state = self.index.get(m.source_id)
         pod = (state.spec.pod if state is not None else "") or m.source_id
-        extra: dict[str, Any] | None = None
-        if m.groups is not None:  # a hybrid source: why its prefix is what it is
-            extra = {"groups": m.groups} if m.unsupported is None else {"groups": m.groups, "unsupported": m.unsupported}
+        extra = _explanation(m) if m.groups is not None else None
         return fragment(m.source_id, m.dp_rank, pod, m.media, m.matched_blocks, block_size,
                         self.weights.weighted_blocks(m.media), extra)  # fmt: skip
 
@@ -512,3 +512,7 @@ class EngineService:
         """Per key, the engines holding it: for ``get_cache_location(include_engines=true)``."""
         return self.index.locations(instance_id, keys, lora_name=lora_name)
 
+
+def _explanation(m: SourceMatch) -> dict[str, Any]:
+    """A hybrid source's entry fields that say why its prefix is what it is."""
+    return {"groups": m.groups} if m.unsupported is None else {"groups": m.groups, "unsupported": m.unsupported}

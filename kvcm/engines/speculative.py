@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvcm.engines.index import EngineIndex
@@ -144,10 +144,12 @@ def with_speculative(
     block_size: int,
     left_out: Collection[str],
     weight: float,
+    explained: Mapping[str, Mapping[str, object]] | None = None,
 ) -> list[Fragment]:
     """``ranked`` (a match's fragments) with each source's speculative blocks beyond what it
     really holds, at ``weight`` each; an entry whose every block the source holds now is
-    confirmed and ends. The result is in no particular order."""
+    confirmed and ends. ``explained``: entry fields of hybrid sources (their groups' detail),
+    kept on their speculative entries. The result is in no particular order."""
     noted = entries.matched(instance_id, keys, lora_name)
     if not noted:
         return ranked
@@ -166,8 +168,9 @@ def with_speculative(
         if best > held:
             media = real[MEDIA] if real is not None else {}
             score = (real[SCORE] if real is not None else 0.0) + weight * (best - held)
+            extra = {**(explained or {}).get(source_id, {}), "speculative": True, "speculative_blocks": best - held}
             by_source[source_id] = fragment(source_id, state.spec.dp_rank, state.spec.pod or source_id, media, best,
-                                            block_size, score, {"speculative": True, "speculative_blocks": best - held})
+                                            block_size, score, extra)
     return list(by_source.values())
 
 
