@@ -6,12 +6,12 @@ nor is a storage-tier write found by a lookup with other extra keys."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import pytest
+from cache_helpers import wait_for
 
 from kvcm import Client
 from kvcm.cache.keys import ChainHasher, derive_keys, mix, token_ids_to_block_keys
@@ -188,15 +188,6 @@ def _image(name: str) -> list[Any]:
     return [((name, 2),), ((name, -2),), ((name, -6),)]
 
 
-def _wait(fn: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
     with serve_in_thread() as srv, srv.client() as kv:
@@ -231,8 +222,8 @@ def test_two_images_same_tokens(kv: Client, pods: tuple[FakeEnginePublisher, Fak
     a, b = pods
     a.store([11, 12, 13], TOKENS[:12], block_size=BS, extra_keys=_image("img-x"))
     b.store([21, 22, 23], TOKENS[:12], block_size=BS, extra_keys=_image("img-y"))
-    assert _wait(lambda: _matched(kv, extra_keys=_image("img-x")) == {"pod-a": 3})
-    assert _wait(lambda: _matched(kv, extra_keys=_image("img-y")) == {"pod-b": 3})
+    assert wait_for(lambda: _matched(kv, extra_keys=_image("img-x")) == {"pod-a": 3})
+    assert wait_for(lambda: _matched(kv, extra_keys=_image("img-y")) == {"pod-b": 3})
     assert _matched(kv) == {}  # the same token ids without the image: neither pod holds that prompt
     # the request-level form a router has at hand gives the same keys (vLLM's rule)
     assert _matched(kv, mm_features=[{"identifier": "img-x", "offset": 2, "length": 8}]) == {"pod-a": 3}
@@ -247,8 +238,8 @@ def test_two_salts_same_tokens(kv: Client, pods: tuple[FakeEnginePublisher, Fake
     tokens = list(range(40, 56))
     a.store([31, 32, 33, 34], tokens, block_size=BS, extra_keys=[("tenant-a",), None, None, None])
     b.store([41, 42, 43, 44], tokens, block_size=BS, extra_keys=[("tenant-b",), None, None, None])
-    assert _wait(lambda: _matched(kv, tokens, cache_salt="tenant-a") == {"pod-a": 4})
-    assert _wait(lambda: _matched(kv, tokens, cache_salt="tenant-b") == {"pod-b": 4})
+    assert wait_for(lambda: _matched(kv, tokens, cache_salt="tenant-a") == {"pod-a": 4})
+    assert wait_for(lambda: _matched(kv, tokens, cache_salt="tenant-b") == {"pod-b": 4})
     assert _matched(kv, tokens, extra_keys=[["tenant-b"], None, None, None]) == {"pod-b": 4}
     assert _matched(kv, tokens) == {} and _matched(kv, tokens, cache_salt="tenant-c") == {}
 
@@ -263,8 +254,8 @@ def test_two_adapters_and_an_engine_from_before_extra_keys(kv: Client, server: R
         a.store([1, 2, 3], tokens, block_size=BS, lora_name="ad-a", extra_keys=[("ad-a",)] * 3)
         b.store([4, 5, 6], tokens, block_size=BS, lora_name="ad-b", extra_keys=[("ad-b",)] * 3)
         old.store([7, 8, 9], tokens, block_size=BS, lora_name="ad-a")  # lora_name only: [lora_name] per block
-        assert _wait(lambda: _matched(kv, tokens, lora_name="ad-a") == {"pod-a": 3, "pod-old": 3})
-        assert _wait(lambda: _matched(kv, tokens, lora_name="ad-b") == {"pod-b": 3})
+        assert wait_for(lambda: _matched(kv, tokens, lora_name="ad-a") == {"pod-a": 3, "pod-old": 3})
+        assert wait_for(lambda: _matched(kv, tokens, lora_name="ad-b") == {"pod-b": 3})
         assert _matched(kv, tokens) == {}
         # per-block extra keys name the blocks; lora_name then only names the adapter's namespace
         assert _matched(kv, tokens, lora_name="ad-b", extra_keys=[["ad-b"]] * 3) == {"pod-b": 3}
@@ -333,7 +324,7 @@ def test_an_event_with_bad_extra_keys_is_counted_and_the_rest_applied(
         listed = next(s for s in kv.call("list_event_sources", {})["sources"] if s["source_id"] == "pod-a")
         return dict(listed["errors_by_kind"])
 
-    assert _wait(lambda: counted().get("bad_extra_keys") == 2)
+    assert wait_for(lambda: counted().get("bad_extra_keys") == 2)
     assert _matched(kv, tokens, extra_keys=[None, ["ok"]]) == {"pod-a": 2}
     assert _matched(kv, tokens) == {"pod-a": 1}  # its first block has no extra keys: the plain key
 
@@ -348,8 +339,8 @@ def test_extra_keys_need_the_instances_block_size(kv: Client, pods: tuple[FakeEn
         listed = next(s for s in kv.call("list_event_sources", {})["sources"] if s["source_id"] == "pod-a")
         return int(listed["errors_by_kind"].get("extra_keys_block_size", 0))
 
-    assert _wait(lambda: counted() == 1)
-    assert _wait(lambda: _matched(kv, tokens, lora_name="ad") == {"pod-a": 4})  # 2 engine blocks, 4 kvcm keys
+    assert wait_for(lambda: counted() == 1)
+    assert wait_for(lambda: _matched(kv, tokens, lora_name="ad") == {"pod-a": 4})  # 2 engine blocks, 4 kvcm keys
     assert _matched(kv, tokens) == {}
 
 
@@ -375,7 +366,7 @@ def test_the_http_side_port_takes_extra_keys(server: RunningServer, kv: Client,
 
     a, _ = pods
     a.store([71, 72, 73], TOKENS[:12], block_size=BS, extra_keys=_image("img-h"))
-    assert _wait(lambda: _matched(kv, extra_keys=_image("img-h")) == {"pod-a": 3})
+    assert wait_for(lambda: _matched(kv, extra_keys=_image("img-h")) == {"pod-a": 3})
 
     def post(body: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/api/match_engines",
@@ -486,7 +477,7 @@ def test_routers_doc_image_example(server: RunningServer, kv: Client) -> None:
             block_size=BS,
             extra_keys=[(("img-x", 2), "tenant-b"), (("img-x", -2),), (("img-x", -6),)],
         )
-        assert _wait(
+        assert wait_for(
             lambda: (
                 len(kv.call("list_event_sources", {})["sources"]) == 3
                 and all(s["blocks_held"] == 3 for s in kv.call("list_event_sources", {})["sources"])

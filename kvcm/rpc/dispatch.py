@@ -499,7 +499,6 @@ class Dispatcher:
     def _schedule(self, outcomes: list[_Outcome]) -> list[_Outcome]:
         """Admit what runs this turn (small first, then heavy within the budget); carry the rest.
         Returns the finished outcomes (errors included) in the order they are to run."""
-        started = time.perf_counter()
         self._hashing_us = 0.0  # real time this turn spent hashing token_ids
         spent = 0.0  # estimated microseconds of the heavy work admitted this turn
         small: list[_Outcome] = []
@@ -512,7 +511,7 @@ class Dispatcher:
                 continue
             try:
                 if outcome.error is None and outcome.method is not None:
-                    estimate = self._admit(outcome, started, spent, bool(heavy))
+                    estimate = self._admit(outcome, spent, bool(heavy))
                     if estimate is not None:
                         spent += estimate
                         heavy.append(outcome)
@@ -527,7 +526,7 @@ class Dispatcher:
             (heavy if outcome.peer in in_heavy else small).append(outcome)
         return small + heavy
 
-    def _admit(self, outcome: _Outcome, started: float, spent: float, heavy_admitted: bool) -> float | None:
+    def _admit(self, outcome: _Outcome, spent: float, heavy_admitted: bool) -> float | None:
         """Prepare one request; None when it is small, else its estimated microseconds (heavy).
         Raises :class:`_Carry` to keep it for a later turn, or the request's error."""
         method, params = outcome.method, outcome.params
@@ -548,7 +547,7 @@ class Dispatcher:
         outcome.authorized = True
         # Keys come from token_ids only; the hook is asked of every request of the method, so
         # it also refuses extra keys sent without token_ids (they would be left out silently).
-        if method.tokens is not None and not self._derive_keys(outcome, method, started):
+        if method.tokens is not None and not self._derive_keys(outcome, method):
             raise _Carry("hashing")
         if method.cost is None:
             return None
@@ -561,9 +560,9 @@ class Dispatcher:
             raise _Carry("budget")
         return estimate.micros
 
-    def _derive_keys(self, outcome: _Outcome, method: Method, started: float) -> bool:
-        """Hash the request's ``token_ids`` a slice at a time while the turn's budget lasts; True
-        once its keys are set."""
+    def _derive_keys(self, outcome: _Outcome, method: Method) -> bool:
+        """Hash the request's ``token_ids`` a slice at a time while the turn's hashing allowance
+        (:data:`_HASH_TURN_US`) lasts; True once its keys are set."""
         tokens_of = method.tokens
         assert tokens_of is not None  # internal: checked by the caller
         if outcome.derived:
