@@ -41,6 +41,7 @@ class ServerConfig:
     max_reply_bytes: int = 16 << 20  # a request whose reply would be larger gets TOO_LARGE
     turn_budget_ms: float = 50.0  # work per loop turn before heavy requests wait for the next turn
     defer_timeout_s: float = 30.0  # a request carried over loop turns this long is answered TIMEOUT
+    refusal_hold_ms: float = 100.0  # a refused request of 16 KB or more (its sender's fault) is answered this much later; 0 = at once
     curve_secret_key_file: str = ""  # CURVE: this server's key pair (kvcm keys generate); "" = plaintext
     curve_allowed_clients_dir: str = ""  # CURVE: directory of allowed client public keys ("" = any key)
     drain_max: int = 256  # requests handled per wake-up (they share one commit)
@@ -367,6 +368,7 @@ def validate(config: Config) -> None:
         (config.server.max_reply_bytes >= 1024, "server.max_reply_bytes must be at least 1024"),
         (config.server.turn_budget_ms > 0, "server.turn_budget_ms must be positive"),
         (config.server.defer_timeout_s > 0, "server.defer_timeout_s must be positive"),
+        (0 <= config.server.refusal_hold_ms <= 1000, "server.refusal_hold_ms must be in [0, 1000]"),
         (config.server.drain_max > 0, "server.drain_max must be positive"),
         (config.server.poll_ms > 0, "server.poll_ms must be positive"),
         (config.server.live_after_s > config.server.poll_ms / 1000,

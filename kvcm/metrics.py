@@ -102,6 +102,9 @@ class Metrics:
         self.carried = Counter(
             "kvcm_rpc_carried", "Requests carried over to a later loop turn (hashing, budget, auth)", ["reason"], registry=r
         )
+        self.refusals_held = Counter(
+            "kvcm_rpc_refusals_held", "Big requests' refusals answered later (server.refusal_hold_ms)", registry=r
+        )
         self.store_errors = Counter("kvcm_store_errors", "Metadata store errors", ["kind"], registry=r)
         self.http_refused = Counter(
             "kvcm_http_refused", "Side HTTP requests and connections refused, by reason", ["reason"], registry=r

@@ -47,6 +47,7 @@ from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, StoreFull
 from kvcm.extra_keys import BlockExtras
 from kvcm.metrics import Metrics
 from kvcm.rpc import wire
+from kvcm.rpc.tarpit import Tarpit
 
 log = logging.getLogger("kvcm.rpc.dispatch")
 
@@ -137,12 +138,14 @@ class Limits:
     turn_budget_ms: float = 50.0
     defer_timeout_s: float = 30.0
     max_carried: int = 4096
+    refusal_hold_ms: float = 100.0
 
     @classmethod
     def of(cls, server: Any) -> Limits:
         """The limits a ``server`` config section (:class:`kvcm.config.ServerConfig`) sets."""
         return cls(max_keys=server.max_keys, max_tokens=server.max_tokens, max_reply_bytes=server.max_reply_bytes,
-                   turn_budget_ms=server.turn_budget_ms, defer_timeout_s=server.defer_timeout_s)
+                   turn_budget_ms=server.turn_budget_ms, defer_timeout_s=server.defer_timeout_s,
+                   refusal_hold_ms=server.refusal_hold_ms)
 
 
 #: ``authorize(method, request, peer)``: allow the call, or raise :class:`~kvcm.errors.AccessDenied`
@@ -163,7 +166,7 @@ class Deferred(Exception):
 
 class _Outcome:
     __slots__ = ("authorized", "carried", "derived", "error", "hasher", "method", "msgid", "params", "peer",
-                 "result", "since", "tag", "waiting")
+                 "result", "since", "size", "tag", "told_until", "waiting")
 
     def __init__(self, msgid: int | None, method: Method | None, tag: Any = None, peer: bytes = b"") -> None:
         self.msgid = msgid
@@ -179,6 +182,8 @@ class _Outcome:
         self.hasher: ChainHasher | None = None  # token hashing in progress
         self.derived = False  # keys derived (or none to derive): a carried request is not asked again
         self.waiting = False  # carried for a verdict of another thread (not runnable yet)
+        self.size = 0  # the request's bytes (a big refusal may be held: kvcm.rpc.tarpit)
+        self.told_until: float | None = None  # refused unread: its sender was told to wait until then
 
 
 class _Carry(Exception):
@@ -249,6 +254,7 @@ class Dispatcher:
         self._told_to_wait: dict[tuple[bytes, str], tuple[float, str]] = {}
         self._sized: dict[type, tuple[tuple[str, int], ...]] = {}  # request type -> its list fields under a limit
         self._hashing_us = 0.0
+        self._tarpit = Tarpit(limits.refusal_hold_ms / 1000.0)
         self._settling = any(m.settle is not None for m in self.methods.values())
         self._admitting = any(m.admitted is not None for m in self.methods.values())
         for method in self.methods.values():
@@ -296,7 +302,28 @@ class Dispatcher:
                 self._run_alone(outcome)
         if self._settling:
             self._settle(runnable)
-        return [(o.tag, self._reply(o)) for o in finished]
+        return self._answer(finished)
+
+    def _answer(self, finished: list[_Outcome]) -> list[tuple[Any, bytes | None]]:
+        """The replies to send now: a big request's refusal for its sender's fault is held
+        (:mod:`kvcm.rpc.tarpit`) and sent in a later turn with those held before whose time came."""
+        out: list[tuple[Any, bytes | None]] = []
+        for outcome in finished:
+            error = outcome.error
+            hold = 0.0
+            if error is not None and outcome.msgid is not None:
+                hold = self._tarpit.hold_for(error.get("code", 0), outcome.size, outcome.told_until)
+                if hold > 0 and outcome.told_until is not None:
+                    error.setdefault("detail", {})["retry_after_ms"] = "1"  # the wait is over when it arrives
+            reply = self._reply(outcome)
+            if hold > 0 and reply is not None:
+                self._tarpit.hold(outcome.tag, reply, hold)
+                self.metrics.refusals_held.inc()
+                continue
+            out.append((outcome.tag, reply))
+        if len(self._tarpit):
+            out.extend(self._tarpit.due())
+        return out
 
     def _admit_turn(self, runnable: list[_Outcome]) -> list[_Outcome]:
         """Each method with an ``admitted`` hook is told its requests of the turn
@@ -336,9 +363,10 @@ class Dispatcher:
                         other.error, other.result = wired, None
 
     def wait_ms(self) -> int | None:
-        """How soon the loop must turn again for carried work: 0 = at once, None = nothing carried."""
+        """How soon the loop must turn again for carried work or a held refusal: 0 = at once, None =
+        nothing carried or held."""
         if not self._carried:
-            return None
+            return self._tarpit.wait_ms()  # held refusals alone; carried work turns the loop sooner
         return _AUTH_POLL_MS if all(o.waiting for o in self._carried) else 0
 
     def handle_batch(self, payloads: Sequence[bytes], peers: Sequence[bytes] | None = None) -> list[bytes | None]:
@@ -382,6 +410,11 @@ class Dispatcher:
     # -- parse ----------------------------------------------------------------------------------
 
     def _parse(self, payload: bytes, tag: Any = None, peer: bytes = b"") -> _Outcome:
+        outcome = self._parse_one(payload, tag, peer)
+        outcome.size = len(payload)
+        return outcome
+
+    def _parse_one(self, payload: bytes, tag: Any, peer: bytes) -> _Outcome:
         try:
             if self._told_to_wait:
                 waiting = self._still_waiting(payload, tag, peer)
@@ -487,6 +520,7 @@ class Dispatcher:
             del self._told_to_wait[(peer, name)]
             return None
         outcome = _Outcome(msgid, self.methods.get(name), tag, peer)
+        outcome.told_until = told[0]
         refused = error(Code.RATE_LIMITED, f"{name}: told to retry in {left:.3f} s and sent again sooner "
                                           f"(not read); earlier: {told[1][:300]}")
         refused.detail["retry_after_ms"] = str(max(1, round(left * 1000)))
