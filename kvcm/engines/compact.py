@@ -1,0 +1,888 @@
+"""Compact building blocks for the engine index: numpy tables with numba batch kernels.
+
+The engine index (:mod:`kvcm.engines.index`) keeps, per source, a dict of ``EngineBlock``
+structs and, per ``(instance_id, lora)`` namespace, a dict of holder masks
+(:class:`~kvcm.engines.table.HolderTable`): about 300 bytes of RssAnon per (source, block)
+holding (``scripts/bench_events --memory``). Python objects cannot go much lower (a dict slot
+and a boxed int alone are ~100 bytes), so these structures hold the common case in flat arrays:
+
+* :class:`KeyTable`, per namespace: kvcm key -> holder-set id (``uint32``);
+* :class:`HolderSets`, per namespace: holder-set id <-> set of holder slots (an int bit mask,
+  as :class:`~kvcm.engines.table.HolderTable` uses), reference counted, with a transition cache
+  so that holding or releasing one slot over a whole batch of keys is a vectorised map;
+* :class:`SourceMap`, per (source, group): engine block hash -> kvcm key, in insertion order
+  (eviction takes the oldest);
+* :class:`CompactTable` puts a namespace's :class:`KeyTable` and :class:`HolderSets` together
+  with the per-slot counts and multiplicities of :class:`~kvcm.engines.table.HolderTable`: the
+  drop-in shape the engine index will call (``docs/compact-index.md``).
+
+Layout (both hash tables): a *dense* entry store (parallel arrays, one row per entry) plus a
+sparse *index* of ``uint32`` row numbers, open addressing with linear probing, at most
+:data:`MAX_LOAD` full, grown x2, deletion by backward shift (no tombstones: a long-lived table
+under churn keeps its probe lengths). The index is what has to be mostly empty; keeping the
+8-byte keys out of it costs 4 bytes per cell instead of 12-20, and rows of the dense store
+that were never written are never touched, so they cost no resident memory (numpy allocates
+large arrays with ``mmap``). The empty index cell is ``0xFFFFFFFF``, which no row number
+reaches, so every ``uint64`` key (0 and 2**64 - 1 included) is a valid key.
+
+kvcm keys are signed 64-bit ints in Python; here they are their ``uint64`` bit patterns
+(:func:`as_u64`, :func:`to_signed_list`).
+
+Importing this module imports numba (about half a second); the kernels are compiled on first
+use and cached on disk beside this file where it is writable, as :mod:`kvcm.cache.hash_kernel`
+does. Thread ownership: none; the engine index's lock guards every call.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from itertools import groupby
+from typing import Any, TypeVar, cast
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+U64 = npt.NDArray[np.uint64]
+U32 = npt.NDArray[np.uint32]
+I64 = npt.NDArray[np.int64]
+Bools = npt.NDArray[np.bool_]
+
+#: Index fill at most (live entries / cells); past it the index doubles. Linear probing's
+#: expected probes grow as 1/(1-load)^2 for a miss: 0.8 keeps a miss around 13 cells.
+MAX_LOAD = 0.8
+_MIN_BITS = 3  # smallest index: 8 cells
+_EMPTY = np.uint32(0xFFFFFFFF)  # an empty index cell (no row number reaches it)
+_NIL = np.uint64(0xFFFFFFFFFFFFFFFF)  # end of KeyTable's free-row chain
+_C1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finaliser: keys need not be well mixed
+_C2 = np.uint64(0x94D049BB133111EB)  # (Tair reporters name blocks by key; tests by counting)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+# meta[] fields shared with the kernels (a small int64 array they update in place)
+_SIZE, _USED, _AUX = 0, 1, 2  # live entries, rows written (high-water mark), free head / eviction head
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _jit(fn: _F) -> _F:
+    """numba-compile ``fn``, cached beside this file (compiled at each start when read-only)."""
+    try:
+        return cast(_F, numba.njit(cache=True, nogil=True)(fn))
+    except RuntimeError:
+        return cast(_F, numba.njit(nogil=True)(fn))
+
+
+# --- kernels: probing, backward-shift deletion, rebuilding ----------------------------------------
+
+
+@_jit
+def _home(key: Any, shift: Any) -> Any:
+    """The key's home cell: the top bits of its mix (``shift`` = 64 - index bits)."""
+    z = key
+    z = (z ^ (z >> _S30)) * _C1
+    z = (z ^ (z >> _S27)) * _C2
+    z = z ^ (z >> _S31)
+    return np.int64(z >> shift)
+
+
+@_jit
+def _find(index: Any, rows: Any, key: Any, shift: Any) -> Any:
+    """The cell whose row holds ``key``, or ``-(empty cell) - 1`` where it would go."""
+    mask = index.shape[0] - 1
+    i = _home(key, shift)
+    while True:
+        r = index[i]
+        if r == _EMPTY:
+            return -i - 1
+        if rows[r] == key:
+            return i
+        i = (i + 1) & mask
+
+
+@_jit
+def _delete_cell(index: Any, rows: Any, i: Any, shift: Any) -> None:
+    """Empty cell ``i`` by backward shift: each later cell of the probe run whose home is not in
+    ``(i, j]`` (cyclically) moves back into the hole, so every remaining key stays reachable
+    from its home without tombstones."""
+    mask = index.shape[0] - 1
+    j = i
+    while True:
+        j = (j + 1) & mask
+        r = index[j]
+        if r == _EMPTY:
+            break
+        h = _home(rows[r], shift)
+        if ((j - h) & mask) >= ((j - i) & mask):  # its home is at or before the hole
+            index[i] = r
+            i = j
+    index[i] = _EMPTY
+
+
+@_jit
+def _place(index: Any, rows: Any, r: Any, shift: Any) -> None:
+    """Put row ``r`` (a key not in the index) into its first free cell from home."""
+    mask = index.shape[0] - 1
+    i = _home(rows[r], shift)
+    while index[i] != _EMPTY:
+        i = (i + 1) & mask
+    index[i] = r
+
+
+@_jit
+def _reindex(old: Any, rows: Any, new: Any, shift: Any) -> None:
+    """Every row of index ``old`` into the (empty) index ``new``."""
+    for c in range(old.shape[0]):
+        r = old[c]
+        if r != _EMPTY:
+            _place(new, rows, r, shift)
+
+
+# --- KeyTable kernels ---------------------------------------------------------------------------
+
+
+@_jit
+def _kt_lookup(index: Any, keys: Any, sets: Any, shift: Any, query: Any, out: Any) -> None:
+    for i in range(query.shape[0]):
+        c = _find(index, keys, query[i], shift)
+        if c >= 0:
+            out[i] = sets[index[c]]
+        else:
+            out[i] = 0
+
+
+@_jit
+def _kt_locate(
+    index: Any, keys: Any, sets: Any, meta: Any, shift: Any, limit: Any, query: Any, out: Any, start: Any, insert: Any
+) -> Any:
+    """Rows of ``query[start:]`` into ``out`` (-1 when absent and not ``insert``); a new key
+    gets a row (free chain first) with set 0. Returns where it stopped: ``query.shape[0]``, or
+    earlier when the index is full (``limit`` live entries) or rows ran out (the caller grows)."""
+    for i in range(start, query.shape[0]):
+        key = query[i]
+        c = _find(index, keys, key, shift)
+        if c >= 0:
+            out[i] = index[c]
+            continue
+        if not insert:
+            out[i] = -1
+            continue
+        if meta[_SIZE] >= limit or (meta[_AUX] < 0 and meta[_USED] >= keys.shape[0]):
+            return i
+        if meta[_AUX] >= 0:
+            r = meta[_AUX]
+            nxt = keys[r]
+            if nxt == _NIL:
+                meta[_AUX] = -1
+            else:
+                meta[_AUX] = np.int64(nxt)
+        else:
+            r = meta[_USED]
+            meta[_USED] += 1
+        keys[r] = key
+        sets[r] = 0
+        index[-c - 1] = r
+        meta[_SIZE] += 1
+        out[i] = r
+    return query.shape[0]
+
+
+@_jit
+def _kt_drop(index: Any, keys: Any, sets: Any, meta: Any, shift: Any, rows: Any) -> Any:
+    """Delete the rows in ``rows`` whose set is 0 (nobody holds their key); a freed row joins the
+    free chain (its key cell holds the next free row). A row named twice is freed once: the
+    second time its (chain) value does not lead back to it. Returns the rows freed."""
+    freed = 0
+    for k in range(rows.shape[0]):
+        r = rows[k]
+        if r < 0 or sets[r] != 0:
+            continue
+        c = _find(index, keys, keys[r], shift)
+        if c < 0 or index[c] != r:
+            continue
+        _delete_cell(index, keys, c, shift)
+        if meta[_AUX] < 0:
+            keys[r] = _NIL
+        else:
+            keys[r] = np.uint64(meta[_AUX])
+        meta[_AUX] = r
+        meta[_SIZE] -= 1
+        freed += 1
+    return freed
+
+
+@_jit
+def _kt_pack(index: Any, keys: Any, sets: Any, new_keys: Any, new_sets: Any) -> Any:
+    """Copy the live rows, in index order, to the front of the new row arrays; returns how many."""
+    w = 0
+    for c in range(index.shape[0]):
+        r = index[c]
+        if r != _EMPTY:
+            new_keys[w] = keys[r]
+            new_sets[w] = sets[r]
+            w += 1
+    return w
+
+
+# --- SourceMap kernels ---------------------------------------------------------------------------
+
+
+@_jit
+def _sm_insert(
+    index: Any, hashes: Any, keys: Any, meta: Any, shift: Any, limit: Any,
+    qh: Any, qk: Any, had: Any, old: Any, start: Any,
+) -> Any:  # fmt: skip
+    """Append ``(qh[i], qk[i])`` from ``start`` on, in order; a hash already present has its
+    row abandoned (``had``, its key in ``old``) and the new row takes its cell: it becomes the
+    newest. Stops early (returns where) when rows or the index are full."""
+    for i in range(start, qh.shape[0]):
+        c = _find(index, hashes, qh[i], shift)
+        if meta[_USED] >= hashes.shape[0] or (c < 0 and meta[_SIZE] >= limit):
+            return i
+        r = meta[_USED]
+        meta[_USED] += 1
+        hashes[r] = qh[i]
+        keys[r] = qk[i]
+        if c >= 0:
+            had[i] = True
+            old[i] = keys[index[c]]
+            index[c] = r
+        else:
+            had[i] = False
+            index[-c - 1] = r
+            meta[_SIZE] += 1
+    return qh.shape[0]
+
+
+@_jit
+def _sm_get(index: Any, hashes: Any, keys: Any, shift: Any, qh: Any, found: Any, out: Any) -> None:
+    for i in range(qh.shape[0]):
+        c = _find(index, hashes, qh[i], shift)
+        found[i] = c >= 0
+        if c >= 0:  # two statements: a conditional expression of uint64 and int would be a float
+            out[i] = keys[index[c]]
+        else:
+            out[i] = 0
+
+
+@_jit
+def _sm_remove(index: Any, hashes: Any, keys: Any, meta: Any, shift: Any, qh: Any, found: Any, out: Any) -> None:
+    """Remove ``qh`` (in order: a hash named twice is found once); its row is abandoned."""
+    for i in range(qh.shape[0]):
+        c = _find(index, hashes, qh[i], shift)
+        if c < 0:
+            found[i] = False
+            out[i] = 0
+            continue
+        found[i] = True
+        out[i] = keys[index[c]]
+        _delete_cell(index, hashes, c, shift)
+        meta[_SIZE] -= 1
+
+
+@_jit
+def _sm_oldest(index: Any, hashes: Any, keys: Any, meta: Any, shift: Any, n: Any, out_h: Any, out_k: Any) -> Any:
+    """Remove up to ``n`` live rows from the eviction head on, oldest first; returns how many. A
+    row is live when its hash's cell points back at it (an abandoned row's hash leads elsewhere
+    or nowhere), so liveness costs no memory."""
+    p = meta[_AUX]
+    k = 0
+    while k < n and p < meta[_USED]:
+        c = _find(index, hashes, hashes[p], shift)
+        if c >= 0 and index[c] == p:
+            out_h[k] = hashes[p]
+            out_k[k] = keys[p]
+            _delete_cell(index, hashes, c, shift)
+            meta[_SIZE] -= 1
+            k += 1
+        p += 1
+    meta[_AUX] = p
+    return k
+
+
+@_jit
+def _sm_live(index: Any, used: Any) -> Any:
+    live = np.zeros(used, dtype=np.bool_)
+    for c in range(index.shape[0]):
+        r = index[c]
+        if r != _EMPTY:
+            live[r] = True
+    return live
+
+
+@_jit
+def _sm_pack(live: Any, hashes: Any, keys: Any, new_hashes: Any, new_keys: Any, new_index: Any, shift: Any) -> Any:
+    """Copy the live rows, in order, to the front of the new arrays (which may be the old ones:
+    rows only move down) and index them; returns how many."""
+    w = 0
+    for p in range(live.shape[0]):
+        if live[p]:
+            new_hashes[w] = hashes[p]
+            new_keys[w] = keys[p]
+            _place(new_index, new_hashes, w, shift)
+            w += 1
+    return w
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+def as_u64(keys: Sequence[int] | npt.NDArray[Any]) -> U64:
+    """kvcm keys (signed 64-bit ints, or any ints mod 2**64) as a ``uint64`` array."""
+    if isinstance(keys, np.ndarray):
+        if keys.dtype == np.uint64:
+            return keys
+        if keys.dtype == np.int64:
+            return keys.view(np.uint64)
+        return keys.astype(np.uint64)
+    try:
+        return np.array(keys, dtype=np.int64).view(np.uint64)
+    except OverflowError:  # unsigned values above 2**63 - 1 among them
+        return np.array([k & 0xFFFFFFFFFFFFFFFF for k in keys], dtype=np.uint64)
+
+
+def to_signed_list(keys: U64) -> list[int]:
+    """``uint64`` keys back as Python ints in kvcm's signed form."""
+    out: list[int] = keys.view(np.int64).tolist()
+    return out
+
+
+def _bits_for(n: int) -> int:
+    """Index bits for ``n`` live entries within :data:`MAX_LOAD`."""
+    bits = _MIN_BITS
+    while n > MAX_LOAD * (1 << bits):
+        bits += 1
+    return bits
+
+
+def _new_index(bits: int) -> U32:
+    return np.full(1 << bits, _EMPTY, dtype=np.uint32)
+
+
+def _grown(arr: npt.NDArray[Any], used: int, capacity: int) -> npt.NDArray[Any]:
+    """``arr``'s first ``used`` rows in a new array of ``capacity`` rows; the rest is left
+    unwritten (untouched pages of a large array are not resident)."""
+    out = np.empty(capacity, dtype=arr.dtype)
+    out[:used] = arr[:used]
+    return out
+
+
+class _Indexed:
+    """The index half shared by :class:`KeyTable` and :class:`SourceMap`."""
+
+    index: U32
+    meta: I64
+
+    def _set_index(self, bits: int) -> None:
+        self.bits = bits
+        self.shift = np.uint64(64 - bits)
+        self.limit = int(MAX_LOAD * (1 << bits))
+
+    def __len__(self) -> int:
+        return int(self.meta[_SIZE])
+
+    @property
+    def capacity(self) -> int:
+        """Index cells."""
+        return 1 << self.bits
+
+
+# --- KeyTable ---------------------------------------------------------------------------------------
+
+
+class KeyTable(_Indexed):
+    """kvcm key (``uint64``) -> holder-set id (``uint32``), for one ``(instance_id, lora)``
+    namespace. A row per key (``keys``, ``sets``), rows of deleted keys reused through a free
+    chain threaded through their key cells, so row numbers are stable while a key lives: a batch
+    can locate its keys once and then read and write ``sets[rows]`` with numpy. Rows are not
+    kept across batches by anyone (they change at :meth:`compact`)."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.meta = np.array([0, 0, -1], dtype=np.int64)  # size, rows used, free chain head
+        self._set_index(_bits_for(capacity))
+        self.index = _new_index(self.bits)
+        self.keys: U64 = np.empty(max(8, capacity), dtype=np.uint64)
+        self.sets: U32 = np.empty(max(8, capacity), dtype=np.uint32)
+
+    def lookup_many(self, keys: Sequence[int] | npt.NDArray[Any]) -> U32:
+        """The holder-set id of each key; 0 (the empty set) for a key nobody holds."""
+        q = as_u64(keys)
+        out = np.empty(len(q), dtype=np.uint32)
+        _kt_lookup(self.index, self.keys, self.sets, self.shift, q, out)
+        return out
+
+    def locate_many(self, keys: Sequence[int] | npt.NDArray[Any], insert: bool) -> I64:
+        """The row of each key; a missing key gets a new row with set 0 when ``insert``, else -1.
+        A key named twice gets the same row twice."""
+        q = as_u64(keys)
+        out = np.empty(len(q), dtype=np.int64)
+        at = 0
+        while True:
+            at = _kt_locate(self.index, self.keys, self.sets, self.meta, self.shift, self.limit, q, out, at, insert)
+            if at >= len(q):
+                return out
+            if len(self) >= self.limit:
+                self._reindex(self.bits + 1)
+            else:  # no free row left: the row arrays double
+                used, cap = int(self.meta[_USED]), 2 * len(self.keys)
+                self.keys, self.sets = _grown(self.keys, used, cap), _grown(self.sets, used, cap)
+
+    def drop_empty(self, rows: I64) -> int:
+        """Delete the keys of ``rows`` whose set is 0; returns how many went."""
+        freed = int(_kt_drop(self.index, self.keys, self.sets, self.meta, self.shift, rows))
+        if freed:
+            self._maybe_compact()
+        return freed
+
+    def remove_many(self, keys: Sequence[int] | npt.NDArray[Any]) -> int:
+        """Delete ``keys`` whatever their set (the caller releases their set references)."""
+        rows = self.locate_many(keys, insert=False)
+        rows = rows[rows >= 0]
+        self.sets[rows] = 0
+        return self.drop_empty(rows)
+
+    def items(self) -> tuple[U64, U32]:
+        """Every key and its set id (index order)."""
+        rows = self.index[self.index != _EMPTY]
+        return self.keys[rows], self.sets[rows]
+
+    def _reindex(self, bits: int) -> None:
+        new = _new_index(bits)
+        shift = np.uint64(64 - bits)
+        _reindex(self.index, self.keys, new, shift)
+        self.index = new
+        self._set_index(bits)
+
+    def _maybe_compact(self) -> None:
+        """After deletions: when most rows are free (or the index mostly empty), pack the live
+        rows into arrays of their size, so a table that shrank gives its memory back."""
+        size, used = len(self), int(self.meta[_USED])
+        if used > 64 and size < used // 4:
+            cap = max(8, 2 * size)
+            keys, sets = np.empty(cap, dtype=np.uint64), np.empty(cap, dtype=np.uint32)
+            _kt_pack(self.index, self.keys, self.sets, keys, sets)
+            self.keys, self.sets = keys, sets
+            self.meta[_USED], self.meta[_AUX] = size, -1
+            self.index = _new_index(self.bits)
+            _reindex_rows(self.index, self.keys, size, self.shift)
+        bits = _bits_for(size)
+        if bits + 2 <= self.bits:  # the index is 4x larger than needed: halve it to twice needed
+            self._reindex(bits + 1)
+
+    def nbytes(self) -> int:
+        """Bytes of its arrays as allocated (rows never written are not resident: see
+        :meth:`used_bytes`)."""
+        return int(self.index.nbytes + self.keys.nbytes + self.sets.nbytes + self.meta.nbytes)
+
+    def used_bytes(self) -> int:
+        """Bytes of its index and of the rows written so far (what can be resident)."""
+        return int(self.index.nbytes + int(self.meta[_USED]) * (8 + 4))
+
+
+@_jit
+def _reindex_rows(index: Any, rows: Any, n: Any, shift: Any) -> None:
+    for r in range(n):
+        _place(index, rows, r, shift)
+
+
+# --- HolderSets -------------------------------------------------------------------------------------
+
+
+class HolderSets:
+    """Interned sets of holder slots (:class:`~kvcm.engines.table.HolderTable` slot ids) <->
+    ``uint32`` ids, for one namespace. Engines share prefixes, so millions of keys share a few
+    thousand distinct holder sets: a key stores 4 bytes and the set's mask lives once.
+
+    * id 0 is the empty set, always there, not counted;
+    * ``refs[id]``: keys whose set it is; at 0 the id is freed and reused;
+    * ``masks[id]``: the set as an int bit mask (bit ``s`` for slot ``s``), the form the
+      existing query code (``runs``, ``longest_prefixes``, hybrid answers) works on;
+    * a transition cache ``(id, +slot) -> id`` and ``(id, -slot) -> id``: a batch that holds or
+      releases one slot over many keys maps its few distinct ids once each (:meth:`move`)."""
+
+    def __init__(self) -> None:
+        self.masks: list[int] = [0]
+        self.refs: list[int] = [0]
+        self._ids: dict[int, int] = {0: 0}  # mask -> id
+        self._free: list[int] = []
+        # per id: code -> id (code = slot to add, ~slot to remove); and the (id, code) pairs that
+        # lead to it, so freeing an id forgets every cached transition to or from it
+        self._next: list[dict[int, int]] = [{}]
+        self._back: list[set[tuple[int, int]]] = [set()]
+
+    def __len__(self) -> int:
+        """Live sets, the empty one included."""
+        return len(self._ids)
+
+    def id_of(self, mask: int) -> int | None:
+        return self._ids.get(mask)
+
+    def slots(self, sid: int) -> frozenset[int]:
+        mask, out = self.masks[sid], []
+        while mask:
+            low = mask & -mask
+            out.append(low.bit_length() - 1)
+            mask ^= low
+        return frozenset(out)
+
+    def step(self, sid: int, code: int) -> int:
+        """The id of set ``sid`` with slot ``code`` added (``code >= 0``) or slot ``~code``
+        removed; interned (refcount 0) if new. Cached."""
+        found = self._next[sid].get(code)
+        if found is not None:
+            return found
+        mask = self.masks[sid]
+        mask = mask | (1 << code) if code >= 0 else mask & ~(1 << ~code)
+        target = self._intern(mask)
+        self._next[sid][code] = target
+        self._back[target].add((sid, code))
+        return target
+
+    def _intern(self, mask: int) -> int:
+        found = self._ids.get(mask)
+        if found is not None:
+            return found
+        if self._free:
+            sid = self._free.pop()
+            self.masks[sid], self.refs[sid] = mask, 0
+        else:
+            sid = len(self.masks)
+            if sid > 0xFFFFFFFF:
+                raise OverflowError("more than 2**32 holder sets")
+            self.masks.append(mask)
+            self.refs.append(0)
+            self._next.append({})
+            self._back.append(set())
+        self._ids[mask] = sid
+        return sid
+
+    def acquire(self, sid: int, n: int = 1) -> None:
+        if sid:
+            self.refs[sid] += n
+
+    def release(self, sid: int, n: int = 1) -> None:
+        if not sid:
+            return
+        left = self.refs[sid] = self.refs[sid] - n
+        if left < 0:
+            raise AssertionError(f"holder set {sid} released below zero")
+        if not left:
+            self._drop(sid)
+
+    def _drop(self, sid: int) -> None:
+        del self._ids[self.masks[sid]]
+        for src, code in self._back[sid]:
+            if self._next[src].get(code) == sid:
+                del self._next[src][code]
+        for code, dst in self._next[sid].items():
+            self._back[dst].discard((sid, code))
+        self._next[sid], self._back[sid] = {}, set()
+        self.masks[sid] = 0
+        self._free.append(sid)
+
+    def contains(self, ids: U32, slot: int) -> Bools:
+        """Per element of ``ids``: whether its set holds ``slot``."""
+        if not len(ids):
+            return np.zeros(0, dtype=np.bool_)
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        masks = self.masks
+        flags = np.array([(masks[int(u)] >> slot) & 1 for u in uniq], dtype=np.bool_)
+        return flags[inverse.reshape(-1)]
+
+    def move(self, ids: U32, code: int) -> U32:
+        """Each element of ``ids`` (one key's set each) stepped by ``code`` (:meth:`step`), the
+        references moving with it: one step and one refcount update per distinct id."""
+        if not len(ids):
+            return np.zeros(0, dtype=np.uint32)
+        uniq, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+        sources = uniq.tolist()
+        targets = [self.step(s, code) for s in sources]
+        moved = [(s, t, n) for s, t, n in zip(sources, targets, counts.tolist()) if s != t]
+        for _, t, n in moved:  # acquire first: no id of this batch is freed and reused midway
+            self.acquire(t, n)
+        for s, _, n in moved:
+            self.release(s, n)
+        return np.array(targets, dtype=np.uint32)[inverse.reshape(-1)]
+
+    def nbytes(self) -> int:
+        """Approximate bytes of its Python objects (lists, masks, dicts)."""
+        size = sys.getsizeof(self.masks) + sys.getsizeof(self.refs) + sys.getsizeof(self._ids)
+        size += sys.getsizeof(self._free) + sys.getsizeof(self._next) + sys.getsizeof(self._back)
+        size += sum(map(sys.getsizeof, self.masks)) + sum(map(sys.getsizeof, self.refs))
+        size += sum(map(sys.getsizeof, self._next)) + sum(map(sys.getsizeof, self._back))
+        return size
+
+
+# --- CompactTable -------------------------------------------------------------------------------------
+
+
+class CompactTable:
+    """A namespace's keys and their holders: :class:`KeyTable` + :class:`HolderSets`, with
+    :class:`~kvcm.engines.table.HolderTable`'s holding semantics (slot ids are allocated by
+    whoever owns the slots, as ``HolderTable.slot`` does):
+
+    * a slot's first holding of a key is its bit in the key's set; further holdings of the same
+      key by the same slot are counted in ``extra[slot][key]`` (rare: duplicate stores);
+    * ``counts[slot]``: distinct keys the slot holds;
+    * a key whose set becomes empty leaves the :class:`KeyTable`."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.keys = KeyTable(capacity)
+        self.sets = HolderSets()
+        self.extra: dict[int, dict[int, int]] = {}  # slot -> signed key -> holdings beyond the first
+        self.counts: dict[int, int] = {}
+
+    def hold(self, slot: int, keys: Sequence[int] | npt.NDArray[Any]) -> None:
+        """One more holding of each key (a key named twice is held twice) by ``slot``."""
+        q = as_u64(keys)
+        if not len(q):
+            return
+        rows = self.keys.locate_many(q, insert=True)
+        uniq, counts = np.unique(rows, return_counts=True)
+        current = self.keys.sets[uniq]
+        held = self.sets.contains(current, slot)
+        more = counts - (~held)  # holdings beyond the bit: all if held, all but one otherwise
+        if more.any():
+            extra = self.extra.setdefault(slot, {})
+            pick = more > 0
+            for key, n in zip(to_signed_list(self.keys.keys[uniq[pick]]), more[pick].tolist()):
+                extra[key] = extra.get(key, 0) + n
+        new = ~held
+        if new.any():
+            self.keys.sets[uniq[new]] = self.sets.move(current[new], slot)
+            self.counts[slot] = self.counts.get(slot, 0) + int(new.sum())
+
+    def release(self, slot: int, keys: Sequence[int] | npt.NDArray[Any]) -> None:
+        """One holding less of each key by ``slot``; releases beyond its holdings do nothing."""
+        q = as_u64(keys)
+        if not len(q):
+            return
+        rows = self.keys.locate_many(q, insert=False)
+        rows = rows[rows >= 0]
+        uniq, counts = np.unique(rows, return_counts=True)
+        current = self.keys.sets[uniq]
+        mine = self.sets.contains(current, slot)
+        uniq, counts, current = uniq[mine], counts[mine], current[mine]
+        extra = self.extra.get(slot)
+        if extra and len(uniq):  # holdings beyond the first go first, the bit with the last
+            keep = np.zeros(len(uniq), dtype=np.bool_)
+            for i, (key, n) in enumerate(zip(to_signed_list(self.keys.keys[uniq]), counts.tolist())):
+                more = extra.get(key)
+                if more:
+                    if more > n:
+                        extra[key] = more - n
+                        keep[i] = True
+                    else:
+                        del extra[key]
+                        keep[i] = more == n
+            if not extra:
+                del self.extra[slot]
+            uniq, current = uniq[~keep], current[~keep]
+        self._clear(slot, uniq, current)
+
+    def forget(self, slot: int, keys: Sequence[int] | npt.NDArray[Any]) -> None:
+        """Every holding of ``keys`` by ``slot`` goes (its slot is about to be dropped)."""
+        q = as_u64(keys)
+        extra = self.extra.get(slot)
+        if extra:
+            for key in to_signed_list(q):
+                extra.pop(key, None)
+            if not extra:
+                del self.extra[slot]
+        rows = self.keys.locate_many(q, insert=False)
+        uniq = np.unique(rows[rows >= 0])
+        current = self.keys.sets[uniq]
+        mine = self.sets.contains(current, slot)
+        self._clear(slot, uniq[mine], current[mine])
+
+    def _clear(self, slot: int, rows: I64, current: U32) -> None:
+        """Clear ``slot``'s bit from the sets of ``rows`` (all hold it); keys left without holder go."""
+        if not len(rows):
+            return
+        new = self.sets.move(current, ~slot)
+        self.keys.sets[rows] = new
+        left = self.counts[slot] - len(rows)
+        if left:
+            self.counts[slot] = left
+        else:
+            del self.counts[slot]
+        gone = rows[new == 0]
+        if len(gone):
+            self.keys.drop_empty(gone)
+
+    def count(self, slot: int) -> int:
+        """Distinct keys the slot holds."""
+        return self.counts.get(slot, 0)
+
+    def masks(self, keys: Sequence[int] | npt.NDArray[Any]) -> list[int]:
+        """Each key's holder mask (0: nobody), as ``HolderTable.holders[key]``."""
+        masks = self.sets.masks
+        return [masks[i] for i in self.keys.lookup_many(keys).tolist()]
+
+    def holders(self) -> dict[int, int]:
+        """Every key (signed) and its holder mask: ``HolderTable.holders`` as a plain dict."""
+        keys, ids = self.keys.items()
+        masks = self.sets.masks
+        return dict(zip(to_signed_list(keys), [masks[i] for i in ids.tolist()]))
+
+    def runs(self, keys: Sequence[int] | npt.NDArray[Any], allowed: int) -> list[tuple[int, int, int]]:
+        """:meth:`HolderTable.runs <kvcm.engines.table.HolderTable.runs>` on set ids: the keys
+        are looked up in one kernel call, then grouped into stretches of one set id (small ints),
+        each stretch's mask read once."""
+        found: list[tuple[int, int, int]] = []
+        if not allowed or not len(keys):
+            return found
+        masks = self.sets.masks
+        stretches = groupby(self.keys.lookup_many(keys).tolist())
+        first = next(stretches)
+        running = masks[first[0]] & allowed
+        if not running:
+            return found
+        length = len(list(first[1]))
+        for sid, stretch in stretches:
+            kept = running & masks[sid]
+            if kept != running:
+                found.append((length, running, kept))
+                if not kept:
+                    return found
+                running = kept
+            length += len(list(stretch))
+        if running:
+            found.append((length, running, 0))
+        return found
+
+    def nbytes(self) -> int:
+        extra = sum(sys.getsizeof(d) for d in self.extra.values()) + sys.getsizeof(self.extra)
+        return self.keys.nbytes() + self.sets.nbytes() + extra + sys.getsizeof(self.counts)
+
+
+# --- SourceMap ------------------------------------------------------------------------------------------
+
+
+class SourceMap(_Indexed):
+    """Engine block hash (``uint64``) -> kvcm key (``uint64``), for one (source, group), in
+    insertion order: rows are appended (``hashes``, ``keys``), so the oldest live rows are the
+    first ones and eviction walks from the front (no sequence column: 4 bytes a holding saved,
+    and :meth:`oldest` is ``O(n)``, not a partition of the whole map). A removed or re-inserted
+    hash abandons its row; abandoned rows are packed away once they pass a quarter of the live
+    ones (amortised ``O(1)`` per change).
+
+    The kvcm key is stored itself, not a :class:`KeyTable` row: rows move when a key table packs
+    itself, and a stale key is merely not found where a stale row would name another key."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.meta = np.array([0, 0, 0], dtype=np.int64)  # size, rows used, eviction head
+        self._set_index(_bits_for(capacity))
+        self.index = _new_index(self.bits)
+        self.hashes: U64 = np.empty(max(8, capacity), dtype=np.uint64)
+        self.keys: U64 = np.empty(max(8, capacity), dtype=np.uint64)
+
+    def insert_many(
+        self, hashes: Sequence[int] | npt.NDArray[Any], keys: Sequence[int] | npt.NDArray[Any]
+    ) -> tuple[Bools, U64]:
+        """Map each hash to its key, in order, each becoming the newest (a hash present already
+        is updated and moved to the end, as a full re-report makes a block the newest). Returns
+        per hash whether it was present, and its previous key (0 where it was not)."""
+        qh, qk = as_u64(hashes), as_u64(keys)
+        if len(qh) != len(qk):
+            raise ValueError("hashes and keys differ in length")
+        had = np.zeros(len(qh), dtype=np.bool_)
+        old = np.zeros(len(qh), dtype=np.uint64)
+        at = 0
+        while True:
+            at = _sm_insert(self.index, self.hashes, self.keys, self.meta, self.shift, self.limit, qh, qk, had, old, at)
+            if at >= len(qh):
+                break
+            if int(self.meta[_USED]) >= len(self.hashes):
+                self._make_rows(len(qh) - at)
+            else:
+                self._reindex(self.bits + 1)
+        self._maybe_compact()
+        return had, old
+
+    def get_many(self, hashes: Sequence[int] | npt.NDArray[Any]) -> tuple[Bools, U64]:
+        """Per hash: whether present, and its key (0 where not)."""
+        qh = as_u64(hashes)
+        found = np.empty(len(qh), dtype=np.bool_)
+        out = np.empty(len(qh), dtype=np.uint64)
+        _sm_get(self.index, self.hashes, self.keys, self.shift, qh, found, out)
+        return found, out
+
+    def remove_many(self, hashes: Sequence[int] | npt.NDArray[Any]) -> tuple[Bools, U64]:
+        """Remove the hashes; per hash whether it was present, and its key (0 where not)."""
+        qh = as_u64(hashes)
+        found = np.empty(len(qh), dtype=np.bool_)
+        out = np.empty(len(qh), dtype=np.uint64)
+        _sm_remove(self.index, self.hashes, self.keys, self.meta, self.shift, qh, found, out)
+        self._maybe_compact()
+        return found, out
+
+    def oldest(self, n: int) -> tuple[U64, U64]:
+        """Remove the ``n`` oldest entries (fewer if it holds fewer); their hashes and keys,
+        oldest first."""
+        n = max(0, min(n, len(self)))
+        out_h = np.empty(n, dtype=np.uint64)
+        out_k = np.empty(n, dtype=np.uint64)
+        got = _sm_oldest(self.index, self.hashes, self.keys, self.meta, self.shift, n, out_h, out_k)
+        self._maybe_compact()
+        return out_h[:got], out_k[:got]
+
+    def items(self) -> tuple[U64, U64]:
+        """Every hash and its key, oldest first."""
+        used = int(self.meta[_USED])
+        live = _sm_live(self.index, used)
+        return self.hashes[:used][live], self.keys[:used][live]
+
+    def _reindex(self, bits: int) -> None:
+        new = _new_index(bits)
+        _reindex(self.index, self.hashes, new, np.uint64(64 - bits))
+        self.index = new
+        self._set_index(bits)
+
+    def _make_rows(self, wanted: int) -> None:
+        """Room for more rows: pack the abandoned ones away when they are a quarter of the rows,
+        else grow the row arrays by a quarter (at least ``wanted`` rows)."""
+        used, size = int(self.meta[_USED]), len(self)
+        if used - size >= max(wanted, used // 4):
+            self._pack(len(self.hashes))
+        else:  # x1.25: a map's arrays come from the malloc heap, where the unwritten tail of a
+            # new array may be pages an earlier freed array touched (resident though unused)
+            cap = len(self.hashes) + max(wanted, len(self.hashes) // 4, 8)
+            self.hashes, self.keys = _grown(self.hashes, used, cap), _grown(self.keys, used, cap)
+
+    def _maybe_compact(self) -> None:
+        used, size = int(self.meta[_USED]), len(self)
+        if used - size > 64 + size // 4:
+            cap = len(self.hashes)
+            self._pack(max(8, 2 * size) if cap > 4 * max(size, 8) else cap)
+
+    def _pack(self, capacity: int) -> None:
+        """Live rows to the front, in order, into arrays of ``capacity`` rows (the same arrays if
+        their size), and a fresh index (smaller when the map shrank)."""
+        used, size = int(self.meta[_USED]), len(self)
+        live = _sm_live(self.index, used)
+        bits = self.bits
+        needed = _bits_for(size)
+        if needed + 2 <= bits:
+            bits = needed + 1
+        index = _new_index(bits)
+        if capacity == len(self.hashes):
+            hashes, keys = self.hashes, self.keys
+        else:
+            hashes, keys = np.empty(capacity, dtype=np.uint64), np.empty(capacity, dtype=np.uint64)
+        _sm_pack(live, self.hashes, self.keys, hashes, keys, index, np.uint64(64 - bits))
+        self.hashes, self.keys, self.index = hashes, keys, index
+        self._set_index(bits)
+        self.meta[_USED], self.meta[_AUX] = size, 0
+
+    def nbytes(self) -> int:
+        """Bytes of its arrays as allocated (see :meth:`used_bytes`)."""
+        return int(self.index.nbytes + self.hashes.nbytes + self.keys.nbytes + self.meta.nbytes)
+
+    def used_bytes(self) -> int:
+        """Bytes of its index and of the rows written so far (what can be resident)."""
+        return int(self.index.nbytes + int(self.meta[_USED]) * 16)
+
+
+def holdings_of(maps: Iterable[SourceMap]) -> int:
+    """Entries of the maps together (the bench's holdings)."""
+    return sum(map(len, maps))
