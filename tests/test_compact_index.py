@@ -12,6 +12,7 @@ pytest.importorskip("numba")
 
 from kvcm.engines.compact import (
     MAX_LOAD,
+    MAX_POS,
     CompactTable,
     HolderSets,
     KeyTable,
@@ -61,7 +62,10 @@ def signed(k: int) -> int:
 # --- KeyTable ----------------------------------------------------------------------------------
 
 
-def check_keytable(kt: KeyTable, model: dict[int, int]) -> None:
+def check_keytable(kt: KeyTable, model: dict[int, int], pos: dict[int, int], rows: dict[int, int], peak: int) -> None:
+    """``model``: key -> set; ``pos``: key -> position (-1: none); ``rows``: key -> the row it got
+    when inserted (must still be its row); ``peak``: most live keys since the table was empty
+    (rows are reused before new ones are taken, so rows used == peak)."""
     keys, sets = kt.items()
     assert dict(zip(keys.tolist(), sets.tolist())) == model
     assert len(kt) == len(model)
@@ -69,27 +73,59 @@ def check_keytable(kt: KeyTable, model: dict[int, int]) -> None:
     probe = list(model) + [k ^ 0x5A5A for k in list(model)[:50]]
     got = kt.lookup_many(np.array(probe, dtype=np.uint64)).tolist()
     assert got == [model.get(k, 0) for k in probe]
+    assert kt.pos_many(np.array(probe, dtype=np.uint64)).tolist() == [pos.get(k, -1) for k in probe]
+    live = list(model)
+    assert kt.locate_many(np.array(live, dtype=np.uint64), insert=False).tolist() == [rows[k] for k in live]
+    assert kt.pos_of(np.array([rows[k] for k in live], dtype=np.int64)).tolist() == [pos[k] for k in live]
+    assert sorted(kt.rows().tolist()) == sorted(rows[k] for k in live)
+    assert int(kt.meta[1]) == peak
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_keytable_matches_dict(seed: int) -> None:
+    """Sets, positions (keep-first) and rows (a key's row never changes while it lives) against
+    dicts, through growth from 8 cells, deletions, index shrinking, and emptying."""
     rng = random.Random(seed)
     pool = key_pool(rng, 3000)
     kt = KeyTable()  # 8 cells: grows through many doublings
     model: dict[int, int] = {}
+    pos: dict[int, int] = {}
+    rows_of: dict[int, int] = {}
+    peak = 0
     bits_seen = {kt.bits}
-    for _ in range(150):
+    mismatches = 0
+    for step in range(300):
         op = rng.random()
+        if step > 150:  # drain: the index shrinks while keys (and their rows) live on
+            op = 0.7
         batch = rng.choices(pool, k=rng.randrange(1, 120))
-        if op < 0.55:  # insert (duplicates in the batch included) and give each key a set
-            rows = kt.locate_many(np.array(batch, dtype=np.uint64), insert=True)
+        if op < 0.55:  # insert (duplicates in the batch included), with positions or not
+            q = np.array(batch, dtype=np.uint64)
+            if rng.random() < 0.6:
+                given = [rng.choice([16, 32, MAX_POS, 0, rng.randrange(1 << 20)]) for _ in batch]
+                rows, bad = kt.insert_many(q, given)
+                for k, p, flagged in zip(batch, given, bad.tolist()):
+                    if k not in model:
+                        model[k], pos[k] = 0, -1
+                    if pos[k] == -1:
+                        pos[k] = p
+                        assert not flagged
+                    else:
+                        assert flagged == (pos[k] != p)
+                        mismatches += flagged
+            else:
+                rows = kt.locate_many(q, insert=True)
+                for k in batch:
+                    if k not in model:
+                        model[k], pos[k] = 0, -1
             for k, r in zip(batch, rows.tolist()):
                 assert r >= 0
+                assert rows_of.setdefault(k, r) == r  # a live key keeps its row
                 value = rng.randrange(1, 1 << 32)
                 kt.sets[r] = value
                 model[k] = value
-            # a key named twice got one row
-            assert len(set(rows.tolist())) == len(set(batch))
+            assert len(set(rows.tolist())) == len(set(batch))  # a key named twice got one row
+            peak = max(peak, len(model))
         elif op < 0.8:  # some keys' sets become empty: drop_empty deletes exactly those
             rows = kt.locate_many(np.array(batch, dtype=np.uint64), insert=False)
             absent = [k for k, r in zip(batch, rows.tolist()) if r < 0]
@@ -98,19 +134,69 @@ def test_keytable_matches_dict(seed: int) -> None:
             for k, r in zip(batch, rows.tolist()):
                 if r in emptied:
                     kt.sets[r] = 0
-                    model.pop(k, None)
+                    if k in model:
+                        del model[k], pos[k], rows_of[k]
             kt.drop_empty(np.array(rows.tolist() + rows.tolist(), dtype=np.int64))  # named twice: freed once
         else:
             kt.remove_many(np.array(batch, dtype=np.uint64))
             for k in batch:
-                model.pop(k, None)
+                if k in model:
+                    del model[k], pos[k], rows_of[k]
+        if not model and int(kt.meta[1]) == 0:
+            peak = 0  # emptied: started over
         bits_seen.add(kt.bits)
-        check_keytable(kt, model)
+        check_keytable(kt, model, pos, rows_of, peak)
     assert max(bits_seen) >= 11  # several doublings happened
+    assert kt.bits < max(bits_seen)  # and the index shrank while keys lived
+    assert mismatches
     kt.remove_many(np.array(list(model), dtype=np.uint64))
     model.clear()
-    check_keytable(kt, model)
+    pos.clear()
+    check_keytable(kt, model, pos, {}, 0)
     assert kt.bits <= 5  # a table emptied gives its memory back
+
+
+def test_keytable_positions_keep_first() -> None:
+    kt = KeyTable()
+    rows, bad = kt.insert_many([10, 11, 10], [160, 176, 999])  # named twice in a batch: first wins
+    assert bad.tolist() == [False, False, True]
+    assert kt.pos_many([10, 11, 12]).tolist() == [160, 176, -1]
+    rows2, bad = kt.insert_many([11, 10], [176, 161])
+    assert rows2.tolist() == rows[:2][::-1].tolist() and bad.tolist() == [False, True]
+    assert kt.pos_of(rows).tolist() == [160, 176, 160]
+    r = kt.locate_many([12], insert=True)  # no position yet: the first one given is taken
+    assert kt.pos_of(r).tolist() == [-1]
+    assert kt.set_pos(r, [48]).tolist() == [False] and kt.pos_many([12]).tolist() == [48]
+    assert kt.set_pos(r, [48]).tolist() == [False] and kt.set_pos(r, [64]).tolist() == [True]
+    kt.remove_many([10])  # deleted and inserted again: a new key, a new position
+    _, bad = kt.insert_many([10], [0])
+    assert bad.tolist() == [False] and kt.pos_many([10]).tolist() == [0]
+    for wrong in ([-1], [MAX_POS + 1], [1 << 40]):
+        with pytest.raises(ValueError):
+            kt.insert_many([13], wrong)
+    with pytest.raises(ValueError):
+        kt.set_pos(r, [1, 2])
+
+
+def test_keytable_rows_stable_through_growth_and_shrink() -> None:
+    """Rows recorded at insertion name the same keys after the table grew 10 doublings, lost
+    most keys (the index halving) and took new keys into the freed rows."""
+    rng = random.Random(11)
+    kt = KeyTable()
+    keys = [rng.getrandbits(64) for _ in range(20_000)]
+    rows = kt.locate_many(keys, insert=True)
+    kt.sets[rows] = 1
+    keep = keys[::10]
+    kept_rows = rows[::10].copy()
+    gone = [k for i, k in enumerate(keys) if i % 10]
+    kt.remove_many(gone)
+    assert kt.capacity < 20_000 / MAX_LOAD  # the index shrank
+    assert kt.keys[kept_rows].tolist() == keep and kt.locate_many(keep, insert=False).tolist() == kept_rows.tolist()
+    fresh = [rng.getrandbits(64) for _ in range(5_000)]
+    new_rows = kt.locate_many(fresh, insert=True)
+    assert int(kt.meta[1]) == 20_000  # freed rows taken before new ones
+    assert not set(new_rows.tolist()) & set(kept_rows.tolist())
+    assert kt.keys[kept_rows].tolist() == keep
 
 
 def test_keytable_signed_keys_and_edges() -> None:
@@ -192,8 +278,8 @@ def test_sourcemap_matches_ordered_dict(seed: int) -> None:
         op = rng.random()
         if op < 0.5:  # insert, re-inserting some present hashes and naming some twice
             hashes = rng.choices(pool, k=rng.randrange(1, 150))
-            keys = [rng.choice(pool) for _ in hashes]
-            had, old = sm.insert_many(np.array(hashes, dtype=np.uint64), np.array(keys, dtype=np.uint64))
+            keys = [rng.choice([0, 1, 0xFFFFFFFE, rng.randrange(1 << 32 - 1)]) for _ in hashes]  # rows
+            had, old = sm.insert_many(np.array(hashes, dtype=np.uint64), np.array(keys, dtype=np.int64))
             for h, k, was, prev in zip(hashes, keys, had.tolist(), old.tolist()):
                 assert was == (h in model)
                 assert prev == model.get(h, 0)
@@ -239,11 +325,14 @@ def test_sourcemap_grows_and_evicts_in_order() -> None:
 def test_sourcemap_edge_hashes() -> None:
     sm = SourceMap()
     edges = np.array(EDGE, dtype=np.uint64)
-    sm.insert_many(edges, edges[::-1].copy())
-    found, keys = sm.get_many(edges)
-    assert found.all() and keys.tolist() == EDGE[::-1]
-    found, keys = sm.remove_many(np.array([0, M64], dtype=np.uint64))
-    assert found.tolist() == [True, True] and keys.tolist() == [EDGE[-1], EDGE[-3]]
+    sm.insert_many(edges, np.arange(len(EDGE))[::-1].copy())
+    found, rows = sm.get_many(edges)
+    assert found.all() and rows.tolist() == list(range(len(EDGE)))[::-1]
+    found, rows = sm.remove_many(np.array([0, M64], dtype=np.uint64))
+    assert found.tolist() == [True, True] and rows.tolist() == [len(EDGE) - 1, len(EDGE) - 3]
+    for wrong in ([-1], [1 << 32], [0xFFFFFFFF]):  # not a KeyTable row
+        with pytest.raises(ValueError):
+            sm.insert_many([5], wrong)
     assert sm.items()[0].tolist() == EDGE[1:2] + EDGE[3:]
 
 
@@ -349,3 +438,100 @@ def test_as_u64_forms() -> None:
     arr = np.array([-2], dtype=np.int64)
     assert as_u64(arr).tolist() == [M64 - 1]
     assert to_signed_list(as_u64([-5, 7])) == [-5, 7]
+
+
+# --- SourceMaps over a CompactTable: rows as values, positions per key --------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sourcemaps_of_rows_match_models(seed: int) -> None:
+    """What the engine index will do: per source a SourceMap of hash -> KeyTable row, holdings
+    in one CompactTable. Stores (some re-storing present hashes, some under alias hashes of the
+    same key: extra holdings, some with a wrong position: flagged, kept out of the map and
+    released), removals and evictions release by the rows the maps give back. Against dict
+    models after every batch: each map's (hash, key) in age order, every key's position (the
+    first given while it lives) and row (unchanged while it lives), holder masks and counts."""
+    rng = random.Random(seed)
+    ct = CompactTable()
+    slots = range(6)
+    maps = {s: SourceMap() for s in slots}
+    model: dict[int, OrderedDict[int, int]] = {s: OrderedDict() for s in slots}  # hash -> key
+    held: dict[int, dict[int, int]] = {s: {} for s in slots}  # key -> holdings by the slot
+    first_pos: dict[int, int] = {}  # live key -> its position
+    first_row: dict[int, int] = {}  # live key -> its row
+    chains = [[signed(rng.getrandbits(64)) for _ in range(rng.randrange(20, 200))] for _ in range(12)]
+    flagged = 0
+
+    def engine_hash(key: int, alias: int) -> int:
+        return (mix(key) + alias) & M64
+
+    def release(s: int, keys: list[int]) -> None:
+        for k in keys:
+            held[s][k] -= 1
+            if not held[s][k]:
+                del held[s][k]
+                if not any(k in held[t] for t in slots):
+                    del first_pos[k], first_row[k]
+
+    for _ in range(220):
+        s = rng.choice(list(slots))
+        op = rng.random()
+        if op < 0.5:  # a store: a stretch of a chain, positions (i + 1) * 16 (+16 when rogue)
+            chain = rng.choice(chains)
+            a = rng.randrange(len(chain))
+            b = min(len(chain), a + rng.randrange(1, 64))
+            keys = chain[a:b]
+            rogue = rng.random() < 0.1
+            pos = [(i + 1) * 16 + (16 if rogue else 0) for i in range(a, b)]
+            alias = rng.choice([0, 0, 0, 1])
+            hashes = [engine_hash(k, alias) for k in keys]
+            rows, bad = ct.hold(s, keys, pos)
+            for k, p, r, f in zip(keys, pos, rows.tolist(), bad.tolist()):
+                held[s][k] = held[s].get(k, 0) + 1
+                assert first_row.setdefault(k, r) == r
+                assert f == (first_pos.setdefault(k, p) != p)
+            flagged += int(bad.sum())
+            ct.release_rows(s, rows[bad])  # the caller keeps them out (an overlay block in the index)
+            release(s, [k for k, f in zip(keys, bad.tolist()) if f])
+            ok = ~bad
+            had, old = maps[s].insert_many(np.array(hashes, dtype=np.uint64)[ok], rows[ok])
+            ct.release_rows(s, old[had])  # a re-stored hash: its previous holding goes
+            for h, k, was in zip(
+                [h for h, f in zip(hashes, bad.tolist()) if not f],
+                [k for k, f in zip(keys, bad.tolist()) if not f],
+                had.tolist(),
+            ):
+                assert was == (h in model[s])
+                if was:
+                    release(s, [model[s].pop(h)])
+                model[s][h] = k
+        elif op < 0.75:  # removals, some of hashes the source does not have
+            present = list(model[s])
+            hashes = rng.sample(present, min(len(present), rng.randrange(0, 40)))
+            hashes += [rng.getrandbits(64) for _ in range(rng.randrange(0, 3))]
+            found, rows = maps[s].remove_many(np.array(hashes, dtype=np.uint64))
+            assert found.tolist() == [h in model[s] for h in hashes]
+            assert ct.keys.keys[rows[found]].tolist() == [model[s][h] & M64 for h in hashes if h in model[s]]
+            ct.release_rows(s, rows[found])
+            release(s, [model[s].pop(h) for h in hashes if h in model[s]])
+        else:  # eviction of the oldest
+            n = rng.randrange(0, 80)
+            hashes, rows = maps[s].oldest(n)
+            expect = [model[s].popitem(last=False) for _ in range(min(n, len(model[s])))]
+            assert hashes.tolist() == [h for h, _ in expect]
+            ct.release_rows(s, rows)
+            release(s, [k for _, k in expect])
+        for t in slots:
+            hashes, rows = maps[t].items()
+            assert list(zip(hashes.tolist(), to_signed_list(ct.keys.keys[rows]))) == list(model[t].items())
+            assert ct.keys.pos_of(rows).tolist() == [first_pos[k] for k in model[t].values()]
+            assert ct.count(t) == len(held[t])
+            assert ct.extra.get(t, {}) == {k: n - 1 for k, n in held[t].items() if n > 1}
+        live = list(first_row)
+        assert ct.keys.locate_many(live, insert=False).tolist() == [first_row[k] for k in live]
+        assert ct.keys.pos_many(live).tolist() == [first_pos[k] for k in live]
+        assert ct.holders() == {k: sum(1 << t for t in slots if k in held[t]) for k in live}
+    assert flagged
+    for t in slots:  # everything evicted: nothing left anywhere
+        ct.release_rows(t, maps[t].oldest(len(maps[t]))[1])
+    assert len(ct.keys) == 0 and not ct.counts and not ct.extra and len(ct.sets) == 1

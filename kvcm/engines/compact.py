@@ -6,12 +6,13 @@ structs and, per ``(instance_id, lora)`` namespace, a dict of holder masks
 holding (``scripts/bench_events --memory``). Python objects cannot go much lower (a dict slot
 and a boxed int alone are ~100 bytes), so these structures hold the common case in flat arrays:
 
-* :class:`KeyTable`, per namespace: kvcm key -> holder-set id (``uint32``);
+* :class:`KeyTable`, per namespace: kvcm key -> holder-set id (``uint32``) and the key's token
+  position (``uint32``), in rows whose numbers stay the key's while it lives;
 * :class:`HolderSets`, per namespace: holder-set id <-> set of holder slots (an int bit mask,
   as :class:`~kvcm.engines.table.HolderTable` uses), reference counted, with a transition cache
   so that holding or releasing one slot over a whole batch of keys is a vectorised map;
-* :class:`SourceMap`, per (source, group): engine block hash -> kvcm key, in insertion order
-  (eviction takes the oldest);
+* :class:`SourceMap`, per (source, group): engine block hash -> the block's key's
+  :class:`KeyTable` row (``uint32``), in insertion order (eviction takes the oldest);
 * :class:`CompactTable` puts a namespace's :class:`KeyTable` and :class:`HolderSets` together
   with the per-slot counts and multiplicities of :class:`~kvcm.engines.table.HolderTable`: the
   drop-in shape the engine index will call (``docs/compact-index.md``).
@@ -55,6 +56,11 @@ MAX_LOAD = 0.8
 _MIN_BITS = 3  # smallest index: 8 cells
 _EMPTY = np.uint32(0xFFFFFFFF)  # an empty index cell (no row number reaches it)
 _NIL = np.uint64(0xFFFFFFFFFFFFFFFF)  # end of KeyTable's free-row chain
+_NO_POS = np.uint32(0xFFFFFFFF)  # a KeyTable row whose key's position is not known (yet)
+#: Positions are token counts stored as ``uint32``: 0 .. MAX_POS (2**32 - 1 means unknown).
+MAX_POS = 0xFFFFFFFE
+#: KeyTable rows and SourceMap values are ``uint32`` (and 2**32 - 1 is the empty index cell).
+MAX_ROWS = 0xFFFFFFFF
 _C1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finaliser: keys need not be well mixed
 _C2 = np.uint64(0x94D049BB133111EB)  # (Tair reporters name blocks by key; tests by counting)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
@@ -152,11 +158,13 @@ def _kt_lookup(index: Any, keys: Any, sets: Any, shift: Any, query: Any, out: An
 
 @_jit
 def _kt_locate(
-    index: Any, keys: Any, sets: Any, meta: Any, shift: Any, limit: Any, query: Any, out: Any, start: Any, insert: Any
-) -> Any:
+    index: Any, keys: Any, sets: Any, pos: Any, meta: Any, shift: Any, limit: Any,
+    query: Any, out: Any, start: Any, insert: Any,
+) -> Any:  # fmt: skip
     """Rows of ``query[start:]`` into ``out`` (-1 when absent and not ``insert``); a new key
-    gets a row (free chain first) with set 0. Returns where it stopped: ``query.shape[0]``, or
-    earlier when the index is full (``limit`` live entries) or rows ran out (the caller grows)."""
+    gets a row (free chain first) with set 0 and no position. Returns where it stopped:
+    ``query.shape[0]``, or earlier when the index is full (``limit`` live entries) or rows ran
+    out (the caller grows)."""
     for i in range(start, query.shape[0]):
         key = query[i]
         c = _find(index, keys, key, shift)
@@ -180,6 +188,7 @@ def _kt_locate(
             meta[_USED] += 1
         keys[r] = key
         sets[r] = 0
+        pos[r] = _NO_POS
         index[-c - 1] = r
         meta[_SIZE] += 1
         out[i] = r
@@ -211,16 +220,18 @@ def _kt_drop(index: Any, keys: Any, sets: Any, meta: Any, shift: Any, rows: Any)
 
 
 @_jit
-def _kt_pack(index: Any, keys: Any, sets: Any, new_keys: Any, new_sets: Any) -> Any:
-    """Copy the live rows, in index order, to the front of the new row arrays; returns how many."""
-    w = 0
-    for c in range(index.shape[0]):
-        r = index[c]
-        if r != _EMPTY:
-            new_keys[w] = keys[r]
-            new_sets[w] = sets[r]
-            w += 1
-    return w
+def _kt_setpos(pos: Any, rows: Any, qpos: Any, mismatch: Any) -> None:
+    """Keep-first positions, in order: a row without a position takes ``qpos[i]``; a row with
+    another position keeps it and ``mismatch[i]`` is set (a row named twice in one batch with
+    two positions: the first wins)."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        p = pos[r]
+        if p == _NO_POS:
+            pos[r] = qpos[i]
+            mismatch[i] = False
+        else:
+            mismatch[i] = p != qpos[i]
 
 
 # --- SourceMap kernels ---------------------------------------------------------------------------
@@ -228,11 +239,11 @@ def _kt_pack(index: Any, keys: Any, sets: Any, new_keys: Any, new_sets: Any) -> 
 
 @_jit
 def _sm_insert(
-    index: Any, hashes: Any, keys: Any, meta: Any, shift: Any, limit: Any,
-    qh: Any, qk: Any, had: Any, old: Any, start: Any,
+    index: Any, hashes: Any, vals: Any, meta: Any, shift: Any, limit: Any,
+    qh: Any, qv: Any, had: Any, old: Any, start: Any,
 ) -> Any:  # fmt: skip
-    """Append ``(qh[i], qk[i])`` from ``start`` on, in order; a hash already present has its
-    row abandoned (``had``, its key in ``old``) and the new row takes its cell: it becomes the
+    """Append ``(qh[i], qv[i])`` from ``start`` on, in order; a hash already present has its
+    row abandoned (``had``, its value in ``old``) and the new row takes its cell: it becomes the
     newest. Stops early (returns where) when rows or the index are full."""
     for i in range(start, qh.shape[0]):
         c = _find(index, hashes, qh[i], shift)
@@ -241,10 +252,10 @@ def _sm_insert(
         r = meta[_USED]
         meta[_USED] += 1
         hashes[r] = qh[i]
-        keys[r] = qk[i]
+        vals[r] = qv[i]
         if c >= 0:
             had[i] = True
-            old[i] = keys[index[c]]
+            old[i] = vals[index[c]]
             index[c] = r
         else:
             had[i] = False
@@ -254,18 +265,18 @@ def _sm_insert(
 
 
 @_jit
-def _sm_get(index: Any, hashes: Any, keys: Any, shift: Any, qh: Any, found: Any, out: Any) -> None:
+def _sm_get(index: Any, hashes: Any, vals: Any, shift: Any, qh: Any, found: Any, out: Any) -> None:
     for i in range(qh.shape[0]):
         c = _find(index, hashes, qh[i], shift)
         found[i] = c >= 0
         if c >= 0:  # two statements: a conditional expression of uint64 and int would be a float
-            out[i] = keys[index[c]]
+            out[i] = vals[index[c]]
         else:
             out[i] = 0
 
 
 @_jit
-def _sm_remove(index: Any, hashes: Any, keys: Any, meta: Any, shift: Any, qh: Any, found: Any, out: Any) -> None:
+def _sm_remove(index: Any, hashes: Any, vals: Any, meta: Any, shift: Any, qh: Any, found: Any, out: Any) -> None:
     """Remove ``qh`` (in order: a hash named twice is found once); its row is abandoned."""
     for i in range(qh.shape[0]):
         c = _find(index, hashes, qh[i], shift)
@@ -274,13 +285,13 @@ def _sm_remove(index: Any, hashes: Any, keys: Any, meta: Any, shift: Any, qh: An
             out[i] = 0
             continue
         found[i] = True
-        out[i] = keys[index[c]]
+        out[i] = vals[index[c]]
         _delete_cell(index, hashes, c, shift)
         meta[_SIZE] -= 1
 
 
 @_jit
-def _sm_oldest(index: Any, hashes: Any, keys: Any, meta: Any, shift: Any, n: Any, out_h: Any, out_k: Any) -> Any:
+def _sm_oldest(index: Any, hashes: Any, vals: Any, meta: Any, shift: Any, n: Any, out_h: Any, out_v: Any) -> Any:
     """Remove up to ``n`` live rows from the eviction head on, oldest first; returns how many. A
     row is live when its hash's cell points back at it (an abandoned row's hash leads elsewhere
     or nowhere), so liveness costs no memory."""
@@ -290,7 +301,7 @@ def _sm_oldest(index: Any, hashes: Any, keys: Any, meta: Any, shift: Any, n: Any
         c = _find(index, hashes, hashes[p], shift)
         if c >= 0 and index[c] == p:
             out_h[k] = hashes[p]
-            out_k[k] = keys[p]
+            out_v[k] = vals[p]
             _delete_cell(index, hashes, c, shift)
             meta[_SIZE] -= 1
             k += 1
@@ -310,14 +321,14 @@ def _sm_live(index: Any, used: Any) -> Any:
 
 
 @_jit
-def _sm_pack(live: Any, hashes: Any, keys: Any, new_hashes: Any, new_keys: Any, new_index: Any, shift: Any) -> Any:
+def _sm_pack(live: Any, hashes: Any, vals: Any, new_hashes: Any, new_vals: Any, new_index: Any, shift: Any) -> Any:
     """Copy the live rows, in order, to the front of the new arrays (which may be the old ones:
     rows only move down) and index them; returns how many."""
     w = 0
     for p in range(live.shape[0]):
         if live[p]:
             new_hashes[w] = hashes[p]
-            new_keys[w] = keys[p]
+            new_vals[w] = vals[p]
             _place(new_index, new_hashes, w, shift)
             w += 1
     return w
@@ -390,18 +401,36 @@ class _Indexed:
 
 
 class KeyTable(_Indexed):
-    """kvcm key (``uint64``) -> holder-set id (``uint32``), for one ``(instance_id, lora)``
-    namespace. A row per key (``keys``, ``sets``), rows of deleted keys reused through a free
-    chain threaded through their key cells, so row numbers are stable while a key lives: a batch
-    can locate its keys once and then read and write ``sets[rows]`` with numpy. Rows are not
-    kept across batches by anyone (they change at :meth:`compact`)."""
+    """kvcm key (``uint64``) -> holder-set id (``uint32``) and token position (``uint32``), for
+    one ``(instance_id, lora)`` namespace. A row per key (``keys``, ``sets``, ``pos``).
+
+    **Row numbers are stable for a key's lifetime**: a key keeps its row from insertion until it
+    is deleted, whatever the table does meanwhile (index growth or shrinking, other keys'
+    insertions and deletions). Rows of deleted keys are reused through a free chain threaded
+    through their key cells; live rows are never renumbered, so a :class:`SourceMap` may store a
+    ``uint32`` row instead of the 8-byte key, as long as it refers only to keys that live (in
+    :class:`CompactTable`: keys that the map's slot holds). The cost: the row arrays never
+    shrink while any key lives (freed rows wait for new keys); only the index shrinks, and a
+    table that empties entirely starts over with small arrays.
+
+    **Positions are per key, not per holding.** A kvcm key is, in the common case, the chained
+    hash of every token id from the root, so one key has one position: the token count at its
+    block's end (``EngineBlock.pos``). The first position given for a key is kept; another one
+    given later (or later in the same batch) is refused and flagged (:meth:`insert_many`,
+    :meth:`set_pos`), so the caller can count it and keep that block out of the compact
+    structures. A key inserted without a position has none (:meth:`pos_of` gives -1) until one
+    is set. A deleted and re-inserted key starts again without a position."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.meta = np.array([0, 0, -1], dtype=np.int64)  # size, rows used, free chain head
         self._set_index(_bits_for(capacity))
         self.index = _new_index(self.bits)
-        self.keys: U64 = np.empty(max(8, capacity), dtype=np.uint64)
-        self.sets: U32 = np.empty(max(8, capacity), dtype=np.uint32)
+        self._new_rows(max(8, capacity))
+
+    def _new_rows(self, capacity: int) -> None:
+        self.keys: U64 = np.empty(capacity, dtype=np.uint64)
+        self.sets: U32 = np.empty(capacity, dtype=np.uint32)
+        self.pos: U32 = np.empty(capacity, dtype=np.uint32)
 
     def lookup_many(self, keys: Sequence[int] | npt.NDArray[Any]) -> U32:
         """The holder-set id of each key; 0 (the empty set) for a key nobody holds."""
@@ -411,26 +440,65 @@ class KeyTable(_Indexed):
         return out
 
     def locate_many(self, keys: Sequence[int] | npt.NDArray[Any], insert: bool) -> I64:
-        """The row of each key; a missing key gets a new row with set 0 when ``insert``, else -1.
-        A key named twice gets the same row twice."""
+        """The row of each key; a missing key gets a new row with set 0 and no position when
+        ``insert``, else -1. A key named twice gets the same row twice."""
         q = as_u64(keys)
         out = np.empty(len(q), dtype=np.int64)
         at = 0
         while True:
-            at = _kt_locate(self.index, self.keys, self.sets, self.meta, self.shift, self.limit, q, out, at, insert)
+            at = _kt_locate(
+                self.index, self.keys, self.sets, self.pos, self.meta, self.shift, self.limit, q, out, at, insert
+            )
             if at >= len(q):
                 return out
             if len(self) >= self.limit:
                 self._reindex(self.bits + 1)
-            else:  # no free row left: the row arrays double
-                used, cap = int(self.meta[_USED]), 2 * len(self.keys)
-                self.keys, self.sets = _grown(self.keys, used, cap), _grown(self.sets, used, cap)
+            else:  # no free row left: the row arrays double (rows keep their numbers)
+                used = int(self.meta[_USED])
+                cap = min(2 * len(self.keys), MAX_ROWS)
+                if cap <= used:
+                    raise OverflowError(f"more than {MAX_ROWS:,} keys in one KeyTable")
+                self.keys = _grown(self.keys, used, cap)
+                self.sets = _grown(self.sets, used, cap)
+                self.pos = _grown(self.pos, used, cap)
+
+    def insert_many(
+        self, keys: Sequence[int] | npt.NDArray[Any], pos: Sequence[int] | npt.NDArray[Any]
+    ) -> tuple[I64, Bools]:
+        """:meth:`locate_many` with ``insert`` and each key's position (:meth:`set_pos`): the
+        rows, and per key whether it already had another position (kept)."""
+        rows = self.locate_many(keys, insert=True)
+        return rows, self.set_pos(rows, pos)
+
+    def set_pos(self, rows: I64, pos: Sequence[int] | npt.NDArray[Any]) -> Bools:
+        """Give the keys of ``rows`` (live rows) their positions, keeping the first: a row that
+        has another position keeps it and is flagged (returned ``True``)."""
+        q = _as_pos(pos)
+        if len(q) != len(rows):
+            raise ValueError("rows and positions differ in length")
+        mismatch = np.empty(len(rows), dtype=np.bool_)
+        _kt_setpos(self.pos, rows, q, mismatch)
+        return mismatch
+
+    def pos_of(self, rows: I64) -> I64:
+        """The position of the key of each (live) row; -1 where it has none."""
+        out: I64 = self.pos[rows].astype(np.int64)
+        out[out == int(_NO_POS)] = -1
+        return out
+
+    def pos_many(self, keys: Sequence[int] | npt.NDArray[Any]) -> I64:
+        """The position of each key; -1 for a key absent or without a position."""
+        rows = self.locate_many(keys, insert=False)
+        out = np.full(len(rows), -1, dtype=np.int64)
+        found = rows >= 0
+        out[found] = self.pos_of(rows[found])
+        return out
 
     def drop_empty(self, rows: I64) -> int:
         """Delete the keys of ``rows`` whose set is 0; returns how many went."""
         freed = int(_kt_drop(self.index, self.keys, self.sets, self.meta, self.shift, rows))
         if freed:
-            self._maybe_compact()
+            self._maybe_shrink()
         return freed
 
     def remove_many(self, keys: Sequence[int] | npt.NDArray[Any]) -> int:
@@ -439,6 +507,11 @@ class KeyTable(_Indexed):
         rows = rows[rows >= 0]
         self.sets[rows] = 0
         return self.drop_empty(rows)
+
+    def rows(self) -> I64:
+        """Every live row (index order)."""
+        rows: I64 = self.index[self.index != _EMPTY].astype(np.int64)
+        return rows
 
     def items(self) -> tuple[U64, U32]:
         """Every key and its set id (index order)."""
@@ -452,36 +525,37 @@ class KeyTable(_Indexed):
         self.index = new
         self._set_index(bits)
 
-    def _maybe_compact(self) -> None:
-        """After deletions: when most rows are free (or the index mostly empty), pack the live
-        rows into arrays of their size, so a table that shrank gives its memory back."""
-        size, used = len(self), int(self.meta[_USED])
-        if used > 64 and size < used // 4:
-            cap = max(8, 2 * size)
-            keys, sets = np.empty(cap, dtype=np.uint64), np.empty(cap, dtype=np.uint32)
-            _kt_pack(self.index, self.keys, self.sets, keys, sets)
-            self.keys, self.sets = keys, sets
-            self.meta[_USED], self.meta[_AUX] = size, -1
-            self.index = _new_index(self.bits)
-            _reindex_rows(self.index, self.keys, size, self.shift)
+    def _maybe_shrink(self) -> None:
+        """After deletions: an index 4x larger than needed is halved to twice needed; the row
+        arrays are kept (live rows keep their numbers) unless the table is empty."""
+        size = len(self)
+        if not size and int(self.meta[_USED]) > 64:  # no live row: nobody refers to any
+            self._new_rows(8)
+            self.meta[_USED], self.meta[_AUX] = 0, -1
         bits = _bits_for(size)
-        if bits + 2 <= self.bits:  # the index is 4x larger than needed: halve it to twice needed
+        if bits + 2 <= self.bits:
             self._reindex(bits + 1)
 
     def nbytes(self) -> int:
         """Bytes of its arrays as allocated (rows never written are not resident: see
         :meth:`used_bytes`)."""
-        return int(self.index.nbytes + self.keys.nbytes + self.sets.nbytes + self.meta.nbytes)
+        return int(self.index.nbytes + self.keys.nbytes + self.sets.nbytes + self.pos.nbytes + self.meta.nbytes)
 
     def used_bytes(self) -> int:
         """Bytes of its index and of the rows written so far (what can be resident)."""
-        return int(self.index.nbytes + int(self.meta[_USED]) * (8 + 4))
+        return int(self.index.nbytes + int(self.meta[_USED]) * (8 + 4 + 4))
 
 
-@_jit
-def _reindex_rows(index: Any, rows: Any, n: Any, shift: Any) -> None:
-    for r in range(n):
-        _place(index, rows, r, shift)
+def _as_pos(pos: Sequence[int] | npt.NDArray[Any]) -> U32:
+    """Positions as ``uint32``; outside ``0 .. MAX_POS`` is refused."""
+    arr = np.asarray(pos)
+    if arr.dtype == np.uint32:
+        if len(arr) and int(arr.max()) > MAX_POS:
+            raise ValueError(f"a position above {MAX_POS}")
+        return arr
+    if len(arr) and (int(arr.min()) < 0 or int(arr.max()) > MAX_POS):
+        raise ValueError(f"positions must be within 0 .. {MAX_POS}")
+    return arr.astype(np.uint32)
 
 
 # --- HolderSets -------------------------------------------------------------------------------------
@@ -623,7 +697,11 @@ class CompactTable:
     * a slot's first holding of a key is its bit in the key's set; further holdings of the same
       key by the same slot are counted in ``extra[slot][key]`` (rare: duplicate stores);
     * ``counts[slot]``: distinct keys the slot holds;
-    * a key whose set becomes empty leaves the :class:`KeyTable`."""
+    * a key whose set becomes empty leaves the :class:`KeyTable`;
+    * :meth:`hold` returns the keys' :class:`KeyTable` rows, which stay theirs while any slot
+      holds them: a :class:`SourceMap` stores them, and :meth:`release_rows` releases by them;
+    * positions (token count at a key's block end) are the key's, kept from the first hold
+      that gives one (:meth:`KeyTable.set_pos`)."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.keys = KeyTable(capacity)
@@ -631,12 +709,18 @@ class CompactTable:
         self.extra: dict[int, dict[int, int]] = {}  # slot -> signed key -> holdings beyond the first
         self.counts: dict[int, int] = {}
 
-    def hold(self, slot: int, keys: Sequence[int] | npt.NDArray[Any]) -> None:
-        """One more holding of each key (a key named twice is held twice) by ``slot``."""
+    def hold(
+        self, slot: int, keys: Sequence[int] | npt.NDArray[Any], pos: Sequence[int] | npt.NDArray[Any] | None = None
+    ) -> tuple[I64, Bools]:
+        """One more holding of each key (a key named twice is held twice) by ``slot``, each key
+        given its position if ``pos`` (kept from the first). Returns each key's row (stable
+        while the key is held by anyone) and whether it had another position (the caller counts
+        those, and keeps such blocks out of the compact maps: their position is not the key's)."""
         q = as_u64(keys)
         if not len(q):
-            return
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.bool_)
         rows = self.keys.locate_many(q, insert=True)
+        mismatch = np.zeros(len(q), dtype=np.bool_) if pos is None else self.keys.set_pos(rows, pos)
         uniq, counts = np.unique(rows, return_counts=True)
         current = self.keys.sets[uniq]
         held = self.sets.contains(current, slot)
@@ -650,14 +734,23 @@ class CompactTable:
         if new.any():
             self.keys.sets[uniq[new]] = self.sets.move(current[new], slot)
             self.counts[slot] = self.counts.get(slot, 0) + int(new.sum())
+        return rows, mismatch
 
     def release(self, slot: int, keys: Sequence[int] | npt.NDArray[Any]) -> None:
         """One holding less of each key by ``slot``; releases beyond its holdings do nothing."""
         q = as_u64(keys)
-        if not len(q):
-            return
-        rows = self.keys.locate_many(q, insert=False)
+        if len(q):
+            self.release_rows(slot, self.keys.locate_many(q, insert=False))
+
+    def release_rows(self, slot: int, rows: npt.NDArray[Any]) -> None:
+        """:meth:`release` of the keys of ``rows`` (as :meth:`hold` returned them; negative
+        rows are skipped). A row must name a key ``slot`` holds (or held: releases beyond its
+        holdings do nothing); a row freed meanwhile and reused by another key would release
+        that key, which the :class:`SourceMap` bookkeeping rules out (an entry is a holding)."""
+        rows = np.asarray(rows, dtype=np.int64)
         rows = rows[rows >= 0]
+        if not len(rows):
+            return
         uniq, counts = np.unique(rows, return_counts=True)
         current = self.keys.sets[uniq]
         mine = self.sets.contains(current, slot)
@@ -759,37 +852,40 @@ class CompactTable:
 
 
 class SourceMap(_Indexed):
-    """Engine block hash (``uint64``) -> kvcm key (``uint64``), for one (source, group), in
-    insertion order: rows are appended (``hashes``, ``keys``), so the oldest live rows are the
-    first ones and eviction walks from the front (no sequence column: 4 bytes a holding saved,
-    and :meth:`oldest` is ``O(n)``, not a partition of the whole map). A removed or re-inserted
-    hash abandons its row; abandoned rows are packed away once they pass a quarter of the live
-    ones (amortised ``O(1)`` per change).
+    """Engine block hash (``uint64``) -> :class:`KeyTable` row (``uint32``), for one (source,
+    group), in insertion order: rows are appended (``hashes``, ``rows``), so the oldest live
+    entries are the first ones and eviction walks from the front (no sequence column: 4 bytes a
+    holding saved, and :meth:`oldest` is ``O(n)``, not a partition of the whole map). A removed
+    or re-inserted hash abandons its map row; abandoned rows are packed away once they pass a
+    quarter of the live ones (amortised ``O(1)`` per change).
 
-    The kvcm key is stored itself, not a :class:`KeyTable` row: rows move when a key table packs
-    itself, and a stale key is merely not found where a stale row would name another key."""
+    The value is the block's key's row in its namespace's :class:`KeyTable` (4 bytes, not the
+    8-byte key; the key and its position are read there). KeyTable rows are stable while the
+    key lives, and an entry here is one holding of the key by this map's slot, so the row stays
+    the key's as long as the entry exists, provided the caller releases the holding only with
+    the entry (:meth:`remove_many`, :meth:`oldest`, a re-insert's previous value)."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.meta = np.array([0, 0, 0], dtype=np.int64)  # size, rows used, eviction head
         self._set_index(_bits_for(capacity))
         self.index = _new_index(self.bits)
         self.hashes: U64 = np.empty(max(8, capacity), dtype=np.uint64)
-        self.keys: U64 = np.empty(max(8, capacity), dtype=np.uint64)
+        self.rows: U32 = np.empty(max(8, capacity), dtype=np.uint32)
 
     def insert_many(
-        self, hashes: Sequence[int] | npt.NDArray[Any], keys: Sequence[int] | npt.NDArray[Any]
-    ) -> tuple[Bools, U64]:
-        """Map each hash to its key, in order, each becoming the newest (a hash present already
-        is updated and moved to the end, as a full re-report makes a block the newest). Returns
-        per hash whether it was present, and its previous key (0 where it was not)."""
-        qh, qk = as_u64(hashes), as_u64(keys)
-        if len(qh) != len(qk):
-            raise ValueError("hashes and keys differ in length")
+        self, hashes: Sequence[int] | npt.NDArray[Any], rows: Sequence[int] | npt.NDArray[Any]
+    ) -> tuple[Bools, U32]:
+        """Map each hash to its KeyTable row, in order, each becoming the newest (a hash present
+        already is updated and moved to the end, as a full re-report makes a block the newest).
+        Returns per hash whether it was present, and its previous row (0 where it was not)."""
+        qh, qr = as_u64(hashes), _as_rows(rows)
+        if len(qh) != len(qr):
+            raise ValueError("hashes and rows differ in length")
         had = np.zeros(len(qh), dtype=np.bool_)
-        old = np.zeros(len(qh), dtype=np.uint64)
+        old = np.zeros(len(qh), dtype=np.uint32)
         at = 0
         while True:
-            at = _sm_insert(self.index, self.hashes, self.keys, self.meta, self.shift, self.limit, qh, qk, had, old, at)
+            at = _sm_insert(self.index, self.hashes, self.rows, self.meta, self.shift, self.limit, qh, qr, had, old, at)
             if at >= len(qh):
                 break
             if int(self.meta[_USED]) >= len(self.hashes):
@@ -799,38 +895,38 @@ class SourceMap(_Indexed):
         self._maybe_compact()
         return had, old
 
-    def get_many(self, hashes: Sequence[int] | npt.NDArray[Any]) -> tuple[Bools, U64]:
-        """Per hash: whether present, and its key (0 where not)."""
+    def get_many(self, hashes: Sequence[int] | npt.NDArray[Any]) -> tuple[Bools, U32]:
+        """Per hash: whether present, and its row (0 where not)."""
         qh = as_u64(hashes)
         found = np.empty(len(qh), dtype=np.bool_)
-        out = np.empty(len(qh), dtype=np.uint64)
-        _sm_get(self.index, self.hashes, self.keys, self.shift, qh, found, out)
+        out = np.empty(len(qh), dtype=np.uint32)
+        _sm_get(self.index, self.hashes, self.rows, self.shift, qh, found, out)
         return found, out
 
-    def remove_many(self, hashes: Sequence[int] | npt.NDArray[Any]) -> tuple[Bools, U64]:
-        """Remove the hashes; per hash whether it was present, and its key (0 where not)."""
+    def remove_many(self, hashes: Sequence[int] | npt.NDArray[Any]) -> tuple[Bools, U32]:
+        """Remove the hashes; per hash whether it was present, and its row (0 where not)."""
         qh = as_u64(hashes)
         found = np.empty(len(qh), dtype=np.bool_)
-        out = np.empty(len(qh), dtype=np.uint64)
-        _sm_remove(self.index, self.hashes, self.keys, self.meta, self.shift, qh, found, out)
+        out = np.empty(len(qh), dtype=np.uint32)
+        _sm_remove(self.index, self.hashes, self.rows, self.meta, self.shift, qh, found, out)
         self._maybe_compact()
         return found, out
 
-    def oldest(self, n: int) -> tuple[U64, U64]:
-        """Remove the ``n`` oldest entries (fewer if it holds fewer); their hashes and keys,
+    def oldest(self, n: int) -> tuple[U64, U32]:
+        """Remove the ``n`` oldest entries (fewer if it holds fewer); their hashes and rows,
         oldest first."""
         n = max(0, min(n, len(self)))
         out_h = np.empty(n, dtype=np.uint64)
-        out_k = np.empty(n, dtype=np.uint64)
-        got = _sm_oldest(self.index, self.hashes, self.keys, self.meta, self.shift, n, out_h, out_k)
+        out_r = np.empty(n, dtype=np.uint32)
+        got = _sm_oldest(self.index, self.hashes, self.rows, self.meta, self.shift, n, out_h, out_r)
         self._maybe_compact()
-        return out_h[:got], out_k[:got]
+        return out_h[:got], out_r[:got]
 
-    def items(self) -> tuple[U64, U64]:
-        """Every hash and its key, oldest first."""
+    def items(self) -> tuple[U64, U32]:
+        """Every hash and its row, oldest first."""
         used = int(self.meta[_USED])
         live = _sm_live(self.index, used)
-        return self.hashes[:used][live], self.keys[:used][live]
+        return self.hashes[:used][live], self.rows[:used][live]
 
     def _reindex(self, bits: int) -> None:
         new = _new_index(bits)
@@ -847,7 +943,7 @@ class SourceMap(_Indexed):
         else:  # x1.25: a map's arrays come from the malloc heap, where the unwritten tail of a
             # new array may be pages an earlier freed array touched (resident though unused)
             cap = len(self.hashes) + max(wanted, len(self.hashes) // 4, 8)
-            self.hashes, self.keys = _grown(self.hashes, used, cap), _grown(self.keys, used, cap)
+            self.hashes, self.rows = _grown(self.hashes, used, cap), _grown(self.rows, used, cap)
 
     def _maybe_compact(self) -> None:
         used, size = int(self.meta[_USED]), len(self)
@@ -866,21 +962,31 @@ class SourceMap(_Indexed):
             bits = needed + 1
         index = _new_index(bits)
         if capacity == len(self.hashes):
-            hashes, keys = self.hashes, self.keys
+            hashes, rows = self.hashes, self.rows
         else:
-            hashes, keys = np.empty(capacity, dtype=np.uint64), np.empty(capacity, dtype=np.uint64)
-        _sm_pack(live, self.hashes, self.keys, hashes, keys, index, np.uint64(64 - bits))
-        self.hashes, self.keys, self.index = hashes, keys, index
+            hashes, rows = np.empty(capacity, dtype=np.uint64), np.empty(capacity, dtype=np.uint32)
+        _sm_pack(live, self.hashes, self.rows, hashes, rows, index, np.uint64(64 - bits))
+        self.hashes, self.rows, self.index = hashes, rows, index
         self._set_index(bits)
         self.meta[_USED], self.meta[_AUX] = size, 0
 
     def nbytes(self) -> int:
         """Bytes of its arrays as allocated (see :meth:`used_bytes`)."""
-        return int(self.index.nbytes + self.hashes.nbytes + self.keys.nbytes + self.meta.nbytes)
+        return int(self.index.nbytes + self.hashes.nbytes + self.rows.nbytes + self.meta.nbytes)
 
     def used_bytes(self) -> int:
         """Bytes of its index and of the rows written so far (what can be resident)."""
-        return int(self.index.nbytes + int(self.meta[_USED]) * 16)
+        return int(self.index.nbytes + int(self.meta[_USED]) * (8 + 4))
+
+
+def _as_rows(rows: Sequence[int] | npt.NDArray[Any]) -> U32:
+    """KeyTable rows as ``uint32``; a negative row (not found) is refused."""
+    arr = np.asarray(rows)
+    if arr.dtype == np.uint32:
+        return arr
+    if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= MAX_ROWS):
+        raise ValueError("a row outside 0 .. 2**32 - 2 (a key not found?)")
+    return arr.astype(np.uint32)
 
 
 def holdings_of(maps: Iterable[SourceMap]) -> int:
