@@ -277,7 +277,19 @@ class EngineIndex:
             pre = self._precompute(items, hashed or {})
             if hashed:  # the pool's states are read, never changed: no copy unless both hold some
                 pre = {**hashed, **pre} if pre else hashed
-            return [self._apply_one(item, pre) for item in items]
+            try:
+                return [self._apply_one(item, pre) for item in items]
+            finally:
+                self._settle_tables()
+
+    def _settle_tables(self) -> None:
+        """Apply the tables' deferred holds and releases (:meth:`HolderTable.settle`); drop the
+        slots left holding nothing, and the tables left without slots."""
+        for key, table in list(self._tables.items()):
+            for sid in table.settle():
+                table.drop_slot(sid)
+            if table.empty:
+                del self._tables[key]
 
     def precompute(self, items: Sequence[Item]) -> Precomputed:
         """Chain states of the stores in ``items``, for a later :meth:`apply_many` of them."""
@@ -627,11 +639,7 @@ class EngineIndex:
             return
         sid = table.slot_ids.get((state.spec.source_id, medium, group))
         if sid is not None:
-            table.release(sid, keys)
-            if not table.count(sid):
-                table.drop_slot(sid)
-                if table.empty:
-                    del self._tables[(state.spec.instance_id, lora)]
+            table.release(sid, keys)  # applied, and an emptied slot dropped, by _settle_tables
 
     def _table(self, instance_id: str, lora: str) -> HolderTable:
         table = self._tables.get((instance_id, lora))
@@ -759,7 +767,7 @@ class EngineIndex:
             block_size = int(self._block_size_of(instance_id))
         except KvcmError:
             return []
-        rows = Holdings(list(map(table.holders.__getitem__, keys)), len(table.slots))
+        rows = Holdings(table.masks(keys), len(table.slots))
         out = []
         for source_id, slots in table.hybrid_sources().items():
             state = self._sources.get(source_id)
@@ -965,6 +973,7 @@ class EngineIndex:
             for state in self._sources.values():
                 for bid, blk in list(state.blocks.items()):
                     self._load_block(state, bid, blk)
+            self._settle_tables()
             return list(self._sources.values())
 
     def _load_blocks(self, txn: Any, state: SourceState) -> None:

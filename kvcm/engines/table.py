@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from functools import reduce
-from itertools import groupby, repeat
-from operator import or_
+
+from kvcm.engines.compact import CompactTable
 
 #: KV-cache group kinds that carry the prefix (Dynamo's "main attention"). A source that only
 #: ever sent one group is matched on it by the walk when its kind is one of these; a source of
@@ -45,22 +44,14 @@ class Slot:
     hybrid: bool = False  # its source has several groups: matched by kvcm.engines.hybrid
 
 
-class Holders(dict[int, int]):
-    """``holders[key]`` is 0 for a key nobody holds (``get`` still answers None): a query maps
-    ``__getitem__`` over its keys and needs no second pass to find the missing ones."""
-
-    def __missing__(self, key: int) -> int:
-        return 0
-
-
 class HolderTable:
     """Key -> bit mask of holder slots, for one ``(instance_id, lora_name)`` namespace."""
 
     def __init__(self) -> None:
-        self.holders: dict[int, int] = Holders()
+        self._compact = CompactTable()
+        self._holds: dict[int, list[int]] = {}  # slot -> keys to hold at the next settle
+        self._releases: dict[int, list[int]] = {}  # slot -> keys to release then
         self.slots: list[Slot | None] = []
-        self.counts: list[int] = []  # distinct keys per slot
-        self.extra: list[dict[int, int]] = []  # per slot: key -> holdings beyond the first
         self.slot_ids: dict[tuple[str, str, int], int] = {}
         self._free: list[int] = []
         self.hybrid_slots = 0  # slots of hybrid sources: the default walk alone cannot answer for them
@@ -78,38 +69,33 @@ class HolderTable:
         sid = self._free.pop() if self._free else len(self.slots)
         if sid == len(self.slots):
             self.slots.append(None)
-            self.counts.append(0)
-            self.extra.append({})
         self._allowed.clear()
         self._hybrid = None
         self.slots[sid] = Slot(source_id, medium, group, main, dp_rank, hybrid)
         self.hybrid_slots += hybrid
-        self.counts[sid], self.extra[sid] = 0, {}
         self.slot_ids[key] = sid
         return sid
 
     def drop_slot(self, sid: int) -> None:
         """Free the slot's id; it holds no key any more (released, or cleared by :meth:`forget`)."""
+        self.settle()
         slot = self.slots[sid]
         if slot is not None:
             del self.slot_ids[(slot.source_id, slot.medium, slot.group)]
             self.hybrid_slots -= slot.hybrid
         self.slots[sid] = None
-        self.counts[sid], self.extra[sid] = 0, {}
         self._free.append(sid)
         self._allowed.clear()
         self._hybrid = None
 
     def forget(self, bits: int, keys: Iterable[int]) -> None:
         """Clear the slots in ``bits`` from ``keys`` (their slots are about to be dropped)."""
-        holders, clear, cleared = self.holders, ~bits, dict[int, int]()
-        for key in keys:
-            mask = holders.get(key, 0)
-            if mask & bits:
-                if mask & clear:
-                    holders[key] = cleared.get(mask) or cleared.setdefault(mask, mask & clear)
-                else:
-                    del holders[key]
+        self.settle()
+        keys = list(keys)
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            self._compact.forget(low.bit_length() - 1, keys)
 
     def source_slots(self, source_id: str) -> list[int]:
         return [sid for (src, _, _), sid in self.slot_ids.items() if src == source_id]
@@ -144,69 +130,46 @@ class HolderTable:
         return not self.slot_ids
 
     # --- holdings -------------------------------------------------------------------------------
+    # Holds and releases are deferred and applied per slot in one batch (:meth:`settle`): the
+    # compact table's fixed cost per call (array conversion, a few numpy calls) is tens of µs,
+    # which a store of 16 keys would pay for each event. Holds first, then releases, give the
+    # counts the events' order gives, because a release always matches a holding that exists
+    # before it (the engine index releases only keys a block of the slot holds).
 
     def hold(self, sid: int, keys: Sequence[int]) -> None:
-        holders, bit = self.holders, 1 << sid
-        masks = list(map(holders.get, keys, repeat(0)))
-        distinct = set(masks)
-        if not reduce(or_, distinct, 0) & bit and len(set(keys)) == len(keys):
-            # The common case (distinct keys the slot does not hold yet): C-level iteration only,
-            # and keys held alike share one mask object (see :meth:`longest_prefixes`).
-            grown = {mask: mask | bit for mask in distinct}
-            holders.update(zip(keys, map(grown.__getitem__, masks)))
-            self.counts[sid] += len(keys)
-            return
-        extra, grown = self.extra[sid], dict[int, int]()
-        for key in keys:
-            mask = holders.get(key, 0)
-            if mask & bit:
-                extra[key] = extra.get(key, 0) + 1
-            else:
-                holders[key] = grown.get(mask) or grown.setdefault(mask, mask | bit)
-                self.counts[sid] += 1
+        self._holds.setdefault(sid, []).extend(keys)
 
     def release(self, sid: int, keys: Sequence[int]) -> None:
-        holders, bit, extra, shrunk = self.holders, 1 << sid, self.extra[sid], dict[int, int]()
-        if not extra:  # the usual release (the slot holds each key once): C-level but for one pass
-            self._release_once(sid, keys)
-            return
-        for key in keys:
-            more = extra.get(key)
-            if more:
-                if more > 1:
-                    extra[key] = more - 1
-                else:
-                    del extra[key]
-                continue
-            mask = holders.get(key, 0)
-            if mask & bit:
-                self.counts[sid] -= 1
-                if mask ^ bit:
-                    holders[key] = shrunk.get(mask) or shrunk.setdefault(mask, mask ^ bit)
-                else:
-                    del holders[key]
+        self._releases.setdefault(sid, []).extend(keys)
 
-    def _release_once(self, sid: int, keys: Sequence[int]) -> None:
-        """:meth:`release` of a slot without holdings beyond the first: each key the slot holds
-        loses its bit (keys held alike keep sharing one mask object), a key left without holder
-        goes."""
-        holders, bit = self.holders, 1 << sid
-        found = dict(zip(keys, map(holders.get, keys, repeat(0))))  # once each
-        mine = {key: mask for key, mask in found.items() if mask & bit}
-        if not mine:
-            return
-        shrunk = {mask: mask ^ bit for mask in set(mine.values())}
-        kept = dict(zip(mine, map(shrunk.__getitem__, mine.values())))
-        if 0 in shrunk.values():
-            for key in [key for key, mask in kept.items() if not mask]:
-                del kept[key]
-                del holders[key]
-        holders.update(kept)
-        self.counts[sid] -= len(mine)
+    def settle(self) -> list[int]:
+        """Apply the deferred holds and releases; the slots left holding nothing (the caller
+        drops them)."""
+        if not self._holds and not self._releases:
+            return []
+        for sid, keys in self._holds.items():
+            self._compact.hold(sid, keys)
+        released = list(self._releases)
+        for sid, keys in self._releases.items():
+            self._compact.release(sid, keys)
+        self._holds, self._releases = {}, {}
+        return [sid for sid in released if not self._compact.count(sid) and self.slots[sid] is not None]
 
     def count(self, sid: int) -> int:
         """Distinct keys the slot holds."""
-        return self.counts[sid]
+        self.settle()
+        return self._compact.count(sid)
+
+    @property
+    def holders(self) -> dict[int, int]:
+        """Every key and its holder mask (tests and tools: built on each call)."""
+        self.settle()
+        return self._compact.holders()
+
+    def masks(self, keys: Sequence[int]) -> list[int]:
+        """Each key's holder mask (0: nobody)."""
+        self.settle()
+        return self._compact.masks(keys)
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -252,31 +215,11 @@ class HolderTable:
         stretches of one mask: Python runs once per stretch, about one per slot when engines
         hold contiguous prefixes, and no key past the point where no slot is left is looked up.
         """
-        found: list[tuple[int, int, int]] = []
-        if not allowed:
-            return found
-        stretches = groupby(map(self.holders.__getitem__, keys))
-        first = next(stretches, None)
-        if first is None:
-            return found
-        running = first[0] & allowed
-        if not running:
-            return found
-        length = len(list(first[1]))
-        for mask, stretch in stretches:
-            kept = running & mask
-            if kept != running:  # these slots hold keys 0..length-1 but not key ``length``
-                found.append((length, running, kept))
-                if not kept:
-                    return found
-                running = kept
-            length += len(list(stretch))
-        if running:
-            found.append((length, running, 0))
-        return found
+        self.settle()
+        return self._compact.runs(list(keys), allowed)
 
     def holders_of(self, key: int, allowed: int) -> list[Slot]:
-        mask = self.holders.get(key, 0) & allowed
+        mask = self.masks([key])[0] & allowed
         out = []
         while mask:
             low = mask & -mask
