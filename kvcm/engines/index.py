@@ -277,17 +277,13 @@ class EngineIndex:
             pre = self._precompute(items, hashed or {})
             if hashed:  # the pool's states are read, never changed: no copy unless both hold some
                 pre = {**hashed, **pre} if pre else hashed
-            try:
-                return [self._apply_one(item, pre) for item in items]
-            finally:
-                self._settle_tables()
+            return [self._apply_one(item, pre) for item in items]
 
     def _settle_tables(self) -> None:
-        """Apply the tables' deferred holds and releases (:meth:`HolderTable.settle`); drop the
-        slots left holding nothing, and the tables left without slots."""
+        """Apply every table's deferred holds and releases (:meth:`HolderTable.settle`) and
+        forget the tables left without slots."""
         for key, table in list(self._tables.items()):
-            for sid in table.settle():
-                table.drop_slot(sid)
+            table.settle()
             if table.empty:
                 del self._tables[key]
 
@@ -584,6 +580,9 @@ class EngineIndex:
         source_id = state.spec.source_id
         if table is None or (source_id, medium, group) in table.slot_ids:
             return None
+        if len(table.source_slots(source_id)) < MAX_SLOTS:
+            return None
+        table.settle()  # a release may have emptied a slot not dropped yet
         return "too_many_slots" if len(table.source_slots(source_id)) >= MAX_SLOTS else None
 
     def _grown(self, state: SourceState, n: int) -> None:
@@ -925,7 +924,11 @@ class EngineIndex:
     # --- persistence ------------------------------------------------------------------------------
 
     def flush(self) -> int:
-        """Persist what changed since the last flush in one transaction; returns records written."""
+        """Persist what changed since the last flush in one transaction; returns records written.
+        The tables' deferred holdings are applied here too, so an index fed but never asked
+        holds no pending keys for long."""
+        with self._lock:
+            self._settle_tables()
         if not self._dirty:
             return 0
         if self._store is None:

@@ -29,6 +29,9 @@ from kvcm.engines.compact import CompactTable
 #: ever sent one group is matched on it by the walk when its kind is one of these; a source of
 #: several groups (a hybrid model) is matched by :mod:`kvcm.engines.hybrid` instead.
 MAIN_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
+#: Deferred holds and releases (keys) past which a table applies them without waiting for a
+#: read: a batch this large pays the compact table's fixed cost per call a few times over.
+SETTLE_AT = 4096
 #: Query filters whose allowed-slot mask is kept per table: each filter is a request's media,
 #: so without a bound distinct filters would grow the table's memory with every query.
 _MAX_FILTERS = 256
@@ -51,6 +54,7 @@ class HolderTable:
         self._compact = CompactTable()
         self._holds: dict[int, list[int]] = {}  # slot -> keys to hold at the next settle
         self._releases: dict[int, list[int]] = {}  # slot -> keys to release then
+        self._pending = 0  # keys in both
         self.slots: list[Slot | None] = []
         self.slot_ids: dict[tuple[str, str, int], int] = {}
         self._free: list[int] = []
@@ -98,6 +102,7 @@ class HolderTable:
             self._compact.forget(low.bit_length() - 1, keys)
 
     def source_slots(self, source_id: str) -> list[int]:
+        self.settle()  # a slot a deferred release empties is gone once settled
         return [sid for (src, _, _), sid in self.slot_ids.items() if src == source_id]
 
     def mark_hybrid(self, source_id: str) -> None:
@@ -114,6 +119,7 @@ class HolderTable:
     def hybrid_sources(self) -> dict[str, dict[tuple[str, int], int]]:
         """Per hybrid source, its slots by ``(medium, group)`` (kept until a slot changes; not to
         be changed by the caller)."""
+        self.settle()
         if self._hybrid is not None:
             return self._hybrid
         out: dict[str, dict[tuple[str, int], int]] = {}
@@ -138,22 +144,30 @@ class HolderTable:
 
     def hold(self, sid: int, keys: Sequence[int]) -> None:
         self._holds.setdefault(sid, []).extend(keys)
+        self._pending += len(keys)
+        if self._pending >= SETTLE_AT:
+            self.settle()
 
     def release(self, sid: int, keys: Sequence[int]) -> None:
         self._releases.setdefault(sid, []).extend(keys)
+        self._pending += len(keys)
+        if self._pending >= SETTLE_AT:
+            self.settle()
 
-    def settle(self) -> list[int]:
-        """Apply the deferred holds and releases; the slots left holding nothing (the caller
-        drops them)."""
-        if not self._holds and not self._releases:
-            return []
-        for sid, keys in self._holds.items():
+    def settle(self) -> None:
+        """Apply the deferred holds and releases (every read does, first); a slot a release
+        left holding nothing is dropped."""
+        if not self._pending:
+            return
+        holds, releases = self._holds, self._releases
+        self._holds, self._releases, self._pending = {}, {}, 0
+        for sid, keys in holds.items():
             self._compact.hold(sid, keys)
-        released = list(self._releases)
-        for sid, keys in self._releases.items():
+        for sid, keys in releases.items():
             self._compact.release(sid, keys)
-        self._holds, self._releases = {}, {}
-        return [sid for sid in released if not self._compact.count(sid) and self.slots[sid] is not None]
+        for sid in releases:
+            if not self._compact.count(sid) and self.slots[sid] is not None:
+                self.drop_slot(sid)
 
     def count(self, sid: int) -> int:
         """Distinct keys the slot holds."""
@@ -175,6 +189,7 @@ class HolderTable:
 
     def allowed(self, media: frozenset[str] | None, group: int | None) -> int:
         """Mask of the slots a query may count: main-kind groups unless ``group`` is given."""
+        self.settle()
         cached = self._allowed.get((media, group))
         if cached is not None:
             return cached[0]
@@ -182,6 +197,7 @@ class HolderTable:
 
     def single_slot_sources(self, media: frozenset[str] | None, group: int | None) -> bool:
         """True if no source has two allowed slots (then entries never need merging)."""
+        self.settle()
         cached = self._allowed.get((media, group))
         return (cached if cached is not None else self._allowed_entry(media, group))[1]
 
