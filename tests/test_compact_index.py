@@ -33,24 +33,24 @@ def mix(key: int) -> int:
     return z ^ (z >> 31)
 
 
-def home(key: int, bits: int) -> int:
-    return mix(key) >> (64 - bits)
+def home(key: int, cells: int) -> int:
+    """The home cell in an index of ``cells`` cells: the mix's top 32 bits, scaled."""
+    return ((mix(key) >> 32) * cells) >> 32
 
 
-def colliding(n: int, bits: int, rng: random.Random, cell: int = 0) -> list[int]:
-    """``n`` distinct keys whose home is ``cell`` in every index of up to ``bits`` bits
-    (the same top ``bits`` bits of their mix)."""
+def colliding(n: int, cells: int, rng: random.Random, cell: int = 0) -> list[int]:
+    """``n`` distinct keys whose home is ``cell`` in an index of ``cells`` cells."""
     out: set[int] = set()
     while len(out) < n:
         k = rng.getrandbits(64)
-        if home(k, bits) == cell:
+        if home(k, cells) == cell:
             out.add(k)
     return sorted(out)
 
 
 def key_pool(rng: random.Random, n: int) -> list[int]:
     """Unsigned keys: random, the edges, and a cluster colliding in small tables."""
-    pool = set(EDGE) | {rng.getrandbits(64) for _ in range(n)} | set(colliding(24, 5, rng))
+    pool = set(EDGE) | {rng.getrandbits(64) for _ in range(n)} | set(colliding(24, 32, rng))
     return sorted(pool)
 
 
@@ -211,7 +211,7 @@ def test_keytable_signed_keys_and_edges() -> None:
 
 def test_keytable_forced_collisions_tiny_table() -> None:
     rng = random.Random(7)
-    keys = colliding(6, 3, rng, cell=7)  # home at the last cell: the probe run wraps around
+    keys = colliding(6, 8, rng, cell=7)  # home at the last cell: the probe run wraps around
     kt = KeyTable(capacity=6)
     assert kt.capacity == 8
     rows = kt.locate_many(keys, insert=True)
@@ -224,7 +224,7 @@ def test_keytable_forced_collisions_tiny_table() -> None:
         keys.remove(victim)
         assert kt.lookup_many(keys).tolist() == [9] * len(keys)
         assert kt.lookup_many([victim]).tolist() == [0]
-    more = colliding(3, 3, rng, cell=7)
+    more = colliding(3, 8, rng, cell=7)
     kt.sets[kt.locate_many(more, insert=True)] = 4  # rows of the deleted keys are reused
     assert int(kt.meta[1]) == 6
     assert kt.lookup_many(keys + more).tolist() == [9] * len(keys) + [4] * 3
@@ -235,10 +235,10 @@ def test_backward_shift_keeps_keys_findable(seed: int) -> None:
     """Deleting inside probe runs, the index never grows or is rebuilt between deletions: a
     plain emptied cell would cut every run through it (keys past it not found)."""
     rng = random.Random(seed)
-    kt = KeyTable(capacity=64)  # 128 cells, filled to 0.8 with colliding clusters
-    bits = kt.bits
-    keys = colliding(30, bits, rng, cell=(1 << bits) - 3)  # wraps
-    keys += colliding(30, bits, rng, cell=40)
+    kt = KeyTable(capacity=100)  # 145 cells, filled to 0.7 with colliding clusters
+    bits, cells = kt.bits, kt.capacity
+    keys = colliding(30, cells, rng, cell=cells - 3)  # wraps
+    keys += colliding(30, cells, rng, cell=40)
     keys += [k for k in (rng.getrandbits(64) for _ in range(200)) if k not in keys][:40]
     rows = kt.locate_many(keys, insert=True)
     assert kt.bits == bits

@@ -40,7 +40,7 @@ def test_apply_and_flush_pause_the_collector_and_restore_it(tmp_path):
         assert index.flush() == 2 and gc.isenabled()  # one log record, one source record
         again = EngineIndex(store, lambda _: 16)
         again.load()
-        assert sorted(again.get("a").blocks) == [1, 2, 3]
+        assert sorted(again.blocks_of("a")) == [1, 2, 3]
     finally:
         store.close()
 
@@ -98,6 +98,6 @@ def test_a_group_index_beyond_32_bits_is_a_broken_event_and_the_index_still_pers
         assert index.flush() >= 1  # persists: nothing out of range got in
         again = EngineIndex(store, lambda _: 16)
         again.load()
-        assert sorted(again.get("a").blocks) == [1]
+        assert sorted(again.blocks_of("a")) == [1]
     finally:
         store.close()

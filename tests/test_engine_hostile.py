@@ -543,7 +543,7 @@ def test_sizes_match_a_recount_through_random_histories_and_restarts(tmp_path: A
             spec = rng.choice(sources)
             state = index.get(spec.source_id)
             assert state is not None
-            hashes = [bid & ((1 << 64) - 1) for bid in state.blocks]
+            hashes = [bid & ((1 << 64) - 1) for bid in index.blocks_of(spec.source_id)]
             batch = DecodedBatch(1.0, [event(hashes) for _ in range(rng.randint(1, 4))])
             item = (spec.source_id, state.generation, seqs[spec.source_id], batch)
             if rng.random() < 0.05:
@@ -556,10 +556,10 @@ def test_sizes_match_a_recount_through_random_histories_and_restarts(tmp_path: A
                 index.flush()
             if step % 50 == 49:
                 index.flush()
-                held = {s.spec.source_id: dict(s.blocks) for s in index.sources()}
+                held = {s.spec.source_id: index.blocks_of(s.spec.source_id) for s in index.sources()}
                 store.close()
                 store, index = opened()
                 assert index.check() == []
-                assert {s.spec.source_id: dict(s.blocks) for s in index.sources()} == held
+                assert {s.spec.source_id: index.blocks_of(s.spec.source_id) for s in index.sources()} == held
     finally:
         store.close()

@@ -108,7 +108,7 @@ def store(pub: FakeEnginePublisher, first: int, count: int, base: int = 100) -> 
 def hashes(svc: EngineService, source_id: str = "pod-a") -> set[int]:
     state = svc.index.get(source_id)
     assert state is not None
-    return {key & (2**64 - 1) for key in state.blocks}  # block ids: group << 64 | engine hash
+    return {key & (2**64 - 1) for key in svc.index.blocks_of(source_id)}  # block ids: group << 64 | engine hash
 
 
 def metric(svc: EngineService, family: str, source_id: str = "pod-a") -> float:

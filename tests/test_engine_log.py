@@ -66,7 +66,7 @@ def _same(restored: EngineIndex, index: EngineIndex) -> None:
     assert sorted(s.spec.source_id for s in restored.sources()) == sorted(s.spec.source_id for s in index.sources())
     for state in index.sources():
         again = restored.get(state.spec.source_id)
-        assert again is not None and again.blocks == state.blocks and again.last_seq == state.last_seq
+        assert again is not None and restored.blocks_of(state.spec.source_id) == index.blocks_of(state.spec.source_id) and again.last_seq == state.last_seq
         assert restored.blocks_held(state.spec.source_id) == index.blocks_held(state.spec.source_id)
     for n in (1, 5, 64):
         assert restored.match("inst", KEYS[:n]) == index.match("inst", KEYS[:n])
@@ -114,7 +114,7 @@ def test_a_flush_writes_one_log_record_per_changed_source_and_no_block_records(s
     assert LOG_KEY.unpack(akey) == (index.get("a").number, 0) and LOG_KEY.unpack(bkey) == (index.get("b").number, 0)
     assert sorted(decode_log(araw).ids()) == list(range(1, 129))
     b = decode_log(braw)
-    assert dict(zip(b.ids(), b.blocks)) == {1: index.get("b").blocks[1], 2: None}  # 2: a tombstone
+    assert dict(zip(b.ids(), b.blocks)) == {1: index.blocks_of("b")[1], 2: None}  # 2: a tombstone
     apply("a", BlockRemoved([5], "GPU"))
     index.flush()
     assert [LOG_KEY.unpack(k)[1] for k, _ in _records(store, LOG_DB) if LOG_KEY.unpack(k)[0] == 1] == [0, 1]
@@ -132,7 +132,7 @@ def test_replaying_the_log_gives_the_index_that_was_persisted(store):
     index.flush()
     restored = _reloaded(store)
     _same(restored, index)
-    assert restored.get("a").blocks[1].refs == {"GPU": 1} and block_id(2, 1 << 63 | 5) in restored.get("a").blocks
+    assert restored.blocks_of("a")[1].refs == {"GPU": 1} and block_id(2, 1 << 63 | 5) in restored.blocks_of("a")
     assert restored.get("a").serial == index.get("a").serial == 3 and restored.get("a").logged == index.get("a").logged
 
 
@@ -166,7 +166,7 @@ def test_a_log_that_outgrew_its_blocks_is_rewritten(store, monkeypatch):
         apply("a", _store(range(1, 9), 0))
         index.flush()
         state = index.get("a")
-        assert state.logged <= 2 * len(state.blocks) + 16, round_  # what a flush leaves, at most
+        assert state.logged <= 2 * len(index.blocks_of("a")) + 16, round_  # what a flush leaves, at most
         held = sum(len(decode_log(raw).hashes) for _, raw in _records(store, LOG_DB))
         assert held == state.logged
     assert len(_records(store, LOG_DB)) < 10  # 81 flushes, a few records left
@@ -185,10 +185,10 @@ def test_fresh_stores_count_towards_the_rewrite(store, monkeypatch):
         index.flush()
     apply("a", _store([1, 2, 3, 4], 0))
     index.flush()
-    assert (index.get("a").logged, len(index.get("a").blocks)) == (20, 4)
+    assert (index.get("a").logged, len(index.blocks_of("a"))) == (20, 4)
     apply("a", BlockRemoved([1, 2, 3], "GPU"), _store([5, 6, 7], 4))  # 3 tombstones, 3 new: 26 > 2 * 4 + 16
     index.flush()
-    assert index.get("a").logged == len(index.get("a").blocks) == 4
+    assert index.get("a").logged == len(index.blocks_of("a")) == 4
     _same(_reloaded(store), index)
 
 
@@ -230,7 +230,7 @@ def _write_old_format(store, index: EngineIndex) -> None:
     with store.write() as txn:
         for state in index.sources():
             txn.put(SOURCES_DB, state.spec.source_id.encode(), state.record())
-            for bid, blk in state.blocks.items():
+            for bid, blk in index.blocks_of(state.spec.source_id).items():
                 txn.put(BLOCKS_DB, BLOCK_KEY.pack(state.number, bid >> 64, bid & M64), blk.pack())
 
 
@@ -252,7 +252,7 @@ def test_a_data_dir_of_the_older_format_loads_and_moves_to_the_log(store):
     assert len(_records(store, BLOCKS_DB)) == 7 and len(_records(store, LOG_DB)) == 1
     restored = _reloaded(store)
     _same(restored, index)
-    assert 3 not in restored.get("a").blocks and restored.get("a").blocks[1].refs == {"GPU": 1}
+    assert 3 not in restored.blocks_of("a") and restored.blocks_of("a")[1].refs == {"GPU": 1}
     # a rewrite (here: the source cleared) drops its old records; the other source keeps its own
     index.apply_many([("a", gens["a"], 2, DecodedBatch(1.0, [AllBlocksCleared(), _store([1], 0)]))])
     index.flush()
@@ -287,7 +287,7 @@ def test_randomized_flushes_reload_to_the_same_index(store, monkeypatch, seed):
             index.flush()
             _same(_reloaded(store), index)
             for state in index.sources():  # what a flush leaves: garbage within the live blocks + slack
-                assert state.logged <= 2 * len(state.blocks) + 6
+                assert state.logged <= 2 * len(index.blocks_of(state.spec.source_id)) + 6
         if rng.random() < 0.03:
             index.remove_source(source)
             index, apply = _reopen(store, index)

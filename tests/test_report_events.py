@@ -337,10 +337,10 @@ def test_a_turns_pool_is_dropped_once_its_reports_ran_and_the_collector_runs_aft
         dispatcher.handle_batch([batch("p", 0, 1, 0), batch("q", 0, 2, 1), batch("p", 1, 3, 2)])
         assert seen and not any(seen) and gc.isenabled()
         assert svc.push._pool == [] and svc.push._hashed is None
-        assert sorted(svc.index.get("p").blocks) == [1, 3] and sorted(svc.index.get("q").blocks) == [2]
+        assert sorted(svc.index.blocks_of("p")) == [1, 3] and sorted(svc.index.blocks_of("q")) == [2]
         # a report of the next turn that cannot run (unknown source) leaves no pool behind either
         dispatcher.handle_batch([batch("p", 2, 4, 3), batch("nobody", 0, 5, 0)])
-        assert svc.push._pool == [] and svc.push._hashed is None and 4 in svc.index.get("p").blocks
+        assert svc.push._pool == [] and svc.push._hashed is None and 4 in svc.index.blocks_of("p")
         # a report named twice is pooled once; one outside the pool hashes on its own
         from kvcm.engines.push import Report
 
@@ -352,10 +352,10 @@ def test_a_turns_pool_is_dropped_once_its_reports_ran_and_the_collector_runs_aft
         svc.push.pool([twice, twice])
         assert len(svc.push._pool) == 1
         svc.report_events(twice)
-        assert svc.push._pool == [] and 6 in svc.index.get("p").blocks
+        assert svc.push._pool == [] and 6 in svc.index.blocks_of("p")
         svc.push.pool([report(5, 10, 9)])  # a pool this report is not in is not hashed for it
         svc.report_events(outside)
-        assert len(svc.push._pool) == 1 and svc.push._hashed is None and 9 in svc.index.get("p").blocks
+        assert len(svc.push._pool) == 1 and svc.push._hashed is None and 9 in svc.index.blocks_of("p")
     finally:
         svc.stop()
 
@@ -397,7 +397,7 @@ def test_a_report_carried_to_a_later_turn_is_hashed_there_once() -> None:
             arrivals, turns = [], turns + 1
         assert turns > 1  # some reports were carried
         assert sum(hashed) == 4 * len(sources)  # every batch hashed once, none again after a carry
-        assert all(len(svc.index.get(s).blocks) == 4 for s in sources)
+        assert all(len(svc.index.blocks_of(s)) == 4 for s in sources)
     finally:
         svc.stop()
 

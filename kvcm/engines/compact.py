@@ -53,7 +53,11 @@ Bools = npt.NDArray[np.bool_]
 #: Index fill at most (live entries / cells); past it the index doubles. Linear probing's
 #: expected probes grow as 1/(1-load)^2 for a miss: 0.8 keeps a miss around 13 cells.
 MAX_LOAD = 0.8
-_MIN_BITS = 3  # smallest index: 8 cells
+#: Index growth per size level: 1.25, not 2, so an index is never much emptier than
+#: MAX_LOAD / GROWTH (0.64) — at doubling it drops to 0.4 full, 4 bytes a cell wasted per key.
+GROWTH = 1.25
+#: Levels between the size an index needs and one it shrinks from (1.25**7: about 4.8x).
+_SHRINK_LEVELS = 7
 _EMPTY = np.uint32(0xFFFFFFFF)  # an empty index cell (no row number reaches it)
 _NIL = np.uint64(0xFFFFFFFFFFFFFFFF)  # end of KeyTable's free-row chain
 _NO_POS = np.uint32(0xFFFFFFFF)  # a KeyTable row whose key's position is not known (yet)
@@ -63,7 +67,7 @@ MAX_POS = 0xFFFFFFFE
 MAX_ROWS = 0xFFFFFFFF
 _C1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finaliser: keys need not be well mixed
 _C2 = np.uint64(0x94D049BB133111EB)  # (Tair reporters name blocks by key; tests by counting)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_S30, _S27, _S31, _S32 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(32)
 # meta[] fields shared with the kernels (a small int64 array they update in place)
 _SIZE, _USED, _AUX = 0, 1, 2  # live entries, rows written (high-water mark), free head / eviction head
 
@@ -82,19 +86,20 @@ def _jit(fn: _F) -> _F:
 
 
 @_jit
-def _home(key: Any, shift: Any) -> Any:
-    """The key's home cell: the top bits of its mix (``shift`` = 64 - index bits)."""
+def _home(key: Any, cells: Any) -> Any:
+    """The key's home cell: its mix's top 32 bits scaled to the index's ``cells`` (any count:
+    the index grows by :data:`GROWTH`, not by doubling)."""
     z = key
     z = (z ^ (z >> _S30)) * _C1
     z = (z ^ (z >> _S27)) * _C2
     z = z ^ (z >> _S31)
-    return np.int64(z >> shift)
+    return np.int64(((z >> _S32) * cells) >> _S32)
 
 
 @_jit
 def _find(index: Any, rows: Any, key: Any, shift: Any) -> Any:
     """The cell whose row holds ``key``, or ``-(empty cell) - 1`` where it would go."""
-    mask = index.shape[0] - 1
+    n = index.shape[0]
     i = _home(key, shift)
     while True:
         r = index[i]
@@ -102,7 +107,9 @@ def _find(index: Any, rows: Any, key: Any, shift: Any) -> Any:
             return -i - 1
         if rows[r] == key:
             return i
-        i = (i + 1) & mask
+        i += 1
+        if i == n:
+            i = 0
 
 
 @_jit
@@ -110,15 +117,17 @@ def _delete_cell(index: Any, rows: Any, i: Any, shift: Any) -> None:
     """Empty cell ``i`` by backward shift: each later cell of the probe run whose home is not in
     ``(i, j]`` (cyclically) moves back into the hole, so every remaining key stays reachable
     from its home without tombstones."""
-    mask = index.shape[0] - 1
+    n = index.shape[0]
     j = i
     while True:
-        j = (j + 1) & mask
+        j += 1
+        if j == n:
+            j = 0
         r = index[j]
         if r == _EMPTY:
             break
         h = _home(rows[r], shift)
-        if ((j - h) & mask) >= ((j - i) & mask):  # its home is at or before the hole
+        if (j - h) % n >= (j - i) % n:  # its home is at or before the hole
             index[i] = r
             i = j
     index[i] = _EMPTY
@@ -127,10 +136,12 @@ def _delete_cell(index: Any, rows: Any, i: Any, shift: Any) -> None:
 @_jit
 def _place(index: Any, rows: Any, r: Any, shift: Any) -> None:
     """Put row ``r`` (a key not in the index) into its first free cell from home."""
-    mask = index.shape[0] - 1
+    n = index.shape[0]
     i = _home(rows[r], shift)
     while index[i] != _EMPTY:
-        i = (i + 1) & mask
+        i += 1
+        if i == n:
+            i = 0
     index[i] = r
 
 
@@ -357,16 +368,21 @@ def to_signed_list(keys: U64) -> list[int]:
     return out
 
 
+def _cells(level: int) -> int:
+    """Index cells at size ``level``: 8, then :data:`GROWTH` times more each level."""
+    return max(8, int(8 * GROWTH**level))
+
+
 def _bits_for(n: int) -> int:
-    """Index bits for ``n`` live entries within :data:`MAX_LOAD`."""
-    bits = _MIN_BITS
-    while n > MAX_LOAD * (1 << bits):
-        bits += 1
-    return bits
+    """The smallest index size level holding ``n`` live entries within :data:`MAX_LOAD`."""
+    level = 0
+    while n > MAX_LOAD * _cells(level):
+        level += 1
+    return level
 
 
-def _new_index(bits: int) -> U32:
-    return np.full(1 << bits, _EMPTY, dtype=np.uint32)
+def _new_index(level: int) -> U32:
+    return np.full(_cells(level), _EMPTY, dtype=np.uint32)
 
 
 def _grown(arr: npt.NDArray[Any], used: int, capacity: int) -> npt.NDArray[Any]:
@@ -384,9 +400,9 @@ class _Indexed:
     meta: I64
 
     def _set_index(self, bits: int) -> None:
-        self.bits = bits
-        self.shift = np.uint64(64 - bits)
-        self.limit = int(MAX_LOAD * (1 << bits))
+        self.bits = bits  # the index's size level (:func:`_cells`)
+        self.shift = np.uint64(_cells(bits))  # what the kernels scale a mix by (their ``shift``)
+        self.limit = int(MAX_LOAD * _cells(bits))
 
     def __len__(self) -> int:
         return int(self.meta[_SIZE])
@@ -394,7 +410,7 @@ class _Indexed:
     @property
     def capacity(self) -> int:
         """Index cells."""
-        return 1 << self.bits
+        return _cells(self.bits)
 
 
 # --- KeyTable ---------------------------------------------------------------------------------------
@@ -520,8 +536,7 @@ class KeyTable(_Indexed):
 
     def _reindex(self, bits: int) -> None:
         new = _new_index(bits)
-        shift = np.uint64(64 - bits)
-        _reindex(self.index, self.keys, new, shift)
+        _reindex(self.index, self.keys, new, np.uint64(_cells(bits)))
         self.index = new
         self._set_index(bits)
 
@@ -533,8 +548,8 @@ class KeyTable(_Indexed):
             self._new_rows(8)
             self.meta[_USED], self.meta[_AUX] = 0, -1
         bits = _bits_for(size)
-        if bits + 2 <= self.bits:
-            self._reindex(bits + 1)
+        if bits + _SHRINK_LEVELS <= self.bits:
+            self._reindex(bits + 3)
 
     def nbytes(self) -> int:
         """Bytes of its arrays as allocated (rows never written are not resident: see
@@ -930,7 +945,7 @@ class SourceMap(_Indexed):
 
     def _reindex(self, bits: int) -> None:
         new = _new_index(bits)
-        _reindex(self.index, self.hashes, new, np.uint64(64 - bits))
+        _reindex(self.index, self.hashes, new, np.uint64(_cells(bits)))
         self.index = new
         self._set_index(bits)
 
@@ -958,14 +973,14 @@ class SourceMap(_Indexed):
         live = _sm_live(self.index, used)
         bits = self.bits
         needed = _bits_for(size)
-        if needed + 2 <= bits:
-            bits = needed + 1
+        if needed + _SHRINK_LEVELS <= bits:
+            bits = needed + 3
         index = _new_index(bits)
         if capacity == len(self.hashes):
             hashes, rows = self.hashes, self.rows
         else:
             hashes, rows = np.empty(capacity, dtype=np.uint64), np.empty(capacity, dtype=np.uint32)
-        _sm_pack(live, self.hashes, self.rows, hashes, rows, index, np.uint64(64 - bits))
+        _sm_pack(live, self.hashes, self.rows, hashes, rows, index, np.uint64(_cells(bits)))
         self.hashes, self.rows, self.index = hashes, rows, index
         self._set_index(bits)
         self.meta[_USED], self.meta[_AUX] = size, 0

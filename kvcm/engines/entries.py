@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import struct
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import and_, rshift
@@ -181,6 +181,8 @@ class SourceState:
     #: (:func:`weight`), kept as blocks come and go
     size: int = 0
     evicted: int = 0  # blocks dropped to keep the index within its bounds, since start-up
+    #: its common blocks moved out of ``blocks`` at a flush (kvcm.engines.compacted), or None
+    compact: Any = None
 
     def spill(self) -> None:
         """Move the fresh stores' ids into ``dirty`` (before a change that may drop a block)."""
@@ -243,7 +245,8 @@ def new_block(lora: str, states: list[int], i: int, size: int, pos: int, step: i
     return EngineBlock(lora, last, pos + (i + 1) * size, keys)
 
 
-def flush_source(txn: Any, state: SourceState) -> int:
+def flush_source(txn: Any, state: SourceState, migrated: Callable[[], list[tuple[int, EngineBlock]]] | None = None,
+                 migrated_n: int = 0) -> int:
     """Persist the source's changed blocks and its record; returns the records written.
 
     Appends one log record (per :data:`CHUNK` entries) of the changed blocks, or rewrites the
@@ -251,12 +254,17 @@ def flush_source(txn: Any, state: SourceState) -> int:
     C-level iteration over the blocks (map, one encode call per record), no Python step each."""
     written = 0
     changed = len(state.dirty) + sum(len(ids) for ids, _ in state.fresh)
-    if state.cleared or state.logged + changed > 2 * len(state.blocks) + COMPACT_SLACK:
+    if state.cleared or state.logged + changed > 2 * (len(state.blocks) + migrated_n) + COMPACT_SLACK:
         written += delete_blocks(txn, state.number)
         state.cleared = False
         state.serial = state.logged = 0
-        ids: list[int] = list(state.blocks)
-        found: list[EngineBlock | None] = list(state.blocks.values())
+        ids: list[int] = []
+        found: list[EngineBlock | None] = []
+        for bid, blk in migrated() if migrated is not None else ():  # the oldest: replayed first
+            ids.append(bid)
+            found.append(blk)
+        ids += list(state.blocks)
+        found += list(state.blocks.values())
     else:  # the changed blocks as they are now (tombstones for the gone), then the fresh stores
         ids = list(state.dirty)
         found = list(map(state.blocks.get, ids))

@@ -60,7 +60,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, MutableMapping, Sequence
 from itertools import accumulate, chain, compress, islice, repeat
 from operator import and_, attrgetter, is_, itemgetter, or_
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcm.engines.entries import (
     BLOCK_KEY,
@@ -105,6 +105,9 @@ from kvcm.kv_events import (
 from kvcm.store.base import MetaStore
 from kvcm.threads import gc_paused
 
+if TYPE_CHECKING:
+    from kvcm.engines.compact import KeyTable
+
 #: ``BlockStored.extra_keys`` of a store whose hashes are kvcm keys already (``report_events``'
 #: ``keyed`` adds: Tair's reporters name blocks by key and send no tokens). Compared by identity,
 #: so no decoded engine payload can carry it.
@@ -128,7 +131,11 @@ class EngineIndex:
         block_size_of: Callable[[str], int],
         max_blocks_per_source: int = SubscriberSettings.max_blocks_per_source,
         max_blocks: int = SubscriberSettings.max_blocks,
+        compact: bool = True,
     ) -> None:
+        """``compact``: at each flush, move each source's common blocks out of its dict into
+        compact maps (:mod:`kvcm.engines.compacted`)."""
+        self._compact_blocks = compact
         self._store = store
         self._block_size_of = block_size_of
         self.max_per_source = max_blocks_per_source
@@ -212,6 +219,15 @@ class EngineIndex:
                         out[slot.medium] += table.count(sid)
             return dict(out)
 
+    def blocks_of(self, source_id: str) -> dict[int, EngineBlock]:
+        """Every block of the source by id, the migrated ones (copies) first (tests, tools)."""
+        with self._lock:
+            state = self._sources.get(source_id)
+            if state is None:
+                return {}
+            migrated = [] if state.compact is None else state.compact.items(self._key_table(state))
+            return {**dict(migrated), **state.blocks}
+
     def clear_source(self, source_id: str, generation: int | None = None) -> bool:
         """Drop every block of the source (``AllBlocksCleared`` or a publisher restart)."""
         with self._lock:
@@ -239,7 +255,8 @@ class EngineIndex:
             if sids:
                 slots[key[1]] = (self._tables[key], sids)
         held: dict[str, list[int]] = {}  # the tables know no slot's keys: the source's blocks do
-        for blk in state.blocks.values():
+        migrated = [] if state.compact is None else state.compact.items(self._key_table(state))
+        for blk in chain(state.blocks.values(), map(itemgetter(1), migrated)):
             if blk.keys and blk.lora in slots:
                 held.setdefault(blk.lora, []).extend(blk.keys)
         for lora, (table, sids) in slots.items():
@@ -249,6 +266,7 @@ class EngineIndex:
             if table.empty:
                 del self._tables[(state.spec.instance_id, lora)]
         state.blocks.clear()
+        state.compact = None
         state.dirty.clear()
         state.fresh.clear()
         self._grown(state, -state.size)
@@ -360,7 +378,8 @@ class EngineIndex:
         same = step == block_size == size  # the common case: no re-chunking, one key per block
         touched = hashes if not group else list(map(or_, repeat(group << 64), hashes))  # block ids
         new = None
-        if same and len(states) == len(hashes) and blocks.keys().isdisjoint(touched):
+        if same and len(states) == len(hashes) and blocks.keys().isdisjoint(touched) and \
+                (state.compact is None or not state.compact.holds_any(touched)):
             new = self._new_blocks(blocks, touched, states, lora, medium, pos, size)
         if new is not None:
             gained = new[0]
@@ -404,8 +423,9 @@ class EngineIndex:
         full = state.spec.report_mode == FULL
         same = step == block_size == size
         grown = 0
+        compact = state.compact is not None
         for i, key in enumerate(touched):
-            blk = blocks.get(key)
+            blk = self._promote(state, key) if compact else blocks.get(key)
             if blk is None:  # the common case: a new block, first held in this medium
                 if same:
                     k = states[i]
@@ -445,7 +465,7 @@ class EngineIndex:
             return None
         seed, pos = 0, 0
         if ev.parent_block_hash is not None:
-            parent = state.blocks.get(block_id(group, hash_to_u64(ev.parent_block_hash)))
+            parent = self._lookup(state, block_id(group, hash_to_u64(ev.parent_block_hash)))
             if parent is None:
                 errors["unknown_parent"] += 1
                 return None
@@ -477,7 +497,7 @@ class EngineIndex:
         state.spill()
         for h in hashes:
             key = block_id(group, h)
-            blk = state.blocks.get(key)
+            blk = self._promote(state, key)
             if blk is None:
                 errors["unknown_hash"] += 1
                 continue
@@ -497,6 +517,8 @@ class EngineIndex:
         blocks = state.blocks
         touched = hashes if not group else list(map(or_, repeat(group << 64), hashes))  # block ids
         found = list(map(blocks.get, touched))
+        if state.compact is not None and None in found:
+            found = [f if f is not None else self._promote(state, b) for f, b in zip(found, touched)]
         gained: list[int] = []
         if None in found:
             fresh = list(dict.fromkeys(compress(touched, map(is_, found, repeat(None)))))  # once each, in order
@@ -520,7 +542,7 @@ class EngineIndex:
         state.spill()  # a fresh block removed must not be persisted from SourceState.fresh
         for raw in ev.block_hashes:
             key = block_id(group, hash_to_u64(raw))
-            blk = state.blocks.get(key)
+            blk = self._promote(state, key)
             if blk is None or medium not in blk.refs:
                 continue  # unknown removes are no-ops (edge 16)
             self._release(state, blk, medium, group)
@@ -611,6 +633,10 @@ class EngineIndex:
         """Drop the source's oldest blocks (in the order they were stored) until ``n`` of its
         size is gone; persisted as tombstones at the next flush. Returns the size freed."""
         state.spill()  # a fresh block dropped must not be persisted from SourceState.fresh
+        early = self._evict_migrated(state, n)  # older than every block of the dict
+        if early >= n:
+            return early
+        n -= early
         gone, freed = _oldest(state.blocks, n)
         ids = list(map(itemgetter(0), gone))
         deque(map(state.blocks.__delitem__, ids), maxlen=0)
@@ -620,7 +646,71 @@ class EngineIndex:
         state.evicted += len(gone)
         self._grown(state, -freed)
         self._dirty.add(state.spec.source_id)
-        return freed
+        return freed + early
+
+    def _evict_migrated(self, state: SourceState, n: int) -> int:
+        """Evict up to ``n`` of the source's migrated blocks, the oldest first; how many went."""
+        if state.compact is None or not len(state.compact):
+            return 0
+        gone = state.compact.oldest(self._key_table(state), n)
+        if not gone:
+            return 0
+        state.dirty.extend(bid for bid, _, _ in gone)
+        by_group: dict[int, list[int]] = {}
+        for _, group, key in gone:
+            by_group.setdefault(group, []).append(key)
+        for group, keys in by_group.items():
+            self._release_keys(state, "", state.compact.primary, group, keys)
+        state.evicted += len(gone)
+        self._grown(state, -len(gone))
+        self._dirty.add(state.spec.source_id)
+        return len(gone)
+
+    # --- migrated blocks (kvcm.engines.compacted) --------------------------------------------------
+
+    def _key_table(self, state: SourceState) -> KeyTable | None:
+        table = self._tables.get((state.spec.instance_id, ""))
+        return None if table is None else table.key_table
+
+    def _lookup(self, state: SourceState, bid: int) -> EngineBlock | None:
+        """The block, from the dict or (a copy) from the migrated ones."""
+        blk = state.blocks.get(bid)
+        if blk is None and state.compact is not None:
+            blk = state.compact.get(self._key_table(state), bid)
+        return blk
+
+    def _promote(self, state: SourceState, bid: int) -> EngineBlock | None:
+        """The block, from the dict; a migrated one is taken back into it first (it is about to
+        change)."""
+        blk = state.blocks.get(bid)
+        if blk is None and state.compact is not None:
+            blk = state.compact.take(self._key_table(state), bid)
+            if blk is not None:
+                state.blocks[bid] = blk
+        return blk
+
+    def _migrate(self, state: SourceState, candidates: list[int]) -> None:
+        """After a flush persisted them: the source's common blocks among ``candidates`` leave
+        its dict for compact maps."""
+        if not self._compact_blocks or not candidates:
+            return
+        table = self._tables.get((state.spec.instance_id, ""))
+        if table is None:
+            return
+        blocks = state.blocks
+        picked = [(bid, blocks[bid]) for bid in dict.fromkeys(candidates) if bid in blocks]
+        if not picked:
+            return
+        if state.compact is None:
+            from kvcm.engines.compacted import CompactBlocks  # numba: with the first table (table.py)
+
+            refs = picked[0][1].refs
+            state.compact = CompactBlocks(next(iter(refs)) if len(refs) == 1 else "GPU")
+        table.settle()
+        moved = state.compact.migrate(table.key_table, [b for b, _ in picked], [blk for _, blk in picked])
+        deque(map(blocks.__delitem__, moved), maxlen=0)
+        if moved and len(blocks) < len(moved) // 4:
+            state.blocks = dict(blocks)  # a dict never shrinks by deleting: the buffer's peak goes
 
     def _release(self, state: SourceState, blk: EngineBlock, medium: str, group: int) -> None:
         count = blk.refs[medium]
@@ -703,7 +793,7 @@ class EngineIndex:
         step = min(ev.block_size, block_size)
         if ev.parent_block_hash is None:
             return 0, step
-        parent = state.blocks.get(block_id(ev.group_idx or 0, hash_to_u64(ev.parent_block_hash)))
+        parent = self._lookup(state, block_id(ev.group_idx or 0, hash_to_u64(ev.parent_block_hash)))
         if parent is None:
             return None, step
         return None if parent.pos % step else (parent.end, step)
@@ -909,7 +999,7 @@ class EngineIndex:
         with self._lock:
             problems = []
             for state in self._sources.values():
-                weighed = sum(map(weight, state.blocks.values()))
+                weighed = sum(map(weight, state.blocks.values())) + (len(state.compact) if state.compact else 0)
                 if weighed != state.size:
                     problems.append(f"{state.spec.source_id}: size {state.size}, its blocks weigh {weighed}")
                 if state.size > self.max_per_source:
@@ -926,7 +1016,8 @@ class EngineIndex:
     def flush(self) -> int:
         """Persist what changed since the last flush in one transaction; returns records written.
         The tables' deferred holdings are applied here too, so an index fed but never asked
-        holds no pending keys for long."""
+        holds no pending keys for long; then, with ``compact``, the common blocks just persisted
+        leave their dicts (:meth:`_migrate`)."""
         with self._lock:
             self._settle_tables()
         if not self._dirty:
@@ -936,23 +1027,42 @@ class EngineIndex:
                 for source_id in self._dirty:
                     state = self._sources.get(source_id)
                     if state is not None:
+                        candidates = self._candidates(state)
                         state.dirty.clear()
                         state.fresh.clear()
                         state.cleared = False
+                        self._migrate(state, candidates)
                 self._dirty.clear()
             return 0
         with self._store.write() as txn, self._lock, gc_paused():
             written = 0
+            flushed: list[tuple[SourceState, list[int]]] = []
             try:
                 for source_id in self._dirty:
                     state = self._sources.get(source_id)
                     if state is not None:
-                        written += flush_source(txn, state)
+                        flushed.append((state, self._candidates(state)))
+                        written += self._flush_source(txn, state)
             except BaseException:
                 self._mark_all_dirty()  # the transaction rolls back: rewrite everything next time
                 raise
             self._dirty.clear()
-            return written
+        with self._lock:  # committed: what was persisted may leave the dicts
+            for state, candidates in flushed:
+                self._migrate(state, candidates)
+        return written
+
+    def _candidates(self, state: SourceState) -> list[int]:
+        """The blocks a flush of ``state`` persists (changed or new): those it may migrate."""
+        if not self._compact_blocks:
+            return []
+        return [*state.dirty, *(bid for ids, _ in state.fresh for bid in ids)]
+
+    def _flush_source(self, txn: Any, state: SourceState) -> int:
+        compact = state.compact
+        if compact is None or not len(compact):
+            return flush_source(txn, state)
+        return flush_source(txn, state, lambda: compact.items(self._key_table(state)), len(compact))
 
     def _mark_all_dirty(self) -> None:
         for state in self._sources.values():
@@ -977,6 +1087,8 @@ class EngineIndex:
                 for bid, blk in list(state.blocks.items()):
                     self._load_block(state, bid, blk)
             self._settle_tables()
+            for state in self._sources.values():
+                self._migrate(state, list(state.blocks))
             return list(self._sources.values())
 
     def _load_blocks(self, txn: Any, state: SourceState) -> None:

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from kvcm.engines.compact import CompactTable
+if TYPE_CHECKING:
+    from kvcm.engines.compact import KeyTable
 
 #: KV-cache group kinds that carry the prefix (Dynamo's "main attention"). A source that only
 #: ever sent one group is matched on it by the walk when its kind is one of these; a source of
@@ -51,6 +53,10 @@ class HolderTable:
     """Key -> bit mask of holder slots, for one ``(instance_id, lora_name)`` namespace."""
 
     def __init__(self) -> None:
+        # numba and numpy load with the first table, not with kvcm: a server that follows no
+        # engine never pays for them
+        from kvcm.engines.compact import CompactTable
+
         self._compact = CompactTable()
         self._holds: dict[int, list[int]] = {}  # slot -> keys to hold at the next settle
         self._releases: dict[int, list[int]] = {}  # slot -> keys to release then
@@ -179,6 +185,11 @@ class HolderTable:
         """Every key and its holder mask (tests and tools: built on each call)."""
         self.settle()
         return self._compact.holders()
+
+    @property
+    def key_table(self) -> KeyTable:
+        """The namespace's keys (rows, positions): where migrated blocks keep their key."""
+        return self._compact.keys
 
     def masks(self, keys: Sequence[int]) -> list[int]:
         """Each key's holder mask (0: nobody)."""

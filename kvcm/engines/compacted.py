@@ -1,0 +1,150 @@
+"""A source's common blocks, moved out of its dict of ``EngineBlock`` s into compact maps.
+
+A source's dict (``SourceState.blocks``) is the write buffer: every store, remove and re-report
+works on ``EngineBlock`` s there, as it always did. At a flush, once the blocks are persisted,
+its *common* blocks move here (:meth:`CompactBlocks.migrate`): one kvcm key whose chain state is
+the key itself, the namespace's default adapter, held once on the source's primary medium. Here
+such a block costs a :class:`~kvcm.engines.compact.SourceMap` entry (its engine hash and the row
+of its key in the namespace's :class:`~kvcm.engines.compact.KeyTable`, where the key's position
+lives) instead of a struct, a tuple, a dict entry and three ints.
+
+Reading one back builds the ``EngineBlock`` it was (:meth:`CompactBlocks.get`); a block about to
+change is *taken* back into the dict first (:meth:`CompactBlocks.take`), so every change keeps
+working on structs. Everything here is older than everything in the dict, so eviction takes the
+oldest from here first (:meth:`CompactBlocks.oldest`).
+
+An entry is one holding of its key by the source's ``(primary medium, group)`` slot: the key's
+``KeyTable`` row lives as long as that holding, which is released only together with the entry
+(taken back, removed, evicted or cleared)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcm.engines.compact import KeyTable, SourceMap, to_signed_list
+from kvcm.engines.entries import M64, EngineBlock
+
+#: Positions above this do not fit a KeyTable's position column: such blocks stay in the dict.
+_MAX_POS = (1 << 32) - 2
+
+
+class CompactBlocks:
+    """A source's migrated blocks, one :class:`SourceMap` per group."""
+
+    def __init__(self, primary: str) -> None:
+        self.primary = primary  # the medium every migrated block is held on, once
+        self.maps: dict[int, SourceMap] = {}
+
+    def __len__(self) -> int:
+        return sum(map(len, self.maps.values()))
+
+    @staticmethod
+    def common(blk: EngineBlock, primary: str) -> bool:
+        """Whether ``blk`` can be kept here (module docstring)."""
+        return (not blk.lora and len(blk.keys) == 1 and blk.keys[0] == blk.end and blk.refs == {primary: 1}
+                and 0 <= blk.pos <= _MAX_POS)
+
+    def migrate(self, table: KeyTable, bids: list[int], blocks: list[EngineBlock]) -> list[int]:
+        """Move the common ones of ``blocks`` (held, their holdings settled in ``table``) here,
+        oldest first as given; returns the ids moved (the caller drops them from its dict). A
+        block whose key has another position in ``table`` stays out."""
+        picked = [(bid, blk) for bid, blk in zip(bids, blocks) if self.common(blk, self.primary)]
+        if not picked:
+            return []
+        keys = [blk.end for _, blk in picked]
+        rows = table.locate_many(keys, insert=False)
+        mismatch = table.set_pos(np.maximum(rows, 0), [blk.pos for _, blk in picked])
+        moved: list[int] = []
+        by_group: dict[int, tuple[list[int], list[int]]] = {}
+        for (bid, _), row, other in zip(picked, rows.tolist(), mismatch.tolist()):
+            if row < 0 or other:
+                continue  # not held (cannot be: refused rather than guessed), or another position
+            hashes, kept = by_group.setdefault(bid >> 64, ([], []))
+            hashes.append(bid & M64)
+            kept.append(row)
+            moved.append(bid)
+        for group, (hashes, kept) in by_group.items():
+            smap = self.maps.get(group)
+            if smap is None:
+                smap = self.maps[group] = SourceMap()
+            smap.insert_many(hashes, kept)
+        return moved
+
+    def get(self, table: KeyTable | None, bid: int) -> EngineBlock | None:
+        """The block ``bid`` as it was migrated (a new struct: changing it changes nothing here)."""
+        smap = self.maps.get(bid >> 64)
+        if smap is None or table is None:
+            return None
+        found, rows = smap.get_many([bid & M64])
+        if not found[0]:
+            return None
+        return self._block(table, rows)[0]
+
+    def take(self, table: KeyTable | None, bid: int) -> EngineBlock | None:
+        """The block ``bid``, removed from here (the caller puts it back in its dict)."""
+        smap = self.maps.get(bid >> 64)
+        if smap is None or table is None:
+            return None
+        found, rows = smap.remove_many([bid & M64])
+        if not found[0]:
+            return None
+        return self._block(table, rows)[0]
+
+    def holds_any(self, bids: Iterable[int]) -> bool:
+        """Whether any of ``bids`` is here."""
+        by_group: dict[int, list[int]] = {}
+        for bid in bids:
+            by_group.setdefault(bid >> 64, []).append(bid & M64)
+        for group, hashes in by_group.items():
+            smap = self.maps.get(group)
+            if smap is not None and len(smap) and smap.get_many(hashes)[0].any():
+                return True
+        return False
+
+    def oldest(self, table: KeyTable | None, n: int) -> list[tuple[int, int, int]]:
+        """Remove up to ``n`` of the oldest entries (spread over the groups by size): their
+        ``(block id, group, kvcm key)``."""
+        out: list[tuple[int, int, int]] = []
+        total = len(self)
+        if table is None or not total or n <= 0:
+            return out
+        for group, smap in self.maps.items():
+            share = min(len(smap), -(-n * len(smap) // total))  # ceil: never short of n in all
+            if share <= 0:
+                continue
+            hashes, rows = smap.oldest(min(share, n - len(out)))
+            keys = to_signed_list(table.keys[rows.astype(np.int64)])
+            out += [(group << 64 | h, group, k) for h, k in zip(hashes.tolist(), keys)]
+            if len(out) >= n:
+                break
+        return out
+
+    def items(self, table: KeyTable | None) -> list[tuple[int, EngineBlock]]:
+        """Every block here with its id, oldest first per group (a rewrite, a clear)."""
+        out: list[tuple[int, EngineBlock]] = []
+        if table is None:
+            return out
+        for group, smap in self.maps.items():
+            hashes, rows = smap.items()
+            out += zip([group << 64 | h for h in hashes.tolist()], self._block(table, rows))
+        return out
+
+    def clear(self) -> None:
+        self.maps.clear()
+
+    def _block(self, table: KeyTable, rows: npt.NDArray[Any]) -> list[EngineBlock]:
+        r = rows.astype(np.int64)
+        keys = to_signed_list(table.keys[r])
+        pos = table.pos_of(r).tolist()
+        held = {self.primary: 1}
+        return [EngineBlock("", k, p, (k,), held) for k, p in zip(keys, pos)]
+
+    def nbytes(self) -> int:
+        return sum(m.nbytes() for m in self.maps.values())
+
+
+__all__ = ["CompactBlocks"]
