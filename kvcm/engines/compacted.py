@@ -20,6 +20,8 @@ An entry is one holding of its key by the source's ``(primary medium, group)`` s
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import compress, repeat
+from operator import and_, attrgetter, eq
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,7 @@ from kvcm.engines.entries import M64, EngineBlock
 
 #: Positions above this do not fit a KeyTable's position column: such blocks stay in the dict.
 _MAX_POS = (1 << 32) - 2
+_END, _POS, _KEYS, _LORA, _REFS = (attrgetter(name) for name in ("end", "pos", "keys", "lora", "refs"))
 
 
 class CompactBlocks:
@@ -51,28 +54,41 @@ class CompactBlocks:
     def migrate(self, table: KeyTable, bids: list[int], blocks: list[EngineBlock]) -> list[int]:
         """Move the common ones of ``blocks`` (held, their holdings settled in ``table``) here,
         oldest first as given; returns the ids moved (the caller drops them from its dict). A
-        block whose key has another position in ``table`` stays out."""
-        picked = [(bid, blk) for bid, blk in zip(bids, blocks) if self.common(blk, self.primary)]
-        if not picked:
+        block whose key has another position in ``table`` stays out. The test and the copy run
+        at C level (map, compress, numpy): a flush migrates every block its wake-up stored."""
+        ends = list(map(_END, blocks))
+        common = list(map(and_, map(and_, map(eq, map(_LORA, blocks), repeat("")),
+                                    map(eq, map(_KEYS, blocks), zip(ends))),
+                          map(eq, map(_REFS, blocks), repeat({self.primary: 1}))))
+        if not any(common):
             return []
-        keys = [blk.end for _, blk in picked]
+        picked_bids = list(compress(bids, common))
+        keys = np.array(list(compress(ends, common)), dtype=np.int64)
+        pos = np.array(list(compress(map(_POS, blocks), common)), dtype=np.int64)
+        fits = (pos >= 0) & (pos <= _MAX_POS)
         rows = table.locate_many(keys, insert=False)
-        mismatch = table.set_pos(np.maximum(rows, 0), [blk.pos for _, blk in picked])
-        moved: list[int] = []
-        by_group: dict[int, tuple[list[int], list[int]]] = {}
-        for (bid, _), row, other in zip(picked, rows.tolist(), mismatch.tolist()):
-            if row < 0 or other:
-                continue  # not held (cannot be: refused rather than guessed), or another position
-            hashes, kept = by_group.setdefault(bid >> 64, ([], []))
-            hashes.append(bid & M64)
-            kept.append(row)
-            moved.append(bid)
-        for group, (hashes, kept) in by_group.items():
-            smap = self.maps.get(group)
-            if smap is None:
-                smap = self.maps[group] = SourceMap()
-            smap.insert_many(hashes, kept)
+        ok = fits & (rows >= 0)  # a key not held cannot be here: refused rather than guessed
+        mismatch = table.set_pos(rows[ok], pos[ok])
+        ok[np.flatnonzero(ok)[mismatch]] = False  # another position: stays in the dict
+        moved = list(compress(picked_bids, ok.tolist()))
+        if not moved:
+            return []
+        kept_rows = rows[ok]
+        if max(moved) <= M64:  # group 0 only (the usual): the ids are the hashes
+            self._map(0).insert_many(moved, kept_rows)
+            return moved
+        groups = np.array([bid >> 64 for bid in moved], dtype=np.int64)
+        hashes = [bid & M64 for bid in moved]
+        for group in np.unique(groups).tolist():
+            at = np.flatnonzero(groups == group)
+            self._map(group).insert_many([hashes[i] for i in at.tolist()], kept_rows[at])
         return moved
+
+    def _map(self, group: int) -> SourceMap:
+        smap = self.maps.get(group)
+        if smap is None:
+            smap = self.maps[group] = SourceMap()
+        return smap
 
     def get(self, table: KeyTable | None, bid: int) -> EngineBlock | None:
         """The block ``bid`` as it was migrated (a new struct: changing it changes nothing here)."""

@@ -698,16 +698,18 @@ class EngineIndex:
         if table is None:
             return
         blocks = state.blocks
-        picked = [(bid, blocks[bid]) for bid in dict.fromkeys(candidates) if bid in blocks]
-        if not picked:
+        ids = list(dict.fromkeys(candidates))
+        ids = list(compress(ids, map(blocks.__contains__, ids)))
+        found = list(map(blocks.__getitem__, ids))
+        if not ids:
             return
         if state.compact is None:
             from kvcm.engines.compacted import CompactBlocks  # numba: with the first table (table.py)
 
-            refs = picked[0][1].refs
+            refs = found[0].refs
             state.compact = CompactBlocks(next(iter(refs)) if len(refs) == 1 else "GPU")
         table.settle()
-        moved = state.compact.migrate(table.key_table, [b for b, _ in picked], [blk for _, blk in picked])
+        moved = state.compact.migrate(table.key_table, ids, found)
         deque(map(blocks.__delitem__, moved), maxlen=0)
         if moved and len(blocks) < len(moved) // 4:
             state.blocks = dict(blocks)  # a dict never shrinks by deleting: the buffer's peak goes
