@@ -340,29 +340,67 @@ def test_sourcemap_edge_hashes() -> None:
 
 def test_holder_sets_refcounts_and_reuse() -> None:
     hs = HolderSets()
-    ids = np.zeros(10, dtype=np.uint32)
-    ids = hs.move(ids, 3)  # ten keys gain slot 3
-    a = int(ids[0])
-    assert a and hs.masks[a] == 1 << 3 and hs.refs[a] == 10 and hs.slots(a) == {3}
-    ids[:4] = hs.move(ids[:4], 5)
-    b = int(ids[0])
-    assert hs.masks[b] == (1 << 3) | (1 << 5) and hs.refs[b] == 4 and hs.refs[a] == 6
-    assert hs.contains(ids, 5).tolist() == [True] * 4 + [False] * 6
-    assert hs.move(ids[:4], 5).tolist() == [b] * 4 and hs.refs[b] == 4  # no change: no refs moved
-    ids[:4] = hs.move(ids[:4], ~3)  # {5}
-    c = int(ids[0])
+    col = np.zeros(10, dtype=np.uint32)  # ten keys' set ids
+    counts = np.zeros(16, dtype=np.int64)
+    rows = np.arange(10, dtype=np.int64)
+
+    def hold(at: slice, slot: int) -> np.ndarray:
+        return hs.hold(col, rows[at], np.full(len(rows[at]), slot, dtype=np.int64), counts)
+
+    def release(at: slice, slot: int) -> np.ndarray:
+        return hs.release(col, rows[at], np.full(len(rows[at]), slot, dtype=np.int64), counts)
+
+    assert not len(hold(slice(None), 3))  # ten keys gain slot 3
+    a = int(col[0])
+    assert a and hs.masks[a] == 1 << 3 and hs.refs[a] == 10 and hs.slots(a) == {3} and counts[3] == 10
+    hold(slice(0, 4), 5)
+    b = int(col[0])
+    assert hs.masks[b] == (1 << 3) | (1 << 5) and hs.refs[b] == 4 and hs.refs[a] == 6 and counts[5] == 4
+    assert hold(slice(0, 4), 5).tolist() == [0, 1, 2, 3]  # held already: beyond the first
+    assert col[:4].tolist() == [b] * 4 and hs.refs[b] == 4 and counts[5] == 4  # no refs moved
+    assert not len(release(slice(0, 4), 3))  # {5}
+    c = int(col[0])
     assert hs.masks[c] == 1 << 5 and b not in hs._ids.values() and hs.refs[b] == 0
-    ids[:] = hs.move(ids, ~3)
-    ids[:] = hs.move(ids, ~5)
-    assert ids.tolist() == [0] * 10 and len(hs) == 1 and not any(hs.refs)
-    live = set(hs._ids.values())
-    for src, steps in enumerate(hs._next):  # no transition cached from or to a freed id
-        assert not steps or src in live
-        assert set(steps.values()) <= live
+    assert not len(release(slice(4, 10), 5))  # not in their set: nothing
+    assert release(slice(None), 3).tolist() == list(range(4, 10))  # left with nobody
+    assert release(slice(None), 5).tolist() == list(range(4))
+    assert col.tolist() == [0] * 10 and len(hs) == 1 and not any(hs.refs) and not counts.any()
     freed = {a, b, c}
-    d = int(hs.move(np.zeros(1, dtype=np.uint32), 9)[0])
-    assert d in freed  # ids are reused
+    hs.hold(col, rows[:1], np.array([9], dtype=np.int64), counts)
+    d = int(col[0])
+    assert d in freed  # ids are reused, and no stale transition leads to their old sets
     assert hs.masks[d] == 1 << 9 and hs.refs[d] == 1
+    hs.hold(col, rows[1:2], np.array([3], dtype=np.int64), counts)  # {3}: a transition cached for a freed id
+    assert hs.masks[int(col[1])] == 1 << 3 and hs.refs[int(col[1])] == 1
+
+
+def test_holder_sets_many_sets_and_slots_against_a_model() -> None:
+    """Thousands of distinct sets over 200 slots, churned: the transition cache grows, goes
+    stale and is rebuilt, and every key's set is still the model's."""
+    rng = random.Random(7)
+    hs = HolderSets()
+    n = 3000
+    col = np.zeros(n, dtype=np.uint32)
+    counts = np.zeros(256, dtype=np.int64)
+    model = [0] * n
+    for _ in range(60):
+        rows = np.array(rng.sample(range(n), 500), dtype=np.int64)
+        slots = np.array([rng.randrange(200) for _ in range(500)], dtype=np.int64)
+        if rng.random() < 0.6:
+            hs.hold(col, rows, slots, counts)
+            for r, s in zip(rows.tolist(), slots.tolist()):
+                model[r] |= 1 << s
+        else:
+            hs.release(col, rows, slots, counts)
+            for r, s in zip(rows.tolist(), slots.tolist()):
+                model[r] &= ~(1 << s)
+        assert [hs.masks[i] for i in col.tolist()] == model
+        assert counts.tolist() == [sum(m >> s & 1 for m in model) for s in range(256)]
+        live = {}
+        for i in col.tolist():
+            live[i] = live.get(i, 0) + 1
+        assert all(hs.refs[i] == k for i, k in live.items() if i)
+        assert len(hs) == len(set(live) | {0})
 
 
 def _model_masks(held: dict[int, list[int]]) -> dict[int, int]:
@@ -412,8 +450,22 @@ def test_compact_table_matches_holder_table(seed: int) -> None:
                 keys = rng.choice(chains)[: rng.randrange(1, 65)]
             else:
                 keys = rng.choices(pool, k=rng.randrange(1, 80))  # duplicates: extra holdings
-            ct.hold(sid, keys)
-            held[sid] += keys
+            if rng.random() < 0.3:  # one batch over several slots, as a wake-up settles
+                slots = [rng.choice(sids) for _ in keys]
+                ct.hold_many(np.array(slots, dtype=np.int64), keys)
+                for s, k in zip(slots, keys):
+                    held[s].append(k)
+            else:
+                ct.hold(sid, keys)
+                held[sid] += keys
+        elif op < 0.6:
+            pairs = [(s, k) for s in rng.sample(sids, 3) for k in rng.sample(held[s], min(len(held[s]), 20))]
+            pairs += [(rng.choice(sids), k) for k in rng.choices(pool, k=3)]
+            rng.shuffle(pairs)
+            ct.release_many(np.array([s for s, _ in pairs], dtype=np.int64), [k for _, k in pairs])
+            for s, k in pairs:
+                if k in held[s]:
+                    held[s].remove(k)
         elif op < 0.9:
             mine = held[sid]
             keys = rng.sample(mine, min(len(mine), rng.randrange(0, 80))) + rng.choices(pool, k=rng.randrange(0, 5))

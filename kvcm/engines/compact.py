@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from itertools import groupby
 from typing import Any, TypeVar, cast
 
 import numba
@@ -168,6 +167,23 @@ def _kt_lookup(index: Any, keys: Any, sets: Any, shift: Any, query: Any, out: An
 
 
 @_jit
+def _kt_stretches(index: Any, keys: Any, sets: Any, shift: Any, query: Any, starts: Any, ids: Any) -> Any:
+    """The query's keys' set ids as stretches of one id: ``starts[j]`` is where stretch ``j``
+    begins and ``ids[j]`` its id (0 for keys not held); returns how many stretches."""
+    n = 0
+    last = np.uint32(0)
+    for i in range(query.shape[0]):
+        c = _find(index, keys, query[i], shift)
+        sid = sets[index[c]] if c >= 0 else np.uint32(0)
+        if i == 0 or sid != last:
+            starts[n] = i
+            ids[n] = sid
+            n += 1
+            last = sid
+    return n
+
+
+@_jit
 def _kt_locate(
     index: Any, keys: Any, sets: Any, pos: Any, meta: Any, shift: Any, limit: Any,
     query: Any, out: Any, start: Any, insert: Any,
@@ -287,6 +303,14 @@ def _sm_get(index: Any, hashes: Any, vals: Any, shift: Any, qh: Any, found: Any,
 
 
 @_jit
+def _sm_any(index: Any, hashes: Any, shift: Any, qh: Any) -> Any:
+    for i in range(qh.shape[0]):  # noqa: SIM110 (numba compiles no generator into any())
+        if _find(index, hashes, qh[i], shift) >= 0:
+            return True
+    return False
+
+
+@_jit
 def _sm_remove(index: Any, hashes: Any, vals: Any, meta: Any, shift: Any, qh: Any, found: Any, out: Any) -> None:
     """Remove ``qh`` (in order: a hash named twice is found once); its row is abandoned."""
     for i in range(qh.shape[0]):
@@ -345,21 +369,167 @@ def _sm_pack(live: Any, hashes: Any, vals: Any, new_hashes: Any, new_vals: Any, 
     return w
 
 
+# --- HolderSets kernels: the transition cache and batch holds/releases ------------------------------
+# A transition is "set ``src`` with slot ``s`` added (or removed)" -> set ``dst``, keyed
+# ``src << 21 | s << 1 | removed``. Each entry carries the generation of both ids when it was
+# made: freeing an id bumps its generation, so every cached transition to or from it stops
+# matching at once, without finding and deleting them (a stale entry is overwritten in place
+# by the next miss on its key, or dropped when the cache is rebuilt).
+
+_TR_SHIFT = np.uint64(21)
+_ONE = np.uint64(1)
+_MISS = np.int64(-1)
+
+
+@_jit
+def _tr_get(tkeys: Any, tvals: Any, tgens: Any, gen: Any, cells: Any, src: Any, code: Any) -> Any:
+    """The cached target of ``src`` stepped by ``code``, or -1 (absent or stale)."""
+    key = (np.uint64(src) << _TR_SHIFT) | code
+    n = tkeys.shape[0]
+    c = _home(key, cells)
+    while True:
+        k = tkeys[c]
+        if k == _NIL:
+            return _MISS
+        if k == key:
+            t = tvals[c]
+            if tgens[c, 0] == gen[src] and tgens[c, 1] == gen[t]:
+                return np.int64(t)
+            return _MISS
+        c += 1
+        if c == n:
+            c = 0
+
+
+@_jit
+def _tr_put(tkeys: Any, tvals: Any, tgens: Any, gen: Any, cells: Any, src: Any, code: Any, dst: Any) -> Any:
+    """Cache ``src`` stepped by ``code`` -> ``dst`` at both ids' current generations; returns 1
+    when a new cell was taken (0: an entry for the key was overwritten)."""
+    key = (np.uint64(src) << _TR_SHIFT) | code
+    n = tkeys.shape[0]
+    c = _home(key, cells)
+    while tkeys[c] != _NIL and tkeys[c] != key:
+        c += 1
+        if c == n:
+            c = 0
+    new = 1 if tkeys[c] == _NIL else 0
+    tkeys[c] = key
+    tvals[c] = dst
+    tgens[c, 0] = gen[src]
+    tgens[c, 1] = gen[dst]
+    return new
+
+
+@_jit
+def _tr_rebuild(tkeys: Any, tvals: Any, tgens: Any, gen: Any, nkeys: Any, nvals: Any, ngens: Any, cells: Any) -> Any:
+    """The live (not stale) entries into the empty new arrays; returns how many."""
+    kept = 0
+    for c in range(tkeys.shape[0]):
+        k = tkeys[c]
+        if k == _NIL:
+            continue
+        src = np.int64(k >> _TR_SHIFT)
+        t = tvals[c]
+        if tgens[c, 0] != gen[src] or tgens[c, 1] != gen[t]:
+            continue
+        d = _home(k, cells)
+        while nkeys[d] != _NIL:
+            d += 1
+            if d == nkeys.shape[0]:
+                d = 0
+        nkeys[d] = k
+        nvals[d] = t
+        ngens[d, 0] = tgens[c, 0]
+        ngens[d, 1] = tgens[c, 1]
+        kept += 1
+    return kept
+
+
+@_jit
+def _hs_hold(
+    col: Any, rows: Any, slots: Any, refs: Any, counts: Any, tkeys: Any, tvals: Any, tgens: Any,
+    gen: Any, cells: Any, start: Any, dups: Any, zeros: Any, meta: Any,
+) -> Any:  # fmt: skip
+    """One holding of key row ``rows[i]`` by slot ``slots[i]``, from ``start`` on, in order:
+    the row's set id in ``col`` moves to the set with the slot added, references moving with
+    it; a slot already in the set is a holding beyond the first (its index into ``dups``).
+    Sets whose references reach 0 go to ``zeros`` (they may be taken again later in the batch:
+    the caller frees those still at 0). Returns where a transition was not cached (the caller
+    computes it and calls again from there), or ``len(rows)``. ``meta``: [dups, zeros] used."""
+    for i in range(start, rows.shape[0]):
+        r = rows[i]
+        s = slots[i]
+        cur = col[r]
+        t = _tr_get(tkeys, tvals, tgens, gen, cells, cur, np.uint64(s) << _ONE)
+        if t < 0:
+            return i
+        if t == cur:
+            dups[meta[0]] = i
+            meta[0] += 1
+            continue
+        col[r] = t
+        refs[t] += 1
+        if cur != 0:
+            refs[cur] -= 1
+            if refs[cur] == 0:
+                zeros[meta[1]] = cur
+                meta[1] += 1
+        counts[s] += 1
+    return rows.shape[0]
+
+
+@_jit
+def _hs_release(
+    col: Any, rows: Any, slots: Any, refs: Any, counts: Any, tkeys: Any, tvals: Any, tgens: Any,
+    gen: Any, cells: Any, start: Any, gone: Any, zeros: Any, meta: Any,
+) -> Any:  # fmt: skip
+    """:func:`_hs_hold`'s reverse: slot ``slots[i]`` leaves the set of row ``rows[i]`` (negative
+    rows and slots not in the set are skipped); a row left with the empty set goes to ``gone``.
+    ``meta``: [gone, zeros] used."""
+    for i in range(start, rows.shape[0]):
+        r = rows[i]
+        if r < 0:
+            continue
+        s = slots[i]
+        cur = col[r]
+        t = _tr_get(tkeys, tvals, tgens, gen, cells, cur, (np.uint64(s) << _ONE) | _ONE)
+        if t < 0:
+            return i
+        if t == cur:
+            continue
+        col[r] = t
+        if t != 0:
+            refs[t] += 1
+        else:
+            gone[meta[0]] = r
+            meta[0] += 1
+        refs[cur] -= 1
+        if refs[cur] == 0:
+            zeros[meta[1]] = cur
+            meta[1] += 1
+        counts[s] -= 1
+    return rows.shape[0]
+
+
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def as_u64(keys: Sequence[int] | npt.NDArray[Any]) -> U64:
-    """kvcm keys (signed 64-bit ints, or any ints mod 2**64) as a ``uint64`` array."""
+def as_u64(keys: Sequence[int] | npt.NDArray[Any], unsigned: bool = False) -> U64:
+    """kvcm keys (signed 64-bit ints, or any ints mod 2**64) as a ``uint64`` array; tried first
+    as ``unsigned`` says they are (engine block hashes are; kvcm keys are signed): a failed
+    conversion costs as much as a good one."""
     if isinstance(keys, np.ndarray):
         if keys.dtype == np.uint64:
             return keys
         if keys.dtype == np.int64:
             return keys.view(np.uint64)
         return keys.astype(np.uint64)
-    try:
-        return np.array(keys, dtype=np.int64).view(np.uint64)
-    except OverflowError:  # unsigned values above 2**63 - 1 among them
-        return np.array([k & 0xFFFFFFFFFFFFFFFF for k in keys], dtype=np.uint64)
+    for dtype in (np.uint64, np.int64) if unsigned else (np.int64, np.uint64):
+        try:
+            return np.fromiter(keys, dtype=dtype, count=len(keys)).view(np.uint64)
+        except OverflowError:
+            continue
+    return np.array([k & 0xFFFFFFFFFFFFFFFF for k in keys], dtype=np.uint64)  # both signs among them
 
 
 def to_signed_list(keys: U64) -> list[int]:
@@ -454,6 +624,13 @@ class KeyTable(_Indexed):
         out = np.empty(len(q), dtype=np.uint32)
         _kt_lookup(self.index, self.keys, self.sets, self.shift, q, out)
         return out
+
+    def stretches(self, keys: Sequence[int] | npt.NDArray[Any]) -> tuple[list[int], list[int]]:
+        """The keys' set ids as stretches of one id: where each begins, and its id."""
+        q = as_u64(keys)
+        starts, ids = np.empty(len(q), dtype=np.int64), np.empty(len(q), dtype=np.uint32)
+        n = _kt_stretches(self.index, self.keys, self.sets, self.shift, q, starts, ids)
+        return starts[:n].tolist(), ids[:n].tolist()
 
     def locate_many(self, keys: Sequence[int] | npt.NDArray[Any], insert: bool) -> I64:
         """The row of each key; a missing key gets a new row with set 0 and no position when
@@ -576,27 +753,38 @@ def _as_pos(pos: Sequence[int] | npt.NDArray[Any]) -> U32:
 # --- HolderSets -------------------------------------------------------------------------------------
 
 
+#: Slot ids a holder set can name: a cached transition's key keeps 20 bits for the slot.
+MAX_SLOTS = 1 << 20
+_TR_MIN = 64  # transition cache cells at least
+
+
 class HolderSets:
     """Interned sets of holder slots (:class:`~kvcm.engines.table.HolderTable` slot ids) <->
     ``uint32`` ids, for one namespace. Engines share prefixes, so millions of keys share a few
     thousand distinct holder sets: a key stores 4 bytes and the set's mask lives once.
 
     * id 0 is the empty set, always there, not counted;
-    * ``refs[id]``: keys whose set it is; at 0 the id is freed and reused;
+    * ``refs[id]``: keys whose set it is; at 0 the id is freed (its generation bumped) and reused;
     * ``masks[id]``: the set as an int bit mask (bit ``s`` for slot ``s``), the form the
       existing query code (``runs``, ``longest_prefixes``, hybrid answers) works on;
-    * a transition cache ``(id, +slot) -> id`` and ``(id, -slot) -> id``: a batch that holds or
-      releases one slot over many keys maps its few distinct ids once each (:meth:`move`)."""
+    * a transition cache ``(id, +slot) -> id`` and ``(id, -slot) -> id`` the batch kernels read
+      (:meth:`hold`, :meth:`release`): a miss is computed here (:meth:`step`), once per
+      distinct (set, slot) pair, so a batch over many keys runs almost entirely compiled."""
 
     def __init__(self) -> None:
         self.masks: list[int] = [0]
-        self.refs: list[int] = [0]
+        self.refs: I64 = np.zeros(8, dtype=np.int64)
+        self._gen: U32 = np.zeros(8, dtype=np.uint32)
         self._ids: dict[int, int] = {0: 0}  # mask -> id
         self._free: list[int] = []
-        # per id: code -> id (code = slot to add, ~slot to remove); and the (id, code) pairs that
-        # lead to it, so freeing an id forgets every cached transition to or from it
-        self._next: list[dict[int, int]] = [{}]
-        self._back: list[set[tuple[int, int]]] = [set()]
+        self._new_cache(_TR_MIN)
+
+    def _new_cache(self, cells: int) -> None:
+        self._tkeys: U64 = np.full(cells, _NIL, dtype=np.uint64)
+        self._tvals: U32 = np.zeros(cells, dtype=np.uint32)
+        self._tgens: U32 = np.zeros((cells, 2), dtype=np.uint32)
+        self._tcells = np.uint64(cells)
+        self._tused = 0
 
     def __len__(self) -> int:
         """Live sets, the empty one included."""
@@ -613,18 +801,27 @@ class HolderSets:
             mask ^= low
         return frozenset(out)
 
-    def step(self, sid: int, code: int) -> int:
-        """The id of set ``sid`` with slot ``code`` added (``code >= 0``) or slot ``~code``
-        removed; interned (refcount 0) if new. Cached."""
-        found = self._next[sid].get(code)
-        if found is not None:
-            return found
+    def step(self, sid: int, slot: int, removed: bool) -> int:
+        """The id of set ``sid`` with ``slot`` added (or removed), interned (no reference yet)
+        if new, and cached for the kernels."""
+        if not 0 <= slot < MAX_SLOTS:
+            raise ValueError(f"slot {slot} outside 0 .. {MAX_SLOTS - 1}")
         mask = self.masks[sid]
-        mask = mask | (1 << code) if code >= 0 else mask & ~(1 << ~code)
-        target = self._intern(mask)
-        self._next[sid][code] = target
-        self._back[target].add((sid, code))
+        target = self._intern(mask & ~(1 << slot) if removed else mask | (1 << slot))
+        if 2 * (self._tused + 1) > len(self._tkeys):
+            self._rebuild_cache()
+        code = np.uint64(slot << 1 | removed)
+        self._tused += _tr_put(self._tkeys, self._tvals, self._tgens, self._gen, self._tcells, sid, code, target)
         return target
+
+    def _rebuild_cache(self) -> None:
+        """Drop stale transitions; double the cache if over a quarter of it is still live."""
+        old = self._tkeys, self._tvals, self._tgens
+        for cells in (len(old[0]), 2 * len(old[0])):
+            self._new_cache(cells)
+            self._tused = _tr_rebuild(*old, self._gen, self._tkeys, self._tvals, self._tgens, self._tcells)
+            if 4 * self._tused <= cells:
+                return
 
     def _intern(self, mask: int) -> int:
         found = self._ids.get(mask)
@@ -632,73 +829,67 @@ class HolderSets:
             return found
         if self._free:
             sid = self._free.pop()
-            self.masks[sid], self.refs[sid] = mask, 0
+            self.masks[sid] = mask
         else:
             sid = len(self.masks)
-            if sid > 0xFFFFFFFF:
-                raise OverflowError("more than 2**32 holder sets")
+            if sid > 0xFFFFFFFE:
+                raise OverflowError("more than 2**32 - 1 holder sets")
             self.masks.append(mask)
-            self.refs.append(0)
-            self._next.append({})
-            self._back.append(set())
+            if sid >= len(self.refs):
+                self.refs = _grown(self.refs, sid, 2 * sid)
+                self.refs[sid:] = 0
+                self._gen = _grown(self._gen, sid, 2 * sid)
+                self._gen[sid:] = 0
         self._ids[mask] = sid
         return sid
 
-    def acquire(self, sid: int, n: int = 1) -> None:
-        if sid:
-            self.refs[sid] += n
+    def _free_unreferenced(self, ids: I64) -> None:
+        """Free the sets among ``ids`` left without a key (a set can reach 0 and be taken again
+        within one batch, and be named more than once)."""
+        refs, masks, live = self.refs, self.masks, self._ids
+        for sid in set(ids.tolist()):
+            if not refs[sid] and live.get(masks[sid]) == sid:
+                del live[masks[sid]]
+                masks[sid] = 0
+                self._gen[sid] += 1  # every cached transition to or from it is stale now
+                self._free.append(sid)
 
-    def release(self, sid: int, n: int = 1) -> None:
-        if not sid:
-            return
-        left = self.refs[sid] = self.refs[sid] - n
-        if left < 0:
-            raise AssertionError(f"holder set {sid} released below zero")
-        if not left:
-            self._drop(sid)
+    def hold(self, col: U32, rows: I64, slots: I64, counts: I64) -> I64:
+        """Slot ``slots[i]`` joins the set of row ``rows[i]`` (``col`` is the rows' set-id column,
+        updated in place; ``counts`` per slot, updated). Returns the indices of holdings beyond
+        the first (the slot was already in the set)."""
+        n = len(rows)
+        dups, zeros, meta = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.zeros(2, dtype=np.int64)
+        i = 0
+        while True:
+            i = _hs_hold(col, rows, slots, self.refs, counts, self._tkeys, self._tvals, self._tgens,
+                         self._gen, self._tcells, i, dups, zeros, meta)  # fmt: skip
+            if i == n:
+                break
+            self.step(int(col[rows[i]]), int(slots[i]), False)
+        self._free_unreferenced(zeros[: meta[1]])
+        return dups[: meta[0]]
 
-    def _drop(self, sid: int) -> None:
-        del self._ids[self.masks[sid]]
-        for src, code in self._back[sid]:
-            if self._next[src].get(code) == sid:
-                del self._next[src][code]
-        for code, dst in self._next[sid].items():
-            self._back[dst].discard((sid, code))
-        self._next[sid], self._back[sid] = {}, set()
-        self.masks[sid] = 0
-        self._free.append(sid)
-
-    def contains(self, ids: U32, slot: int) -> Bools:
-        """Per element of ``ids``: whether its set holds ``slot``."""
-        if not len(ids):
-            return np.zeros(0, dtype=np.bool_)
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        masks = self.masks
-        flags = np.array([(masks[int(u)] >> slot) & 1 for u in uniq], dtype=np.bool_)
-        return flags[inverse.reshape(-1)]
-
-    def move(self, ids: U32, code: int) -> U32:
-        """Each element of ``ids`` (one key's set each) stepped by ``code`` (:meth:`step`), the
-        references moving with it: one step and one refcount update per distinct id."""
-        if not len(ids):
-            return np.zeros(0, dtype=np.uint32)
-        uniq, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
-        sources = uniq.tolist()
-        targets = [self.step(s, code) for s in sources]
-        moved = [(s, t, n) for s, t, n in zip(sources, targets, counts.tolist()) if s != t]
-        for _, t, n in moved:  # acquire first: no id of this batch is freed and reused midway
-            self.acquire(t, n)
-        for s, _, n in moved:
-            self.release(s, n)
-        return np.array(targets, dtype=np.uint32)[inverse.reshape(-1)]
+    def release(self, col: U32, rows: I64, slots: I64, counts: I64) -> I64:
+        """Slot ``slots[i]`` leaves the set of row ``rows[i]`` (negative rows and slots not in the
+        set: nothing). Returns the rows left with the empty set."""
+        n = len(rows)
+        gone, zeros, meta = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.zeros(2, dtype=np.int64)
+        i = 0
+        while True:
+            i = _hs_release(col, rows, slots, self.refs, counts, self._tkeys, self._tvals, self._tgens,
+                            self._gen, self._tcells, i, gone, zeros, meta)  # fmt: skip
+            if i == n:
+                break
+            self.step(int(col[rows[i]]), int(slots[i]), True)
+        self._free_unreferenced(zeros[: meta[1]])
+        return gone[: meta[0]]
 
     def nbytes(self) -> int:
-        """Approximate bytes of its Python objects (lists, masks, dicts)."""
-        size = sys.getsizeof(self.masks) + sys.getsizeof(self.refs) + sys.getsizeof(self._ids)
-        size += sys.getsizeof(self._free) + sys.getsizeof(self._next) + sys.getsizeof(self._back)
-        size += sum(map(sys.getsizeof, self.masks)) + sum(map(sys.getsizeof, self.refs))
-        size += sum(map(sys.getsizeof, self._next)) + sum(map(sys.getsizeof, self._back))
-        return size
+        """Approximate bytes of its arrays and Python objects."""
+        size = sys.getsizeof(self.masks) + sys.getsizeof(self._ids) + sys.getsizeof(self._free)
+        size += sum(map(sys.getsizeof, self.masks)) + self.refs.nbytes + self._gen.nbytes
+        return size + self._tkeys.nbytes + self._tvals.nbytes + self._tgens.nbytes
 
 
 # --- CompactTable -------------------------------------------------------------------------------------
@@ -711,18 +902,36 @@ class CompactTable:
 
     * a slot's first holding of a key is its bit in the key's set; further holdings of the same
       key by the same slot are counted in ``extra[slot][key]`` (rare: duplicate stores);
-    * ``counts[slot]``: distinct keys the slot holds;
+    * :meth:`count`: distinct keys a slot holds;
     * a key whose set becomes empty leaves the :class:`KeyTable`;
-    * :meth:`hold` returns the keys' :class:`KeyTable` rows, which stay theirs while any slot
-      holds them: a :class:`SourceMap` stores them, and :meth:`release_rows` releases by them;
+    * holds return the keys' :class:`KeyTable` rows, which stay theirs while any slot holds
+      them: a :class:`SourceMap` stores them, and :meth:`release_rows` releases by them;
     * positions (token count at a key's block end) are the key's, kept from the first hold
-      that gives one (:meth:`KeyTable.set_pos`)."""
+      that gives one (:meth:`KeyTable.set_pos`).
+
+    Batches name a slot per key (:meth:`hold_many`, :meth:`release_many`), so one call covers
+    every slot a wake-up touched."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.keys = KeyTable(capacity)
         self.sets = HolderSets()
         self.extra: dict[int, dict[int, int]] = {}  # slot -> signed key -> holdings beyond the first
-        self.counts: dict[int, int] = {}
+        self._counts: I64 = np.zeros(8, dtype=np.int64)  # slot -> distinct keys held
+
+    @property
+    def counts(self) -> dict[int, int]:
+        """Slot -> distinct keys held, for the slots holding any."""
+        held = np.flatnonzero(self._counts)
+        return dict(zip(held.tolist(), self._counts[held].tolist()))
+
+    def _fit(self, slots: I64) -> None:
+        top = int(slots.max()) if len(slots) else 0
+        if len(slots) and (top >= MAX_SLOTS or int(slots.min()) < 0):
+            raise ValueError(f"slots must be within 0 .. {MAX_SLOTS - 1}")
+        if top >= len(self._counts):
+            grown = np.zeros(max(top + 1, 2 * len(self._counts)), dtype=np.int64)
+            grown[: len(self._counts)] = self._counts
+            self._counts = grown
 
     def hold(
         self, slot: int, keys: Sequence[int] | npt.NDArray[Any], pos: Sequence[int] | npt.NDArray[Any] | None = None
@@ -736,26 +945,36 @@ class CompactTable:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.bool_)
         rows = self.keys.locate_many(q, insert=True)
         mismatch = np.zeros(len(q), dtype=np.bool_) if pos is None else self.keys.set_pos(rows, pos)
-        uniq, counts = np.unique(rows, return_counts=True)
-        current = self.keys.sets[uniq]
-        held = self.sets.contains(current, slot)
-        more = counts - (~held)  # holdings beyond the bit: all if held, all but one otherwise
-        if more.any():
-            extra = self.extra.setdefault(slot, {})
-            pick = more > 0
-            for key, n in zip(to_signed_list(self.keys.keys[uniq[pick]]), more[pick].tolist()):
-                extra[key] = extra.get(key, 0) + n
-        new = ~held
-        if new.any():
-            self.keys.sets[uniq[new]] = self.sets.move(current[new], slot)
-            self.counts[slot] = self.counts.get(slot, 0) + int(new.sum())
+        self._hold_rows(np.full(len(q), slot, dtype=np.int64), rows)
         return rows, mismatch
+
+    def hold_many(self, slots: I64, keys: Sequence[int] | npt.NDArray[Any]) -> I64:
+        """One more holding of ``keys[i]`` by ``slots[i]`` each; returns the keys' rows."""
+        q = as_u64(keys)
+        rows = self.keys.locate_many(q, insert=True)
+        if len(q):
+            self._hold_rows(np.asarray(slots, dtype=np.int64), rows)
+        return rows
+
+    def _hold_rows(self, slots: I64, rows: I64) -> None:
+        self._fit(slots)
+        dups = self.sets.hold(self.keys.sets, rows, slots, self._counts)
+        if len(dups):
+            for slot, key in zip(slots[dups].tolist(), to_signed_list(self.keys.keys[rows[dups]])):
+                extra = self.extra.setdefault(slot, {})
+                extra[key] = extra.get(key, 0) + 1
 
     def release(self, slot: int, keys: Sequence[int] | npt.NDArray[Any]) -> None:
         """One holding less of each key by ``slot``; releases beyond its holdings do nothing."""
         q = as_u64(keys)
         if len(q):
-            self.release_rows(slot, self.keys.locate_many(q, insert=False))
+            self._release_rows(np.full(len(q), slot, dtype=np.int64), self.keys.locate_many(q, insert=False))
+
+    def release_many(self, slots: I64, keys: Sequence[int] | npt.NDArray[Any]) -> None:
+        """One holding less of ``keys[i]`` by ``slots[i]`` each (beyond its holdings: nothing)."""
+        q = as_u64(keys)
+        if len(q):
+            self._release_rows(np.asarray(slots, dtype=np.int64), self.keys.locate_many(q, insert=False))
 
     def release_rows(self, slot: int, rows: npt.NDArray[Any]) -> None:
         """:meth:`release` of the keys of ``rows`` (as :meth:`hold` returned them; negative
@@ -763,29 +982,37 @@ class CompactTable:
         holdings do nothing); a row freed meanwhile and reused by another key would release
         that key, which the :class:`SourceMap` bookkeeping rules out (an entry is a holding)."""
         rows = np.asarray(rows, dtype=np.int64)
-        rows = rows[rows >= 0]
-        if not len(rows):
-            return
-        uniq, counts = np.unique(rows, return_counts=True)
-        current = self.keys.sets[uniq]
-        mine = self.sets.contains(current, slot)
-        uniq, counts, current = uniq[mine], counts[mine], current[mine]
-        extra = self.extra.get(slot)
-        if extra and len(uniq):  # holdings beyond the first go first, the bit with the last
-            keep = np.zeros(len(uniq), dtype=np.bool_)
-            for i, (key, n) in enumerate(zip(to_signed_list(self.keys.keys[uniq]), counts.tolist())):
-                more = extra.get(key)
-                if more:
-                    if more > n:
-                        extra[key] = more - n
-                        keep[i] = True
-                    else:
-                        del extra[key]
-                        keep[i] = more == n
+        if len(rows):
+            self._release_rows(np.full(len(rows), slot, dtype=np.int64), rows)
+
+    def _release_rows(self, slots: I64, rows: I64) -> None:
+        self._fit(slots)
+        if self.extra:
+            rows = self._take_extra(slots, rows)
+        gone = self.sets.release(self.keys.sets, rows, slots, self._counts)
+        if len(gone):
+            self.keys.drop_empty(gone)
+
+    def _take_extra(self, slots: I64, rows: I64) -> I64:
+        """Releases a slot's holdings beyond the first absorb (in any order: the bit goes with
+        the last holding whatever the order); the rest, with absorbed rows set to -1."""
+        at = np.flatnonzero(np.isin(slots, list(self.extra)) & (rows >= 0))
+        if not len(at):
+            return rows
+        rows = rows.copy()
+        for i, slot, key in zip(at.tolist(), slots[at].tolist(), to_signed_list(self.keys.keys[rows[at]])):
+            extra = self.extra.get(slot)
+            more = extra.get(key) if extra else None
+            if not more:
+                continue
+            rows[i] = -1
+            if more > 1:
+                extra[key] = more - 1  # type: ignore[index]
+                continue
+            del extra[key]  # type: ignore[union-attr]
             if not extra:
                 del self.extra[slot]
-            uniq, current = uniq[~keep], current[~keep]
-        self._clear(slot, uniq, current)
+        return rows
 
     def forget(self, slot: int, keys: Sequence[int] | npt.NDArray[Any]) -> None:
         """Every holding of ``keys`` by ``slot`` goes (its slot is about to be dropped)."""
@@ -796,30 +1023,12 @@ class CompactTable:
                 extra.pop(key, None)
             if not extra:
                 del self.extra[slot]
-        rows = self.keys.locate_many(q, insert=False)
-        uniq = np.unique(rows[rows >= 0])
-        current = self.keys.sets[uniq]
-        mine = self.sets.contains(current, slot)
-        self._clear(slot, uniq[mine], current[mine])
-
-    def _clear(self, slot: int, rows: I64, current: U32) -> None:
-        """Clear ``slot``'s bit from the sets of ``rows`` (all hold it); keys left without holder go."""
-        if not len(rows):
-            return
-        new = self.sets.move(current, ~slot)
-        self.keys.sets[rows] = new
-        left = self.counts[slot] - len(rows)
-        if left:
-            self.counts[slot] = left
-        else:
-            del self.counts[slot]
-        gone = rows[new == 0]
-        if len(gone):
-            self.keys.drop_empty(gone)
+        if len(q):
+            self._release_rows(np.full(len(q), slot, dtype=np.int64), self.keys.locate_many(q, insert=False))
 
     def count(self, slot: int) -> int:
         """Distinct keys the slot holds."""
-        return self.counts.get(slot, 0)
+        return int(self._counts[slot]) if 0 <= slot < len(self._counts) else 0
 
     def masks(self, keys: Sequence[int] | npt.NDArray[Any]) -> list[int]:
         """Each key's holder mask (0: nobody), as ``HolderTable.holders[key]``."""
@@ -833,34 +1042,31 @@ class CompactTable:
         return dict(zip(to_signed_list(keys), [masks[i] for i in ids.tolist()]))
 
     def runs(self, keys: Sequence[int] | npt.NDArray[Any], allowed: int) -> list[tuple[int, int, int]]:
-        """:meth:`HolderTable.runs <kvcm.engines.table.HolderTable.runs>` on set ids: the keys
-        are looked up in one kernel call, then grouped into stretches of one set id (small ints),
-        each stretch's mask read once."""
+        """:meth:`HolderTable.runs <kvcm.engines.table.HolderTable.runs>` on set ids: one kernel
+        call looks the keys up and cuts them into stretches of one set id; Python then runs once
+        per stretch (about one per slot when engines hold contiguous prefixes), each stretch's
+        mask read once."""
         found: list[tuple[int, int, int]] = []
         if not allowed or not len(keys):
             return found
+        starts, ids = self.keys.stretches(keys)
         masks = self.sets.masks
-        stretches = groupby(self.keys.lookup_many(keys).tolist())
-        first = next(stretches)
-        running = masks[first[0]] & allowed
+        running = masks[ids[0]] & allowed
         if not running:
             return found
-        length = len(list(first[1]))
-        for sid, stretch in stretches:
+        for start, sid in zip(starts[1:], ids[1:]):
             kept = running & masks[sid]
             if kept != running:
-                found.append((length, running, kept))
+                found.append((start, running, kept))
                 if not kept:
                     return found
                 running = kept
-            length += len(list(stretch))
-        if running:
-            found.append((length, running, 0))
+        found.append((len(keys), running, 0))
         return found
 
     def nbytes(self) -> int:
         extra = sum(sys.getsizeof(d) for d in self.extra.values()) + sys.getsizeof(self.extra)
-        return self.keys.nbytes() + self.sets.nbytes() + extra + sys.getsizeof(self.counts)
+        return self.keys.nbytes() + self.sets.nbytes() + extra + self._counts.nbytes
 
 
 # --- SourceMap ------------------------------------------------------------------------------------------
@@ -893,7 +1099,7 @@ class SourceMap(_Indexed):
         """Map each hash to its KeyTable row, in order, each becoming the newest (a hash present
         already is updated and moved to the end, as a full re-report makes a block the newest).
         Returns per hash whether it was present, and its previous row (0 where it was not)."""
-        qh, qr = as_u64(hashes), _as_rows(rows)
+        qh, qr = as_u64(hashes, unsigned=True), _as_rows(rows)
         if len(qh) != len(qr):
             raise ValueError("hashes and rows differ in length")
         had = np.zeros(len(qh), dtype=np.bool_)
@@ -912,15 +1118,19 @@ class SourceMap(_Indexed):
 
     def get_many(self, hashes: Sequence[int] | npt.NDArray[Any]) -> tuple[Bools, U32]:
         """Per hash: whether present, and its row (0 where not)."""
-        qh = as_u64(hashes)
+        qh = as_u64(hashes, unsigned=True)
         found = np.empty(len(qh), dtype=np.bool_)
         out = np.empty(len(qh), dtype=np.uint32)
         _sm_get(self.index, self.hashes, self.rows, self.shift, qh, found, out)
         return found, out
 
+    def any_of(self, hashes: Sequence[int] | npt.NDArray[Any]) -> bool:
+        """Whether any of ``hashes`` is present."""
+        return bool(len(self)) and bool(_sm_any(self.index, self.hashes, self.shift, as_u64(hashes, unsigned=True)))
+
     def remove_many(self, hashes: Sequence[int] | npt.NDArray[Any]) -> tuple[Bools, U32]:
         """Remove the hashes; per hash whether it was present, and its row (0 where not)."""
-        qh = as_u64(hashes)
+        qh = as_u64(hashes, unsigned=True)
         found = np.empty(len(qh), dtype=np.bool_)
         out = np.empty(len(qh), dtype=np.uint32)
         _sm_remove(self.index, self.hashes, self.rows, self.meta, self.shift, qh, found, out)

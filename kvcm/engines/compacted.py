@@ -19,16 +19,15 @@ An entry is one holding of its key by the source's ``(primary medium, group)`` s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from itertools import compress, repeat
-from operator import and_, attrgetter, eq
+from operator import and_, attrgetter, eq, is_
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcm.engines.compact import KeyTable, SourceMap, to_signed_list
-from kvcm.engines.entries import M64, EngineBlock
+from kvcm.engines.entries import M64, EngineBlock, Fresh
 
 #: Positions above this do not fit a KeyTable's position column: such blocks stay in the dict.
 _MAX_POS = (1 << 32) - 2
@@ -48,29 +47,63 @@ class CompactBlocks:
     @staticmethod
     def common(blk: EngineBlock, primary: str) -> bool:
         """Whether ``blk`` can be kept here (module docstring)."""
-        return (not blk.lora and len(blk.keys) == 1 and blk.keys[0] == blk.end and blk.refs == {primary: 1}
-                and 0 <= blk.pos <= _MAX_POS)
+        return (
+            not blk.lora
+            and len(blk.keys) == 1
+            and blk.keys[0] == blk.end
+            and blk.refs == {primary: 1}
+            and 0 <= blk.pos <= _MAX_POS
+        )
 
-    def migrate(self, table: KeyTable, bids: list[int], blocks: list[EngineBlock]) -> list[int]:
-        """Move the common ones of ``blocks`` (held, their holdings settled in ``table``) here,
-        oldest first as given; returns the ids moved (the caller drops them from its dict). A
-        block whose key has another position in ``table`` stays out. The test and the copy run
-        at C level (map, compress, numpy): a flush migrates every block its wake-up stored."""
-        ends = list(map(_END, blocks))
-        common = list(map(and_, map(and_, map(eq, map(_LORA, blocks), repeat("")),
-                                    map(eq, map(_KEYS, blocks), zip(ends))),
-                          map(eq, map(_REFS, blocks), repeat({self.primary: 1}))))
-        if not any(common):
+    def migrate(self, table: KeyTable, blocks: dict[int, EngineBlock], dirty: list[int], fresh: Fresh) -> list[int]:
+        """Move the common ones of the blocks a flush persisted (their holdings settled in
+        ``table``) here, oldest first; returns the ids moved (the caller drops them from its
+        dict). ``dirty`` names changed blocks (looked up, tested one by one); ``fresh`` gives
+        stores as made, still as made unless a holding was added (their ``refs`` is no longer
+        the shared ``{medium: 1}`` then), so a whole store is tested by identity. A block whose
+        key has another position in ``table`` stays out. The tests and the copy run at C level
+        (map, compress, numpy): a flush migrates every block its wake-up stored."""
+        bids: list[int] = []
+        made: list[EngineBlock] = []
+        seen = set(dirty) if dirty and fresh else None
+        for ids, group in fresh:
+            if seen is not None and not seen.isdisjoint(ids):
+                dirty = dirty + ids  # changed since made as well: looked up with the changed ones
+                continue
+            once = group[0].refs
+            if group[0].lora or once != {self.primary: 1}:
+                continue
+            same = list(map(is_, map(_REFS, group), repeat(once)))
+            bids += ids if all(same) else compress(ids, same)
+            made += group if all(same) else compress(group, same)
+        if dirty:
+            ids = list(dict.fromkeys(compress(dirty, map(blocks.__contains__, dirty))))
+            found = list(map(blocks.__getitem__, ids))
+            ends = list(map(_END, found))
+            common = list(
+                map(
+                    and_,
+                    map(and_, map(eq, map(_LORA, found), repeat("")), map(eq, map(_KEYS, found), zip(ends))),
+                    map(eq, map(_REFS, found), repeat({self.primary: 1})),
+                )
+            )
+            bids += compress(ids, common)
+            made += compress(found, common)
+        if not bids:
             return []
-        picked_bids = list(compress(bids, common))
-        keys = np.array(list(compress(ends, common)), dtype=np.int64)
-        pos = np.array(list(compress(map(_POS, blocks), common)), dtype=np.int64)
+        keys = np.fromiter(map(_END, made), dtype=np.int64, count=len(made))
+        pos = np.fromiter(map(_POS, made), dtype=np.int64, count=len(made))
+        return self._insert(table, bids, keys, pos)
+
+    def _insert(
+        self, table: KeyTable, bids: list[int], keys: npt.NDArray[np.int64], pos: npt.NDArray[np.int64]
+    ) -> list[int]:
         fits = (pos >= 0) & (pos <= _MAX_POS)
         rows = table.locate_many(keys, insert=False)
         ok = fits & (rows >= 0)  # a key not held cannot be here: refused rather than guessed
         mismatch = table.set_pos(rows[ok], pos[ok])
         ok[np.flatnonzero(ok)[mismatch]] = False  # another position: stays in the dict
-        moved = list(compress(picked_bids, ok.tolist()))
+        moved = bids if ok.all() else list(compress(bids, ok.tolist()))
         if not moved:
             return []
         kept_rows = rows[ok]
@@ -110,16 +143,10 @@ class CompactBlocks:
             return None
         return self._block(table, rows)[0]
 
-    def holds_any(self, bids: Iterable[int]) -> bool:
-        """Whether any of ``bids`` is here."""
-        by_group: dict[int, list[int]] = {}
-        for bid in bids:
-            by_group.setdefault(bid >> 64, []).append(bid & M64)
-        for group, hashes in by_group.items():
-            smap = self.maps.get(group)
-            if smap is not None and len(smap) and smap.get_many(hashes)[0].any():
-                return True
-        return False
+    def holds_any(self, group: int, hashes: list[int]) -> bool:
+        """Whether any of the engine block ``hashes`` of ``group`` is here."""
+        smap = self.maps.get(group)
+        return smap is not None and smap.any_of(hashes)
 
     def oldest(self, table: KeyTable | None, n: int) -> list[tuple[int, int, int]]:
         """Remove up to ``n`` of the oldest entries (spread over the groups by size): their

@@ -157,6 +157,12 @@ class Ids(dict[int, None]):
         self.update(dict.fromkeys(bids))
 
 
+#: Stores of blocks new to a source, as made: ``(ids, blocks)`` (:attr:`SourceState.fresh`).
+Fresh = list[tuple[list[int], list[EngineBlock]]]
+#: What a flush persisted, which may migrate (kvcm.engines.compacted): changed ids, fresh stores.
+Candidates = tuple[list[int], Fresh]
+
+
 @dataclass
 class SourceState:
     """Index-side state of one source (its connection state lives in the subscriber)."""
@@ -173,7 +179,7 @@ class SourceState:
     #: stores of blocks new to the source since the last flush, as made: ``(ids, blocks)``,
     #: persisted without a lookup each. They stay the blocks' current records until a block
     #: is removed, so every other change first moves their ids into ``dirty`` (:meth:`spill`).
-    fresh: list[tuple[list[int], list[EngineBlock]]] = field(default_factory=list)
+    fresh: Fresh = field(default_factory=list)
     cleared: bool = False
     serial: int = 0  # of the source's next engine_log record
     logged: int = 0  # entries its persisted records hold (live, superseded and tombstones)
@@ -223,7 +229,6 @@ class ApplyStats:
 Item = tuple[str, int, int, DecodedBatch]  # source_id, generation, seq, batch
 
 
-
 class NullTxn:
     def __enter__(self) -> None:
         return None
@@ -245,8 +250,12 @@ def new_block(lora: str, states: list[int], i: int, size: int, pos: int, step: i
     return EngineBlock(lora, last, pos + (i + 1) * size, keys)
 
 
-def flush_source(txn: Any, state: SourceState, migrated: Callable[[], list[tuple[int, EngineBlock]]] | None = None,
-                 migrated_n: int = 0) -> int:
+def flush_source(
+    txn: Any,
+    state: SourceState,
+    migrated: Callable[[], list[tuple[int, EngineBlock]]] | None = None,
+    migrated_n: int = 0,
+) -> int:
     """Persist the source's changed blocks and its record; returns the records written.
 
     Appends one log record (per :data:`CHUNK` entries) of the changed blocks, or rewrites the
@@ -272,7 +281,9 @@ def flush_source(txn: Any, state: SourceState, migrated: Callable[[], list[tuple
             ids += fresh_ids
             found += made
     for lo in range(0, len(ids), CHUNK):
-        txn.put(LOG_DB, LOG_KEY.pack(state.number, state.serial), encode_log(ids[lo : lo + CHUNK], found[lo : lo + CHUNK]))
+        txn.put(
+            LOG_DB, LOG_KEY.pack(state.number, state.serial), encode_log(ids[lo : lo + CHUNK], found[lo : lo + CHUNK])
+        )
         state.serial += 1
         written += 1
     state.logged += len(ids)

@@ -73,6 +73,7 @@ from kvcm.engines.entries import (
     SID,
     SOURCES_DB,
     ApplyStats,
+    Candidates,
     EngineBlock,
     Item,
     NullTxn,
@@ -378,8 +379,12 @@ class EngineIndex:
         same = step == block_size == size  # the common case: no re-chunking, one key per block
         touched = hashes if not group else list(map(or_, repeat(group << 64), hashes))  # block ids
         new = None
-        if same and len(states) == len(hashes) and blocks.keys().isdisjoint(touched) and \
-                (state.compact is None or not state.compact.holds_any(touched)):
+        if (
+            same
+            and len(states) == len(hashes)
+            and blocks.keys().isdisjoint(touched)
+            and (state.compact is None or not state.compact.holds_any(group, hashes))
+        ):
             new = self._new_blocks(blocks, touched, states, lora, medium, pos, size)
         if new is not None:
             gained = new[0]
@@ -396,8 +401,13 @@ class EngineIndex:
 
     @staticmethod
     def _new_blocks(
-        blocks: dict[int, EngineBlock], touched: list[int], states: list[int], lora: str,
-        medium: str, pos: int, size: int,
+        blocks: dict[int, EngineBlock],
+        touched: list[int],
+        states: list[int],
+        lora: str,
+        medium: str,
+        pos: int,
+        size: int,
     ) -> tuple[list[int], list[EngineBlock]] | None:
         """The common store: every block new to the source, one kvcm key each. Built with
         C-level iteration (map, zip, dict.update) instead of a Python step per block: its kvcm
@@ -414,8 +424,17 @@ class EngineIndex:
         return states, made
 
     def _update_blocks(
-        self, state: SourceState, touched: list[int], states: list[int], lora: str, medium: str,
-        group: int, pos: int, step: int, block_size: int, size: int,
+        self,
+        state: SourceState,
+        touched: list[int],
+        states: list[int],
+        lora: str,
+        medium: str,
+        group: int,
+        pos: int,
+        step: int,
+        block_size: int,
+        size: int,
     ) -> list[int]:
         """Any store, one block at a time (held ones gain a holding): the keys newly held."""
         gained: list[int] = []  # keys this medium starts holding: one table update for all
@@ -523,8 +542,11 @@ class EngineIndex:
         if None in found:
             fresh = list(dict.fromkeys(compress(touched, map(is_, found, repeat(None)))))  # once each, in order
             gained = list(map(to_signed, map(and_, fresh, repeat(M64))))
-            blocks.update(zip(fresh, map(EngineBlock, repeat(lora), repeat(0), repeat(0), zip(gained),
-                                         repeat(_held_once(medium)))))
+            blocks.update(
+                zip(
+                    fresh, map(EngineBlock, repeat(lora), repeat(0), repeat(0), zip(gained), repeat(_held_once(medium)))
+                )
+            )
             self._grown(state, len(fresh))  # a keyed block is one key
         for blk in filter(None, found):
             if medium not in blk.refs:
@@ -689,27 +711,25 @@ class EngineIndex:
                 state.blocks[bid] = blk
         return blk
 
-    def _migrate(self, state: SourceState, candidates: list[int]) -> None:
+    def _migrate(self, state: SourceState, candidates: Candidates) -> None:
         """After a flush persisted them: the source's common blocks among ``candidates`` leave
         its dict for compact maps."""
-        if not self._compact_blocks or not candidates:
+        dirty, fresh = candidates
+        if not self._compact_blocks or not (dirty or fresh):
             return
         table = self._tables.get((state.spec.instance_id, ""))
         if table is None:
             return
-        blocks = state.blocks
-        ids = list(dict.fromkeys(candidates))
-        ids = list(compress(ids, map(blocks.__contains__, ids)))
-        found = list(map(blocks.__getitem__, ids))
-        if not ids:
-            return
         if state.compact is None:
             from kvcm.engines.compacted import CompactBlocks  # numba: with the first table (table.py)
 
-            refs = found[0].refs
-            state.compact = CompactBlocks(next(iter(refs)) if len(refs) == 1 else "GPU")
+            first = fresh[0][1][0] if fresh else next(filter(None, map(state.blocks.get, dirty)), None)
+            if first is None:
+                return
+            state.compact = CompactBlocks(next(iter(first.refs)) if len(first.refs) == 1 else "GPU")
         table.settle()
-        moved = state.compact.migrate(table.key_table, ids, found)
+        moved = state.compact.migrate(table.key_table, state.blocks, dirty, fresh)
+        blocks = state.blocks
         deque(map(blocks.__delitem__, moved), maxlen=0)
         if moved and len(blocks) < len(moved) // 4:
             state.blocks = dict(blocks)  # a dict never shrinks by deleting: the buffer's peak goes
@@ -849,7 +869,11 @@ class EngineIndex:
         return out
 
     def _hybrid(
-        self, instance_id: str, table: HolderTable, keys: Sequence[int], wanted: frozenset[str] | None,
+        self,
+        instance_id: str,
+        table: HolderTable,
+        keys: Sequence[int],
+        wanted: frozenset[str] | None,
         exclude: Collection[str],
     ) -> list[tuple[str, SourceMatch]]:
         """The table's hybrid sources that hold the query's first key in some group, each with
@@ -909,7 +933,9 @@ class EngineIndex:
             try:
                 found = list(map(memo.__getitem__, runs))
             except KeyError:  # runs not seen before (rare): encode the missing ones
-                found = [memo.get(run) or self._run_fragments(memo, table.slots, run, block_size, weight) for run in runs]
+                found = [
+                    memo.get(run) or self._run_fragments(memo, table.slots, run, block_size, weight) for run in runs
+                ]
             if not found:
                 return [], True
         found.reverse()
@@ -936,12 +962,25 @@ class EngineIndex:
         compare by value (identity first, so the usual check is a C-level pass): an equal slot
         encodes the same fragments."""
         known = self._runs.get((instance_id, lora))
-        if (known is None or known[0] is not table or known[1] != block_size or known[2] != self._generation
-                or len(known[4]) >= _MAX_RUNS or known[3] != table.slots):
+        if (
+            known is None
+            or known[0] is not table
+            or known[1] != block_size
+            or known[2] != self._generation
+            or len(known[4]) >= _MAX_RUNS
+            or known[3] != table.slots
+        ):
             if len(self._runs) >= _MAX_RUN_TABLES:
                 self._runs.clear()
             uniform = len({weight(slot.medium) for slot in table.slots if slot is not None}) <= 1
-            known = self._runs[(instance_id, lora)] = (table, block_size, self._generation, list(table.slots), {}, uniform)
+            known = self._runs[(instance_id, lora)] = (
+                table,
+                block_size,
+                self._generation,
+                list(table.slots),
+                {},
+                uniform,
+            )
         return known[4], known[5]
 
     def _run_fragments(
@@ -964,7 +1003,12 @@ class EngineIndex:
                 found.append(slot)
         found.sort(key=_BY_SOURCE)
         frags = [self._fragment(slot, n, block_size, weight) for slot in found]
-        entry = memo[run] = (frags, b"".join(f[ENTRY] for f in frags), b"".join(f[POD_ENTRY] for f in frags), len(frags))
+        entry = memo[run] = (
+            frags,
+            b"".join(f[ENTRY] for f in frags),
+            b"".join(f[POD_ENTRY] for f in frags),
+            len(frags),
+        )
         return entry
 
     def _fragment(self, slot: Slot, n: int, block_size: int, weight: Callable[[str], float]) -> Fragment:
@@ -983,7 +1027,10 @@ class EngineIndex:
                 return [[] for _ in keys]
             allowed = table.allowed(None, None)
             out = [
-                [{"source_id": s.source_id, "medium": s.medium, "group_idx": s.group} for s in table.holders_of(k, allowed)]
+                [
+                    {"source_id": s.source_id, "medium": s.medium, "group_idx": s.group}
+                    for s in table.holders_of(k, allowed)
+                ]
                 for k in keys
             ]
             if table.hybrid_slots:  # a hybrid source holds, for this, what all its groups can reuse
@@ -1038,7 +1085,7 @@ class EngineIndex:
             return 0
         with self._store.write() as txn, self._lock, gc_paused():
             written = 0
-            flushed: list[tuple[SourceState, list[int]]] = []
+            flushed: list[tuple[SourceState, Candidates]] = []
             try:
                 for source_id in self._dirty:
                     state = self._sources.get(source_id)
@@ -1054,11 +1101,12 @@ class EngineIndex:
                 self._migrate(state, candidates)
         return written
 
-    def _candidates(self, state: SourceState) -> list[int]:
-        """The blocks a flush of ``state`` persists (changed or new): those it may migrate."""
+    def _candidates(self, state: SourceState) -> Candidates:
+        """The blocks a flush of ``state`` persists, which it may migrate: the changed ones'
+        ids, and the fresh stores as made (taken before the flush clears them)."""
         if not self._compact_blocks:
-            return []
-        return [*state.dirty, *(bid for ids, _ in state.fresh for bid in ids)]
+            return [], []
+        return list(state.dirty), list(state.fresh)
 
     def _flush_source(self, txn: Any, state: SourceState) -> int:
         compact = state.compact
@@ -1090,7 +1138,7 @@ class EngineIndex:
                     self._load_block(state, bid, blk)
             self._settle_tables()
             for state in self._sources.values():
-                self._migrate(state, list(state.blocks))
+                self._migrate(state, (list(state.blocks), []))
             return list(self._sources.values())
 
     def _load_blocks(self, txn: Any, state: SourceState) -> None:
@@ -1222,8 +1270,12 @@ def _held_keys(gone: list[tuple[int, EngineBlock]]) -> dict[tuple[str, str, int]
     one adapter and group, held once on one medium: their ``refs`` is one shared map) is grouped
     with C-level iteration; anything else block by block."""
     blks = list(map(itemgetter(1), gone))
-    if blks and max(map(itemgetter(0), gone)) <= M64 and len(set(map(id, map(_REFS, blks)))) == 1 \
-            and len(set(map(_LORA, blks))) == 1:
+    if (
+        blks
+        and max(map(itemgetter(0), gone)) <= M64
+        and len(set(map(id, map(_REFS, blks)))) == 1
+        and len(set(map(_LORA, blks))) == 1
+    ):
         keys = list(chain.from_iterable(map(_KEYS, blks)))
         return {(blks[0].lora, medium, 0): keys for medium in blks[0].refs} if keys else {}
     held: dict[tuple[str, str, int], list[int]] = {}

@@ -25,6 +25,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
     from kvcm.engines.compact import KeyTable
 
 #: KV-cache group kinds that carry the prefix (Dynamo's "main attention"). A source that only
@@ -58,9 +61,11 @@ class HolderTable:
         from kvcm.engines.compact import CompactTable
 
         self._compact = CompactTable()
-        self._holds: dict[int, list[int]] = {}  # slot -> keys to hold at the next settle
-        self._releases: dict[int, list[int]] = {}  # slot -> keys to release then
-        self._pending = 0  # keys in both
+        # deferred holds and releases: their keys in order, and (slot, keys) runs over them
+        self._hold_keys: list[int] = []
+        self._hold_runs: list[tuple[int, int]] = []
+        self._release_keys: list[int] = []
+        self._release_runs: list[tuple[int, int]] = []
         self.slots: list[Slot | None] = []
         self.slot_ids: dict[tuple[str, str, int], int] = {}
         self._free: list[int] = []
@@ -88,7 +93,8 @@ class HolderTable:
 
     def drop_slot(self, sid: int) -> None:
         """Free the slot's id; it holds no key any more (released, or cleared by :meth:`forget`)."""
-        self.settle()
+        if self._hold_runs or self._release_runs:
+            self.settle()
         slot = self.slots[sid]
         if slot is not None:
             del self.slot_ids[(slot.source_id, slot.medium, slot.group)]
@@ -142,38 +148,40 @@ class HolderTable:
         return not self.slot_ids
 
     # --- holdings -------------------------------------------------------------------------------
-    # Holds and releases are deferred and applied per slot in one batch (:meth:`settle`): the
-    # compact table's fixed cost per call (array conversion, a few numpy calls) is tens of µs,
+    # Holds and releases are deferred and applied in one batch over every slot (:meth:`settle`):
+    # the compact table's fixed cost per call (array conversion, a kernel call) is several µs,
     # which a store of 16 keys would pay for each event. Holds first, then releases, give the
     # counts the events' order gives, because a release always matches a holding that exists
     # before it (the engine index releases only keys a block of the slot holds).
 
     def hold(self, sid: int, keys: Sequence[int]) -> None:
-        self._holds.setdefault(sid, []).extend(keys)
-        self._pending += len(keys)
-        if self._pending >= SETTLE_AT:
+        self._hold_keys.extend(keys)
+        self._hold_runs.append((sid, len(keys)))
+        if len(self._hold_keys) + len(self._release_keys) >= SETTLE_AT:
             self.settle()
 
     def release(self, sid: int, keys: Sequence[int]) -> None:
-        self._releases.setdefault(sid, []).extend(keys)
-        self._pending += len(keys)
-        if self._pending >= SETTLE_AT:
+        self._release_keys.extend(keys)
+        self._release_runs.append((sid, len(keys)))
+        if len(self._hold_keys) + len(self._release_keys) >= SETTLE_AT:
             self.settle()
 
     def settle(self) -> None:
-        """Apply the deferred holds and releases (every read does, first); a slot a release
-        left holding nothing is dropped."""
-        if not self._pending:
+        """Apply the deferred holds and releases, each in one compiled batch over every slot
+        (every read does, first); a slot a release left holding nothing is dropped."""
+        if not self._hold_runs and not self._release_runs:
             return
-        holds, releases = self._holds, self._releases
-        self._holds, self._releases, self._pending = {}, {}, 0
-        for sid, keys in holds.items():
-            self._compact.hold(sid, keys)
-        for sid, keys in releases.items():
-            self._compact.release(sid, keys)
-        for sid in releases:
-            if not self._compact.count(sid) and self.slots[sid] is not None:
-                self.drop_slot(sid)
+        if self._hold_runs:
+            keys, runs = self._hold_keys, self._hold_runs
+            self._hold_keys, self._hold_runs = [], []
+            self._compact.hold_many(_run_slots(runs), keys)
+        if self._release_runs:
+            keys, runs = self._release_keys, self._release_runs
+            self._release_keys, self._release_runs = [], []
+            self._compact.release_many(_run_slots(runs), keys)
+            for sid in {sid for sid, _ in runs}:
+                if not self._compact.count(sid) and self.slots[sid] is not None:
+                    self.drop_slot(sid)
 
     def count(self, sid: int) -> int:
         """Distinct keys the slot holds."""
@@ -255,3 +263,11 @@ class HolderTable:
                 out.append(slot)
             mask ^= low
         return out
+
+
+def _run_slots(runs: list[tuple[int, int]]) -> npt.NDArray[np.int64]:
+    """The slot of each key of ``(slot, keys)`` runs, as the compact table's batches take them."""
+    import numpy as np  # loaded with the first table (HolderTable.__init__)
+
+    sids, lens = zip(*runs)
+    return np.repeat(np.array(sids, dtype=np.int64), lens)
