@@ -210,7 +210,7 @@ def test_a_reconnecting_flood_from_one_address_leaves_room_for_everyone_else():
             statuses = [_call(port, "/api/check_health", b"{}", source="127.0.0.3").status for _ in range(20)]
             probes = [_get(port, path) for path in ("/livez", "/readyz") * 5]
             assert connects[0] > 20  # it was cut and came back, all along
-        assert statuses == [200] * 20 and probes == [200] * 10, (statuses, probes)
+        assert statuses == [200] * 20 and probes == [200] * 10, (statuses, probes, refused(server))
         assert refused(server).get("peer_cap", 0) >= 5 and refused(server).get("connection_cap", 0) == 0
 
 
