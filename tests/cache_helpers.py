@@ -17,6 +17,16 @@ SPECS = [{"name": "tp0", "size": 1024}, {"name": "tp1", "size": 1024}]
 DEPLOYMENT = {"model_name": "m", "dtype": "fp16"}
 
 
+class Clock:
+    """A monotonic clock a test moves by hand (``clock.now += 0.5``)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def register(c, instance_id="inst", group="default", block_size=4, specs=None, spec_groups=None) -> dict[str, Any]:
     params = {"instance_group": group, "instance_id": instance_id, "block_size": block_size,
               "location_spec_infos": specs or SPECS, "model_deployment": DEPLOYMENT}

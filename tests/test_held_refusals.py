@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import zmq
+from cache_helpers import Clock
 
 from kvcm.errors import Code, KvcmError
 from kvcm.rpc import wire
@@ -122,14 +123,6 @@ def test_a_zero_hold_answers_at_once():
                 kv.call("match_engines", BIG_MEDIA)
         assert time.monotonic() - began < 2.0
         assert running.app.metrics.refusals_held._value.get() == 0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_tarpit_holds_only_big_sender_fault_refusals_and_only_so_many():

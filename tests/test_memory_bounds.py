@@ -8,6 +8,8 @@ import gc
 import os
 import tracemalloc
 
+from cache_helpers import Clock
+
 from kvcm.cache.locations import BuiltCache
 from kvcm.cache.sessions import Sessions
 from kvcm.store import MemoryStore
@@ -45,14 +47,6 @@ def _finish(store: MemoryStore, sessions: Sessions, sid: str) -> None:
         session = sessions.get(txn, sid)
         assert session is not None
         sessions.consume(txn, session)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_finished_sessions_leave_the_expiry_heap_before_their_deadline():

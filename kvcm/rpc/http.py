@@ -479,6 +479,9 @@ class _BoundedServer(ThreadingHTTPServer):
         self.process_request(request, client_address)
 
     def shutdown_request(self, request: Any) -> None:
+        # The slot goes back before the client can see the close: a client that reconnects as
+        # soon as its answer ends must not find its own last connection still counted.
+        self._release(request)
         if self._held is not None and request in self.kept:
             self.kept.discard(request)
             try:

@@ -75,11 +75,5 @@ class Tarpit:
             return None
         return max(1, math.ceil((self._heap[0][0] - self.clock()) * 1000))
 
-    def release_all(self) -> list[tuple[object, bytes]]:
-        """Every held reply, now (the server is stopping)."""
-        out = [(tag, reply) for _, _, tag, reply in sorted(self._heap)]
-        self._heap.clear()
-        return out
-
 
 __all__ = ["MAX_HELD", "MAX_HOLD_S", "MIN_BYTES", "SENDER_FAULT", "Tarpit"]

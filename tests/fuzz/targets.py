@@ -65,9 +65,11 @@ class _Kvcm:
         from kvcm.testing import make_test_config
 
         self.sandbox = tempfile.mkdtemp(prefix="kvcm-fuzz-")
+        # Held refusals (server.refusal_hold_ms) stay on, at 1 ms: their path is fuzzed too, but
+        # a batch does not sleep 100 ms for each big refused request it holds.
         cfg = make_test_config(os.path.join(self.sandbox, "data"), f"ipc://{self.sandbox}/rpc",
                                {"reclaim": {"enabled": False}, "events": {"enabled": False},
-                                "store": {"sync": False}, "server": {"max_keys": 256}})
+                                "store": {"sync": False}, "server": {"max_keys": 256, "refusal_hold_ms": 1.0}})
         self.app = App(cfg)
         self.dispatcher = self.app.dispatcher
         atexit.register(self.close)
