@@ -858,32 +858,27 @@ class HolderSets:
         """Slot ``slots[i]`` joins the set of row ``rows[i]`` (``col`` is the rows' set-id column,
         updated in place; ``counts`` per slot, updated). Returns the indices of holdings beyond
         the first (the slot was already in the set)."""
-        n = len(rows)
-        dups, zeros, meta = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.zeros(2, dtype=np.int64)
-        i = 0
-        while True:
-            i = _hs_hold(col, rows, slots, self.refs, counts, self._tkeys, self._tvals, self._tgens,
-                         self._gen, self._tcells, i, dups, zeros, meta)  # fmt: skip
-            if i == n:
-                break
-            self.step(int(col[rows[i]]), int(slots[i]), False)
-        self._free_unreferenced(zeros[: meta[1]])
-        return dups[: meta[0]]
+        return self._batch(_hs_hold, False, col, rows, slots, counts)
 
     def release(self, col: U32, rows: I64, slots: I64, counts: I64) -> I64:
         """Slot ``slots[i]`` leaves the set of row ``rows[i]`` (negative rows and slots not in the
         set: nothing). Returns the rows left with the empty set."""
+        return self._batch(_hs_release, True, col, rows, slots, counts)
+
+    def _batch(self, kernel: Callable[..., Any], removed: bool, col: U32, rows: I64, slots: I64, counts: I64) -> I64:
+        """Run ``kernel`` over the batch, computing each transition it misses; the sets left
+        without a key are freed at the end. Returns the kernel's first output."""
         n = len(rows)
-        gone, zeros, meta = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.zeros(2, dtype=np.int64)
+        out, zeros, meta = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.zeros(2, dtype=np.int64)
         i = 0
         while True:
-            i = _hs_release(col, rows, slots, self.refs, counts, self._tkeys, self._tvals, self._tgens,
-                            self._gen, self._tcells, i, gone, zeros, meta)  # fmt: skip
+            i = kernel(col, rows, slots, self.refs, counts, self._tkeys, self._tvals, self._tgens,
+                       self._gen, self._tcells, i, out, zeros, meta)  # fmt: skip
             if i == n:
                 break
-            self.step(int(col[rows[i]]), int(slots[i]), True)
+            self.step(int(col[rows[i]]), int(slots[i]), removed)
         self._free_unreferenced(zeros[: meta[1]])
-        return gone[: meta[0]]
+        return out[: meta[0]]
 
     def nbytes(self) -> int:
         """Approximate bytes of its arrays and Python objects."""

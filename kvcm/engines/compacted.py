@@ -125,20 +125,17 @@ class CompactBlocks:
 
     def get(self, table: KeyTable | None, bid: int) -> EngineBlock | None:
         """The block ``bid`` as it was migrated (a new struct: changing it changes nothing here)."""
-        smap = self.maps.get(bid >> 64)
-        if smap is None or table is None:
-            return None
-        found, rows = smap.get_many([bid & M64])
-        if not found[0]:
-            return None
-        return self._block(table, rows)[0]
+        return self._one(table, bid, remove=False)
 
     def take(self, table: KeyTable | None, bid: int) -> EngineBlock | None:
         """The block ``bid``, removed from here (the caller puts it back in its dict)."""
+        return self._one(table, bid, remove=True)
+
+    def _one(self, table: KeyTable | None, bid: int, remove: bool) -> EngineBlock | None:
         smap = self.maps.get(bid >> 64)
         if smap is None or table is None:
             return None
-        found, rows = smap.remove_many([bid & M64])
+        found, rows = smap.remove_many([bid & M64]) if remove else smap.get_many([bid & M64])
         if not found[0]:
             return None
         return self._block(table, rows)[0]
