@@ -4,7 +4,7 @@
 ...     health = await kv.check_health()
 
 The same typed surface as :class:`kvcm.Client` (same method names, keyword arguments and
-:mod:`kvcm.results` structs; the methods are generated from the sync client's by
+:mod:`kvcm.proto.results` structs; the methods are generated from the sync client's by
 ``scripts/gen_aio_client``), plus ``call()``. Any number of calls may be awaited at once from one
 task (``asyncio.gather``): each request gets a msgid, a reader task routes every reply to the
 future of its msgid, and a reply nobody awaits any more (a late reply to a timed-out attempt)
@@ -48,7 +48,8 @@ from kvcm.client import (
     timeout_error,
 )
 from kvcm.errors import Code, InvalidArgument, KvcmError, Unavailable
-from kvcm.results import (
+from kvcm.proto import wire
+from kvcm.proto.results import (
     HEAD,
     AdminReply,
     CacheLocationLen,
@@ -75,7 +76,6 @@ from kvcm.results import (
     WriteSession,
     decoder,
 )
-from kvcm.rpc import wire
 from kvcm.rpc.curve import KeyPair, apply_client, client_keypair, load_public_key
 
 T = TypeVar("T")

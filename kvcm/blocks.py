@@ -37,15 +37,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 
 from kvcm.errors import Code, InvalidArgument, NotFound, ServerError
-from kvcm.storage.base import (
-    BlockUri,
-    FileUri,
-    MooncakeUri,
-    PaceUri,
-    ShmUri,
-    ThreeFsUri,
-    parse_block_uri,
-)
+from kvcm.proto.uris import BlockUri, FileUri, MooncakeUri, PaceUri, ShmUri, ThreeFsUri, parse_block_uri
 
 __all__ = [
     "BlockHandler", "BlockIO", "BlockUri", "FileUri", "MooncakeUri", "PaceUri", "Resolved", "ShmUri",

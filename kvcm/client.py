@@ -7,7 +7,7 @@
 CacheLocations(locations=[...])
 
 Besides the generic :meth:`Client.call` (a plain map back), there is one typed method per RPC,
-with the request's fields as keyword arguments and a :mod:`kvcm.results` Struct (or, for the
+with the request's fields as keyword arguments and a :mod:`kvcm.proto.results` Struct (or, for the
 open-ended admin replies, a dict) as its result, decoded straight from the reply's bytes
 (docs/client.md). :mod:`kvcm.aio` has the same methods for asyncio.
 
@@ -43,8 +43,9 @@ import msgspec
 import zmq
 
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, Unavailable, error_from_wire
-from kvcm.extra_keys import MmFeature
-from kvcm.results import (
+from kvcm.proto import wire
+from kvcm.proto.extra_keys import MmFeature
+from kvcm.proto.results import (
     HEAD,
     AdminReply,
     CacheLocationLen,
@@ -71,7 +72,6 @@ from kvcm.results import (
     WriteSession,
     decoder,
 )
-from kvcm.rpc import wire
 from kvcm.rpc.curve import KeyPair, apply_client, client_keypair, load_public_key
 
 CurveClientKeys = str | os.PathLike[str] | tuple[str | bytes, str | bytes] | KeyPair
@@ -105,7 +105,7 @@ IDEMPOTENT_METHODS = frozenset(
 T = TypeVar("T")
 #: Block keys or token ids of a request (msgspec encodes lists and tuples as they are).
 Ints = list[int] | tuple[int, ...]
-#: A prompt's multimodal inputs: ``{"identifier", "offset", "length"}`` each (kvcm.extra_keys).
+#: A prompt's multimodal inputs: ``{"identifier", "offset", "length"}`` each (kvcm.proto.extra_keys).
 MmFeatures = Sequence[MmFeature | Mapping[str, Any]]
 QueryType = Literal["prefix_match", "batch_get", "reverse_roll_sw_match"]
 TrimStrategy = Literal["remove_all_cache", "remove_all_meta", "timestamp"]
@@ -230,7 +230,7 @@ class Client:
         routing_id_prefix: bytes = b"",
     ) -> None:
         """``routing_id_prefix``: the socket's ZeroMQ routing id starts with it (then random
-        bytes); kvcm's own relays use :data:`kvcm.rpc.wire.RELAY_ID_PREFIX`."""
+        bytes); kvcm's own relays use :data:`kvcm.proto.wire.RELAY_ID_PREFIX`."""
         self.endpoints = Endpoints(endpoint)
         self._routing_prefix = routing_id_prefix
         self._curve: tuple[bytes, KeyPair] | None = None
@@ -323,7 +323,7 @@ class Client:
                 raise timeout_error(method, where, wait, attempts, self._curve is not None)
 
     def _typed(self, method: str, reply: type[T], timeout: float | None, **params: Any) -> T:
-        """One typed call: the reply is decoded straight into ``reply`` (:mod:`kvcm.results`)."""
+        """One typed call: the reply is decoded straight into ``reply`` (:mod:`kvcm.proto.results`)."""
         if self.state is ClientState.CLOSED:
             raise RuntimeError("client is closed")
         msgid = next(self._ids) & wire.MAX_MSGID

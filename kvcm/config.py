@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvcm.schema import KEYS_CEILING, TOKENS_CEILING
+from kvcm.proto.schema import KEYS_CEILING, TOKENS_CEILING
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -47,8 +47,8 @@ import msgspec
 from kvcm.blocks import BlockIO
 from kvcm.client import Client
 from kvcm.errors import InvalidArgument, NotFound
-from kvcm.extra_keys import MmFeature
-from kvcm.results import CacheLocations
+from kvcm.proto.extra_keys import MmFeature
+from kvcm.proto.results import CacheLocations
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:6381"
 DEFAULT_GROUP = "default"  # the instance group the embedded default creates

@@ -20,7 +20,7 @@ import zmq
 import kvcm.aio
 from kvcm.client import Client
 from kvcm.errors import Code, InvalidArgument, NotFound, Unavailable
-from kvcm.results import CacheLocations, Health, Mask, Removed
+from kvcm.proto.results import CacheLocations, Health, Mask, Removed
 from kvcm.rpc.curve import create_certificates
 from kvcm.testing import serve_in_thread, start_subprocess, stop_subprocess
 

@@ -19,10 +19,10 @@ from kvcm.config import AuthConfig, ConfigError
 from kvcm.control import passwords
 from kvcm.control.registry import Registry
 from kvcm.errors import AccessDenied, Code, Conflict, InvalidArgument, KvcmError, Unavailable
-from kvcm.rpc import wire
+from kvcm.proto import wire
+from kvcm.proto.schema import Credentials, RequestBase
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Deferred, Dispatcher, Method
-from kvcm.schema import Credentials, RequestBase
 from kvcm.testing import serve_in_thread
 
 ADMIN_PW = "b00tstrap-Admin-pw"

@@ -256,7 +256,7 @@ def test_concurrent_writers_in_one_group_commit(server, inst):
     """Two clients' start_write of the same key drained in one wake-up: one allocation."""
     import zmq
 
-    from kvcm.rpc import wire
+    from kvcm.proto import wire
 
     ctx = zmq.Context.instance()
     socks = [ctx.socket(zmq.DEALER) for _ in range(2)]

@@ -19,7 +19,7 @@ import asyncio
 
 import kvcm
 import kvcm.aio
-from kvcm.results import CacheLocations, Mask, SpecInfo
+from kvcm.proto.results import CacheLocations, Mask, SpecInfo
 
 
 def lookup(kv: kvcm.Client, keys: list[int]) -> int:

@@ -15,7 +15,7 @@ import zmq
 
 from kvcm.client import IDEMPOTENT_METHODS, METHODS, Client
 from kvcm.errors import Code, Conflict, InvalidArgument, NotFound, ServerError, Unavailable
-from kvcm.results import (
+from kvcm.proto.results import (
     CacheLocationLen,
     CacheLocations,
     CacheMeta,

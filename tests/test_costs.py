@@ -256,7 +256,7 @@ def test_requests_are_packed_as_msgpack_packs_them():
     byte for byte what msgpack's packer made, and the same errors for what cannot be sent."""
     import msgpack
 
-    from kvcm.rpc import wire
+    from kvcm.proto import wire
 
     params = {"block_keys": [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32, 2**63 - 1, -1, -33, -(2**63), 2**64 - 1],
               "token_ids": list(range(0, 200_000, 997)), "name": "é" * 40, "raw": b"\x00\xff" * 20, "ratio": 0.25,
@@ -274,7 +274,7 @@ def test_responses_are_decoded_as_msgpack_decodes_them():
     malformed reply is a BadEnvelope."""
     import msgpack
 
-    from kvcm.rpc import wire
+    from kvcm.proto import wire
 
     result = {"sources": [{"source_id": f"s{i}", "matched_blocks": i, "score": i / 3, "media": {"GPU": i}}
                           for i in range(100)], "raw": b"\x00\x01", "none": None, "neg": -(2**63), "big": 2**64 - 1}  # fmt: skip

@@ -28,7 +28,7 @@ from kvcm.cli import main
 from kvcm.client import Client
 from kvcm.config import ConfigError, load
 from kvcm.errors import Code, InvalidArgument, Unavailable
-from kvcm.kv_events import decode_batch
+from kvcm.proto.kv_events import decode_batch
 from kvcm.rpc.curve import (
     CurveServer,
     KeyPair,

@@ -78,6 +78,41 @@ def prose(page: Path) -> str:
 # --- links and paths ---------------------------------------------------------------------------
 
 
+def _layout_screen(page: Path) -> str:
+    """The ``text`` block that draws the ``kvcm/`` tree on ``page``."""
+    return next(b.text for b in blocks(page) if b.info == "text" and b.text.startswith("kvcm/"))
+
+
+def screen_problems(screen: str, package_root: Path) -> list[str]:
+    """What a layout screen gets wrong: a package of ``package_root`` it does not show, or a
+    module it names on a package's line that does not exist."""
+    packages = sorted(p.parent.relative_to(package_root).as_posix() for p in package_root.rglob("__init__.py")
+                      if "__pycache__" not in p.parts and p.parent != package_root)  # fmt: skip
+    shown = set(re.findall(r"\b([a-z_]+)/", screen))
+    problems = [f"package {name}/ is not shown" for name in packages if name.split("/")[-1] not in shown]
+    for line in screen.splitlines():
+        m = re.match(r"\s+([a-z_]+)/\s+([^#(]*)", line)
+        if m and (package_root / m.group(1)).is_dir():
+            for word in re.findall(r"\b[a-z_]+\b(?!/)", m.group(2)):
+                if not (package_root / m.group(1) / f"{word}.py").exists():
+                    problems.append(f"{m.group(1)}/{word}.py does not exist")
+    return problems
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/architecture.md"])
+def test_the_layout_screens_show_every_package(page):
+    assert not screen_problems(_layout_screen(ROOT / page), ROOT / "kvcm")
+
+
+def test_the_layout_check_finds_a_missing_package_and_a_stale_module(tmp_path):
+    for name in ("proto", "rpc"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+    (tmp_path / "rpc" / "server.py").write_text("")
+    assert screen_problems("kvcm/  cli\n  rpc/        server wire   # frames\n", tmp_path) == [
+        "package proto/ is not shown", "rpc/wire.py does not exist"]
+
+
 def test_links_resolve():
     broken = []
     for page in [*PAGES, ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md"]:

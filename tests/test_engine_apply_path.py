@@ -10,7 +10,7 @@ import pytest
 
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
-from kvcm.kv_events import BlockStored, DecodedBatch
+from kvcm.proto.kv_events import BlockStored, DecodedBatch
 from kvcm.store import LmdbStore
 from kvcm.threads import gc_paused
 
@@ -79,7 +79,7 @@ def test_a_collector_turned_off_stays_off():
 def test_a_group_index_beyond_32_bits_is_a_broken_event_and_the_index_still_persists(tmp_path):
     """A hostile or buggy engine's ``group_idx`` out of range is dropped by the decoder (counted
     as an error), so it can never reach the index, whose persisted keys hold it in 32 bits."""
-    from kvcm.kv_events import AllBlocksCleared, BlockRemoved, decode_batch, encode_batch
+    from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, decode_batch, encode_batch
 
     for bad in (1 << 32, 1 << 40, -1):
         for shape in ("array", "map", "mixed"):

@@ -23,7 +23,7 @@ from prometheus_client import generate_latest
 
 from kvcm import Client
 from kvcm.errors import Code, KvcmError
-from kvcm.kv_events import BlockStored, EventDecodeError, count_events, decode_batch, encode_batch
+from kvcm.proto.kv_events import BlockStored, EventDecodeError, count_events, decode_batch, encode_batch
 from kvcm.testing import FakeEnginePublisher, RunningServer, serve_in_thread
 
 BS = 4
@@ -502,7 +502,7 @@ def test_sizes_match_a_recount_through_random_histories_and_restarts(tmp_path: A
 
     from kvcm.engines.index import EngineIndex
     from kvcm.engines.sources import SourceSpec
-    from kvcm.kv_events import AllBlocksCleared, BlockRemoved, DecodedBatch
+    from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, DecodedBatch
     from kvcm.store import LmdbStore
 
     rng = random.Random(seed)

@@ -25,7 +25,7 @@ from kvcm.engines.entries import (
 )
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
-from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
+from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
 from kvcm.store import LmdbStore
 
 TOKENS = [random.Random(11).randrange(50_000) for _ in range(64 * 16)]

@@ -19,7 +19,7 @@ from kvcm.engines.cli import add_events_parser, run_events
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SubscriberSettings
 from kvcm.errors import InvalidArgument, NotFound
-from kvcm.kv_events import BlockRemoved, BlockStored, decode_batch
+from kvcm.proto.kv_events import BlockRemoved, BlockStored, decode_batch
 from kvcm.publish.eventlog import EventLog
 from kvcm.publish.publisher import EventPublisher
 from kvcm.store import MemoryStore

@@ -15,7 +15,7 @@ from cache_helpers import wait_for
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.scoring import parse_weights
 from kvcm.errors import InvalidArgument, NotFound
-from kvcm.results import EngineMatches, HostCacheState, Routed
+from kvcm.proto.results import EngineMatches, HostCacheState, Routed
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
 
 BLOCK = 4
@@ -339,7 +339,7 @@ def test_the_fast_walk_agrees_with_the_index_match_on_random_holdings():
     from kvcm.cache.keys import token_ids_to_block_keys as keys_of
     from kvcm.engines.service import EngineService
     from kvcm.engines.sources import SourceSpec
-    from kvcm.kv_events import BlockRemoved, BlockStored, DecodedBatch
+    from kvcm.proto.kv_events import BlockRemoved, BlockStored, DecodedBatch
 
     rng = random.Random(7)
     tokens = [rng.randrange(1000) for _ in range(40 * BLOCK)]
@@ -371,7 +371,7 @@ def test_a_source_added_again_with_another_pod_only_shows_its_new_pod():
     from kvcm.cache.keys import token_ids_to_block_keys as keys_of
     from kvcm.engines.service import EngineService
     from kvcm.engines.sources import SourceSpec
-    from kvcm.kv_events import BlockStored, DecodedBatch
+    from kvcm.proto.kv_events import BlockStored, DecodedBatch
 
     svc = EngineService(None, lambda _: BLOCK)
     query = keys_of(TOKENS, BLOCK)

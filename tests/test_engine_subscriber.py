@@ -16,7 +16,7 @@ from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SubscriberSettings
 from kvcm.errors import NotFound
-from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
+from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from kvcm.store import LmdbStore, MemoryStore
 from kvcm.testing.fake_engine import FakeEnginePublisher
 

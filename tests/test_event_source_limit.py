@@ -21,7 +21,7 @@ from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec, SubscriberSettings
 from kvcm.engines.subscriber import SOCKETS_PER_SOURCE, EventSubscriber, size_context
 from kvcm.errors import CapacityError, Code
-from kvcm.kv_events import BlockStored, encode_batch
+from kvcm.proto.kv_events import BlockStored, encode_batch
 from kvcm.testing import make_test_config, serve_in_thread
 
 INSTANCE = {"instance_group": "default", "instance_id": "llm", "block_size": 4,

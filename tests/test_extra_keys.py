@@ -1,4 +1,4 @@
-"""Extra keys are part of a block's identity (kvcm.extra_keys, docs/engines.md "Keys"): vLLM's
+"""Extra keys are part of a block's identity (kvcm.proto.extra_keys, docs/engines.md "Keys"): vLLM's
 derivation rule by hand-made golden vectors, the canonical form and its refusals, the key mixing
 (plain prompts keep their keys), and through a real server with the fake vLLM publisher: pods
 storing equal token ids with other images, salts or adapters are never matched for each other,
@@ -17,7 +17,7 @@ from kvcm import Client
 from kvcm.cache.keys import ChainHasher, derive_keys, mix, token_ids_to_block_keys
 from kvcm.engines.hashing import chain_states_mixed
 from kvcm.errors import Code, InvalidArgument, KvcmError
-from kvcm.extra_keys import (
+from kvcm.proto.extra_keys import (
     MAX_BLOCK_BYTES,
     MAX_BLOCK_ITEMS,
     ExtraKeysError,
@@ -28,7 +28,7 @@ from kvcm.extra_keys import (
     event_digests,
     request_extras,
 )
-from kvcm.kv_events import BlockStored, encode_batch
+from kvcm.proto.kv_events import BlockStored, encode_batch
 from kvcm.testing import FakeEnginePublisher, RunningServer, serve_in_thread
 
 # --- vLLM's rule: golden vectors derived by hand ----------------------------------------------------
@@ -502,8 +502,8 @@ def test_a_request_carried_after_its_keys_are_derived_is_not_refused_for_them() 
     """The dispatcher asks the tokens hook until the keys are derived, never after: a request
     carried to the next turn for the budget has block_keys then, and its extra keys must not be
     taken for extra keys sent with block_keys."""
-    from kvcm.extra_keys import check_request
-    from kvcm.rpc import wire
+    from kvcm.proto import wire
+    from kvcm.proto.extra_keys import check_request
     from kvcm.rpc.dispatch import Dispatcher, Estimate, Limits, Method, TokenWork
 
     def tokens(r: _Work) -> TokenWork | None:
@@ -564,7 +564,7 @@ def test_packed_token_ids_with_extra_keys_and_a_drain_of_many_stores() -> None:
     from its mixed key, and plain stores around it keep the vectorised path."""
     from kvcm.engines.index import EngineIndex
     from kvcm.engines.sources import SourceSpec
-    from kvcm.kv_events import DecodedBatch, decode_batch
+    from kvcm.proto.kv_events import DecodedBatch, decode_batch
 
     tokens = list(range(3000, 3048))  # 12 blocks of 4
     image = [None, (("img", 1),), (("img", -3),), None]

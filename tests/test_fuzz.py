@@ -41,7 +41,7 @@ def test_saved_inputs_replay_cleanly(target):
 def test_oracle_catches_an_internal_error():
     """The rpc oracle is not vacuous: a reply with INTERNAL_ERROR or IO_ERROR is a finding."""
     from kvcm.errors import Code
-    from kvcm.rpc import wire
+    from kvcm.proto import wire
 
     for code in (Code.INTERNAL_ERROR, Code.IO_ERROR):
         reply = wire.pack_response(1, {"code": int(code), "name": code.name, "message": "boom"}, None)

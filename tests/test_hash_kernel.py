@@ -18,7 +18,7 @@ from kvcm.config import ConfigError, load
 from kvcm.engines.hashing import chain_states, chain_states_many
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SourceSpec
-from kvcm.kv_events import BlockStored, DecodedBatch, encode_batch
+from kvcm.proto.kv_events import BlockStored, DecodedBatch, encode_batch
 from kvcm.store import MemoryStore
 from kvcm.testing import make_test_config, serve_in_thread
 

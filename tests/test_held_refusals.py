@@ -12,7 +12,7 @@ import zmq
 from cache_helpers import Clock
 
 from kvcm.errors import Code, KvcmError
-from kvcm.rpc import wire
+from kvcm.proto import wire
 from kvcm.rpc.tarpit import MAX_HELD, MIN_BYTES, Tarpit
 from kvcm.testing import serve_in_thread
 

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvcm.errors import Code
-from kvcm.rpc import wire
+from kvcm.proto import wire
 from kvcm.testing import serve_in_thread
 
 MAX_BYTES = 16384

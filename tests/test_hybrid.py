@@ -29,8 +29,8 @@ from kvcm.engines.hybrid import FULL_KINDS, STATE_KINDS, WINDOW_KINDS
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
 from kvcm.errors import Code, KvcmError
-from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
-from kvcm.results import EngineMatches
+from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
+from kvcm.proto.results import EngineMatches
 from kvcm.store import LmdbStore, MemoryStore
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
 

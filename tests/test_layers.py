@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import sys
 
 import kvcm
 
@@ -18,14 +19,14 @@ ROOT = pathlib.Path(kvcm.__file__).parent
 # belongs to the longest prefix that names it; "kvcm" alone is the package root only.
 LAYERS: list[tuple[str, ...]] = [
     # foundations: they import nothing of kvcm but each other
-    ("kvcm.errors", "kvcm.version", "kvcm.threads", "kvcm.lockfile", "kvcm.metrics", "kvcm.schema", "kvcm.kv_events", "kvcm.extra_keys", "kvcm.rpc",
-     "kvcm.rpc.wire", "kvcm.rpc.curve", "kvcm.config"),
+    ("kvcm.errors", "kvcm.proto", "kvcm.version", "kvcm.threads", "kvcm.lockfile", "kvcm.metrics", "kvcm.rpc",
+     "kvcm.rpc.curve", "kvcm.config"),
     ("kvcm.store", "kvcm.ha", "kvcm.storage"),  # metadata stores, the leader lease; KV-block storages
     ("kvcm.control", "kvcm.policies"),  # the registry; eviction policies
     ("kvcm.cache",),  # the data plane
     ("kvcm.reclaimer", "kvcm.engines", "kvcm.publish"),  # eviction; the inbound engine tier; outbound events
     ("kvcm.rpc.dispatch", "kvcm.rpc.auth", "kvcm.api"),  # the method table and its handlers
-    ("kvcm.rpc.server", "kvcm.client", "kvcm.aio", "kvcm.results", "kvcm.blocks", "kvcm.rpc.http", "kvcm.tair"),  # sockets, client SDK; Tair's HTTP surface
+    ("kvcm.rpc.server", "kvcm.client", "kvcm.aio", "kvcm.blocks", "kvcm.rpc.http", "kvcm.tair"),  # sockets, client SDK; Tair's HTTP surface
     ("kvcm.connector", "kvcm.aio_connector"),  # the connector helpers over the clients and block I/O
     ("kvcm.follower",),  # a follower node's serving stage (reads from the shared store)
     ("kvcm.app", "kvcm.testing", "kvcm.optimizer", "kvcm.rpc.keygen", "kvcm.cli", "kvcm.__main__"),
@@ -149,12 +150,65 @@ def test_cycle_finder_finds_cycles():
 
 
 def test_server_knows_only_frames():
-    allowed = ("kvcm.rpc.wire", "kvcm.errors", "kvcm.metrics")
+    allowed = ("kvcm.proto.wire", "kvcm.errors", "kvcm.metrics")
     targets = kvcm_imports(ROOT / "rpc" / "server.py", "kvcm.rpc.server")
     bad = [t for t in targets if not t.startswith(allowed)]
     assert not bad, f"rpc/server.py must not import {bad}"
     text = (ROOT / "rpc" / "server.py").read_text()
     assert "import lmdb" not in text
+
+
+def _third_party(path: pathlib.Path) -> set[str]:
+    """Top-level names of the non-kvcm, non-stdlib modules ``path`` imports."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        out.update(n.split(".")[0] for n in names)
+    return {n for n in out if n and n != "kvcm" and n not in sys.stdlib_module_names and n != "__future__"}
+
+
+def proto_violations(edges: dict[str, set[str]], third_party: dict[str, set[str]]) -> list[str]:
+    """``kvcm.proto`` imports only :mod:`kvcm.errors`, itself and the codecs: a client author
+    reads it and nothing of the server."""
+    bad = []
+    for name, targets in edges.items():
+        if name == "kvcm.proto" or name.startswith("kvcm.proto."):
+            bad += [f"{name} imports {t}" for t in targets if t != "kvcm.errors" and not t.startswith("kvcm.proto")]
+            bad += [f"{name} imports {t}" for t in third_party.get(name, ()) if t not in ("msgspec", "msgpack")]
+    return sorted(bad)
+
+
+def test_proto_imports_only_errors_and_codecs():
+    third = {name: _third_party(path) for name, path in MODULES.items() if name.startswith("kvcm.proto")}
+    assert not proto_violations(graph(), third)
+
+
+def test_proto_rule_catches_a_server_import():
+    assert proto_violations({"kvcm.proto.wire": {"kvcm.errors", "kvcm.cache.keys"}}, {}) == [
+        "kvcm.proto.wire imports kvcm.cache.keys"]
+    assert proto_violations({"kvcm.proto.wire": set()}, {"kvcm.proto.wire": {"zmq"}}) == ["kvcm.proto.wire imports zmq"]
+    assert proto_violations({"kvcm.cache.keys": {"kvcm.store"}}, {"kvcm.cache.keys": {"lmdb"}}) == []
+
+
+SDK = ("kvcm.client", "kvcm.aio", "kvcm.blocks", "kvcm.connector", "kvcm.aio_connector")
+
+
+def sdk_violations(edges: dict[str, set[str]]) -> list[str]:
+    """The SDK (the clients, block I/O, the connectors) imports only the protocol, the errors,
+    the CURVE helper and itself: a client never loads the server."""
+    allowed = ("kvcm.proto", "kvcm.errors", "kvcm.rpc.curve", *SDK)
+    return sorted(f"{name} imports {t}" for name in SDK for t in edges.get(name, ())
+                  if not any(t == a or t.startswith(a + ".") for a in allowed))  # fmt: skip
+
+
+def test_the_sdk_imports_only_the_protocol():
+    assert not sdk_violations(graph())
+
+
+def test_sdk_rule_catches_a_server_import():
+    assert sdk_violations({"kvcm.blocks": {"kvcm.proto.uris", "kvcm.storage.base"}}) == [
+        "kvcm.blocks imports kvcm.storage.base"]
 
 
 def test_optimizer_never_opens_lmdb():

@@ -18,7 +18,7 @@ import pytest
 
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.errors import Code, KvcmError
-from kvcm.rpc import wire
+from kvcm.proto import wire
 from kvcm.rpc.dispatch import Deferred, Dispatcher, Estimate, Limits, Method, TokenWork
 from kvcm.testing import serve_in_thread
 from tests.cache_helpers import register

@@ -20,7 +20,7 @@ from kvcm.cache import keys
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SourceSpec
-from kvcm.kv_events import (
+from kvcm.proto.kv_events import (
     BAD_EVENT,
     ENCODINGS,
     AllBlocksCleared,

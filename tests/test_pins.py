@@ -24,7 +24,7 @@ from kvcm.optimizer.replay import replay
 from kvcm.optimizer.spec import Capacity, GroupSpec, ReplaySpec, TierSpec
 from kvcm.optimizer.trace import Record
 from kvcm.optimizer.traces import dump_schema, read_trace
-from kvcm.rpc import wire
+from kvcm.proto import wire
 from kvcm.store.base import from_i64, from_u64, i64, u64
 from kvcm.store.memory import MemoryStore
 from kvcm.testing import make_test_config, serve_in_thread

@@ -36,8 +36,8 @@ from hypothesis import strategies as st
 
 from kvcm.app import App
 from kvcm.errors import CapacityError
+from kvcm.proto import wire
 from kvcm.reclaimer import Round
-from kvcm.rpc import wire
 from kvcm.testing import make_test_config
 
 GROUP, INSTANCE, STYPE = "model", "inst", "file"

@@ -13,7 +13,7 @@ from kvcm.api import system as system_api
 from kvcm.control.registry import Registry
 from kvcm.errors import Code, KvcmError
 from kvcm.metrics import Metrics
-from kvcm.rpc import wire
+from kvcm.proto import wire
 from kvcm.rpc.dispatch import Dispatcher
 from kvcm.store import MemoryStore
 

@@ -23,7 +23,7 @@ import pytest
 
 from kvcm import Client
 from kvcm.errors import Code, KvcmError
-from kvcm.kv_events import BlockRemoved, BlockStored, encode_batch
+from kvcm.proto.kv_events import BlockRemoved, BlockStored, encode_batch
 from kvcm.testing import FakeEnginePublisher, RunningServer, serve_in_thread
 
 BS = 4
@@ -279,8 +279,8 @@ def test_a_turns_pooled_hashing_never_uses_states_of_a_batch_not_applied() -> No
     from kvcm.api.engines import methods
     from kvcm.cache.keys import token_ids_to_block_keys
     from kvcm.engines.service import EngineService
+    from kvcm.proto.wire import pack_request
     from kvcm.rpc.dispatch import Dispatcher
-    from kvcm.rpc.wire import pack_request
     from kvcm.store import MemoryStore
 
     svc = EngineService(MemoryStore(), lambda _: BS)
@@ -311,8 +311,8 @@ def test_a_turns_pool_is_dropped_once_its_reports_ran_and_the_collector_runs_aft
 
     from kvcm.api.engines import methods
     from kvcm.engines.service import EngineService
+    from kvcm.proto.wire import pack_request
     from kvcm.rpc.dispatch import Dispatcher
-    from kvcm.rpc.wire import pack_request
     from kvcm.store import MemoryStore
 
     seen: list[bool] = []
@@ -365,8 +365,8 @@ def test_a_report_carried_to_a_later_turn_is_hashed_there_once() -> None:
     pooled for the turn's hashing: every batch is hashed exactly once, and all are applied."""
     from kvcm.api.engines import methods
     from kvcm.engines.service import EngineService
+    from kvcm.proto.wire import pack_request
     from kvcm.rpc.dispatch import Dispatcher, Limits
-    from kvcm.rpc.wire import pack_request
     from kvcm.store import MemoryStore
 
     svc = EngineService(MemoryStore(), lambda _: BS)

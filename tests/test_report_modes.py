@@ -18,7 +18,7 @@ from kvcm.config import ConfigError
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec, SubscriberSettings, build_spec, static_specs
 from kvcm.errors import Conflict, InvalidArgument
-from kvcm.kv_events import BlockRemoved, BlockStored, DecodedBatch
+from kvcm.proto.kv_events import BlockRemoved, BlockStored, DecodedBatch
 from kvcm.store import LmdbStore, MemoryStore
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
 

@@ -169,7 +169,7 @@ ENGINE_TOKENS = [(i * 7919) % 50_000 for i in range(40 * ENGINE_BS)]
 
 def _engine_reports(endpoint: str) -> None:
     """A push source's blocks, logged over several wake-ups: stores, a removal, a store again."""
-    from kvcm.kv_events import BlockRemoved, BlockStored, encode_batch
+    from kvcm.proto.kv_events import BlockRemoved, BlockStored, encode_batch
 
     with Client(endpoint) as c:
         c.call("register_instance", {"instance_group": "default", "instance_id": "llm", "block_size": ENGINE_BS,

@@ -13,7 +13,7 @@ import zmq
 
 from kvcm.client import Client
 from kvcm.errors import Code, InvalidArgument, KvcmError, NotFound, Unavailable
-from kvcm.rpc import wire
+from kvcm.proto import wire
 from kvcm.rpc.dispatch import Dispatcher, Method
 from kvcm.rpc.server import Server, Timer
 from kvcm.store import MemoryStore

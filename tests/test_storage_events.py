@@ -8,8 +8,8 @@ import time
 
 import zmq
 
-from kvcm.kv_events import decode_batch
 from kvcm.optimizer.traces import read_trace
+from kvcm.proto.kv_events import decode_batch
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
 
 BLOCK = 4

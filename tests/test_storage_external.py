@@ -8,8 +8,8 @@ import socket
 import pytest
 
 from kvcm.errors import CapacityError, Code, InvalidArgument
+from kvcm.proto.uris import parse_uri
 from kvcm.storage.backends import open_backend
-from kvcm.storage.base import parse_uri
 from kvcm.storage.external import MooncakeStorage, TairMemPoolStorage, ThreeFsStorage
 
 HEX = "[0-9a-f]{32}"

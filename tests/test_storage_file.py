@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvcm.errors import CapacityError, Code, Conflict, InvalidArgument
+from kvcm.proto.uris import parse_uri
 from kvcm.storage.backends import open_backend
-from kvcm.storage.base import parse_uri
 from kvcm.storage.file import FileStorage, resolve_file_uri
 from kvcm.storage.ownership import standalone_owner
 

@@ -11,8 +11,9 @@ import time
 import pytest
 
 from kvcm.errors import InvalidArgument
+from kvcm.proto.uris import format_uri
 from kvcm.storage.backends import STORAGE_BACKENDS, StorageHealth, normalize_spec, open_backend, parse_uri
-from kvcm.storage.base import StorageBackend, format_uri, slot_runs
+from kvcm.storage.base import StorageBackend, slot_runs
 
 
 def test_registry_and_unknown_type(tmp_path):

@@ -11,8 +11,8 @@ import uuid
 import pytest
 
 from kvcm.errors import CapacityError, Conflict, InvalidArgument
+from kvcm.proto.uris import parse_uri
 from kvcm.storage.backends import open_backend
-from kvcm.storage.base import parse_uri
 from kvcm.storage.ownership import standalone_owner
 from kvcm.storage.shm import ShmStorage, resolve_shm_uri
 

@@ -17,9 +17,8 @@ import pytest
 import zmq
 from cache_helpers import register, start, write
 
-from kvcm import schema
 from kvcm.errors import InvalidArgument, KvcmError
-from kvcm.rpc import wire
+from kvcm.proto import schema, wire
 from kvcm.testing import serve_in_thread
 
 pytestmark = pytest.mark.both_stores

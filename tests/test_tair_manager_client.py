@@ -502,7 +502,7 @@ class _ScriptedNode:
     def __init__(self, answer: Callable[[str, dict], tuple[dict | None, dict] | None]) -> None:
         import zmq
 
-        from kvcm.rpc import wire
+        from kvcm.proto import wire
 
         self._wire = wire
         self._answer = answer

@@ -18,9 +18,9 @@ from kvcm.config import CLIENT_ENV, AuthConfig, load
 from kvcm.control.records import token_digest
 from kvcm.control.registry import Registry
 from kvcm.errors import AccessDenied, Code, InvalidArgument, KvcmError, NotFound
+from kvcm.proto.schema import Credentials, RequestBase
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Method
-from kvcm.schema import Credentials, RequestBase
 from kvcm.store import LmdbStore
 from kvcm.testing import serve_in_thread
 

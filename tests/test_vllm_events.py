@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcm.kv_events import (
+from kvcm.proto.kv_events import (
     BAD_EVENT,
     UNKNOWN_EVENT,
     AllBlocksCleared,

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from kvcm.errors import Code, KvcmError
-from kvcm.rpc import dispatch, wire
+from kvcm.proto import wire
+from kvcm.rpc import dispatch
 from kvcm.testing import serve_in_thread
 
 INSTANCE = {"instance_group": "default", "instance_id": "llm", "block_size": 16}

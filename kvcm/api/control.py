@@ -1,7 +1,7 @@
 """Control-plane RPCs: storages, instance groups, instances, accounts, snapshots, health.
 
 Request schemas use Tair's proto field names; every request may carry ``trace_id`` and ``auth``;
-an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.schema`). Replies are plain maps; lists keep Tair's (singular) field names
+an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.proto.schema`). Replies are plain maps; lists keep Tair's (singular) field names
 (``storage``, ``instance_group``, ``instance_info``, ``accounts``).
 """
 
@@ -25,9 +25,9 @@ from kvcm.control.records import (
 )
 from kvcm.control.registry import Registry
 from kvcm.errors import InvalidArgument
+from kvcm.proto.schema import RequestBase
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Method
-from kvcm.schema import RequestBase
 
 T = TypeVar("T")
 

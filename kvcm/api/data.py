@@ -6,7 +6,7 @@ pins: keys kept whatever the eviction policy says, :mod:`kvcm.cache.pins`); docs
 example of each.
 
 Request schemas use Tair's proto field names; every request may carry ``trace_id`` and ``auth``;
-an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.schema`). Enum values are
+an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.proto.schema`). Enum values are
 lower-case names (``"prefix_match"``); Tair's spellings (``"QT_PREFIX_MATCH"``,
 ``"TS_REMOVE_ALL_CACHE"``) are accepted too. A bool mask may be sent as ``{"bool_masks": [..]}``
 or in proto-JSON form ``{"bool_masks": {"values": [..]}}`` (no other key).
@@ -31,11 +31,11 @@ from kvcm.cache.manager import CacheManager
 from kvcm.cache.masks import BlockMask
 from kvcm.engines.service import EngineService
 from kvcm.errors import InvalidArgument
-from kvcm.extra_keys import CacheSalt, ExtraKeys, LoraName, MmFeatures, check_request, request_extras
-from kvcm.rpc import wire
+from kvcm.proto import wire
+from kvcm.proto.extra_keys import CacheSalt, ExtraKeys, LoraName, MmFeatures, check_request, request_extras
+from kvcm.proto.schema import KEYS_CEILING, Flags, Int64, Keys, RequestBase, Tokens
+from kvcm.proto.uris import parse_block_uri
 from kvcm.rpc.dispatch import Estimate, Method, TokenWork
-from kvcm.schema import KEYS_CEILING, Flags, Int64, Keys, RequestBase, Tokens
-from kvcm.storage.base import parse_block_uri
 
 InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 

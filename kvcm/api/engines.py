@@ -28,12 +28,12 @@ from kvcm.engines.scoring import BLOCKS, MAX_LOAD, SCORE, SOURCE, pod_summary
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SourceSpec
 from kvcm.errors import Code, InvalidArgument, error
-from kvcm.extra_keys import MAX_BLOCK_BYTES, CacheSalt, ExtraKeys, MmFeatures, check_request, request_extras
-from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, count_events
+from kvcm.proto.extra_keys import MAX_BLOCK_BYTES, CacheSalt, ExtraKeys, MmFeatures, check_request, request_extras
+from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, count_events
+from kvcm.proto.schema import KEYS_CEILING, Keys, RequestBase, Tokens
+from kvcm.proto.wire import Raw
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Estimate, Method, TokenWork
-from kvcm.rpc.wire import Raw
-from kvcm.schema import KEYS_CEILING, Keys, RequestBase, Tokens
 
 #: ``loads``: source id -> load, each checked while decoding (a router sends a hundred per call),
 #: at most one per source events.max_sources allows at its most. NaN fails the bounds too.
@@ -345,7 +345,7 @@ class AddEvent(_Strict, tag="add", tag_field="type"):
     kv_cache_spec_kind: Annotated[str, msgspec.Meta(max_length=64)] | None = None
     #: a sliding-window group's window in tokens (vLLM's ``kv_cache_spec_sliding_window``)
     kv_cache_spec_sliding_window: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)] | None = None
-    #: per block, its extra keys as vLLM's BlockStored carries them (kvcm.extra_keys)
+    #: per block, its extra keys as vLLM's BlockStored carries them (kvcm.proto.extra_keys)
     extra_keys: ExtraKeys | None = None
     #: block_hashes are kvcm block keys, held as they are (no token_ids, no parent); a batch of
     #: keyed events only may come without seq (unsequenced: applied in arrival order)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 
 from kvcm.errors import Code, error
+from kvcm.proto.schema import RequestBase
 from kvcm.rpc.dispatch import Method
-from kvcm.schema import RequestBase
 
 if TYPE_CHECKING:  # a node without HA has no lease: it need not import redis-py at all
     from kvcm.ha.lease import Lease

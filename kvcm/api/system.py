@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcm.metrics import Metrics
+from kvcm.proto.schema import RequestBase
 from kvcm.rpc.dispatch import Method
-from kvcm.schema import RequestBase
 
 
 class GetMetricsRequest(RequestBase, kw_only=True):

@@ -12,9 +12,9 @@ from typing import Any
 
 from kvcm.control.records import Token, now_ms
 from kvcm.control.registry import Registry
+from kvcm.proto.schema import RequestBase
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Method
-from kvcm.schema import RequestBase
 
 
 class AddTokenRequest(RequestBase, kw_only=True):

@@ -7,7 +7,7 @@ is sequential per chain, so the fastest form runs every chain of a drain in the 
 int (:mod:`kvcm.engines.hashing`), and even then each token costs hundreds of interpreter and
 big-int instructions. numba compiles the same recurrence on plain 64-bit words. Token ids
 reach it as msgpack arrays (an engine's stores as they came off the wire,
-:class:`kvcm.kv_events.PackedTokens`; lists encoded by msgspec, C-level), which a second kernel
+:class:`kvcm.proto.kv_events.PackedTokens`; lists encoded by msgspec, C-level), which a second kernel
 unpacks into one ``uint32`` buffer: a token id never has to exist as a Python int. The states
 come back as Python ints (``tolist``).
 
@@ -30,7 +30,7 @@ import numba
 import numpy as np
 
 from kvcm.cache import keys
-from kvcm.kv_events import PackedTokens
+from kvcm.proto.kv_events import PackedTokens
 
 _U64 = np.uint64
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -130,7 +130,7 @@ _WIDTHS[0xCC], _WIDTHS[0xCD], _WIDTHS[0xCE] = 1, 2, 4  # uint 8/16/32
 def states_many(seeds: Sequence[int], token_lists: Sequence[Sequence[int]], step: int) -> list[list[int]] | None:
     """:data:`kvcm.cache.keys.NativeStates`: per list, the states after every ``step`` tokens
     from its seed; None if a token id is outside ``0 .. 2**32 - 1`` or not an int (Python
-    hashes it then). :class:`~kvcm.kv_events.PackedTokens` are read as they came."""
+    hashes it then). :class:`~kvcm.proto.kv_events.PackedTokens` are read as they came."""
     arrays: list[Any] = []
     lengths = []
     try:

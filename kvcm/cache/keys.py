@@ -6,7 +6,7 @@ partial block is ignored. ``std::hash<int64_t>`` is the identity in libstdc++, s
 value enters the mix unchanged. :func:`derive_keys` is the one place a data-plane request's keys
 come from (its ``block_keys``, else the hash of its ``token_ids``).
 
-A block with extra keys (:mod:`kvcm.extra_keys`: an image, a LoRA adapter, a cache salt) gets
+A block with extra keys (:mod:`kvcm.proto.extra_keys`: an image, a LoRA adapter, a cache salt) gets
 ``mix(state, digest)`` as its key, where ``state`` is the chained hash after its tokens and
 ``digest`` that of its extra keys, and the chain goes on from that key; a block without extra
 keys keeps the plain chained hash, so prompts without any have the keys they always had.
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from kvcm.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from kvcm.extra_keys import BlockExtras
+    from kvcm.proto.extra_keys import BlockExtras
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

@@ -50,7 +50,7 @@ from kvcm.cache.meta_index import CachedRead
 from kvcm.cache.placement import InstanceView
 from kvcm.cache.state import CacheState
 from kvcm.errors import InvalidArgument
-from kvcm.rpc.wire import Raw, pack_array_raw
+from kvcm.proto.wire import Raw, pack_array_raw
 
 _packer = msgpack.Packer(use_bin_type=True)
 _LOCATIONS_MAP = _packer.pack_map_header(1) + _packer.pack("locations")  # {"locations": <spliced array>}

@@ -31,7 +31,7 @@ from kvcm.cache.sessions import DB as SESSIONS
 from kvcm.cache.sessions import decode_session
 from kvcm.cache.state import CacheState, LostCounter
 from kvcm.cache.usage import Key, Usage
-from kvcm.rpc.wire import Raw
+from kvcm.proto.wire import Raw
 
 __all__ = ["CacheManager", "LostCounter"]
 

@@ -48,7 +48,7 @@ from kvcm.cache.sessions import Session, new_session_id, random_id
 from kvcm.cache.state import CacheState
 from kvcm.cache.usage import FreeKey, Key, Usage
 from kvcm.errors import CapacityError, Code, InvalidArgument, NotFound
-from kvcm.rpc.wire import Raw, pack_array_raw, pack_map_raw
+from kvcm.proto.wire import Raw, pack_array_raw, pack_map_raw
 from kvcm.store.base import WriteTxn, i64
 
 log = logging.getLogger("kvcm.cache.writes")

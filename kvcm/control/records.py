@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from kvcm import schema
 from kvcm.control.passwords import CONTROL_CHARS, check_password_hash
 from kvcm.errors import InvalidArgument
+from kvcm.proto import schema
 from kvcm.storage.backends import STORAGE_BACKENDS, normalize_spec
 
 T = TypeVar("T")
@@ -530,7 +530,7 @@ def _check_unique(values: list[str], field: str) -> None:
 
 def convert(obj: Any, kind: type[T], where: str) -> T:
     """``msgspec.convert`` (strict) with errors as InvalidArgument naming the field under ``where``
-    (unknown fields with their path and a "did you mean", see :func:`kvcm.schema.describe`)."""
+    (unknown fields with their path and a "did you mean", see :func:`kvcm.proto.schema.describe`)."""
     try:
         return msgspec.convert(obj, kind, strict=True)
     except msgspec.ValidationError as exc:

@@ -23,7 +23,6 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 
-from kvcm import schema
 from kvcm.control.passwords import hash_password
 from kvcm.control.records import (
     ALL_GROUPS,
@@ -51,6 +50,7 @@ from kvcm.control.records import (
     to_wire,
 )
 from kvcm.errors import Code, Conflict, InvalidArgument, NotFound, error
+from kvcm.proto import schema
 from kvcm.storage.roots import StorageRoots, check_placement
 from kvcm.store.base import MetaStore, ReadTxn, WriteTxn
 

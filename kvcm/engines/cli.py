@@ -24,7 +24,7 @@ from typing import IO, Any
 import zmq
 
 from kvcm.engines.sources import tcp_endpoint
-from kvcm.kv_events import EventDecodeError, decode_batch, event_to_meaning
+from kvcm.proto.kv_events import EventDecodeError, decode_batch, event_to_meaning
 
 END_SEQ = b"\xff" * 8
 

@@ -39,7 +39,7 @@ import msgspec
 
 from kvcm.engines.hybrid import GroupInfo, group_record
 from kvcm.engines.sources import SourceSpec
-from kvcm.kv_events import DecodedBatch
+from kvcm.proto.kv_events import DecodedBatch
 
 SOURCES_DB = "engine_sources"
 BLOCKS_DB = "engine_blocks"  # the per-block records before the log: read, never written

@@ -21,10 +21,10 @@ from operator import add, itemgetter
 from typing import TYPE_CHECKING, Literal, cast
 
 from kvcm.cache.keys import NATIVE_MIN_TOKENS, mix, native_states
-from kvcm.kv_events import PackedTokens
+from kvcm.proto.kv_events import PackedTokens
 
 if TYPE_CHECKING:
-    from kvcm.kv_events import BlockStored
+    from kvcm.proto.kv_events import BlockStored
 
 _M64 = (1 << 64) - 1
 _M52 = (1 << 52) - 1

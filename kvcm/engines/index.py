@@ -14,7 +14,7 @@ Rules:
   (``e = k*b``: one engine block covers ``k`` kvcm keys; ``b = k*e``: every ``k``-th engine block
   closes a kvcm key), else refused and counted (``block_size_mismatch``);
 * stores without token ids (tier placeholders) resolve through the hash map, else are skipped;
-* a block's ``extra_keys`` entry is mixed into its kvcm key (:mod:`kvcm.extra_keys`); a store
+* a block's ``extra_keys`` entry is mixed into its kvcm key (:mod:`kvcm.proto.extra_keys`); a store
   whose extra keys cannot be canonicalised, or cannot be placed in re-chunked blocks, is refused
   and counted (``bad_extra_keys``, ``extra_keys_block_size``), never indexed without them;
 * ``BlockRemoved`` drops one holding of that source/medium/group only; ``AllBlocksCleared``, a
@@ -93,8 +93,8 @@ from kvcm.engines.scoring import ENTRY, POD_ENTRY, Fragment, fragment
 from kvcm.engines.sources import SourceSpec, SubscriberSettings
 from kvcm.engines.table import MAIN_KINDS, HolderTable, Slot
 from kvcm.errors import Conflict, KvcmError, NotFound
-from kvcm.extra_keys import ExtraKeysError, event_digests, lora_digest
-from kvcm.kv_events import (
+from kvcm.proto.extra_keys import ExtraKeysError, event_digests, lora_digest
+from kvcm.proto.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -11,7 +11,7 @@ subscriber's, so ``match_engines`` sees push and ZeroMQ sources alike. One repor
   generation replaces the source (a restarted engine: its blocks are dropped);
 * ``heartbeat``: heard, nothing else;
 * ``payloads``: vLLM-encoded ``KVEventBatch`` bytes with their seq, decoded by the subscriber's
-  own lenient codec (:func:`kvcm.kv_events.decode_batch`: a broken event is counted and skipped);
+  own lenient codec (:func:`kvcm.proto.kv_events.decode_batch`: a broken event is counted and skipped);
 * ``events``: one batch of decoded events (``BlockStored`` / ``BlockRemoved`` /
   ``AllBlocksCleared``) at a seq; a batch of keyed events (kvcm keys, no tokens: Tair's
   reporters) may have none, and is then applied as it comes, the position unchanged;
@@ -83,7 +83,7 @@ from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.sources import SourceSpec, push_spec
 from kvcm.engines.subscriber import EventSubscriber, SourceConn
 from kvcm.errors import AccessDenied, Code, Conflict, InvalidArgument, NotFound, error
-from kvcm.kv_events import BlockRemoved, BlockStored, DecodedBatch, Event, EventDecodeError, decode_batch
+from kvcm.proto.kv_events import BlockRemoved, BlockStored, DecodedBatch, Event, EventDecodeError, decode_batch
 
 OPS = ("register", "heartbeat", "payloads", "events", "snapshot", "down")
 #: Batches pooled for one turn's hashing at most (beyond, reports hash on their own).

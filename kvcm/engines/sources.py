@@ -22,7 +22,7 @@ from kvcm.config import ConfigError
 from kvcm.engines.hybrid import INCREMENTAL, REPORT_MODES
 from kvcm.engines.scoring import DEFAULT_TIER_WEIGHTS
 from kvcm.errors import InvalidArgument
-from kvcm.schema import suggest
+from kvcm.proto.schema import suggest
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 PUSH = "push"

@@ -70,7 +70,7 @@ from kvcm.engines.entries import Item
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.sources import SourceSpec, SubscriberSettings, is_ipv6
-from kvcm.kv_events import DecodedBatch, EventDecodeError, decode_batch
+from kvcm.proto.kv_events import DecodedBatch, EventDecodeError, decode_batch
 from kvcm.threads import gc_paused
 
 log = logging.getLogger("kvcm.engines.subscriber")

@@ -11,7 +11,7 @@
 =============== ============================================================================
 
 :func:`capture_line` builds such a line. Payloads are decoded by
-:func:`kvcm.kv_events.decode_batch` (map, array and mixed layouts; int or bytes hashes,
+:func:`kvcm.proto.kv_events.decode_batch` (map, array and mixed layouts; int or bytes hashes,
 normalised to unsigned 64-bit with vLLM's own rule).
 
 Replay: a ``BlockStored`` is a ``turn`` for its source — the engine just computed these blocks,
@@ -31,7 +31,8 @@ import binascii
 import json
 from collections.abc import Callable, Iterator
 
-from kvcm.kv_events import (
+from kvcm.optimizer.trace import LineContext, Record, Trace, json_lines
+from kvcm.proto.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -40,7 +41,6 @@ from kvcm.kv_events import (
     decode_batch,
     hash_to_u64,
 )
-from kvcm.optimizer.trace import LineContext, Record, Trace, json_lines
 
 
 def capture_line(ts: float, source: str, seq: int, topic: str, payload: bytes) -> str:

@@ -37,7 +37,7 @@ from typing import Any
 import zmq
 from prometheus_client import CollectorRegistry, Counter
 
-from kvcm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, encode_batch
+from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, encode_batch
 
 log = logging.getLogger("kvcm.publish.publisher")
 

@@ -57,8 +57,8 @@ from kvcm.control.records import (
 )
 from kvcm.control.registry import ACCOUNT, TOKEN, Registry, instance_not_found
 from kvcm.errors import AccessDenied, Code, Conflict, NotFound, Unavailable
+from kvcm.proto.schema import Credentials
 from kvcm.rpc.dispatch import Deferred, Method
-from kvcm.schema import Credentials
 
 log = logging.getLogger("kvcm.rpc.auth")
 

@@ -25,7 +25,7 @@ through these steps, each of which can only fail *that* request:
    exception: the map grows and the group runs once more (handlers change memory only in
    ``on_commit``/``on_abort`` callbacks).
 
-Handlers receive the validated request and return a result map, or :class:`kvcm.rpc.wire.Raw`
+Handlers receive the validated request and return a result map, or :class:`kvcm.proto.wire.Raw`
 bytes; a reply larger than ``max_reply_bytes`` is replaced by ``TOO_LARGE``.
 """
 
@@ -41,12 +41,11 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from kvcm import schema
 from kvcm.cache.keys import ChainHasher
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, StoreFull, Unavailable, error
-from kvcm.extra_keys import BlockExtras
 from kvcm.metrics import Metrics
-from kvcm.rpc import wire
+from kvcm.proto import schema, wire
+from kvcm.proto.extra_keys import BlockExtras
 from kvcm.rpc.tarpit import Tarpit
 
 log = logging.getLogger("kvcm.rpc.dispatch")
@@ -87,7 +86,7 @@ class Estimate(NamedTuple):
 @dataclass(frozen=True)
 class TokenWork:
     """Keys to derive before the handler runs: ``done(keys)`` stores them on the request.
-    ``extras``: the prompt's extra keys (:func:`kvcm.extra_keys.request_extras`), mixed in."""
+    ``extras``: the prompt's extra keys (:func:`kvcm.proto.extra_keys.request_extras`), mixed in."""
 
     tokens: Sequence[int]
     block_size: int
@@ -201,7 +200,7 @@ MAX_TOLD_TO_WAIT = 4096
 TOLD_TO_WAIT_MIN_BYTES = 16 << 10
 
 # Fast path: ``[0, msgid, method, [ {map} ]]``: the envelope's head read by hand
-# (:func:`kvcm.rpc.wire.split_request`), the params decoded by msgspec straight from the bytes
+# (:func:`kvcm.proto.wire.split_request`), the params decoded by msgspec straight from the bytes
 # into the method's Struct (no intermediate dicts, about 3x cheaper than unpack + convert).
 # Anything it does not take — notifications, a bare params map — is parsed again by the slow
 # path, which answers alike.

@@ -85,7 +85,7 @@ from kvcm.client import IDEMPOTENT_METHODS, Client, Endpoints
 from kvcm.config import Config, HttpConfig
 from kvcm.errors import AccessDenied, Code, InvalidArgument, KvcmError, ServerError, StartRefused, Unavailable, error
 from kvcm.metrics import Metrics
-from kvcm.rpc import wire
+from kvcm.proto import wire
 from kvcm.tair import translate as tair
 
 log = logging.getLogger("kvcm.rpc.http")

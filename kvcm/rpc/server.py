@@ -31,7 +31,7 @@ import zmq
 
 from kvcm.errors import Code, ServerError, error
 from kvcm.metrics import Metrics
-from kvcm.rpc import wire
+from kvcm.proto import wire
 
 log = logging.getLogger("kvcm.rpc.server")
 

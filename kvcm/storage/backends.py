@@ -29,7 +29,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvcm.errors import Code, InvalidArgument, ServerError
-from kvcm.storage.base import ParsedUri, StorageBackend, format_uri, parse_uri
+from kvcm.proto.uris import ParsedUri, format_uri, parse_uri
+from kvcm.storage.base import StorageBackend
 from kvcm.storage.external import MooncakeStorage, TairMemPoolStorage, ThreeFsStorage
 from kvcm.storage.file import FileStorage, resolve_file_uri
 from kvcm.storage.ownership import Owner

@@ -34,7 +34,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvcm.errors import CapacityError, Code, InvalidArgument, ServerError
-from kvcm.storage.base import PRIVATE, SAFE_OPEN, Inventory, ParsedUri, Slot, SpecReader, format_uri, parse_uri
+from kvcm.proto.uris import ParsedUri, format_uri, parse_uri
+from kvcm.storage.base import PRIVATE, SAFE_OPEN, Inventory, Slot, SpecReader
 
 log = logging.getLogger("kvcm.storage")
 

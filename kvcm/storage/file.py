@@ -30,19 +30,17 @@ from typing import Any
 
 from kvcm.errors import CapacityError, Code, InvalidArgument, KvcmError, ServerError
 from kvcm.lockfile import drop_lock_file, hold_lock_file
+from kvcm.proto.uris import FILE_PATH, FileUri, parse_block_uri
 from kvcm.storage.base import (
-    FILE_PATH,
     PRIVATE,
     SAFE_OPEN,
     Container,
-    FileUri,
     Inventory,
     Slot,
     SlotPool,
     SpecReader,
     create_unique,
     open_regular,
-    parse_block_uri,
     punch_hole,
     slot_runs,
     unlink_own,

@@ -25,7 +25,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from kvcm.errors import CapacityError, Code, InvalidArgument
-from kvcm.storage.base import Container, ShmUri, SpecReader, check_component, parse_block_uri
+from kvcm.proto.uris import ShmUri, parse_block_uri
+from kvcm.storage.base import Container, SpecReader, check_component
 from kvcm.storage.file import DirectoryStorage
 from kvcm.storage.ownership import Owner
 

@@ -1,6 +1,6 @@
 """Tair KVCM's HTTP/JSON surface, translated onto kvcm's own RPCs (docs/tair.md).
 
-:mod:`kvcm.tair.shapes` reads and writes Tair's proto3-JSON shapes; :mod:`kvcm.tair.translate`
+:mod:`kvcm.proto.tair` reads and writes Tair's proto3-JSON shapes; :mod:`kvcm.tair.translate`
 maps each Tair RPC to one kvcm RPC and back; :mod:`kvcm.tair.uris` gives ``file`` and ``shm`` URIs
 in Tair's form (the whole path) and takes them back. The side HTTP port (:mod:`kvcm.rpc.http`)
 routes ``POST /api/<lowerCamelName>`` here; of kvcm it imports only the foundations and the

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError
-from kvcm.tair import shapes as s
+from kvcm.proto import tair as s
 from kvcm.tair.uris import CallerRoots as CallerRoots  # re-exported: the listener keeps one
 from kvcm.tair.uris import Fetch, Translator
 

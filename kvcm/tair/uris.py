@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvcm.errors import InvalidArgument, KvcmError, ServerError
-from kvcm.storage.base import parse_block_uri
+from kvcm.proto.uris import parse_block_uri
 
 #: How long a learned directory is trusted: a storage whose root_path is updated (a remount) is
 #: seen in Tair's URIs at most this late; a name not cached, or expired, costs one RPC.

@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from kvcm.kv_events import (
+from kvcm.proto.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -46,7 +46,7 @@ class FakeEnginePublisher:
 
     :param endpoint: PUB endpoint to bind; ``None`` binds ``tcp://127.0.0.1:*``.
     :param replay_endpoint: ROUTER endpoint; ``None`` binds a random TCP port, ``""`` disables replay.
-    :param encoding: ``map`` (default), ``array`` or ``mixed`` (see ``kvcm.kv_events``).
+    :param encoding: ``map`` (default), ``array`` or ``mixed`` (see ``kvcm.proto.kv_events``).
     :param replay_style: ``topic`` (3-frame replies, vLLM >= 0.26), ``legacy`` (2-frame), or
         ``silent`` (requests are read and never answered).
     """
@@ -170,7 +170,7 @@ class FakeEnginePublisher:
     ) -> int:
         """Publish one ``BlockStored`` (a batch of one event). ``extra_keys``: one entry per
         block, as vLLM sends them: None, or a tuple such as ``("my-lora", ("<image hash>", -6),
-        "<salt>")`` (:func:`kvcm.extra_keys.derive` makes them by vLLM's rule). Without them, a
+        "<salt>")`` (:func:`kvcm.proto.extra_keys.derive` makes them by vLLM's rule). Without them, a
         ``lora_name`` is sent as vLLM did before it sent extra keys."""
         event = BlockStored(
             list(block_hashes), parent, list(token_ids), block_size, medium=medium, lora_name=lora_name,

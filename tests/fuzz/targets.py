@@ -33,13 +33,12 @@ from typing import Any
 import msgpack
 import msgspec
 
-from kvcm import schema
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
 from kvcm.errors import Code, InvalidArgument
-from kvcm.kv_events import EventDecodeError, decode_batch, event_to_meaning, hash_to_u64
-from kvcm.rpc import wire
+from kvcm.proto import schema, wire
+from kvcm.proto.kv_events import EventDecodeError, decode_batch, event_to_meaning, hash_to_u64
 
 INSTANCE = "fuzz-inst"
 BLOCK_SIZE = 4

@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from kvcm.rpc.wire import refuse_ext
+from kvcm.proto.wire import refuse_ext
 
 T = TypeVar("T")
 

@@ -40,7 +40,7 @@ from typing import Annotated, Any
 import msgspec
 
 from kvcm.errors import Code, InvalidArgument
-from kvcm.schema import KEYS_CEILING
+from kvcm.proto.schema import KEYS_CEILING
 
 #: Lists nested in one block's entry at most (vLLM's: the entry, and its multimodal tuples).
 MAX_DEPTH = 4

@@ -134,7 +134,7 @@ class BlockStored(msgspec.Struct, tag=True, array_like=True, gc=False):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    #: per block, None or what vLLM mixed into its hash (kept as decoded; kvcm.extra_keys
+    #: per block, None or what vLLM mixed into its hash (kept as decoded; kvcm.proto.extra_keys
     #: canonicalises, bounds and digests it when the store is applied)
     extra_keys: list[Any] | None = None
     group_idx: GroupIdx | None = None
