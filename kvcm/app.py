@@ -21,6 +21,8 @@ import lmdb
 import msgspec
 import zmq
 
+from kvcm.backends.metastore import DataDirLocked, LmdbStore, MemoryStore, MetaStore
+from kvcm.backends.storage.ownership import leftovers
 from kvcm.cache.keys import native_states
 from kvcm.config import Config, ConfigError, HttpConfig
 from kvcm.errors import KvcmError, StartRefused, Unavailable
@@ -30,14 +32,12 @@ from kvcm.rpc.curve import CurveServer, serve_curve
 from kvcm.rpc.dispatch import Dispatcher, Limits, Method
 from kvcm.rpc.http import SideHttp, SidePort, refuse_unguarded
 from kvcm.rpc.server import AddressInUse, Server, Timer, endpoint_in_use
-from kvcm.storage.ownership import leftovers
-from kvcm.store import DataDirLocked, LmdbStore, MemoryStore, MetaStore
 from kvcm.threads import LoopThread
 from kvcm.version import __version__
 
 if TYPE_CHECKING:  # the lease needs redis-py, an optional extra: imported where it is used
+    from kvcm.backends.metastore.redis import RedisStore
     from kvcm.ha.lease import Lease
-    from kvcm.store.redis import RedisStore
 
 log = logging.getLogger("kvcm.app")
 
@@ -101,7 +101,7 @@ def _open_redis(config: Config, orphans: str = "refuse", follower: bool = False)
     ``follower``: a follower stage's store, which reads the leader's metadata and refuses
     every commit (the stage holds the data dir's lock itself)."""
     require_redis_client(config)
-    from kvcm.store.redis import RedisStore, check_persistence, redact
+    from kvcm.backends.metastore.redis import RedisStore, check_persistence, redact
 
     cfg = config.store
     where = f"Redis {redact(cfg.redis_url)} (prefix {cfg.redis_prefix})"
@@ -404,10 +404,10 @@ class App:
     def _build_cache(self, data_dir: str | None) -> list[Method]:
         """The data plane: storages, block index, write sessions, deleter, health."""
         from kvcm.api import data as cache_api
+        from kvcm.backends.storage.registry import StorageAvailability, StorageHealth
         from kvcm.cache.blocks import set_cache_bytes as set_wire_cache_bytes
         from kvcm.cache.manager import CacheManager
         from kvcm.cache.storage_pool import StoragePool
-        from kvcm.storage.backends import StorageAvailability, StorageHealth
 
         cfg = self.config.cache
         if self.config.publisher.event_log:
@@ -440,7 +440,7 @@ class App:
         self.threads.append(LoopThread("storage-health", health.run_once, cfg.storage_health_interval_s))
         watch = getattr(self.store, "watch", None)  # Redis: is the store still this deployment's?
         if watch is not None:
-            from kvcm.store.redis import WATCH_EVERY_S
+            from kvcm.backends.metastore.redis import WATCH_EVERY_S
 
             self.threads.append(LoopThread("store-watch", watch, WATCH_EVERY_S))
         return cache_api.methods(self.cache, self.engines)
@@ -633,10 +633,10 @@ class HaNode:
         refuse_unguarded(config)
         import redis
 
+        from kvcm.backends.metastore.redis import CONNECT_TIMEOUT_S
         from kvcm.ha.floor import EpochFloor
         from kvcm.ha.guard import check_node_start
         from kvcm.ha.lease import Lease
-        from kvcm.store.redis import CONNECT_TIMEOUT_S
 
         load_hash_kernel(config)  # the follower stage hashes the token_ids of the reads it serves
         self.config = config

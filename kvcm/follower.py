@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvcm.backends.metastore import DataDirLocked, LmdbStore, MemoryStore, MetaStore
 from kvcm.config import Config
 from kvcm.errors import KvcmError, Unavailable
 from kvcm.metrics import Metrics
@@ -33,12 +34,11 @@ from kvcm.rpc.curve import CurveServer, serve_curve
 from kvcm.rpc.dispatch import Dispatcher, Method
 from kvcm.rpc.http import SideHttp, SidePort
 from kvcm.rpc.server import Server, Timer
-from kvcm.store import DataDirLocked, LmdbStore, MemoryStore, MetaStore
 from kvcm.version import __version__
 
 if TYPE_CHECKING:
+    from kvcm.backends.metastore.redis import RedisStore
     from kvcm.ha.lease import Lease
-    from kvcm.store.redis import RedisStore
 
 log = logging.getLogger("kvcm.follower")
 

@@ -11,8 +11,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvcm.storage.file import resolve_file_uri
-from kvcm.storage.shm import resolve_shm_uri
+from kvcm.backends.storage.file import resolve_file_uri
+from kvcm.backends.storage.shm import resolve_shm_uri
 
 
 def storage_roots(c: Any) -> dict[str, str]:

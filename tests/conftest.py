@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from kvcm.store import LmdbStore, MemoryStore
+from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.testing import default_overrides
 from kvcm.testing.redis_server import NoRedisServer, find_server
 from kvcm.testing.redis_server import RedisServer as _RedisServer
@@ -76,7 +76,7 @@ def redis_factory(tmp_path):
 def store(request, tmp_path):
     """One store of each kind: the contract suite runs against all three."""
     if request.param == "redis":
-        from kvcm.store.redis import RedisStore
+        from kvcm.backends.metastore.redis import RedisStore
 
         server = request.getfixturevalue("redis_server")
         s = RedisStore(server.url, str(tmp_path / "data"), prefix=f"t{uuid.uuid4().hex[:12]}")

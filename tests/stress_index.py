@@ -17,8 +17,8 @@ import tempfile
 import threading
 from collections.abc import Callable
 
+from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.cache.meta_index import KEEP, MetaIndex, namespace
-from kvcm.store import LmdbStore, MemoryStore
 
 ACTIONS: list[tuple[str, int]] = [("put", 30), ("append", 20), ("delete", 10), ("keep", 5), ("read", 30), ("scan", 5)]
 NAMESPACES = [namespace(f"inst{i}") for i in range(3)]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvcm.backends.metastore import DataDirLocked, LmdbStore, from_i64, i64, u64
+from kvcm.backends.metastore.base import MAX_KEY
 from kvcm.errors import CapacityError, Code, InvalidArgument
-from kvcm.store import DataDirLocked, LmdbStore, from_i64, i64, u64
-from kvcm.store.base import MAX_KEY
 
 
 def test_put_get_delete(store):

@@ -366,7 +366,7 @@ def test_spec_without_a_usable_path_is_a_clear_error() -> None:
 
 
 def test_the_servers_backends_and_the_client_share_one_parser() -> None:
-    from kvcm.storage import file, shm
+    from kvcm.backends.storage import file, shm
 
     uri = "file://x/s4096/0a0b0c0d-00000012.kv?blkid=3&size=4096"
     assert file.resolve_file_uri(uri, "/r") == ("/r/s4096/0a0b0c0d-00000012.kv", 3 * 4096, 4096)

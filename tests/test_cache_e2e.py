@@ -25,7 +25,7 @@ from kvcm.testing import serve_in_subprocess
 CLIENT = r"""
 import hashlib, json, os, sys
 from kvcm.client import Client
-from kvcm.storage.backends import resolve_file_uri, resolve_shm_uri
+from kvcm.backends.storage.registry import resolve_file_uri, resolve_shm_uri
 
 endpoint, role, instance, group = sys.argv[1:5]
 tokens = list(range(1000, 1000 + 4 * 6))  # 6 full blocks of 4 tokens

@@ -14,8 +14,8 @@ import pytest
 from block_bytes import container_files, read_problems, storage_roots, write_session
 from cache_helpers import add_group, register, remove_shm, shm_prefix, start, wait_for
 
+from kvcm.backends.storage.file import FileStorage
 from kvcm.cache.consistency import Recorded, compare_storage
-from kvcm.storage.file import FileStorage
 from kvcm.testing import serve_in_thread, start_subprocess, stop_subprocess
 
 QUIET = {"cache": {"session_check_ms": 50, "delete_poll_ms": 20}, "reclaim": {"enabled": False}}

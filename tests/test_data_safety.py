@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 from cache_helpers import add_group, finish, locate, register, start, wait_for
 
+from kvcm.backends.storage.file import resolve_file_uri
+from kvcm.backends.storage.shm import resolve_shm_uri
 from kvcm.errors import Code, KvcmError
-from kvcm.storage.file import resolve_file_uri
-from kvcm.storage.shm import resolve_shm_uri
 from kvcm.testing import serve_in_thread
 
 pytestmark = pytest.mark.both_stores
@@ -175,8 +175,8 @@ def test_another_kvcms_blocks_are_never_touched(tmp_path: Any) -> None:
 def test_overlapping_shm_prefixes_never_sweep_each_other(tmp_path: Any, shm_prefix: str) -> None:
     """``seg1`` holds live segments; a storage with prefix ``seg`` (a prefix of it) is refused by
     placement, and even opened directly its sweep leaves ``seg1``'s segments alone."""
-    from kvcm.storage.backends import open_backend
-    from kvcm.storage.ownership import Owner
+    from kvcm.backends.storage.ownership import Owner
+    from kvcm.backends.storage.registry import open_backend
 
     data = str(tmp_path / "data")
     with serve_in_thread(data_dir=data, overrides=QUIET) as server, server.client() as c:
@@ -219,7 +219,7 @@ def test_container_names_carry_the_storage_id_and_the_marker_names_the_data_dir(
 
 @pytest.mark.store_independent
 def test_symlinks_out_of_a_storage_are_not_followed(tmp_path: Any) -> None:
-    from kvcm.storage.backends import open_backend
+    from kvcm.backends.storage.registry import open_backend
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -245,10 +245,10 @@ def test_a_storage_from_before_markers_is_adopted_and_keeps_serving(tmp_path: An
     their directory; old-style file names are served through the metadata but never swept."""
     import msgspec
 
+    from kvcm.backends.metastore import LmdbStore
     from kvcm.cache.storage_pool import StoragePool
     from kvcm.control.records import Storage
     from kvcm.control.registry import Registry, new_id
-    from kvcm.store import LmdbStore
 
     root = tmp_path / "old"
     (root / "s4096").mkdir(parents=True)

@@ -15,11 +15,11 @@ import msgpack
 import pytest
 from cache_helpers import add_file_storage, add_group, register, write
 
+from kvcm.backends.metastore import i64
 from kvcm.cache.blocks import decode
 from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.meta_index import namespace
-from kvcm.store import i64
 from kvcm.testing import RunningServer, serve_in_thread
 
 BLOCK = 2048  # two specs of 1024 bytes (cache_helpers.SPECS)

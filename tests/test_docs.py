@@ -91,7 +91,7 @@ def screen_problems(screen: str, package_root: Path) -> list[str]:
     shown = set(re.findall(r"\b([a-z_]+)/", screen))
     problems = [f"package {name}/ is not shown" for name in packages if name.split("/")[-1] not in shown]
     for line in screen.splitlines():
-        m = re.match(r"\s+([a-z_]+)/\s+([^#(]*)", line)
+        m = re.match(r"\s+([a-z_/]+)/\s+([^#(]*)", line)
         if m and (package_root / m.group(1)).is_dir():
             for word in re.findall(r"\b[a-z_]+\b(?!/)", m.group(2)):
                 if not (package_root / m.group(1) / f"{word}.py").exists():

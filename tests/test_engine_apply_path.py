@@ -8,10 +8,10 @@ import random
 
 import pytest
 
+from kvcm.backends.metastore import LmdbStore
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
 from kvcm.proto.kv_events import BlockStored, DecodedBatch
-from kvcm.store import LmdbStore
 from kvcm.threads import gc_paused
 
 TOKENS = [random.Random(3).randrange(50_000) for _ in range(64)]

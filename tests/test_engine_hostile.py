@@ -330,8 +330,8 @@ def test_media_medium_and_loads_are_bounded_before_any_work() -> None:
 
 def test_the_match_estimate_counts_media_and_loads() -> None:
     from kvcm.api.engines import GetHostCacheStateRequest, MatchEnginesRequest, NoteRoutedRequest, methods
+    from kvcm.backends.metastore import MemoryStore
     from kvcm.engines.service import EngineService
-    from kvcm.store import MemoryStore
 
     svc = EngineService(MemoryStore(), lambda _: BS)
     try:
@@ -376,10 +376,10 @@ def test_a_payload_of_many_tiny_events_is_refused_before_it_is_decoded(monkeypat
     """120,000 three-byte events (360 KB) cost their events, not their bytes: TOO_LARGE from the
     header's count, and not one of them decoded."""
     from kvcm.api.engines import methods
+    from kvcm.backends.metastore import MemoryStore
     from kvcm.engines import push
     from kvcm.engines.service import EngineService
     from kvcm.rpc.dispatch import Dispatcher
-    from kvcm.store import MemoryStore
 
     decoded: list[int] = []
     real = push.decode_batch
@@ -500,10 +500,10 @@ def test_sizes_match_a_recount_through_random_histories_and_restarts(tmp_path: A
     and every bound holds."""
     import random
 
+    from kvcm.backends.metastore import LmdbStore
     from kvcm.engines.index import EngineIndex
     from kvcm.engines.sources import SourceSpec
     from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, DecodedBatch
-    from kvcm.store import LmdbStore
 
     rng = random.Random(seed)
     path = str(tmp_path / "engines")

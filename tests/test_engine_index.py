@@ -8,13 +8,13 @@ from collections import Counter
 
 import pytest
 
+from kvcm.backends.metastore import MemoryStore
 from kvcm.cache.keys import derive_keys, token_ids_to_block_keys
 from kvcm.engines.hashing import chain_states, chain_states_many, to_signed
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
 from kvcm.proto.extra_keys import request_extras
 from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
-from kvcm.store import MemoryStore
 
 TOKENS = [random.Random(7).randrange(50_000) for _ in range(256)]
 
@@ -310,9 +310,9 @@ def test_keyed_adds_are_held_once_per_medium_and_a_second_medium_is_held_too():
     """Keyed adds (Tair's reporters) are idempotent per medium: the same keys again change nothing
     and one remove drops them; the same keys on another medium are held there as well, and a
     remove on the first leaves them held on the second."""
+    from kvcm.backends.metastore import MemoryStore
     from kvcm.engines.index import KEYED
     from kvcm.proto.kv_events import BlockRemoved, BlockStored, DecodedBatch
-    from kvcm.store import MemoryStore
 
     index = EngineIndex(MemoryStore(), lambda _: 16)
     gen = index.add_source(SourceSpec("tair/pod", "inst", "push://pod")).generation

@@ -20,13 +20,13 @@ import zmq
 from prometheus_client import generate_latest
 from test_engine_subscriber import pump
 
+from kvcm.backends.metastore import MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.config import ConfigError, load
 from kvcm.engines.push import Report
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SubscriberSettings
 from kvcm.errors import NotFound
-from kvcm.store import MemoryStore
 from kvcm.testing.fake_engine import FakeEnginePublisher
 
 TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))

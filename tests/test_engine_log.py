@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from kvcm.backends.metastore import LmdbStore
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines import entries
 from kvcm.engines.entries import (
@@ -26,7 +27,6 @@ from kvcm.engines.entries import (
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec
 from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
-from kvcm.store import LmdbStore
 
 TOKENS = [random.Random(11).randrange(50_000) for _ in range(64 * 16)]
 KEYS = token_ids_to_block_keys(TOKENS, 16)

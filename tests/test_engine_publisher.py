@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from kvcm.api.engines import AddEventSourceRequest, MatchEnginesRequest, methods
+from kvcm.backends.metastore import MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.cli import add_events_parser, run_events
 from kvcm.engines.service import EngineService
@@ -22,7 +23,6 @@ from kvcm.errors import InvalidArgument, NotFound
 from kvcm.proto.kv_events import BlockRemoved, BlockStored, decode_batch
 from kvcm.publish.eventlog import EventLog
 from kvcm.publish.publisher import EventPublisher
-from kvcm.store import MemoryStore
 from kvcm.testing.fake_engine import FakeEnginePublisher
 
 TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))

@@ -12,12 +12,12 @@ import time
 import pytest
 import zmq
 
+from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SubscriberSettings
 from kvcm.errors import NotFound
 from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
-from kvcm.store import LmdbStore, MemoryStore
 from kvcm.testing.fake_engine import FakeEnginePublisher
 
 TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))

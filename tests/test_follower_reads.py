@@ -171,7 +171,7 @@ def test_a_leader_start_defines_its_own_sources_once_then_follows_the_shared_one
     the sources it follows; once the shared store defines any, a starting leader follows those."""
     import uuid
 
-    from kvcm.store.redis import RedisStore
+    from kvcm.backends.metastore.redis import RedisStore
     from kvcm.testing import serve_in_thread
 
     prefix = f"ad{uuid.uuid4().hex[:8]}"

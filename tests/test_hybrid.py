@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from cache_helpers import wait_for
 
+from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.entries import SourceMatch
 from kvcm.engines.hybrid import FULL_KINDS, STATE_KINDS, WINDOW_KINDS
@@ -31,7 +32,6 @@ from kvcm.engines.sources import SourceSpec
 from kvcm.errors import Code, KvcmError
 from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
 from kvcm.proto.results import EngineMatches
-from kvcm.store import LmdbStore, MemoryStore
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
+from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.cache.blocks import Record, Status, check_value, decode, encode, fast_wire, new_location, pack_wire
 from kvcm.cache.meta_index import KEEP, MetaIndex, SearchCache, namespace
-from kvcm.store import LmdbStore, MemoryStore
 
 NS = namespace("inst")
 

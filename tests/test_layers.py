@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     # foundations: they import nothing of kvcm but each other
     ("kvcm.errors", "kvcm.proto", "kvcm.version", "kvcm.threads", "kvcm.lockfile", "kvcm.metrics", "kvcm.rpc",
      "kvcm.rpc.curve", "kvcm.config"),
-    ("kvcm.store", "kvcm.ha", "kvcm.storage"),  # metadata stores, the leader lease; KV-block storages
+    ("kvcm.backends", "kvcm.ha"),  # metadata stores, the leader lease; KV-block storages
     ("kvcm.control", "kvcm.policies"),  # the registry; eviction policies
     ("kvcm.cache",),  # the data plane
     ("kvcm.reclaimer", "kvcm.engines", "kvcm.publish"),  # eviction; the inbound engine tier; outbound events
@@ -188,7 +188,7 @@ def test_proto_rule_catches_a_server_import():
     assert proto_violations({"kvcm.proto.wire": {"kvcm.errors", "kvcm.cache.keys"}}, {}) == [
         "kvcm.proto.wire imports kvcm.cache.keys"]
     assert proto_violations({"kvcm.proto.wire": set()}, {"kvcm.proto.wire": {"zmq"}}) == ["kvcm.proto.wire imports zmq"]
-    assert proto_violations({"kvcm.cache.keys": {"kvcm.store"}}, {"kvcm.cache.keys": {"lmdb"}}) == []
+    assert proto_violations({"kvcm.cache.keys": {"kvcm.backends.metastore"}}, {"kvcm.cache.keys": {"lmdb"}}) == []
 
 
 SDK = ("kvcm.client", "kvcm.aio", "kvcm.blocks", "kvcm.connector", "kvcm.aio_connector")
@@ -207,14 +207,14 @@ def test_the_sdk_imports_only_the_protocol():
 
 
 def test_sdk_rule_catches_a_server_import():
-    assert sdk_violations({"kvcm.blocks": {"kvcm.proto.uris", "kvcm.storage.base"}}) == [
-        "kvcm.blocks imports kvcm.storage.base"]
+    assert sdk_violations({"kvcm.blocks": {"kvcm.proto.uris", "kvcm.backends.storage.base"}}) == [
+        "kvcm.blocks imports kvcm.backends.storage.base"]
 
 
 def test_optimizer_never_opens_lmdb():
     for path in (ROOT / "optimizer").rglob("*.py"):
         text = path.read_text()
-        assert "import lmdb" not in text and "kvcm.store" not in text, path
+        assert "import lmdb" not in text and "kvcm.backends.metastore" not in text, path
 
 
 def test_public_api():

@@ -14,9 +14,9 @@ import uuid
 import pytest
 import redis
 
+from kvcm.backends.metastore.redis import Fenced, RedisStore
 from kvcm.errors import Code
 from kvcm.ha.lease import VALID_SHARE, Lease, not_leader, parse_holder
-from kvcm.store.redis import Fenced, RedisStore
 
 TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 
@@ -165,7 +165,7 @@ def test_release_on_stop_lets_the_other_take_over_at_once(client, prefix):
 _HOLDER = textwrap.dedent("""
     import sys, redis
     from kvcm.ha.lease import Lease
-    from kvcm.store.redis import RedisStore, Fenced
+    from kvcm.backends.metastore.redis import RedisStore, Fenced
     url, prefix, data = sys.argv[1:4]
     store = RedisStore(url, data, prefix=prefix)
     client = redis.Redis.from_url(url, socket_timeout=1)

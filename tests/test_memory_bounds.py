@@ -10,9 +10,9 @@ import tracemalloc
 
 from cache_helpers import Clock
 
+from kvcm.backends.metastore import MemoryStore
 from kvcm.cache.locations import BuiltCache
 from kvcm.cache.sessions import Sessions
-from kvcm.store import MemoryStore
 
 
 def test_wire_cache_budget_bounds_its_real_memory():

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcm.backends.metastore import MemoryStore
 from kvcm.cache import keys
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.service import EngineService
@@ -31,7 +32,6 @@ from kvcm.proto.kv_events import (
     decode_batch,
     encode_batch,
 )
-from kvcm.store import MemoryStore
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
 
 kernel = pytest.importorskip("kvcm.cache.hash_kernel", reason="numba is a test dependency (pip install -e '.[test]')")

@@ -16,6 +16,8 @@ import zmq
 from cache_helpers import error_code, locate, register, wait_for, write
 
 from kvcm.app import open_store
+from kvcm.backends.metastore.base import from_i64, from_u64, i64, u64
+from kvcm.backends.metastore.memory import MemoryStore
 from kvcm.cache.meta_index import namespace
 from kvcm.cache.pins import DB as PINS
 from kvcm.cache.pins import Pins
@@ -25,8 +27,6 @@ from kvcm.optimizer.spec import Capacity, GroupSpec, ReplaySpec, TierSpec
 from kvcm.optimizer.trace import Record
 from kvcm.optimizer.traces import dump_schema, read_trace
 from kvcm.proto import wire
-from kvcm.store.base import from_i64, from_u64, i64, u64
-from kvcm.store.memory import MemoryStore
 from kvcm.testing import make_test_config, serve_in_thread
 
 pytestmark = pytest.mark.both_stores

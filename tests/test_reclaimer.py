@@ -481,7 +481,7 @@ def _marker(key: int) -> bytes:
 
 
 def _slot(root: str, location: dict) -> tuple[str, int]:
-    from kvcm.storage.file import resolve_file_uri
+    from kvcm.backends.storage.file import resolve_file_uri
 
     path, offset, _ = resolve_file_uri(location["location_specs"][0]["uri"], root)
     return path, offset

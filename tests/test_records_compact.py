@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcm.app import App
+from kvcm.backends.metastore import LmdbStore, i64
 from kvcm.cache import blocks as records
 from kvcm.cache import locations
 from kvcm.cache.blocks import (
@@ -30,7 +31,6 @@ from kvcm.cache.blocks import (
 from kvcm.cache.locations import address, addresses, pack_wire, uris, wire
 from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.uricodec import join, matcher, split
-from kvcm.store import LmdbStore, i64
 from kvcm.testing import make_test_config
 
 # -- URIs -----------------------------------------------------------------------------------------

@@ -22,11 +22,11 @@ from test_ha import LEASE_MS, RENEW_MS, Pair, wait_until
 from test_redis_outage import _http_port, _probe, _refusal, _role
 
 from kvcm.app import HaNode, open_store, redis_password
+from kvcm.backends.metastore.redis import RECORD_FILE, RedisStore, StoreLost
 from kvcm.config import Config, load
 from kvcm.errors import Code, StartRefused, Unavailable
 from kvcm.ha.floor import EpochFloor
 from kvcm.ha.lease import Lease
-from kvcm.store.redis import RECORD_FILE, RedisStore, StoreLost
 from kvcm.testing import RunningServer, start_subprocess, stop_subprocess
 
 NO_CONFIG = ("--user", "kvcm", "on", "nopass", "~*", "&*", "+@all", "-config")  # a managed Redis: no CONFIG
@@ -201,7 +201,7 @@ def test_appendonly_off_refuses_the_lease_and_warns_without_it(redis_factory, tm
     assert f"appendonly no, by {how}" in info.value.message and "ha.require_aof" in info.value.message
     with pytest.raises(StartRefused):  # a leader stage's own start checks too
         open_store(_config(url, str(tmp_path / "n2"), ha=True))
-    with caplog.at_level(logging.WARNING, logger="kvcm.store"):
+    with caplog.at_level(logging.WARNING, logger="kvcm.backends.metastore"):
         _ha_node_start(_config(url, str(tmp_path / "n3"), ha=True, require_aof=False))
         open_store(_config(url, str(tmp_path / "solo"), ha=False)).close()
     warned = [r.getMessage() for r in caplog.records if "append-only" in r.getMessage()]
@@ -212,7 +212,7 @@ def test_appendonly_off_refuses_the_lease_and_warns_without_it(redis_factory, tm
 def test_appendonly_on_starts_the_lease_without_a_warning(redis_factory, tmp_path, caplog, server_args, user):
     server = redis_factory("--appendonly", "yes", *server_args)
     url = server.url.replace("redis://", f"redis://{user}")
-    with caplog.at_level(logging.WARNING, logger="kvcm.store"):
+    with caplog.at_level(logging.WARNING, logger="kvcm.backends.metastore"):
         _ha_node_start(_config(url, str(tmp_path / "n1"), ha=True))
         open_store(_config(url, str(tmp_path / "solo"), ha=False)).close()
     assert not [r for r in caplog.records if "append-only" in r.getMessage()]
@@ -226,7 +226,7 @@ def test_a_redis_that_answers_neither_config_nor_info_says_so(redis_factory, tmp
     message = info.value.message
     assert "cannot tell whether Redis keeps an append-only file" in message
     assert "CONFIG GET appendonly:" in message and "INFO persistence:" in message and "ha.require_aof" in message
-    with caplog.at_level(logging.WARNING, logger="kvcm.store"):
+    with caplog.at_level(logging.WARNING, logger="kvcm.backends.metastore"):
         open_store(_config(url, str(tmp_path / "solo"), ha=False)).close()
     assert [r for r in caplog.records if "cannot tell" in r.getMessage()]
 

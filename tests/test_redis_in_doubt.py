@@ -13,8 +13,8 @@ import uuid
 import pytest
 from cache_helpers import hard_close
 
+from kvcm.backends.metastore.redis import InDoubt, RedisStore
 from kvcm.errors import Code, Unavailable
-from kvcm.store.redis import InDoubt, RedisStore
 
 
 class CuttingProxy:

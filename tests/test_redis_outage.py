@@ -180,7 +180,7 @@ def _readyz_or_none(server: RunningServer) -> int | None:
 def test_the_readiness_probe_pings_redis_at_most_once_a_second_however_hot(redis_server, tmp_path):
     import redis as redis_py
 
-    from kvcm.store.redis import PROBE_EVERY_S, RedisStore
+    from kvcm.backends.metastore.redis import PROBE_EVERY_S, RedisStore
 
     store = RedisStore(redis_server.url, str(tmp_path / "data"), prefix=f"o{uuid.uuid4().hex[:10]}")
     raw = redis_py.Redis.from_url(redis_server.url)

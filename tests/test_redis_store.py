@@ -14,9 +14,9 @@ import redis
 from cache_helpers import finish, hard_close, register, start, wait_for
 from redis.crc import key_slot
 
+from kvcm.backends.metastore import u64
+from kvcm.backends.metastore.redis import Fenced, NotReplicated, RedisStore, redact
 from kvcm.errors import Code, KvcmError, ServerError, Unavailable
-from kvcm.store import u64
-from kvcm.store.redis import Fenced, NotReplicated, RedisStore, redact
 from kvcm.testing import start_subprocess, stop_subprocess
 
 
@@ -334,7 +334,7 @@ def test_a_redis_restart_with_aof_always_keeps_committed_data(redis_factory, tmp
 
 
 def test_a_second_store_on_the_same_data_dir_is_refused(redis_server, tmp_path):
-    from kvcm.store import DataDirLocked
+    from kvcm.backends.metastore import DataDirLocked
 
     s = RedisStore(redis_server.url, str(tmp_path / "d"), prefix=_prefix())
     try:

@@ -8,6 +8,7 @@ import tempfile
 import msgspec
 import pytest
 
+from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.control.passwords import verify_password
 from kvcm.control.records import (
     Instance,
@@ -22,7 +23,6 @@ from kvcm.control.records import (
 )
 from kvcm.control.registry import DEFAULT_GROUP, DEFAULT_STORAGE, Registry
 from kvcm.errors import Code, Conflict, InvalidArgument, KvcmError, NotFound
-from kvcm.store import LmdbStore, MemoryStore
 
 # Test storages live under /mnt (never created: these tests open no backend), /dev/shm and temp dirs.
 ROOTS = ("/mnt", "/dev/shm", tempfile.gettempdir())

@@ -10,12 +10,12 @@ import pytest
 
 from kvcm.api import control as registry_api
 from kvcm.api import system as system_api
+from kvcm.backends.metastore import MemoryStore
 from kvcm.control.registry import Registry
 from kvcm.errors import Code, KvcmError
 from kvcm.metrics import Metrics
 from kvcm.proto import wire
 from kvcm.rpc.dispatch import Dispatcher
-from kvcm.store import MemoryStore
 
 INFO = {"node_id": "node-1", "endpoint": "tcp://127.0.0.1:6381"}
 

@@ -277,11 +277,11 @@ def test_a_turns_pooled_hashing_never_uses_states_of_a_batch_not_applied() -> No
     state computed from a batch that then is not applied (here a resent seq with other tokens
     under the same hash, pooled after the real one) must not be used for its child."""
     from kvcm.api.engines import methods
+    from kvcm.backends.metastore import MemoryStore
     from kvcm.cache.keys import token_ids_to_block_keys
     from kvcm.engines.service import EngineService
     from kvcm.proto.wire import pack_request
     from kvcm.rpc.dispatch import Dispatcher
-    from kvcm.store import MemoryStore
 
     svc = EngineService(MemoryStore(), lambda _: BS)
     try:
@@ -310,10 +310,10 @@ def test_a_turns_pool_is_dropped_once_its_reports_ran_and_the_collector_runs_aft
     import gc
 
     from kvcm.api.engines import methods
+    from kvcm.backends.metastore import MemoryStore
     from kvcm.engines.service import EngineService
     from kvcm.proto.wire import pack_request
     from kvcm.rpc.dispatch import Dispatcher
-    from kvcm.store import MemoryStore
 
     seen: list[bool] = []
 
@@ -364,10 +364,10 @@ def test_a_report_carried_to_a_later_turn_is_hashed_there_once() -> None:
     """The turn budget admits only some heavy reports; the rest wait. Only the admitted ones are
     pooled for the turn's hashing: every batch is hashed exactly once, and all are applied."""
     from kvcm.api.engines import methods
+    from kvcm.backends.metastore import MemoryStore
     from kvcm.engines.service import EngineService
     from kvcm.proto.wire import pack_request
     from kvcm.rpc.dispatch import Dispatcher, Limits
-    from kvcm.store import MemoryStore
 
     svc = EngineService(MemoryStore(), lambda _: BS)
     hashed: list[int] = []
@@ -479,8 +479,8 @@ def test_a_report_of_many_tiny_or_unknown_events_is_costed_per_event() -> None:
     import msgspec
 
     from kvcm.api.engines import ReportEventsRequest, methods
+    from kvcm.backends.metastore import MemoryStore
     from kvcm.engines.service import EngineService
-    from kvcm.store import MemoryStore
 
     svc = EngineService(MemoryStore(), lambda _: BS)
     try:

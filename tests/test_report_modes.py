@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from cache_helpers import wait_for
 
+from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.config import ConfigError
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sources import SourceSpec, SubscriberSettings, build_spec, static_specs
 from kvcm.errors import Conflict, InvalidArgument
 from kvcm.proto.kv_events import BlockRemoved, BlockStored, DecodedBatch
-from kvcm.store import LmdbStore, MemoryStore
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
 
 B = 16

@@ -11,12 +11,12 @@ import msgspec
 import pytest
 import zmq
 
+from kvcm.backends.metastore import MemoryStore
 from kvcm.client import Client
 from kvcm.errors import Code, InvalidArgument, KvcmError, NotFound, Unavailable
 from kvcm.proto import wire
 from kvcm.rpc.dispatch import Dispatcher, Method
 from kvcm.rpc.server import Server, Timer
-from kvcm.store import MemoryStore
 
 
 class Put(msgspec.Struct):

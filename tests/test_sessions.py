@@ -3,8 +3,8 @@ on the monotonic clock, and the persisted wall-clock deadline only matters acros
 
 from __future__ import annotations
 
+from kvcm.backends.metastore import MemoryStore
 from kvcm.cache.sessions import Sessions
-from kvcm.store import MemoryStore
 
 
 class Clocks:

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from block_bytes import read_problems, storage_roots, write_session
 
+from kvcm.backends.metastore import LmdbStore
 from kvcm.client import Client
 from kvcm.errors import KvcmError
 from kvcm.lockfile import drop_unclaimed, lock_holder, pass_lock_file, wait_lock_file
-from kvcm.store import LmdbStore
 from kvcm.testing import TEST_ALLOWED_ROOTS, start_subprocess, stop_subprocess
 
 TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))

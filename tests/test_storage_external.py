@@ -7,10 +7,10 @@ import socket
 
 import pytest
 
+from kvcm.backends.storage.external import MooncakeStorage, TairMemPoolStorage, ThreeFsStorage
+from kvcm.backends.storage.registry import open_backend
 from kvcm.errors import CapacityError, Code, InvalidArgument
 from kvcm.proto.uris import parse_uri
-from kvcm.storage.backends import open_backend
-from kvcm.storage.external import MooncakeStorage, TairMemPoolStorage, ThreeFsStorage
 
 HEX = "[0-9a-f]{32}"
 

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvcm.backends.storage.file import FileStorage, resolve_file_uri
+from kvcm.backends.storage.ownership import standalone_owner
+from kvcm.backends.storage.registry import open_backend
 from kvcm.errors import CapacityError, Code, Conflict, InvalidArgument
 from kvcm.proto.uris import parse_uri
-from kvcm.storage.backends import open_backend
-from kvcm.storage.file import FileStorage, resolve_file_uri
-from kvcm.storage.ownership import standalone_owner
 
 SID = standalone_owner("file", "f1").storage_id  # the id in every container name
 SID_DEFAULT = standalone_owner("file", "default-file").storage_id
@@ -324,7 +324,7 @@ def test_spec_validation(tmp_path):
 
 LOCKER = r"""
 import sys, time
-from kvcm.storage.backends import open_backend
+from kvcm.backends.storage.registry import open_backend
 open_backend("file", "f1", {"root_path": sys.argv[1]}, None)
 print("locked", flush=True)
 time.sleep(30)

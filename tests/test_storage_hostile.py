@@ -187,7 +187,7 @@ def test_a_fifo_or_directory_at_a_marker_name_is_refused_at_once_not_waited_on(t
 def test_a_fifo_named_like_a_marker_does_not_stall_the_start_up_leftover_check(tmp_path: Any, prefix: str) -> None:
     """Where the metadata is missing, the start looks for markers in ``/dev/shm`` naming its data
     dir: a FIFO with a marker's name is passed over, not waited on."""
-    from kvcm.storage.ownership import leftovers
+    from kvcm.backends.storage.ownership import leftovers
 
     fifo = f"/dev/shm/{prefix}kvcm-storage"
     os.mkfifo(fifo)

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from kvcm.backends.storage.base import StorageBackend, slot_runs
+from kvcm.backends.storage.registry import STORAGE_BACKENDS, StorageHealth, normalize_spec, open_backend, parse_uri
 from kvcm.errors import InvalidArgument
 from kvcm.proto.uris import format_uri
-from kvcm.storage.backends import STORAGE_BACKENDS, StorageHealth, normalize_spec, open_backend, parse_uri
-from kvcm.storage.base import StorageBackend, slot_runs
 
 
 def test_registry_and_unknown_type(tmp_path):

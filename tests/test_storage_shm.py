@@ -10,11 +10,11 @@ import uuid
 
 import pytest
 
+from kvcm.backends.storage.ownership import standalone_owner
+from kvcm.backends.storage.registry import open_backend
+from kvcm.backends.storage.shm import ShmStorage, resolve_shm_uri
 from kvcm.errors import CapacityError, Conflict, InvalidArgument
 from kvcm.proto.uris import parse_uri
-from kvcm.storage.backends import open_backend
-from kvcm.storage.ownership import standalone_owner
-from kvcm.storage.shm import ShmStorage, resolve_shm_uri
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 
@@ -45,7 +45,7 @@ def segments(prefix: str) -> list[str]:
 
 CHILD = r"""
 import mmap, os, sys
-from kvcm.storage.shm import resolve_shm_uri
+from kvcm.backends.storage.shm import resolve_shm_uri
 for uri in sys.argv[1:]:
     path, offset, size = resolve_shm_uri(uri)
     fd = os.open(path, os.O_RDWR)

@@ -14,11 +14,11 @@ import pytest
 from cache_helpers import remove_shm, shm_prefix
 
 from kvcm.api.control import CLIENT_SPEC_FIELDS
+from kvcm.backends.storage import registry
+from kvcm.backends.storage.base import SpecReader
+from kvcm.backends.storage.external import ExternalStorage
 from kvcm.client import IDEMPOTENT_METHODS, METHODS, Client
 from kvcm.errors import Code, KvcmError
-from kvcm.storage import backends
-from kvcm.storage.base import SpecReader
-from kvcm.storage.external import ExternalStorage
 from kvcm.testing import RunningServer, serve_in_thread
 
 ADMIN_PW = "specs-Admin-pw"
@@ -63,7 +63,7 @@ def server() -> Iterator[tuple[RunningServer, Client, Client, Client]]:
     root = tempfile.mkdtemp(prefix="kvcm-specs-")
     prefix = shm_prefix()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(backends.STORAGE_BACKENDS, "tokenstore", TokenStore)
+        mp.setitem(registry.STORAGE_BACKENDS, "tokenstore", TokenStore)
         with serve_in_thread(overrides=SERVER_ON) as srv:
             admin = srv.client(auth={"user": "admin", "password": ADMIN_PW})
             for name, kind in STORAGES.items():
@@ -154,9 +154,9 @@ MINIMAL = {"file": {"root_path": "/tmp/x"}, "shm": {}, "3fs": {"mountpoint": "/m
            "mooncake": {}, "tairmempool": {"domain": "d"}}
 
 
-@pytest.mark.parametrize("kind", sorted(backends.STORAGE_BACKENDS))
+@pytest.mark.parametrize("kind", sorted(registry.STORAGE_BACKENDS))
 def test_the_whitelist_covers_every_type_and_names_real_fields(kind: str) -> None:
-    spec = backends.normalize_spec(kind, "n", MINIMAL[kind])
+    spec = registry.normalize_spec(kind, "n", MINIMAL[kind])
     assert kind in CLIENT_SPEC_FIELDS
     assert set(CLIENT_SPEC_FIELDS[kind]) <= set(spec), set(CLIENT_SPEC_FIELDS[kind]) - set(spec)
     risky = [f for f in CLIENT_SPEC_FIELDS[kind] if any(w in f for w in ("token", "password", "secret", "url",

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kvcm.backends.metastore import LmdbStore
 from kvcm.cli import main
 from kvcm.config import CLIENT_ENV, AuthConfig, load
 from kvcm.control.records import token_digest
@@ -21,7 +22,6 @@ from kvcm.errors import AccessDenied, Code, InvalidArgument, KvcmError, NotFound
 from kvcm.proto.schema import Credentials, RequestBase
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Method
-from kvcm.store import LmdbStore
 from kvcm.testing import serve_in_thread
 
 pytestmark = pytest.mark.both_stores

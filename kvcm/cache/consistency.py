@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from kvcm.backends.metastore.base import from_i64, i64
+from kvcm.backends.storage.base import Inventory
 from kvcm.cache.blocks import RUNS_DB, STATUS_NAMES, Status, decode, run_members
 from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.deleter import pending_bytes
@@ -26,8 +28,6 @@ from kvcm.cache.locations import check as check_skeletons
 from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.state import CacheState
 from kvcm.cache.usage import FreeKey, Key, Usage, tally
-from kvcm.storage.base import Inventory
-from kvcm.store.base import from_i64, i64
 
 
 def recount(s: CacheState) -> dict[Key, list[int]]:

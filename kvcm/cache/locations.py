@@ -41,9 +41,9 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from kvcm.backends.metastore.base import WriteTxn
 from kvcm.cache.uricodec import PLACEHOLDER, matcher, split
 from kvcm.errors import Code, ServerError
-from kvcm.store.base import WriteTxn
 
 DB = "skeletons"
 MAX_SKELETONS = 4096  # past this, new shapes are stored verbatim (a storage with free-form URIs)

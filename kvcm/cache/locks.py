@@ -4,7 +4,7 @@
 complement), with ``n`` a power of two. A batch locks all of its shards in ascending order, so
 two batches can never wait on each other in a cycle.
 
-Lock order across the process (see :mod:`kvcm.store.base`): open the store's write
+Lock order across the process (see :mod:`kvcm.backends.metastore.base`): open the store's write
 transaction first, then take shard locks. Never call out (storage IO, listeners, network) while
 holding a shard.
 """

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+from kvcm.backends.metastore.base import MetaStore, ReadTxn, WriteTxn, from_i64, i64
 from kvcm.cache.locks import ShardedLocks, make_batches
-from kvcm.store.base import MetaStore, ReadTxn, WriteTxn, from_i64, i64
 
 DB = "blocks"
 _U64 = struct.Struct(">Q")

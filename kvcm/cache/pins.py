@@ -28,9 +28,9 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 
+from kvcm.backends.metastore.base import ReadTxn, WriteTxn, from_i64, from_u64, i64, u64
 from kvcm.cache.meta_index import namespace
 from kvcm.errors import Code, error
-from kvcm.store.base import ReadTxn, WriteTxn, from_i64, from_u64, i64, u64
 
 log = logging.getLogger("kvcm.cache.pins")
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 
+from kvcm.backends.metastore.base import WriteTxn, from_i64
 from kvcm.cache.blocks import Location, Record, Status, decode, mark_sole, sole_serving
 from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.deleter import schedule_many
@@ -26,7 +27,6 @@ from kvcm.cache.room import Victim
 from kvcm.cache.state import CacheState
 from kvcm.cache.usage import FreeKey, Key
 from kvcm.errors import InvalidArgument, NotFound
-from kvcm.store.base import WriteTxn, from_i64
 
 log = logging.getLogger("kvcm.cache.removal")
 

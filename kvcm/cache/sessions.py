@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvcm.store.base import ReadTxn, WriteTxn
+from kvcm.backends.metastore.base import ReadTxn, WriteTxn
 
 DB = "sessions"
 _ALPHABET = string.ascii_lowercase + string.digits

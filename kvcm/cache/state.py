@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from kvcm.backends.metastore.base import MetaStore, ReadTxn, WriteTxn, i64
 from kvcm.cache.blocks import RUNS_DB, Record, check_value, decode, encode
 from kvcm.cache.deleter import Deleter
 from kvcm.cache.listeners import Listeners
@@ -32,7 +33,6 @@ from kvcm.cache.storage_pool import StoragePool
 from kvcm.cache.usage import BeingFreed, Usage
 from kvcm.control.registry import GROUP, INSTANCE, Registry
 from kvcm.errors import Code, InvalidArgument, NotFound, Unavailable
-from kvcm.store.base import MetaStore, ReadTxn, WriteTxn, i64
 
 
 class LostCounter:

@@ -26,11 +26,11 @@ from typing import Any, Protocol
 
 import msgspec
 
+from kvcm.backends.storage.ownership import ForeignDirectory, Owner, marker_key
 from kvcm.cache.blocks import decode
 from kvcm.control.registry import STORAGE, Registry, new_id
 from kvcm.errors import InvalidArgument, ServerError
 from kvcm.lockfile import LockBusy
-from kvcm.storage.ownership import ForeignDirectory, Owner, marker_key
 
 log = logging.getLogger("kvcm.storage_pool")
 
@@ -47,8 +47,8 @@ class Recorder(Protocol):
 
 
 def default_opener(storage: Any, data_dir: str | None, owner: Owner) -> Any:
-    """Open a backend through the storage registry (``kvcm.storage.backends``)."""
-    from kvcm.storage.backends import open_backend
+    """Open a backend through the storage registry (``kvcm.backends.storage.registry``)."""
+    from kvcm.backends.storage.registry import open_backend
 
     return open_backend(storage.storage_type, storage.global_unique_name, storage.storage_spec, data_dir, owner)
 

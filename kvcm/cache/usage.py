@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from kvcm.store.base import ReadTxn, WriteTxn
+from kvcm.backends.metastore.base import ReadTxn, WriteTxn
 
 DB = "usage"
 Key = tuple[str, str, str]  # (group, instance, storage type)

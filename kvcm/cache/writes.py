@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcm.backends.metastore.base import WriteTxn, i64
 from kvcm.cache.blocks import RUNS_DB, Location, Record, Status, encode_run
 from kvcm.cache.deleter import schedule
 from kvcm.cache.keys import derive_keys
@@ -49,7 +50,6 @@ from kvcm.cache.state import CacheState
 from kvcm.cache.usage import FreeKey, Key, Usage
 from kvcm.errors import CapacityError, Code, InvalidArgument, NotFound
 from kvcm.proto.wire import Raw, pack_array_raw, pack_map_raw
-from kvcm.store.base import WriteTxn, i64
 
 log = logging.getLogger("kvcm.cache.writes")
 

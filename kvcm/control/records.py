@@ -9,7 +9,7 @@ Validation lives next to the records: each ``check_*`` function raises
 :class:`~kvcm.errors.InvalidArgument` naming the offending field, and returns the normalized
 record (defaults filled in, spec groups sorted) that the registry stores. Storage specs are the
 one exception: their fields belong to the storage backends, so :func:`check_storage` hands them
-to :func:`kvcm.storage.backends.normalize_spec` rather than keeping a second set of rules.
+to :func:`kvcm.backends.storage.registry.normalize_spec` rather than keeping a second set of rules.
 
 Passwords are kept only as salted scrypt hashes, ``scrypt2$N$r$p$<salt>$<digest>`` (base64
 parts), so the cost travels with the hash and can be raised later; they are verified in
@@ -30,10 +30,10 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from kvcm.backends.storage.registry import STORAGE_BACKENDS, normalize_spec
 from kvcm.control.passwords import CONTROL_CHARS, check_password_hash
 from kvcm.errors import InvalidArgument
 from kvcm.proto import schema
-from kvcm.storage.backends import STORAGE_BACKENDS, normalize_spec
 
 T = TypeVar("T")
 
@@ -70,7 +70,7 @@ class Storage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     ``storage_spec`` is stored normalized (:func:`check_storage`): complete, with every default
     of the backend filled in and paths absolute. For typed access, open or build the backend
-    (:data:`kvcm.storage.backends.STORAGE_BACKENDS`); its ``spec`` is this same map."""
+    (:data:`kvcm.backends.storage.registry.STORAGE_BACKENDS`); its ``spec`` is this same map."""
 
     global_unique_name: str
     storage_type: str
@@ -93,7 +93,7 @@ def check_storage(storage: Storage, data_dir: str | None = None) -> Storage:
     """Validate a storage definition; return it with its type normalized (Tair aliases resolved)
     and its spec complete.
 
-    The spec is the backend's business: :func:`kvcm.storage.backends.normalize_spec` checks it
+    The spec is the backend's business: :func:`kvcm.backends.storage.registry.normalize_spec` checks it
     with the backend's own reader (fields, defaults, unknown fields refused) and fills in every
     default, so the registry never accepts what the backend would refuse or vice versa. A
     relative ``file`` ``root_path`` is resolved under ``data_dir`` (refused without one)."""

@@ -23,6 +23,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 
+from kvcm.backends.metastore.base import MetaStore, ReadTxn, WriteTxn
+from kvcm.backends.storage.roots import StorageRoots, check_placement
 from kvcm.control.passwords import hash_password
 from kvcm.control.records import (
     ALL_GROUPS,
@@ -51,8 +53,6 @@ from kvcm.control.records import (
 )
 from kvcm.errors import Code, Conflict, InvalidArgument, NotFound, error
 from kvcm.proto import schema
-from kvcm.storage.roots import StorageRoots, check_placement
-from kvcm.store.base import MetaStore, ReadTxn, WriteTxn
 
 log = logging.getLogger("kvcm.control.registry")
 
@@ -63,7 +63,7 @@ STORAGE, GROUP, INSTANCE, ACCOUNT, TOKEN = "storage", "instance_group", "instanc
 DEFAULT_STORAGE, DEFAULT_GROUP = "default-file", "default"
 _SCHEMA_KEY, _SCHEMA = b"registry.schema", b"1"
 # The id of this data dir's metadata, named by the ownership marker of every storage it records
-# (kvcm.storage.ownership): a store made anew gets a new id, so its storages can tell.
+# (kvcm.backends.storage.ownership): a store made anew gets a new id, so its storages can tell.
 _DATA_DIR_ID_KEY = b"data_dir.id"
 
 
@@ -303,7 +303,7 @@ class Registry:
         """:raises Conflict: DUPLICATE_ENTITY if the name is taken (nothing is overwritten).
 
         ``adopt``: take over a directory that is not empty and carries no ownership marker of
-        this kvcm (see :mod:`kvcm.storage.ownership`); refused otherwise."""
+        this kvcm (see :mod:`kvcm.backends.storage.ownership`); refused otherwise."""
         if storage.storage_id:
             raise InvalidArgument("storage.storage_id: assigned by kvcm when the storage is added; leave it out")
         storage = check_storage(storage, self._data_dir)

@@ -1,6 +1,6 @@
 """Engine-index records: one engine block, one source's state, their persisted form.
 
-Persisted layout (sub-databases reserved in ``kvcm.store.base.DATABASES``):
+Persisted layout (sub-databases reserved in ``kvcm.backends.metastore.base.DATABASES``):
 
 * ``engine_sources``: ``source_id`` (UTF-8) -> msgpack ``{spec, number, last_seq, last_ts, groups}``,
   ``groups`` being ``[group, kind, window, engine block size]`` per KV-cache group the source

@@ -62,6 +62,7 @@ from itertools import accumulate, chain, compress, islice, repeat
 from operator import and_, attrgetter, is_, itemgetter, or_
 from typing import TYPE_CHECKING, Any
 
+from kvcm.backends.metastore.base import MetaStore
 from kvcm.engines.entries import (
     BLOCK_KEY,
     BLOCKS_DB,
@@ -103,7 +104,6 @@ from kvcm.proto.kv_events import (
     ExternalBlockHash,
     hash_to_u64,
 )
-from kvcm.store.base import MetaStore
 from kvcm.threads import gc_paused
 
 if TYPE_CHECKING:

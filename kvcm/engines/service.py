@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry
 
+from kvcm.backends.metastore.base import MetaStore
 from kvcm.cache.keys import derive_keys
 from kvcm.config import ConfigError
 from kvcm.engines.budget import WorkBudget
@@ -56,7 +57,6 @@ from kvcm.engines.sources import (
 from kvcm.engines.speculative import SpeculativeEntries, with_speculative
 from kvcm.engines.subscriber import EventSubscriber
 from kvcm.errors import Code, InvalidArgument, NotFound, error
-from kvcm.store.base import MetaStore
 
 #: The main store's database of event-source definitions (see ``EngineService(shared=...)``).
 DEFINITIONS = "source_defs"

@@ -1,7 +1,7 @@
 """What a node under the lease checks before it takes part (``kvcm serve`` with ``ha.enabled``).
 
-The same refusals as a leader stage's start (:func:`kvcm.store.redis.check_persistence`,
-:meth:`kvcm.store.redis.RedisStore.check_start`), made once before the node binds any port, so a
+The same refusals as a leader stage's start (:func:`kvcm.backends.metastore.redis.check_persistence`,
+:meth:`kvcm.backends.metastore.redis.RedisStore.check_start`), made once before the node binds any port, so a
 node that could never lead says why at once instead of following until it wins the lease. A
 Redis that cannot be reached defers them: the node follows, and its leader stage checks again.
 """
@@ -14,9 +14,7 @@ from typing import Any
 
 import redis
 
-from kvcm.config import Config
-from kvcm.errors import StartRefused, Unavailable
-from kvcm.store.redis import (
+from kvcm.backends.metastore.redis import (
     StoreRecord,
     WriterMark,
     check_persistence,
@@ -24,6 +22,8 @@ from kvcm.store.redis import (
     redact,
     translate,
 )
+from kvcm.config import Config
+from kvcm.errors import StartRefused, Unavailable
 
 log = logging.getLogger("kvcm.ha")
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvcm.backends.metastore.base import from_u64
 from kvcm.policies import POLICIES, TTL, BasePolicy, make_policy
 from kvcm.policies.compact_lru import CompactLRU
-from kvcm.store.base import from_u64
 
 IKey = tuple[str, int]  # (instance_id, block_key): block keys are per-instance namespaces
 # Inside a group the policies key a block by one int, ``index(instance) << 64 | key + 2**63``

@@ -4,5 +4,5 @@
 maps each Tair RPC to one kvcm RPC and back; :mod:`kvcm.tair.uris` gives ``file`` and ``shm`` URIs
 in Tair's form (the whole path) and takes them back. The side HTTP port (:mod:`kvcm.rpc.http`)
 routes ``POST /api/<lowerCamelName>`` here; of kvcm it imports only the foundations and the
-storage URI decoder (:mod:`kvcm.storage.base`).
+storage URI decoder (:mod:`kvcm.backends.storage.base`).
 """

@@ -1,4 +1,4 @@
-"""Redis implementation of :class:`~kvcm.store.base.MetaStore` (``store.backend = "redis"``).
+"""Redis implementation of :class:`~kvcm.backends.metastore.base.MetaStore` (``store.backend = "redis"``).
 
 Layout: each named database is a hash of values (``{P}:h:<db>``) plus a sorted set of its keys
 with every score 0 (``{P}:z:<db>``), so ``ZRANGEBYLEX`` walks them in byte order for ``scan``.
@@ -9,7 +9,7 @@ share one Redis.
 
 Transactions: a write transaction buffers its puts and deletes in an overlay its own reads see;
 a nested ``write()`` block is a savepoint with an undo log of overlay entries (as in
-:class:`~kvcm.store.lmdb_txn.LmdbWriteTxn`). The group's overlay is committed by ONE Lua script
+:class:`~kvcm.backends.metastore.lmdb_txn.LmdbWriteTxn`). The group's overlay is committed by ONE Lua script
 call: Redis runs a script atomically, and the script checks the fencing token and the type of
 every key it will touch *before* its first write, because Redis does not undo the writes of a
 script that fails midway. One process-wide writer lock serialises write transactions, as LMDB's
@@ -54,11 +54,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvcm.backends.metastore.base import DATABASES, bad_key, key_fits, merge_savepoint, run_aborts
 from kvcm.errors import Code, ServerError, StartRefused, Unavailable
 from kvcm.lockfile import LockBusy, drop_lock_file, hold_lock_file
-from kvcm.store.base import DATABASES, bad_key, key_fits, merge_savepoint, run_aborts
 
-log = logging.getLogger("kvcm.store")
+log = logging.getLogger("kvcm.backends.metastore")
 
 CONNECT_TIMEOUT_S = 2.0  # a Redis that does not accept within this is unavailable
 SOCKET_TIMEOUT_S = 5.0  # one command's reply; a commit's WAIT has its own timeout on top
@@ -710,7 +710,7 @@ class RedisStore:
         try:
             hold_lock_file(lock, f"the store object {id(self):x}", f"data dir {path!r}")
         except LockBusy:
-            from kvcm.store.lmdb import DataDirLocked
+            from kvcm.backends.metastore.lmdb import DataDirLocked
 
             raise DataDirLocked(f"data dir {path!r} is in use by another kvcm process (lock file kvcm.lock); "
                                 "stop it or choose another --data-dir") from None

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from sortedcontainers import SortedDict
 
-from kvcm.store.base import DATABASES, bad_key, key_fits, run_aborts
+from kvcm.backends.metastore.base import DATABASES, bad_key, key_fits, run_aborts
 
 _DELETED = None  # overlay marker for a deleted key
 
@@ -142,7 +142,7 @@ class _WriteView(_View):
 
 
 class MemoryStore:
-    """Dict-backed :class:`~kvcm.store.base.MetaStore`."""
+    """Dict-backed :class:`~kvcm.backends.metastore.base.MetaStore`."""
 
     def __init__(self) -> None:
         self.path: str | None = None

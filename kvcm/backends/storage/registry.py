@@ -28,16 +28,16 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from kvcm.backends.storage.base import StorageBackend
+from kvcm.backends.storage.external import MooncakeStorage, TairMemPoolStorage, ThreeFsStorage
+from kvcm.backends.storage.file import FileStorage, resolve_file_uri
+from kvcm.backends.storage.ownership import Owner
+from kvcm.backends.storage.shm import ShmStorage, resolve_shm_uri
 from kvcm.errors import Code, InvalidArgument, ServerError
 from kvcm.proto.uris import ParsedUri, format_uri, parse_uri
-from kvcm.storage.base import StorageBackend
-from kvcm.storage.external import MooncakeStorage, TairMemPoolStorage, ThreeFsStorage
-from kvcm.storage.file import FileStorage, resolve_file_uri
-from kvcm.storage.ownership import Owner
-from kvcm.storage.shm import ShmStorage, resolve_shm_uri
 from kvcm.threads import LoopThread
 
-log = logging.getLogger("kvcm.storage")
+log = logging.getLogger("kvcm.backends.storage")
 
 #: type name -> backend class; every class takes ``(name, spec, data_dir)`` and has a pure
 #: ``read_spec(name, spec, data_dir) -> dict`` classmethod (validate, fill defaults, normalize).
@@ -106,7 +106,7 @@ def open_backend(
     ``open_backend(storage, data_dir)``. The backend remembers the spec it was opened with as
     ``spec_source`` so the pool can tell when ``update_storage`` changed it.
 
-    ``owner`` proves which directory is whose (:mod:`kvcm.storage.ownership`); without one a
+    ``owner`` proves which directory is whose (:mod:`kvcm.backends.storage.ownership`); without one a
     stable standalone id is derived from type and name (tools, tests)."""
     if not isinstance(storage_type, str):
         record = storage_type

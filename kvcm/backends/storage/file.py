@@ -28,10 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from kvcm.errors import CapacityError, Code, InvalidArgument, KvcmError, ServerError
-from kvcm.lockfile import drop_lock_file, hold_lock_file
-from kvcm.proto.uris import FILE_PATH, FileUri, parse_block_uri
-from kvcm.storage.base import (
+from kvcm.backends.storage.base import (
     PRIVATE,
     SAFE_OPEN,
     Container,
@@ -45,9 +42,12 @@ from kvcm.storage.base import (
     slot_runs,
     unlink_own,
 )
-from kvcm.storage.ownership import Marker, Owner, claim, standalone_owner
+from kvcm.backends.storage.ownership import Marker, Owner, claim, standalone_owner
+from kvcm.errors import CapacityError, Code, InvalidArgument, KvcmError, ServerError
+from kvcm.lockfile import drop_lock_file, hold_lock_file
+from kvcm.proto.uris import FILE_PATH, FileUri, parse_block_uri
 
-log = logging.getLogger("kvcm.storage")
+log = logging.getLogger("kvcm.backends.storage")
 
 _NO_SPACE = {28, 122}  # ENOSPC, EDQUOT: the storage is full, not broken
 _STATVFS_TTL = 0.05  # seconds a free-space reading is reused (charged with allocations meanwhile)

@@ -2,7 +2,7 @@
 
 A segment is a file in the tmpfs behind ``shm_open`` (``/dev/shm/<prefix><n>``), cut into
 slots of one block size like a ``file`` container, so all the slot machinery is shared with
-:class:`~kvcm.storage.file.DirectoryStorage`. URIs keep the storage name as host (as
+:class:`~kvcm.backends.storage.file.DirectoryStorage`. URIs keep the storage name as host (as
 every kvcm URI does) and name the segment in the path::
 
     shm://<storage name>/<segment>?offset=O&size=S
@@ -24,11 +24,11 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from kvcm.backends.storage.base import Container, SpecReader, check_component
+from kvcm.backends.storage.file import DirectoryStorage
+from kvcm.backends.storage.ownership import Owner
 from kvcm.errors import CapacityError, Code, InvalidArgument
 from kvcm.proto.uris import ShmUri, parse_block_uri
-from kvcm.storage.base import Container, SpecReader, check_component
-from kvcm.storage.file import DirectoryStorage
-from kvcm.storage.ownership import Owner
 
 DEFAULT_SEGMENT_SIZE = 64 << 20
 

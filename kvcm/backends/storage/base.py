@@ -5,7 +5,7 @@ when kvcm owns that space, as for ``file`` and ``shm``), accounts usage, frees s
 and probes health; its ``inventory`` lets ``CacheManager.check`` compare what it holds with the
 metadata. Clients read and write the block bytes at the URIs themselves.
 
-Every backend implements :class:`StorageBackend`; :mod:`kvcm.storage.backends` keeps the
+Every backend implements :class:`StorageBackend`; :mod:`kvcm.backends.storage.registry` keeps the
 registry keyed by type name. This module also holds what several backends share: a strict spec
 reader, safe opening of files in directories others may write, hole punching, and the slot pool
 of ``file``/``shm``. The URIs they hand out are :mod:`kvcm.proto.uris`'.
@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from kvcm.errors import InvalidArgument
 from kvcm.proto.schema import suggest
 
-log = logging.getLogger("kvcm.storage")
+log = logging.getLogger("kvcm.backends.storage")
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""Transactions of :class:`~kvcm.store.lmdb.LmdbStore`: the read view, the savepoint
+"""Transactions of :class:`~kvcm.backends.metastore.lmdb.LmdbStore`: the read view, the savepoint
 (undo log) a ``write()`` block gets inside its group's one LMDB write transaction, and the
 mapping of LMDB errors to kvcm's.
 """
@@ -10,8 +10,8 @@ from typing import Any, cast
 
 import lmdb
 
+from kvcm.backends.metastore.base import bad_key, key_fits
 from kvcm.errors import Code, ServerError, StoreFull
-from kvcm.store.base import bad_key, key_fits
 
 
 def translate_error(exc: lmdb.Error) -> Exception:

@@ -33,11 +33,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvcm.backends.storage.base import PRIVATE, SAFE_OPEN, Inventory, Slot, SpecReader
 from kvcm.errors import CapacityError, Code, InvalidArgument, ServerError
 from kvcm.proto.uris import ParsedUri, format_uri, parse_uri
-from kvcm.storage.base import PRIVATE, SAFE_OPEN, Inventory, Slot, SpecReader
 
-log = logging.getLogger("kvcm.storage")
+log = logging.getLogger("kvcm.backends.storage")
 
 PROBE_TIMEOUT_S = 1.0
 
@@ -54,7 +54,7 @@ class ExternalStorage(ABC):
 
     def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None,
                  owner: Any = None) -> None:
-        # ``owner`` (kvcm.storage.ownership.Owner) is unused: kvcm creates no files here, the
+        # ``owner`` (kvcm.backends.storage.ownership.Owner) is unused: kvcm creates no files here, the
         # external system owns the space, so there is nothing a marker would protect.
         self.name = name
         self.spec = self.read_spec(name, spec, data_dir)

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from kvcm.errors import InvalidArgument
 
-log = logging.getLogger("kvcm.store")
+log = logging.getLogger("kvcm.backends.metastore")
 
 #: Every sub-database a store provides. Adding a concept means adding its name here.
 DATABASES: tuple[str, ...] = (

@@ -1,4 +1,4 @@
-"""LMDB implementation of :class:`~kvcm.store.base.MetaStore`.
+"""LMDB implementation of :class:`~kvcm.backends.metastore.base.MetaStore`.
 
 One environment under the data dir, one named sub-database per entry of ``DATABASES``.
 Durability: with ``sync=True`` (default) every top-level commit is fsynced before it returns,
@@ -9,7 +9,7 @@ Rules from py-lmdb and lmdb.h this module enforces:
 
 * a write transaction is opened, used and committed on one thread; nested ``write()`` blocks on
   that thread become savepoints of it (an undo log each, see
-  :class:`~kvcm.store.lmdb_txn.LmdbWriteTxn`), never a second writer (deadlock). An LMDB
+  :class:`~kvcm.backends.metastore.lmdb_txn.LmdbWriteTxn`), never a second writer (deadlock). An LMDB
   error inside (e.g. MDB_MAP_FULL) leaves the shared transaction unusable, so the whole group
   then aborts and raises it: nothing of it is acknowledged;
 * ``set_mapsize`` needs a process with no live transaction, so growth waits at :class:`_Gate`
@@ -36,12 +36,12 @@ from typing import Any
 
 import lmdb
 
+from kvcm.backends.metastore.base import DATABASES, merge_savepoint, run_aborts
+from kvcm.backends.metastore.lmdb_txn import LmdbReadTxn, LmdbWriteTxn, key_range, translate_error
 from kvcm.errors import Code, ServerError, Unavailable
 from kvcm.lockfile import LockBusy, drop_lock_file, hold_lock_file
-from kvcm.store.base import DATABASES, merge_savepoint, run_aborts
-from kvcm.store.lmdb_txn import LmdbReadTxn, LmdbWriteTxn, key_range, translate_error
 
-log = logging.getLogger("kvcm.store")
+log = logging.getLogger("kvcm.backends.metastore")
 
 _GROW_AT = 0.75  # grow the map once it is this full, before a write fails
 

@@ -47,8 +47,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcm.backends.storage.base import create_unique, open_regular
 from kvcm.errors import InvalidArgument
-from kvcm.storage.base import create_unique, open_regular
 
 MARKER_VERSION = 2
 #: The data dir's secret that signs markers (hex text, mode 0600, created once).
