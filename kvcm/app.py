@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from kvcm.backends.metastore import DataDirLocked, LmdbStore, MemoryStore, MetaStore
+from kvcm.backends.metastore.base import GrowableStore, SharedStore
 from kvcm.backends.storage.ownership import leftovers
 from kvcm.cache.keys import native_states
 from kvcm.config import Config, ConfigError, HttpConfig
@@ -240,8 +241,8 @@ class App:
                 limits=Limits.of(config.server),
                 group_commit=config.server.group_commit,
                 access_log=config.server.access_log,
-                grow=getattr(self.store, "grow", None),
-                gate=self._gate if self.lease is not None or hasattr(self.store, "lost_error") else None,
+                grow=self.store.grow if isinstance(self.store, GrowableStore) else None,
+                gate=self._gate if self.lease is not None or isinstance(self.store, SharedStore) else None,
             )
             self.server = Server(
                 config.server.endpoint,
@@ -438,11 +439,10 @@ class App:
         StorageAvailability(lambda: [(s.global_unique_name, s.available) for s in self.registry.list_storages()],
                             self.metrics.registry)
         self.threads.append(LoopThread("storage-health", health.run_once, cfg.storage_health_interval_s))
-        watch = getattr(self.store, "watch", None)  # Redis: is the store still this deployment's?
-        if watch is not None:
+        if isinstance(self.store, SharedStore):  # Redis: is the store still this deployment's?
             from kvcm.backends.metastore.redis import WATCH_EVERY_S
 
-            self.threads.append(LoopThread("store-watch", watch, WATCH_EVERY_S))
+            self.threads.append(LoopThread("store-watch", self.store.watch, WATCH_EVERY_S))
         return cache_api.methods(self.cache, self.engines)
 
     def _build_reclaimer(self) -> None:
@@ -483,8 +483,7 @@ class App:
     def _gate(self, method: Method | None) -> KvcmError | None:
         """A Redis store that lost this deployment's data refuses everything (no read answered
         from memory either); then the lease's role check."""
-        lost = getattr(self.store, "lost_error", None)
-        refused = lost() if lost is not None else None
+        refused = self.store.lost_error() if isinstance(self.store, SharedStore) else None
         return refused if refused is not None else self._leader_gate(method)
 
     def _leader_gate(self, method: Method | None) -> KvcmError | None:
@@ -529,9 +528,8 @@ class App:
         # A memory store still keeps the default file storage's blocks under the data dir.
         store = "memory (metadata not persisted)" if self.store.path is None else \
             f"lmdb, sync {'on' if cfg.store.sync else 'off'}"
-        describe = getattr(self.store, "describe", None)  # a store that says what it is (Redis)
-        if describe is not None:
-            store = describe()
+        if isinstance(self.store, SharedStore):  # a store that says what it is (Redis)
+            store = self.store.describe()
         publisher = "off"
         if self.publisher is not None:
             replay = f", replay {cfg.publisher.replay_endpoint}" if cfg.publisher.replay_endpoint else ""
@@ -594,9 +592,8 @@ class App:
     def ready(self) -> bool:
         """Serving, not stopping, and the metadata store reachable (a store without a
         ``reachable`` probe, local LMDB or memory, always is)."""
-        reachable = getattr(self.store, "reachable", None)
         return self.live() and not self.server.draining and not self._stopped and \
-            (reachable is None or bool(reachable()))
+            (not isinstance(self.store, SharedStore) or self.store.reachable())
 
     def stop(self) -> None:
         """Idempotent, in reverse order of start: front door, threads, HTTP, store last."""

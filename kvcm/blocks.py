@@ -32,7 +32,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
@@ -119,6 +119,21 @@ class BlockHandler(Protocol):
     def write(self, block: BlockUri, spec: StorageSpec, data: memoryview) -> None: ...
 
     def read_into(self, block: BlockUri, spec: StorageSpec, out: memoryview) -> None: ...
+
+
+@runtime_checkable
+class ClosingHandler(Protocol):
+    """A handler that holds resources (descriptors, mappings): :meth:`BlockIO.close` closes it."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class CheckingHandler(Protocol):
+    """A handler that checks a block against its spec before a read allocates the block's size
+    (a hostile size must fail, not exhaust memory)."""
+
+    def check(self, block: BlockUri, spec: StorageSpec) -> None: ...
 
 
 class _Caller(Protocol):
@@ -234,9 +249,8 @@ class BlockIO:
         """Drop cached descriptors and mappings (operations still running finish first)."""
         self._places.clear()
         for handler in list(self._handlers.values()):
-            close = getattr(handler, "close", None)
-            if close is not None:
-                close()
+            if isinstance(handler, ClosingHandler):
+                handler.close()
 
     # -- specs -------------------------------------------------------------------------------
 
@@ -372,9 +386,8 @@ class BlockIO:
         """One whole block, in a new bytearray."""
         block, spec = self.target(uri)
         handler = self._handler(block, spec)
-        check = getattr(handler, "check", None)
-        if check is not None:
-            check(block, spec)  # before allocating: a hostile size must fail, not exhaust memory
+        if isinstance(handler, CheckingHandler):
+            handler.check(block, spec)  # before allocating: a hostile size must fail, not exhaust memory
         out = bytearray(block.size)
         handler.read_into(block, spec, memoryview(out))
         return out

@@ -26,6 +26,7 @@ from kvcm.api.costs import (
     US_PER_KEY,
     US_PER_SLOT,
 )
+from kvcm.backends.storage.base import SlotStorage
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.manager import CacheManager
 from kvcm.cache.masks import BlockMask
@@ -272,8 +273,7 @@ class CacheCosts:
         container (a storage with one block per file creates a file for every slot)."""
         candidates = self.m.group_view(group).candidates
         backend = self.m.pool.get(candidates[0]) if candidates else None
-        slots_of = getattr(backend, "slots_per_container", None)
-        slots = slots_of(size) if slots_of is not None else 0
+        slots = backend.slots_per_container(size) if isinstance(backend, SlotStorage) else 0
         return US_PER_SLOT + (US_PER_CONTAINER / slots if slots > 0 else 0.0)
 
     def remove_cache(self, r: RemoveCacheRequest | ReportLostRequest) -> Estimate:

@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from kvcm.backends.storage.base import damaged
 from kvcm.cache import consistency, lookup, removal, writes
 from kvcm.cache.blocks import Status, decode
 from kvcm.cache.deleter import pending_bytes
@@ -85,7 +86,7 @@ class CacheManager(CacheState):
                 continue
             try:
                 backend.reserve(by_storage.get(name, []))
-                if getattr(backend, "damaged", lambda: False)():
+                if damaged(backend):
                     self.mark_lost(name, backend.lost, "startup")
                 removed = backend.sweep()
                 if removed:

@@ -322,9 +322,8 @@ class MetaIndex:
                 dropped.add(tag)
                 self._drop_tag(txn, ns, tag)
         if staged:
-            remember = getattr(txn, "remember", None)
-            if remember is not None:  # the values read above are the ones the writes replace
-                remember(DB, [(k, v) for k, v in zip(dbkeys, stored) if k in staged])
+            # the values read above are the ones the writes replace
+            txn.remember(DB, [(k, v) for k, v in zip(dbkeys, stored) if k in staged])
             txn.put_many(DB, [(k, v) for k, v in staged.items() if v is not None])
             txn.delete_many(DB, [k for k, v in staged.items() if v is None and k in existed])
             written.extend(staged)
@@ -396,9 +395,7 @@ class MetaIndex:
 
     def _delete_read(self, txn: WriteTxn, doomed: Sequence[tuple[bytes, bytes | None]]) -> None:
         """Delete ``(db key, value)`` records just read in ``txn`` (under their shard locks)."""
-        remember = getattr(txn, "remember", None)
-        if remember is not None:  # the values just read are the ones the deletes remove
-            remember(DB, doomed)
+        txn.remember(DB, doomed)  # the values just read are the ones the deletes remove
         gone = [k for k, _ in doomed]
         txn.delete_many(DB, gone)
         txn.on_commit(lambda: self.cache.invalidate(gone))
@@ -409,9 +406,8 @@ class MetaIndex:
         ``absent``: the caller read every key in this same write block and found no record (so
         the savepoint's undo log need not read them again)."""
         dbkeys = [ns + i64(k) for k, _ in items]
-        remember = getattr(txn, "remember", None) if absent else None
-        if remember is not None:
-            remember(DB, [(k, None) for k in dbkeys])
+        if absent:
+            txn.remember(DB, [(k, None) for k in dbkeys])
         txn.put_many(DB, zip(dbkeys, (self.encode(r) for _, r in items)))
         txn.on_commit(lambda: self.cache.invalidate(dbkeys))
 

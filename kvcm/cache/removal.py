@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 
 from kvcm.backends.metastore.base import WriteTxn, from_i64
+from kvcm.backends.storage.base import SlotStorage
 from kvcm.cache.blocks import Location, Record, Status, decode, mark_sole, sole_serving
 from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.deleter import schedule_many
@@ -359,7 +360,7 @@ def scan_lost(s: CacheState) -> int:
     marked = 0
     for name in s.pool.names():
         backend = s.pool.get(name)
-        if backend is None or not hasattr(backend, "rescan") or not backend.rescan():
+        if not isinstance(backend, SlotStorage) or not backend.rescan():
             continue
         marked += mark_lost(s, name, backend.lost, "scan")
     return marked

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from kvcm.backends.storage.base import damaged
 from kvcm.backends.storage.ownership import ForeignDirectory, Owner, marker_key
 from kvcm.cache.blocks import decode
 from kvcm.control.registry import STORAGE, Registry, new_id
@@ -221,7 +222,7 @@ class StoragePool:
         self._rebuild()
         try:
             backend.reserve(_recorded_uris(recorder, name))
-            if getattr(backend, "damaged", lambda: False)():
+            if damaged(backend):
                 recorder.mark_lost(name, backend.lost, "startup")
             swept = backend.sweep()
             log.info("storage %r opened again (%d orphan container(s) removed)", name, swept)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.backends.metastore.base import WriteTxn, i64
+from kvcm.backends.storage.base import SlotStorage
 from kvcm.cache.blocks import RUNS_DB, Location, Record, Status, encode_run
 from kvcm.cache.deleter import schedule
 from kvcm.cache.keys import derive_keys
@@ -355,8 +356,7 @@ def _reuse(backend: Any, target: Target, specs: list[tuple[tuple[str, int], ...]
     ``file``, ``shm``), and never across a grace delay (only copies dropped without one are in
     ``spare``)."""
     reused: list[bytes | None] = [None] * len(specs)
-    check = getattr(backend, "reusable", None)
-    if check is None:
+    if not isinstance(backend, SlotStorage):
         return reused
     by_layout: dict[tuple[int, tuple[str, ...]], list[bytes]] = {}  # (bytes, spec names) -> addresses
     for addr in spare:
@@ -376,7 +376,7 @@ def _reuse(backend: Any, target: Target, specs: list[tuple[tuple[str, int], ...]
     if not picked:
         return reused
     taken = set()
-    for (block, addr), ok in zip(picked, _vouched(backend, check, specs, picked)):
+    for (block, addr), ok in zip(picked, _vouched(backend, specs, picked)):
         if ok:
             reused[block] = addr
             taken.add(addr)
@@ -385,16 +385,16 @@ def _reuse(backend: Any, target: Target, specs: list[tuple[tuple[str, int], ...]
     return reused
 
 
-def _vouched(backend: Any, check: Any, specs: list[tuple[tuple[str, int], ...]],
+def _vouched(backend: SlotStorage, specs: list[tuple[tuple[str, int], ...]],
              picked: list[tuple[int, bytes]]) -> list[bool]:
     """Per picked (block, address): whether the storage lets the block take those slots as they
     are. A one-spec block's slot has the block's size, which its layout matched: an intact
     storage (open, no container lost or damaged, so every slot a record names is reserved in a
     container in service) vouches for all of them at once. Otherwise each slot is looked at."""
-    if all(len(specs[block]) == 1 for block, _ in picked) and getattr(backend, "intact", bool)():
+    if all(len(specs[block]) == 1 for block, _ in picked) and backend.intact():
         return [True] * len(picked)
     uri_lists = [wire_uris(addr) for _, addr in picked]
-    ok = check([uri for uris in uri_lists for uri in uris], [size for block, _ in picked for _, size in specs[block]])
+    ok = backend.reusable([uri for uris in uri_lists for uri in uris], [size for block, _ in picked for _, size in specs[block]])
     out, pos = [], 0
     for (block, _), uris in zip(picked, uri_lists):
         out.append(len(uris) == len(specs[block]) and all(ok[pos : pos + len(uris)]))

@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry
 
@@ -64,9 +64,9 @@ _MAX_GIVEN = 65536  # in-line victims remembered for give_back (a request evicts
 
 
 class CacheHooks(Protocol):
-    """The part of ``kvcm.cache.manager.CacheManager`` the reclaimer uses. Used when present:
-    ``pins`` (:class:`PinView`), ``usage_net_of_frees(groups)`` (exact usage less what is being
-    freed; without it the reclaimer subtracts its own in-flight evictions), ``deleter``."""
+    """The part of ``kvcm.cache.manager.CacheManager`` the reclaimer uses; optional capabilities
+    are :class:`PinnedCache` and :class:`ExactUsage` (and a ``deleter`` whose head it watches:
+    :func:`~kvcm.reclaimer.state.deleter_head`)."""
 
     clock: Callable[[], float]
 
@@ -81,6 +81,21 @@ class PinView(Protocol):
     """``manager.pins`` (:mod:`kvcm.cache.pins`): blocks no policy may pick while pinned."""
 
     def is_pinned(self, instance_id: str, key: int, now: float) -> bool: ...
+
+
+@runtime_checkable
+class PinnedCache(Protocol):
+    """The optional capability of a cache with soft pins; checked with ``isinstance``."""
+
+    pins: PinView
+
+
+@runtime_checkable
+class ExactUsage(Protocol):
+    """The optional capability of a cache that knows its usage less what is being freed;
+    without it the reclaimer subtracts its own in-flight evictions."""
+
+    def usage_net_of_frees(self, groups: Iterable[str]) -> Mapping[str, tuple[int, dict[str, int]]]: ...
 
 
 @dataclass
@@ -178,7 +193,7 @@ class Reclaimer(CacheListener):
         self._events: deque[tuple[Any, ...]] = deque()
         self._groups: dict[str, GroupState] = {}
         self._group_of: dict[str, str] = {}  # instance_id -> group
-        self._pins: PinView | None = getattr(manager, "pins", None)
+        self._pins: PinView | None = manager.pins if isinstance(manager, PinnedCache) else None
         # Guards the policies and group states: the reclaimer thread and in-line eviction both
         # choose victims. Never held while the manager evicts (lock order: the write
         # transaction first, then in-memory locks).
@@ -256,8 +271,8 @@ class Reclaimer(CacheListener):
             # need to evict; read after the drain, blocks served meanwhile would count but be
             # unknown.
             usages = {name: self._manager.usage(name) for name in self._groups}
-            net = getattr(self._manager, "usage_net_of_frees", None)
-            nets = net(list(self._groups)) if net is not None else {}
+            manager = self._manager
+            nets = manager.usage_net_of_frees(list(self._groups)) if isinstance(manager, ExactUsage) else {}
             for state in self._groups.values():
                 state.marked_since_sample = {}
             self._prepare(now)

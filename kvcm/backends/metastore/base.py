@@ -31,9 +31,9 @@ import logging
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-from kvcm.errors import InvalidArgument
+from kvcm.errors import InvalidArgument, KvcmError
 
 log = logging.getLogger("kvcm.backends.metastore")
 
@@ -163,6 +163,12 @@ class WriteTxn(ReadTxn, Protocol):
         """Run ``fn`` if this block's changes end up not committed; dropped on commit."""
         ...
 
+    def remember(self, db: str, items: Iterable[tuple[bytes, bytes | None]]) -> None:
+        """Hint: ``(key, value)`` pairs the caller just read in this block and has not changed
+        since (``None``: absent), so a savepoint's undo log need not read them again before a
+        put or delete. A store without an undo log ignores it."""
+        ...
+
 
 class MetaStore(Protocol):
     """A metadata store: see the module docstring for the contract."""
@@ -188,3 +194,35 @@ class MetaStore(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class GrowableStore(Protocol):
+    """The optional capability of a store whose map can be grown while it serves (LMDB); checked
+    with ``isinstance``."""
+
+    def grow(self) -> bool:
+        """Grow the map now; False when it cannot (at its limit, or not from this thread now)."""
+        ...
+
+
+@runtime_checkable
+class SharedStore(Protocol):
+    """The optional capability of a store other processes share (Redis): it can be lost to this
+    deployment, be unreachable, and says what it is. Checked with ``isinstance``."""
+
+    def describe(self) -> str:
+        """One line for the start-up block (no secrets)."""
+        ...
+
+    def watch(self) -> None:
+        """The periodic check that the store still holds this deployment."""
+        ...
+
+    def lost_error(self) -> KvcmError | None:
+        """What every request is answered while the store is lost; None while it is not."""
+        ...
+
+    def reachable(self) -> bool:
+        """Whether the store answered its last probe."""
+        ...

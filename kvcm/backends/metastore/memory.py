@@ -124,6 +124,9 @@ class _WriteView(_View):
     def on_abort(self, fn: Callable[[], None]) -> None:
         self.aborts.append(fn)
 
+    def remember(self, db: str, items: Iterable[tuple[bytes, bytes | None]]) -> None:
+        """Ignored: a savepoint is a view over its parent, dropped on rollback: no undo log."""
+
     def merge_into(self, target: _WriteView) -> None:
         for db, layer in self.overlay.items():
             target.overlay.setdefault(db, {}).update(layer)

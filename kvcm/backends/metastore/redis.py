@@ -585,6 +585,9 @@ class RedisWriteTxn(RedisReadTxn):
     def on_abort(self, fn: Callable[[], None]) -> None:
         self.aborts.append(fn)
 
+    def remember(self, db: str, items: Iterable[tuple[bytes, bytes | None]]) -> None:
+        """Ignored: the undo log records overlay entries, which cost no read: nothing to spare."""
+
     def rollback(self) -> None:
         for (db, key), old in self.undo.items():
             layer = self._overlay[db]

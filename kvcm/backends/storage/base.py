@@ -21,7 +21,7 @@ import os
 import secrets
 import stat
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -80,12 +80,44 @@ class StorageBackend(Protocol):
         """Everything this storage holds reserved, and what lies on disk: what
         ``CacheManager.check`` compares with the metadata. Costs a pass over every reserved slot."""
 
-    # Optional (``file``, ``shm``): ``damaged() -> bool``, ``lost(uris) -> set[str]`` (the URIs
-    # whose bytes are gone) and ``rescan() -> int`` (look again; count newly damaged containers).
-    # Storages kvcm cannot look into (external ones) only learn of lost blocks from clients.
-    # Optional (``file``, ``shm``): ``reusable(uris, sizes) -> list[bool]``, whether a reserved
-    # slot can take a new block as it is (in-line eviction hands it from victim to writer), and
-    # ``intact() -> bool``, whether it would say yes to every slot a record names.
+
+
+@runtime_checkable
+class SlotStorage(Protocol):
+    """The optional capability of a storage of fixed-size slots in containers it owns and can
+    look into (``file``, ``shm``); checked with ``isinstance``. Storages kvcm cannot look into
+    (external ones) only learn of lost blocks from clients, and never hand a slot on."""
+
+    def damaged(self) -> bool:
+        """Whether a container was found missing or short (its blocks' bytes are gone)."""
+        ...
+
+    def lost(self, uris: Iterable[str]) -> set[str]:
+        """The URIs among ``uris`` whose bytes are gone."""
+        ...
+
+    def rescan(self) -> int:
+        """Look at the containers again; how many are newly damaged."""
+        ...
+
+    def reusable(self, uris: Sequence[str], sizes: Sequence[int]) -> list[bool]:
+        """Per slot: whether it can take a new block as it is (in-line eviction hands a slot
+        from its victim to a writer)."""
+        ...
+
+    def intact(self) -> bool:
+        """Whether :meth:`reusable` would say yes to every slot a record names (open, no
+        container lost or damaged)."""
+        ...
+
+    def slots_per_container(self, size: int) -> int:
+        """Slots of ``size`` bytes one container holds (a write's cost estimate)."""
+        ...
+
+
+def damaged(backend: object) -> bool:
+    """Whether ``backend`` can look into its containers and found one missing or short."""
+    return isinstance(backend, SlotStorage) and backend.damaged()
 
 
 # ---------------------------------------------------------------------------------- inventory
