@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -180,3 +182,52 @@ def pytest_collection_modifyitems(config, items):
         if ({"redis_server", "redis_factory"} & set(getattr(item, "fixturenames", ()))
                 or "redis" in params.values()):
             item.add_marker(pytest.mark.redis)
+        elif item.get_closest_marker("slow") is None and _quick(item):
+            item.add_marker(pytest.mark.quick)
+
+
+# -- the quick tier ---------------------------------------------------------------------------------
+#
+# ``pytest -m quick``: the tests that start no process, server, socket or thread and never sleep,
+# for the inner loop (the README's command still runs everything). A test is quick when neither
+# its own source nor that of the fixtures it asks for and of the module's functions and classes it names
+# (followed three deep) mentions any of these.
+_NOT_QUICK = re.compile(
+    r"subprocess|Popen|serve_in_thread|start_subprocess|RunningServer|kvcm_server|RedisServer|redis_"
+    r"|FakeEnginePublisher|\bzmq\b|socket|[Tt]hread|sleep\(|wait_for|\.client\(|Client\(|http"
+)
+_SOURCES: dict[object, str] = {}
+
+
+def _source(obj: object) -> str:
+    if obj not in _SOURCES:
+        try:
+            _SOURCES[obj] = inspect.getsource(obj)  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            _SOURCES[obj] = ""
+    return _SOURCES[obj]
+
+
+def _quick(item: pytest.Item) -> bool:
+    function = getattr(item, "function", None)
+    if function is None:
+        return False
+    module = inspect.getmodule(function)
+    info = item._fixtureinfo  # type: ignore[attr-defined]
+    # the fixtures it asks for (autouse ones, such as kvcm_store, only steer servers it starts)
+    todo = [function] + [d.func for name in info.argnames for d in info.name2fixturedefs.get(name, ())]
+    seen: set[object] = set()
+    for _ in range(4):
+        named = []
+        for obj in todo:
+            if obj in seen:
+                continue
+            seen.add(obj)
+            text = _source(obj)
+            if _NOT_QUICK.search(text):
+                return False
+            named += [getattr(module, name) for name in re.findall(r"\b[A-Za-z_]\w*\b", text)
+                      if callable(getattr(module, name, None)) and getattr(getattr(module, name), "__module__", None)
+                      == getattr(module, "__name__", "")]  # fmt: skip
+        todo = named
+    return True
