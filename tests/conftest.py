@@ -9,13 +9,12 @@ import sys
 import uuid
 
 import pytest
+from helpers import TIME_FACTOR
 
 from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.testing import default_overrides
 from kvcm.testing.redis_server import NoRedisServer, find_server
 from kvcm.testing.redis_server import RedisServer as _RedisServer
-
-TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 
 
 def _redis_binary():

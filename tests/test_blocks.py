@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from cache_helpers import add_file_storage, add_group, add_shm_storage, remove_shm, shm_prefix
+from helpers import add_file_storage, add_group, add_shm_storage, remove_shm, shm_prefix, wait_for
 
 from kvcm import blocks
 from kvcm.blocks import BlockIO, StorageSpec, UnknownStorage, Unsupported
@@ -393,7 +393,7 @@ def test_a_cached_descriptor_of_a_freed_file_is_let_go(env: Env, tmp_path: Any) 
         io.write(uri, payload("freed"))
         path = io.resolve(uri).path
         c.call("remove_cache", {"instance_id": "i-free", "block_keys": [801]})
-        assert _wait(lambda: not os.path.exists(path))
+        assert wait_for(lambda: not os.path.exists(path))
         assert _open_deleted(path)  # still cached, as nothing else was opened since
         held = next(iter(io._handlers["file"]._fds.items.values()))  # type: ignore[attr-defined]
         (other,) = env.uris("i-file", [802])
@@ -403,15 +403,6 @@ def test_a_cached_descriptor_of_a_freed_file_is_let_go(env: Env, tmp_path: Any) 
         assert not _open_deleted(path)
 
 
-def _wait(cond: Any, timeout: float = 10.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def _open_deleted(path: str) -> bool:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from cache_helpers import (
+from helpers import (
     add_file_storage,
     add_group,
     add_shm_storage,

@@ -20,7 +20,7 @@ import tempfile
 from typing import Any, ClassVar
 
 import pytest
-from cache_helpers import add_group, register, uris, wait_for
+from helpers import add_group, register, uris, wait_for
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test

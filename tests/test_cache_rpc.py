@@ -8,7 +8,7 @@ import json
 import time
 
 import pytest
-from cache_helpers import (
+from helpers import (
     add_group,
     error_code,
     finish,

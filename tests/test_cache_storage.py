@@ -8,7 +8,7 @@ import json
 import msgpack
 import pytest
 import zmq
-from cache_helpers import (
+from helpers import (
     add_file_storage,
     add_group,
     add_shm_storage,

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 from block_bytes import container_files, read_problems, storage_roots, write_session
-from cache_helpers import add_group, register, remove_shm, shm_prefix, start, wait_for
+from helpers import add_group, register, remove_shm, shm_prefix, start, wait_for
 
 from kvcm.backends.storage.file import FileStorage
 from kvcm.cache.consistency import Recorded, compare_storage

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 import pytest
-from cache_helpers import add_file_storage, add_group, add_shm_storage, remove_shm, shm_prefix, wait_for
+from helpers import add_file_storage, add_group, add_shm_storage, remove_shm, shm_prefix, wait_for
 
 from kvcm.connector import Connector, Report, Ticket
 from kvcm.errors import InvalidArgument

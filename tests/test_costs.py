@@ -15,7 +15,7 @@ from kvcm.api.costs import US_PER_KEY
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.errors import Code, KvcmError
 from kvcm.testing import serve_in_subprocess, serve_in_thread
-from tests.cache_helpers import add_file_storage, add_group, register
+from tests.helpers import add_file_storage, add_group, register
 
 LONG = 100_000
 ONE_SPEC = [{"name": "tp0", "size": 1024}]

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from cache_helpers import add_group, finish, register, start, wait_for
+from helpers import add_group, finish, register, start, wait_for
 
 from kvcm.errors import CapacityError, KvcmError
 from kvcm.testing import serve_in_thread, start_subprocess, stop_subprocess

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from block_bytes import container_files, read_problems, served, storage_roots, write_session
-from cache_helpers import add_group, register, start, wait_for
+from helpers import add_group, register, start, wait_for
 
 from kvcm.client import Client
 from kvcm.errors import KvcmError

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from cache_helpers import add_group, finish, locate, register, start, wait_for
+from helpers import add_group, finish, locate, register, start, wait_for
 
 from kvcm.backends.storage.file import resolve_file_uri
 from kvcm.backends.storage.shm import resolve_shm_uri

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from cache_helpers import add_file_storage, add_group, register, write
+from helpers import add_file_storage, add_group, register, write
 
 from kvcm.backends.metastore import i64
 from kvcm.cache.blocks import decode
@@ -22,7 +22,7 @@ from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.meta_index import namespace
 from kvcm.testing import RunningServer, serve_in_thread
 
-BLOCK = 2048  # two specs of 1024 bytes (cache_helpers.SPECS)
+BLOCK = 2048  # two specs of 1024 bytes (helpers.SPECS)
 GRACE_S = 60  # the group's delay: the deleter runs only when a test says so (run_once(now=...))
 
 

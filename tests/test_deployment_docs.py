@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from block_bytes import read_problems, storage_roots, write_session
 from conftest import _redis_binary
+from helpers import TIME_FACTOR
 from test_docs import blocks
 
 from kvcm.client import Client
@@ -30,7 +31,6 @@ from kvcm.errors import KvcmError
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "deployment.md"
-TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 KEYS = list(range(1, 17))
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import msgspec
 import pytest
-from cache_helpers import wait_for
+from helpers import wait_for
 from prometheus_client import generate_latest
 
 from kvcm import Client

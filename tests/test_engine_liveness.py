@@ -9,7 +9,6 @@ with generous deadlines, never asserting on timing.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,7 +28,6 @@ from kvcm.engines.sources import SubscriberSettings
 from kvcm.errors import NotFound
 from kvcm.testing.fake_engine import FakeEnginePublisher
 
-TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 BS = 16
 TOKENS = list(range(1, 8 * BS + 1))
 KEYS = token_ids_to_block_keys(TOKENS, BS)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import threading
 import time
 
 import msgpack
 import pytest
 import zmq
+from helpers import TIME_FACTOR
 
 from kvcm.api.engines import AddEventSourceRequest, MatchEnginesRequest, methods
 from kvcm.backends.metastore import MemoryStore
@@ -25,7 +25,6 @@ from kvcm.publish.eventlog import EventLog
 from kvcm.publish.publisher import EventPublisher
 from kvcm.testing.fake_engine import FakeEnginePublisher
 
-TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 FAST = SubscriberSettings(backoff_initial_s=0.05, backoff_max_s=0.2, replay_timeout_s=0.5, poll_ms=20)
 TOKENS = list(range(1000, 1000 + 16 * 8))
 KEYS = token_ids_to_block_keys(TOKENS, 16)

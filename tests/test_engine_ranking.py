@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cache_helpers import wait_for
+from helpers import register, wait_for
 
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.scoring import parse_weights
@@ -24,8 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _register(kv) -> None:
-    kv.call("register_instance", {"instance_group": "default", "instance_id": "llm", "block_size": BLOCK,
-                                  "location_spec_infos": [{"name": "tp0", "size": 1024}]})
+    register(kv, "llm", block_size=BLOCK, specs=[{"name": "tp0", "size": 1024}], deployment=None)
 
 
 def _follow(kv, engine, source_id: str, **extra) -> None:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from helpers import wait_for
 
 from kvcm.errors import NotFound
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
@@ -12,13 +11,6 @@ from kvcm.testing import FakeEnginePublisher, serve_in_thread
 BLOCK = 4
 
 
-def _wait(fn, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def test_router_sees_engine_blocks_over_rpc():
@@ -34,14 +26,14 @@ def test_router_sees_engine_blocks_over_rpc():
             reply = kv.call("match_engines", {"instance_id": "llm", "token_ids": tokens})
             return reply["sources"] and reply["sources"][0]["matched_blocks"] == 3 and reply
 
-        reply = _wait(matched)
+        reply = wait_for(matched)
         assert reply, "engine blocks never became visible"
         assert reply["sources"][0]["source_id"] == "pod-a" and reply["sources"][0]["media"] == {"GPU": 3}
         listed = kv.call("list_event_sources", {})["sources"]
         assert listed[0]["source_id"] == "pod-a" and listed[0]["last_seq"] >= 0
 
         engine.remove([13])
-        assert _wait(lambda: kv.call("match_engines", {"instance_id": "llm", "token_ids": tokens})
+        assert wait_for(lambda: kv.call("match_engines", {"instance_id": "llm", "token_ids": tokens})
                      ["sources"][0]["matched_blocks"] == 2)
         kv.call("remove_event_source", {"source_id": "pod-a"})
         assert kv.call("match_engines", {"instance_id": "llm", "token_ids": tokens})["sources"] == []

@@ -6,11 +6,11 @@ deadline; nothing asserts on timing.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import zmq
+from helpers import TIME_FACTOR
 
 from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys
@@ -20,7 +20,6 @@ from kvcm.errors import NotFound
 from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from kvcm.testing.fake_engine import FakeEnginePublisher
 
-TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 BS = 16
 TOKENS = list(range(1, 16 * BS + 1))  # 16 blocks
 KEYS = token_ids_to_block_keys(TOKENS, BS)

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from cache_helpers import wait_for
+from helpers import wait_for
 
 from kvcm import Client
 from kvcm.cache.keys import ChainHasher, derive_keys, mix, token_ids_to_block_keys

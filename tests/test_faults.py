@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from cache_helpers import add_file_storage, add_group, locate, register, write
+from helpers import add_file_storage, add_group, locate, register, write
 
 from kvcm.errors import KvcmError, Unavailable
 from kvcm.testing import serve_in_subprocess, serve_in_thread

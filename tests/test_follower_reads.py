@@ -7,7 +7,7 @@ import shutil
 import tempfile
 
 import pytest
-from cache_helpers import add_file_storage, add_group, register, write
+from helpers import add_file_storage, add_group, register, write
 from test_ha import Pair, _raw_call
 
 from kvcm import Client
@@ -142,7 +142,7 @@ def test_every_node_follows_the_event_sources_defined_once(pair):
     """A source added through the leader is defined in the shared store: the follower
     subscribes to it too and keeps its own engine index, so a router may ask either node; a
     source removed through the leader is dropped by both."""
-    from cache_helpers import wait_for
+    from helpers import wait_for
 
     from kvcm.testing import FakeEnginePublisher
 

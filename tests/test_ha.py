@@ -5,6 +5,7 @@ and the client's leader following against a real follower."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import shutil
@@ -20,15 +21,17 @@ from contextlib import contextmanager
 import msgpack
 import pytest
 import zmq
-from cache_helpers import register
+from helpers import TIME_FACTOR, register
+from helpers import wait_until as _poll
 
 from kvcm import Client
 from kvcm.config import ConfigError, load
 from kvcm.errors import Code, KvcmError
 from kvcm.testing import start_subprocess, stop_subprocess
 
-TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 LEASE_MS, RENEW_MS = 1500, 500
+
+wait_until = functools.partial(_poll, timeout=20.0)  # a failover outlasts the default 10 s
 
 
 # -- config ------------------------------------------------------------------------------------
@@ -526,14 +529,6 @@ def _leads(pair, node) -> bool:
     except KvcmError:
         return False
 
-
-def wait_until(cond, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout * TIME_FACTOR
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 # -- the client's endpoint list, against silent servers (real sockets that never answer) -------

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import register
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -155,9 +156,7 @@ def test_index_batches_apply_alike_in_both_forms(python_only: None) -> None:
 
 
 def _register(kv: Any) -> None:
-    kv.call("register_instance", {"instance_group": "default", "instance_id": "inst", "block_size": 16,
-                                  "location_spec_infos": [{"name": "tp0", "size": 64}],
-                                  "model_deployment": {"model_name": "m", "dtype": "fp16"}})  # fmt: skip
+    register(kv, block_size=16, specs=[{"name": "tp0", "size": 64}])
 
 
 def test_a_server_configured_for_numba_hashes_reports_queries_and_writes_alike(python_only: None) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import zmq
-from cache_helpers import Clock
+from helpers import Clock
 
 from kvcm.errors import Code, KvcmError
 from kvcm.proto import wire

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from test_http_hostile import Reply, _read_reply, closed_within, refused
 
@@ -182,10 +183,7 @@ def _flood(port: int, source: str, hold: int) -> Iterator[list[int]]:
 
 
 def _until(check: Any, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not check() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return bool(check())
+    return bool(wait_for(check, seconds))
 
 
 def _get(port: int, path: str, source: str = "127.0.0.1") -> int:

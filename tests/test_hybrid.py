@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cache_helpers import wait_for
+from helpers import wait_for
 
 from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys

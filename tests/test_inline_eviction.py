@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from cache_helpers import (
+from helpers import (
     add_group,
     add_shm_storage,
     error_code,
@@ -25,7 +25,7 @@ from cache_helpers import (
     wait_for,
     write,
 )
-from cache_helpers import uris as loc_uris
+from helpers import uris as loc_uris
 
 from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.deleter import pending_bytes
@@ -37,7 +37,7 @@ from kvcm.testing import RunningServer, make_test_config, serve_in_thread
 
 pytestmark = pytest.mark.both_stores
 
-BLOCK = 2048  # two specs of 1024 bytes (cache_helpers.SPECS)
+BLOCK = 2048  # two specs of 1024 bytes (helpers.SPECS)
 # No reclaimer thread: every eviction here is in-line, so the tests see exactly what it did.
 OVERRIDES = {"reclaim": {"enabled": False}, "cache": {"delete_poll_ms": 20, "session_check_ms": 50}}
 

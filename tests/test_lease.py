@@ -13,12 +13,11 @@ import uuid
 
 import pytest
 import redis
+from helpers import TIME_FACTOR, wait_until
 
 from kvcm.backends.metastore.redis import Fenced, RedisStore
 from kvcm.errors import Code
 from kvcm.ha.lease import VALID_SHARE, Lease, not_leader, parse_holder
-
-TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -216,9 +215,4 @@ def test_sigstopped_holder_resumes_as_follower_and_its_commit_is_fenced(redis_se
 
 
 def _wait(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout * TIME_FACTOR
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.005)
-    raise AssertionError("condition not met in time")
+    wait_until(cond, timeout, interval=0.005)

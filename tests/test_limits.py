@@ -21,7 +21,7 @@ from kvcm.errors import Code, KvcmError
 from kvcm.proto import wire
 from kvcm.rpc.dispatch import Deferred, Dispatcher, Estimate, Limits, Method, TokenWork
 from kvcm.testing import serve_in_thread
-from tests.cache_helpers import register
+from tests.helpers import register
 
 # -- synthetic methods ------------------------------------------------------------------------------
 

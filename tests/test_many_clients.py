@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from cache_helpers import register
+from helpers import register
 
 from kvcm.testing import serve_in_subprocess
 

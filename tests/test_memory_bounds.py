@@ -8,7 +8,7 @@ import gc
 import os
 import tracemalloc
 
-from cache_helpers import Clock
+from helpers import Clock
 
 from kvcm.backends.metastore import MemoryStore
 from kvcm.cache.locations import BuiltCache

@@ -8,7 +8,7 @@ import platform
 import urllib.request
 
 import pytest
-from cache_helpers import (
+from helpers import (
     add_file_storage,
     add_group,
     add_shm_storage,

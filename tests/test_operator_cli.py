@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 from kvcm.client import IDEMPOTENT_METHODS, METHODS
 from kvcm.testing import serve_in_thread
@@ -46,10 +47,6 @@ def sock_dir() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Serving:
@@ -282,7 +279,7 @@ def test_a_port_taken_between_check_and_bind_leaves_nothing_behind(tmp_path, soc
 def test_the_startup_block_names_what_was_bound(tmp_path, sock_dir):
     config = tmp_path / "kvcm.toml"
     config.write_text('[store]\nsync = false\n[log]\nlevel = "WARNING"\n')
-    pub, replay = _free_port(), _free_port()
+    pub, replay = free_port(), free_port()
     endpoint = f"ipc://{sock_dir}/rpc"
     args = ["--config", str(config), "--endpoint", endpoint, "--data-dir", str(tmp_path / "d"), "--http-port", "0",
             "--set", "publisher.enabled=true", "--set", f"publisher.endpoint=tcp://127.0.0.1:{pub}",

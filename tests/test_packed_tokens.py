@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from helpers import register
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -209,9 +210,7 @@ def test_a_store_with_ids_that_are_not_ids_is_a_broken_event_alone(python_only: 
 
 
 def _register(kv: Any) -> None:
-    kv.call("register_instance", {"instance_group": "default", "instance_id": "inst", "block_size": 16,
-                                  "location_spec_infos": [{"name": "tp0", "size": 64}],
-                                  "model_deployment": {"model_name": "m", "dtype": "fp16"}})  # fmt: skip
+    register(kv, block_size=16, specs=[{"name": "tp0", "size": 64}])
 
 
 def test_a_subscribed_engine_is_indexed_with_packed_tokens(python_only: None) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from cache_helpers import error_code, locate, register, wait_for, write
+from helpers import error_code, locate, register, wait_for, write
 
 from kvcm.app import open_store
 from kvcm.backends.metastore.base import from_i64, from_u64, i64, u64

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 import redis
-from cache_helpers import locate, register, write
+from helpers import locate, register, write
 from test_ha import LEASE_MS, RENEW_MS, Pair, wait_until
 from test_redis_outage import _http_port, _probe, _refusal, _role
 

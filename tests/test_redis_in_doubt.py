@@ -11,7 +11,7 @@ import threading
 import uuid
 
 import pytest
-from cache_helpers import hard_close
+from helpers import hard_close
 
 from kvcm.backends.metastore.redis import InDoubt, RedisStore
 from kvcm.errors import Code, Unavailable

@@ -14,7 +14,7 @@ import urllib.request
 import uuid
 
 import pytest
-from cache_helpers import register
+from helpers import register
 from test_ha import LEASE_MS, RENEW_MS, TIME_FACTOR, Load, _found_all, _readyz, check_offline, wait_until
 
 from kvcm import Client

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 import redis
-from cache_helpers import finish, hard_close, register, start, wait_for
+from helpers import finish, hard_close, register, start, wait_for
 from redis.crc import key_slot
 
 from kvcm.backends.metastore import u64

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from helpers import wait_for
 
 from kvcm import Client
 from kvcm.errors import Code, KvcmError
@@ -51,13 +52,6 @@ def source(kv: Client, source_id: str) -> dict[str, Any] | None:
     return next((s for s in kv.call("list_event_sources", {})["sources"] if s["source_id"] == source_id), None)
 
 
-def wait_for(fn: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def refused(fn: Callable[[], Any]) -> KvcmError:

@@ -11,7 +11,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from cache_helpers import wait_for
+from helpers import register, wait_for
 
 from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys
@@ -141,8 +141,7 @@ def test_a_static_source_declares_its_mode_in_the_config() -> None:
 
 
 def _register(kv: Any) -> None:
-    kv.call("register_instance", {"instance_group": "default", "instance_id": "llm", "block_size": B,
-                                  "location_spec_infos": [{"name": "tp0", "size": 1024}]})  # fmt: skip
+    register(kv, "llm", block_size=B, specs=[{"name": "tp0", "size": 1024}], deployment=None)
 
 
 def _source(kv: Any, source_id: str) -> dict[str, Any]:

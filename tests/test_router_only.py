@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cache_helpers import wait_for
+from helpers import wait_for
 
 from kvcm.errors import InvalidArgument
 from kvcm.testing import FakeEnginePublisher, serve_in_thread

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from block_bytes import read_problems, storage_roots, write_session
+from helpers import TIME_FACTOR
 
 from kvcm.backends.metastore import LmdbStore
 from kvcm.client import Client
@@ -27,7 +28,6 @@ from kvcm.errors import KvcmError
 from kvcm.lockfile import drop_unclaimed, lock_holder, pass_lock_file, wait_lock_file
 from kvcm.testing import TEST_ALLOWED_ROOTS, start_subprocess, stop_subprocess
 
-TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 KEYS = list(range(1, 33))
 OPEN_KEYS = list(range(100, 108))  # a write session still open when the first server dies
 STANDING_BY = "standing by for data dir"

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from cache_helpers import add_file_storage, add_group, register, start, wait_for, write
+from helpers import TIME_FACTOR, add_file_storage, add_group, register, start, wait_for, write
 
 from kvcm import Client
 from kvcm.errors import Code, KvcmError
@@ -35,7 +35,6 @@ from kvcm.testing import serve_in_thread
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 
-TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 QUIET = {"reclaim": {"enabled": False},
          "cache": {"delete_poll_ms": 20, "session_check_ms": 50, "storage_health_interval_s": 0.1}}
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from cache_helpers import remove_shm, shm_prefix
+from helpers import remove_shm, shm_prefix
 
 from kvcm.api.control import CLIENT_SPEC_FIELDS
 from kvcm.backends.storage import registry

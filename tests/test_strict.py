@@ -15,7 +15,7 @@ import msgpack
 import msgspec
 import pytest
 import zmq
-from cache_helpers import register, start, write
+from helpers import register, start, write
 
 from kvcm.errors import InvalidArgument, KvcmError
 from kvcm.proto import schema, wire

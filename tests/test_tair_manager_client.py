@@ -10,7 +10,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import threading
 import time
 import urllib.parse
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import requests
+from helpers import free_port, wait_until
 
 from kvcm import Client
 from kvcm.blocks import BlockIO
@@ -246,10 +246,6 @@ def test_tair_s_absolute_uri_and_kvcm_s_own_uri_name_the_same_bytes():
 # -- leader discovery under the leader lease ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -269,8 +265,8 @@ class Pair:
         return f"http://127.0.0.1:{self.ports[node]}"
 
     def start(self, node: str) -> None:
-        self.endpoints.setdefault(node, f"tcp://127.0.0.1:{_free_port()}")
-        self.ports.setdefault(node, _free_port())
+        self.endpoints.setdefault(node, f"tcp://127.0.0.1:{free_port()}")
+        self.ports.setdefault(node, free_port())
         self.nodes[node] = start_subprocess(os.path.join(self.data_root, node), self.endpoints[node], [
             "--set", "store.backend=redis", "--set", f"store.redis_url={self.redis_url}",
             "--set", f"store.redis_prefix={self.prefix}", "--set", "ha.enabled=true",
@@ -310,7 +306,7 @@ def tair_pair(redis_factory, tmp_path) -> Iterator[Callable[..., Pair]]:
         pair = Pair(redis_factory("--appendonly", "yes").url, f"tair{len(made)}", str(tmp_path / f"pair{len(made)}"),
                     list(args))
         made.append(pair)
-        pair.endpoints = {n: f"tcp://127.0.0.1:{_free_port()}" for n in ("n1", "n2")}
+        pair.endpoints = {n: f"tcp://127.0.0.1:{free_port()}" for n in ("n1", "n2")}
         pair.start("n1")
         assert pair.leader(("n1",)) == "n1"
         pair.start("n2")
@@ -326,10 +322,7 @@ FAST_LEASE = ("--set", "ha.lease_ms=1500", "--set", "ha.renew_ms=500")
 
 
 def _until(what: str, check: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
+    wait_until(check, timeout, interval=0.1, what=what)
 
 
 def _discovered(client: ManagerClient, pair: Pair, node: str) -> bool:

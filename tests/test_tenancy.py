@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from helpers import register
 
 from kvcm.client import Client
 from kvcm.control.records import Account, check_snapshot, parse_snapshot
@@ -24,9 +25,8 @@ SERVER_ON = {"auth": {"enabled": True, "admin_user": "admin", "admin_password": 
 SPECS = [{"name": "tp0", "size": 64}]
 
 
-def register(c: Client, instance_id: str, group: str) -> dict[str, Any]:
-    return c.call("register_instance", {"instance_group": group, "instance_id": instance_id, "block_size": 4,
-                                        "location_spec_infos": SPECS})
+def _register(c: Client, instance_id: str, group: str) -> dict[str, Any]:
+    return register(c, instance_id, group, specs=SPECS, deployment=None)
 
 
 #: Every instance-scoped method a user may call, with otherwise valid parameters.
@@ -62,8 +62,8 @@ def tenants(kvcm_store: str) -> Iterator[tuple[RunningServer, Client, Client, Cl
         alice_token = admin.call("add_token", {"user_name": "alice"})["token"]
         alice = srv.client(auth={"token": alice_token})
         bob = srv.client(auth={"user": "bob", "password": "bob-pw"})
-        register(alice, "ia", "ga")
-        register(bob, "ib", "gb")
+        _register(alice, "ia", "ga")
+        _register(bob, "ib", "gb")
         for name in ("a", "b"):
             admin.call("add_event_source", {"source_id": f"s{name}", "instance_id": f"i{name}",
                                             "endpoint": f"ipc://{sock_dir}/{name}-pub"})
@@ -110,7 +110,7 @@ def test_register_only_into_an_allowed_group(tenants):
                                                  "location_spec_infos": SPECS})
     assert taken.code == Code.DUPLICATE_ENTITY
     assert "gb" not in taken.message and "instance_group" not in taken.message  # nothing about the owner
-    assert register(alice, "ia", "ga")["created"] is False  # its own, again: idempotent
+    assert _register(alice, "ia", "ga")["created"] is False  # its own, again: idempotent
     assert "ia2" not in [i["instance_id"] for i in admin.call("list_instance_info")["instance_info"]]
 
 

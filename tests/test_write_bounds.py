@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from cache_helpers import add_group, error_code, finish, register, start, wait_for, write
+from helpers import add_group, error_code, finish, register, start, wait_for, write
 from prometheus_client import generate_latest
 
 from kvcm.config import ConfigError
@@ -15,7 +15,7 @@ from kvcm.testing import make_test_config, serve_in_thread
 
 pytestmark = pytest.mark.both_stores
 
-BLOCK = 2048  # two specs of 1024 bytes (cache_helpers.SPECS)
+BLOCK = 2048  # two specs of 1024 bytes (helpers.SPECS)
 SESSIONS_KEY = "cache.max_open_sessions_per_instance"
 BYTES_KEY = "cache.max_writing_bytes_per_instance"
 

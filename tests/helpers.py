@@ -1,4 +1,5 @@
-"""Shared helpers for the data-plane tests (not collected: no ``test_`` prefix)."""
+"""Helpers the tests share (not collected: no ``test_`` prefix): time scaling, polling, free
+ports, a hand-moved clock, registering an instance, reading URIs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from typing import Any
 import pytest
 
 from kvcm.errors import KvcmError
+
+#: Scales the tests' waits on a slow machine (``KVCM_TEST_TIME_FACTOR=3``); never a pass condition.
+TIME_FACTOR = float(os.environ.get("KVCM_TEST_TIME_FACTOR", "1"))
 
 SPECS = [{"name": "tp0", "size": 1024}, {"name": "tp1", "size": 1024}]
 DEPLOYMENT = {"model_name": "m", "dtype": "fp16"}
@@ -27,9 +31,13 @@ class Clock:
         return self.now
 
 
-def register(c, instance_id="inst", group="default", block_size=4, specs=None, spec_groups=None) -> dict[str, Any]:
+def register(c, instance_id="inst", group="default", block_size=4, specs=None, spec_groups=None,
+             deployment: dict[str, Any] | None = DEPLOYMENT) -> dict[str, Any]:
+    """``register_instance`` (``deployment`` None: none sent)."""
     params = {"instance_group": group, "instance_id": instance_id, "block_size": block_size,
-              "location_spec_infos": specs or SPECS, "model_deployment": DEPLOYMENT}
+              "location_spec_infos": specs or SPECS}
+    if deployment is not None:
+        params["model_deployment"] = deployment
     if spec_groups:
         params["location_spec_groups"] = spec_groups
     return c.call("register_instance", params)
@@ -101,13 +109,30 @@ def remove_shm(prefix: str) -> None:
 
 
 def wait_for(cond, timeout=10.0, interval=0.05) -> Any:
-    """Poll ``cond`` until truthy (no timed assertion: the timeout only bounds a hang)."""
+    """Poll ``cond`` until truthy and return its last value (no timed assertion: the timeout
+    only bounds a hang)."""
     deadline = time.monotonic() + timeout
     while True:
         value = cond()
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+def wait_until(cond, timeout=10.0, interval=0.02, what="condition not met in time") -> None:
+    """Poll ``cond`` until truthy; AssertionError ``what`` past ``timeout`` x TIME_FACTOR."""
+    deadline = time.monotonic() + timeout * TIME_FACTOR
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(what)
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (another process may take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def uris(location: dict[str, Any]) -> list[str]:
