@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kvcm.optimizer.cli import add_optimize_parser, main
+from kvcm.optimizer.cli import SAMPLES_DIR, add_optimize_parser, main
 
-# A gzipped copy of Mooncake's synthetic trace (Apache-2.0, Mooncake FAST'25),
-# so the pinned figures never depend on a directory outside the repo.
-TRACES = Path(__file__).resolve().parent / "data"
-MOONCAKE = str(TRACES / "mooncake_synthetic_trace.jsonl.gz")
+# The sample kvcm ships (Mooncake's synthetic trace, Apache-2.0, Mooncake FAST'25), so the pinned
+# figures never depend on a directory outside the repo.
+MOONCAKE = str(SAMPLES_DIR / "mooncake.jsonl.gz")
 
 
 def run(capsys, *argv):

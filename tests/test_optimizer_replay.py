@@ -5,10 +5,10 @@ from __future__ import annotations
 import gzip
 import json
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 
+from kvcm.optimizer.cli import SAMPLES_DIR
 from kvcm.optimizer.replay import Replayer, replay
 from kvcm.optimizer.spec import (
     Capacity,
@@ -22,10 +22,9 @@ from kvcm.optimizer.sweep import capacity_points
 from kvcm.optimizer.trace import Record
 from kvcm.optimizer.traces import read_trace
 
-# A gzipped copy of Mooncake's synthetic trace (Apache-2.0, Mooncake FAST'25),
-# so the pinned figures never depend on a directory outside the repo.
-TRACES = Path(__file__).resolve().parent / "data"
-MOONCAKE = TRACES / "mooncake_synthetic_trace.jsonl.gz"
+# The sample kvcm ships (Mooncake's synthetic trace, Apache-2.0, Mooncake FAST'25), so the pinned
+# figures never depend on a directory outside the repo.
+MOONCAKE = SAMPLES_DIR / "mooncake.jsonl.gz"
 
 
 def one_group(capacity=None, policy="lru", unit="blocks", **replay_opts) -> ReplaySpec:
