@@ -406,8 +406,8 @@ class App:
         """The data plane: storages, block index, write sessions, deleter, health."""
         from kvcm.api import data as cache_api
         from kvcm.backends.storage.registry import StorageAvailability, StorageHealth
-        from kvcm.cache.blocks import set_cache_bytes as set_wire_cache_bytes
         from kvcm.cache.manager import CacheManager
+        from kvcm.cache.record_codec import set_cache_bytes as set_wire_cache_bytes
         from kvcm.cache.storage_pool import StoragePool
 
         cfg = self.config.cache

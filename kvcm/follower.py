@@ -53,10 +53,10 @@ class FollowerReads:
     """The read side of the data plane over the shared store, kept fresh by its versions."""
 
     def __init__(self, config: Config, store: RedisStore, data_dir: str, metrics: Metrics) -> None:
-        from kvcm.cache.blocks import RUNS_DB
         from kvcm.cache.locations import DB as SKELETONS
         from kvcm.cache.manager import CacheManager
         from kvcm.cache.meta_index import DB as BLOCKS_DB
+        from kvcm.cache.record_codec import RUNS_DB
         from kvcm.cache.storage_pool import StoragePool
         from kvcm.control.registry import Registry
         from kvcm.engines.service import DEFINITIONS

@@ -16,10 +16,10 @@ import pytest
 from helpers import add_file_storage, add_group, register, write
 
 from kvcm.backends.metastore import i64
-from kvcm.cache.blocks import decode
 from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.meta_index import namespace
+from kvcm.cache.record_codec import decode
 from kvcm.testing import RunningServer, serve_in_thread
 
 BLOCK = 2048  # two specs of 1024 bytes (helpers.SPECS)
@@ -194,13 +194,13 @@ def test_an_entry_never_drops_a_record_other_than_the_one_it_marked(server):
 
 
 def _record(locs: list[Any]) -> Any:
-    from kvcm.cache.blocks import Record
+    from kvcm.cache.record_codec import Record
 
     return Record(12, 1_700_000_000.1, 1_700_000_000.2, locs, 777)
 
 
 def _loc(loc_id: str, status: int, uri_tail: str = "1") -> Any:
-    from kvcm.cache.blocks import new_location
+    from kvcm.cache.record_codec import new_location
 
     loc = new_location(loc_id, status, "default-file", "file",
                        [("k", f"file://default-file/a/b_{uri_tail}.bin?off=0&size=1024"),
@@ -210,7 +210,7 @@ def _loc(loc_id: str, status: int, uri_tail: str = "1") -> Any:
 
 
 def test_marking_a_sole_copy_without_decoding_gives_the_bytes_encode_gives():
-    from kvcm.cache.blocks import Status, decode, encode, mark_sole
+    from kvcm.cache.record_codec import Status, decode, encode, mark_sole
 
     for tail in ("1", "77", "123456789"):
         value = encode(_record([_loc("abcdefgh", Status.SERVING, tail)]))

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from kvcm.backends.metastore import LmdbStore, MemoryStore
-from kvcm.cache.blocks import Record, Status, check_value, decode, encode, fast_wire, new_location, pack_wire
 from kvcm.cache.meta_index import KEEP, MetaIndex, SearchCache, namespace
+from kvcm.cache.record_codec import Record, Status, check_value, decode, encode, fast_wire, new_location, pack_wire
 
 NS = namespace("inst")
 

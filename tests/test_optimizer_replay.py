@@ -20,7 +20,7 @@ from kvcm.optimizer.spec import (
 )
 from kvcm.optimizer.sweep import capacity_points
 from kvcm.optimizer.trace import Record
-from kvcm.optimizer.traces import read_trace
+from kvcm.optimizer.trace_readers import read_trace
 
 # The sample kvcm ships (Mooncake's synthetic trace, Apache-2.0, Mooncake FAST'25), so the pinned
 # figures never depend on a directory outside the repo.

@@ -11,7 +11,7 @@ import pytest
 from kvcm.cache.keys import chain_hash_ids
 from kvcm.optimizer.kvcm_events import event_line
 from kvcm.optimizer.trace import Record, TraceError
-from kvcm.optimizer.traces import READERS, dump_schema, parse_options, read_trace
+from kvcm.optimizer.trace_readers import READERS, dump_schema, parse_options, read_trace
 from kvcm.optimizer.vllm_capture import capture_line
 from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 

@@ -25,7 +25,7 @@ from kvcm.errors import KvcmError
 from kvcm.optimizer.replay import replay
 from kvcm.optimizer.spec import Capacity, GroupSpec, ReplaySpec, TierSpec
 from kvcm.optimizer.trace import Record
-from kvcm.optimizer.traces import dump_schema, read_trace
+from kvcm.optimizer.trace_readers import dump_schema, read_trace
 from kvcm.proto import wire
 from kvcm.testing import make_test_config, serve_in_thread
 

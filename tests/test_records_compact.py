@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from kvcm.app import App
 from kvcm.backends.metastore import LmdbStore, i64
-from kvcm.cache import blocks as records
 from kvcm.cache import locations
-from kvcm.cache.blocks import (
+from kvcm.cache import record_codec as records
+from kvcm.cache.locations import address, addresses, pack_wire, uris, wire
+from kvcm.cache.meta_index import DB as BLOCKS
+from kvcm.cache.record_codec import (
     RUNS_DB,
     Record,
     Status,
@@ -28,8 +30,6 @@ from kvcm.cache.blocks import (
     run_match,
     run_members,
 )
-from kvcm.cache.locations import address, addresses, pack_wire, uris, wire
-from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.uricodec import join, matcher, split
 from kvcm.testing import make_test_config
 

@@ -8,7 +8,7 @@ import time
 
 import zmq
 
-from kvcm.optimizer.traces import read_trace
+from kvcm.optimizer.trace_readers import read_trace
 from kvcm.proto.kv_events import decode_batch
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
 

@@ -21,11 +21,11 @@ import msgpack
 
 from kvcm.backends.metastore.base import from_i64, i64
 from kvcm.backends.storage.base import Inventory
-from kvcm.cache.blocks import RUNS_DB, STATUS_NAMES, Status, decode, run_members
 from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.deleter import pending_bytes
 from kvcm.cache.locations import check as check_skeletons
 from kvcm.cache.meta_index import DB as BLOCKS
+from kvcm.cache.record_codec import RUNS_DB, STATUS_NAMES, Status, decode, run_members
 from kvcm.cache.state import CacheState
 from kvcm.cache.usage import FreeKey, Key, Usage, tally
 

@@ -47,10 +47,10 @@ from typing import Any
 import msgpack
 
 from kvcm.backends.metastore.base import MetaStore, ReadTxn, WriteTxn, i64, u64
-from kvcm.cache.blocks import Location, Record, Status, decode
 from kvcm.cache.locations import uris as location_uris
 from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.meta_index import KEEP, MetaIndex, namespace
+from kvcm.cache.record_codec import Location, Record, Status, decode
 from kvcm.cache.usage import BeingFreed, FreeKey
 
 log = logging.getLogger("kvcm.cache.deleter")

@@ -4,7 +4,7 @@ alone) and ``get_cache_meta``.
 Reads are lock-free: one read transaction per request, values through the index's search cache.
 Only ``serving`` copies on usable storages are visible; among several, the group's candidate
 order decides (deterministic, unlike Tair's weighted random pick). Replies are assembled from
-the pre-packed wire bytes stored in each record (:mod:`kvcm.cache.blocks`), never decoded and
+the pre-packed wire bytes stored in each record (:mod:`kvcm.cache.record_codec`), never decoded and
 repacked on the fast path; a ``prefix_match`` first tries *runs* (the pre-concatenated reply
 of blocks one session wrote together), which cost one read per run instead of one per block.
 
@@ -29,7 +29,13 @@ from typing import Any
 
 import msgpack
 
-from kvcm.cache.blocks import (
+from kvcm.cache.keys import derive_keys
+from kvcm.cache.locations import wire as wire_of
+from kvcm.cache.locations import wires as wire_cache
+from kvcm.cache.masks import BlockMask, check_mask, masked_flags, unmasked_indices
+from kvcm.cache.meta_index import CachedRead
+from kvcm.cache.placement import InstanceView
+from kvcm.cache.record_codec import (
     FAST,
     ONE,
     RUNS_DB,
@@ -42,12 +48,6 @@ from kvcm.cache.blocks import (
     run_match,
     unpack_wire,
 )
-from kvcm.cache.keys import derive_keys
-from kvcm.cache.locations import wire as wire_of
-from kvcm.cache.locations import wires as wire_cache
-from kvcm.cache.masks import BlockMask, check_mask, masked_flags, unmasked_indices
-from kvcm.cache.meta_index import CachedRead
-from kvcm.cache.placement import InstanceView
 from kvcm.cache.state import CacheState
 from kvcm.errors import InvalidArgument
 from kvcm.proto.wire import Raw, pack_array_raw

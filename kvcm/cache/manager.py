@@ -23,10 +23,10 @@ from typing import Any
 
 from kvcm.backends.storage.base import damaged
 from kvcm.cache import consistency, lookup, removal, writes
-from kvcm.cache.blocks import Status, decode
 from kvcm.cache.deleter import pending_bytes
 from kvcm.cache.listeners import CacheListener
 from kvcm.cache.masks import BlockMask
+from kvcm.cache.record_codec import Status, decode
 from kvcm.cache.room import RoomMaker
 from kvcm.cache.sessions import DB as SESSIONS
 from kvcm.cache.sessions import decode_session

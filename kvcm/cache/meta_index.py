@@ -171,7 +171,7 @@ class MetaIndex:
         drop_tag: Callable[[WriteTxn, bytes, int], None] | None = None,
     ) -> None:
         """``encode``/``decode`` convert records to stored bytes (the index itself is agnostic of
-        the record format; :mod:`kvcm.cache.blocks` provides the block codec). ``check_value``
+        the record format; :mod:`kvcm.cache.record_codec` provides the block codec). ``check_value``
         asserts a stored value's own invariants in :meth:`check`. ``tag(record)`` names a
         derived entry built from the record (a run); whenever the record is written or deleted,
         ``drop_tag(txn, ns, tag)`` is called in the same transaction so the entry never outlives

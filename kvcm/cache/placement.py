@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm.cache.blocks import empty_wire
 from kvcm.cache.meta_index import namespace
+from kvcm.cache.record_codec import empty_wire
 from kvcm.errors import CapacityError, Code, InvalidArgument
 
 

@@ -17,13 +17,13 @@ import msgpack
 
 from kvcm.backends.metastore.base import WriteTxn, from_i64
 from kvcm.backends.storage.base import SlotStorage
-from kvcm.cache.blocks import Location, Record, Status, decode, mark_sole, sole_serving
 from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.deleter import schedule_many
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.masks import BlockMask, check_mask, unmasked_indices
 from kvcm.cache.meta_index import KEEP, namespace
 from kvcm.cache.placement import InstanceView
+from kvcm.cache.record_codec import Location, Record, Status, decode, mark_sole, sole_serving
 from kvcm.cache.room import Victim
 from kvcm.cache.state import CacheState
 from kvcm.cache.usage import FreeKey, Key

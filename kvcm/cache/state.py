@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvcm.backends.metastore.base import MetaStore, ReadTxn, WriteTxn, i64
-from kvcm.cache.blocks import RUNS_DB, Record, check_value, decode, encode
 from kvcm.cache.deleter import Deleter
 from kvcm.cache.listeners import Listeners
 from kvcm.cache.locations import load as load_skeletons
@@ -27,6 +26,7 @@ from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.meta_index import MetaIndex, namespace
 from kvcm.cache.pins import Pins
 from kvcm.cache.placement import GroupView, InstanceView
+from kvcm.cache.record_codec import RUNS_DB, Record, check_value, decode, encode
 from kvcm.cache.room import RoomMaker
 from kvcm.cache.sessions import InFlightStats, Sessions
 from kvcm.cache.storage_pool import StoragePool

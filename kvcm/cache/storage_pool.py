@@ -28,7 +28,7 @@ import msgspec
 
 from kvcm.backends.storage.base import damaged
 from kvcm.backends.storage.ownership import ForeignDirectory, Owner, marker_key
-from kvcm.cache.blocks import decode
+from kvcm.cache.record_codec import decode
 from kvcm.control.registry import STORAGE, Registry, new_id
 from kvcm.errors import InvalidArgument, ServerError
 from kvcm.lockfile import LockBusy

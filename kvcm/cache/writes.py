@@ -36,7 +36,6 @@ from typing import Any
 
 from kvcm.backends.metastore.base import WriteTxn, i64
 from kvcm.backends.storage.base import SlotStorage
-from kvcm.cache.blocks import RUNS_DB, Location, Record, Status, encode_run
 from kvcm.cache.deleter import schedule
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.locations import address, addresses, is_compact, pack_wire, persist, remember, skeleton_of, wire_uris
@@ -44,6 +43,7 @@ from kvcm.cache.locations import wire as wire_of
 from kvcm.cache.masks import BlockMask, success_flags, write_mask
 from kvcm.cache.meta_index import KEEP
 from kvcm.cache.placement import GroupView, InstanceView, Target, shortfall, write_targets
+from kvcm.cache.record_codec import RUNS_DB, Location, Record, Status, encode_run
 from kvcm.cache.removal import Doomed, evict_inline, free_after_commit
 from kvcm.cache.room import RoomMaker, Victim
 from kvcm.cache.sessions import Session, new_session_id, random_id
@@ -518,7 +518,7 @@ def finish_write_cache(s: CacheState, instance_id: str, session_id: str, success
 def settle(s: CacheState, txn: WriteTxn, session: Session, ok: list[bool]) -> int:
     """Successes ``writing -> serving`` (CAS), failures ``writing -> deleting`` (freed at once).
 
-    Consecutive successes become a run (:mod:`kvcm.cache.blocks`) so later prefix lookups of them
+    Consecutive successes become a run (:mod:`kvcm.cache.record_codec`) so later prefix lookups of them
     cost one read."""
     now = s.clock()
     first: list[int | None] = _segments(session.keys, ok) if s.runs else [None] * len(ok)

@@ -8,7 +8,7 @@ The same capabilities as Tair KVCM's optimizer, using the live reclaimer's polic
 >>> replay(trace, block_size_of=trace.block_size_of).total.token_hit_rate  # doctest: +SKIP
 0.6512444360312151
 
-Modules: :mod:`~kvcm.optimizer.traces` (readers, one per format), :mod:`~.radix` (the radix
+Modules: :mod:`~kvcm.optimizer.trace_readers` (readers, one per format), :mod:`~.radix` (the radix
 tree), :mod:`~.spec` (groups, tiers, capacities, TOML), :mod:`~.replay`, :mod:`~.stats` (results), :mod:`~.sweep`,
 :mod:`~.report` (tables, CSV, JSON), :mod:`~.cost`, :mod:`~.plot`, :mod:`~.cli`.
 """
@@ -31,7 +31,7 @@ from kvcm.optimizer.spec import (
 from kvcm.optimizer.stats import HitStats, ReplayResult
 from kvcm.optimizer.sweep import SweepPoint, capacity_points, run_sweep, unbounded_run
 from kvcm.optimizer.trace import Record, TraceError
-from kvcm.optimizer.traces import READERS, Trace, dump_schema, read_trace
+from kvcm.optimizer.trace_readers import READERS, Trace, dump_schema, read_trace
 
 __all__ = [
     "READERS",

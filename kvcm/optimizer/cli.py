@@ -37,7 +37,7 @@ from kvcm.optimizer.sweep import (
     working_set,
 )
 from kvcm.optimizer.trace import Record, TraceError
-from kvcm.optimizer.traces import READERS, Trace, dump_schema, parse_options, read_trace
+from kvcm.optimizer.trace_readers import READERS, Trace, dump_schema, parse_options, read_trace
 from kvcm.policies import POLICIES
 
 DESCRIPTION = "Replay a KV-cache trace offline: hit rates per policy and capacity, plots, cost."
