@@ -28,10 +28,10 @@ from kvcm.cache.keys import native_states
 from kvcm.config import Config, ConfigError, HttpConfig
 from kvcm.errors import KvcmError, StartRefused, Unavailable
 from kvcm.follower import FollowerStage
+from kvcm.http import SideHttp, SidePort, refuse_unguarded
 from kvcm.metrics import Metrics
 from kvcm.rpc.curve import CurveServer, serve_curve
 from kvcm.rpc.dispatch import Dispatcher, Limits, Method
-from kvcm.rpc.http import SideHttp, SidePort, refuse_unguarded
 from kvcm.rpc.server import AddressInUse, Server, Timer, endpoint_in_use
 from kvcm.threads import LoopThread
 from kvcm.version import __version__

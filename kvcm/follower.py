@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 from kvcm.backends.metastore import DataDirLocked, LmdbStore, MemoryStore, MetaStore
 from kvcm.config import Config
 from kvcm.errors import KvcmError, Unavailable
+from kvcm.http import SideHttp, SidePort
 from kvcm.metrics import Metrics
 from kvcm.rpc.curve import CurveServer, serve_curve
 from kvcm.rpc.dispatch import Dispatcher, Method
-from kvcm.rpc.http import SideHttp, SidePort
 from kvcm.rpc.server import Server, Timer
 from kvcm.version import __version__
 

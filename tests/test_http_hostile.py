@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcm.errors import Code
-from kvcm.rpc.http import Authorities, http_status, split_authority
+from kvcm.http.guards import Authorities, http_status, split_authority
 from kvcm.testing import RunningServer, serve_in_thread
 
 FAST = {"http": {"read_timeout_s": 2.0, "idle_timeout_s": 1.0}}

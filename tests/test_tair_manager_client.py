@@ -534,8 +534,8 @@ def test_a_tair_call_sent_on_to_a_leader_that_stopped_since_it_last_answered_is_
     resends it), any other TIMEOUT (it may have run: not resent), and the next call is refused
     at once."""
     from kvcm.config import HttpConfig
+    from kvcm.http import SideHttp
     from kvcm.metrics import Metrics
-    from kvcm.rpc.http import SideHttp
 
     leader = _ScriptedNode(lambda method, _: (None, {"leader": True}) if method == "get_manager_cluster_info" else None)
     detail = {"leader_endpoint": leader.endpoint, "leader_node_id": "n1"}

@@ -2,7 +2,7 @@
 
 :mod:`kvcm.proto.tair` reads and writes Tair's proto3-JSON shapes; :mod:`kvcm.tair.translate`
 maps each Tair RPC to one kvcm RPC and back; :mod:`kvcm.tair.uris` gives ``file`` and ``shm`` URIs
-in Tair's form (the whole path) and takes them back. The side HTTP port (:mod:`kvcm.rpc.http`)
+in Tair's form (the whole path) and takes them back. The side HTTP port (:mod:`kvcm.http`)
 routes ``POST /api/<lowerCamelName>`` here; of kvcm it imports only the foundations and the
 storage URI decoder (:mod:`kvcm.backends.storage.base`).
 """
