@@ -33,7 +33,7 @@ import msgspec
 from kvcm.backends.storage.registry import STORAGE_BACKENDS, normalize_spec
 from kvcm.control.passwords import CONTROL_CHARS, check_password_hash
 from kvcm.errors import InvalidArgument
-from kvcm.proto import schema
+from kvcm.proto import results, schema
 
 T = TypeVar("T")
 
@@ -188,26 +188,17 @@ def _check_reclaim(strategy: ReclaimStrategy) -> None:
 # -- instances -----------------------------------------------------------------------------------
 
 
-class LocationSpecInfo(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-    size: int  # bytes of this spec (shard) for one block
+class LocationSpecInfo(results.SpecInfo, forbid_unknown_fields=True):
+    """A location spec (bytes of one shard for one block), strict: as stored and as requests send it."""
 
 
-class LocationSpecGroup(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-    spec_names: list[str] = []
+class LocationSpecGroup(results.SpecGroup, forbid_unknown_fields=True):
+    """Named specs written together, strict."""
 
 
-class ModelDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model_name: str = ""
-    dtype: str = ""
-    use_mla: bool = False
-    tp_size: int = 0
-    dp_size: int = 0
-    lora_name: str = ""
-    pp_size: int = 0
-    extra: str = ""
-    user_data: str = ""  # opaque; not part of the identity of a deployment
+class ModelDeployment(results.ModelDeployment, forbid_unknown_fields=True, omit_defaults=False):
+    """A deployment, strict and with every field written (``user_data`` is opaque: not part of
+    the identity of a deployment)."""
 
 
 class Instance(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
