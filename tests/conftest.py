@@ -181,7 +181,7 @@ def pytest_collection_modifyitems(config, items):
         if ({"redis_server", "redis_factory"} & set(getattr(item, "fixturenames", ()))
                 or "redis" in params.values()):
             item.add_marker(pytest.mark.redis)
-        elif item.get_closest_marker("slow") is None and _quick(item):
+        elif item.get_closest_marker("slow") is None and item.get_closest_marker("heavy") is None and _quick(item):
             item.add_marker(pytest.mark.quick)
 
 

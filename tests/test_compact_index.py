@@ -383,7 +383,7 @@ def test_holder_sets_many_sets_and_slots_against_a_model() -> None:
     col = np.zeros(n, dtype=np.uint32)
     counts = np.zeros(256, dtype=np.int64)
     model = [0] * n
-    for _ in range(60):
+    for _ in range(30):
         rows = np.array(rng.sample(range(n), 500), dtype=np.int64)
         slots = np.array([rng.randrange(200) for _ in range(500)], dtype=np.int64)
         if rng.random() < 0.6:

@@ -76,6 +76,7 @@ def test_engine_chains_are_token_ids_to_block_keys(python_only: None) -> None:
     assert chain_states_many([0, 0], [tokens, tokens[:48]], 16) == [expected, expected[:3]]
 
 
+@pytest.mark.heavy
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 600), max_size=6), st.sampled_from([1, 3, 16, 64, 300]), st.randoms(use_true_random=False))
 def test_a_prompt_fed_in_slices_gets_the_python_keys(cuts: list[int], block_size: int, rng: random.Random) -> None:

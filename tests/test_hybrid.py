@@ -446,6 +446,7 @@ class Model:
         return 0
 
 
+@pytest.mark.heavy
 def test_randomized_replay_of_100000_events_agrees_with_a_brute_force_model() -> None:
     """Several sources (Gemma 3, gpt-oss, Qwen3-Next, mixed block sizes, one plain and one in full
     report mode) store prefixes of shared documents on two media, lose blocks group by group,

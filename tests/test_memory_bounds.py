@@ -8,6 +8,7 @@ import gc
 import os
 import tracemalloc
 
+import pytest
 from helpers import Clock
 
 from kvcm.backends.metastore import MemoryStore
@@ -15,6 +16,7 @@ from kvcm.cache.locations import BuiltCache
 from kvcm.cache.sessions import Sessions
 
 
+@pytest.mark.heavy
 def test_wire_cache_budget_bounds_its_real_memory():
     # Sizes of real entries: a compact address of two specs (~19 B) -> its wire (~204 B), and
     # a shorter pair; the budget must hold whatever the dict's fill when the peak is read.

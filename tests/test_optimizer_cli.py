@@ -41,6 +41,7 @@ def test_json_reports_the_unbounded_mooncake_ratio(capsys, tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {"instance_hit_rates.csv", "summary.json", "t.png"}
 
 
+@pytest.mark.heavy
 def test_sweep_with_policies_writes_csv_json_and_a_png(capsys, tmp_path):
     png = tmp_path / "sweep.png"
     code, out, _ = run(capsys, MOONCAKE, "--limit", "600", "--sweep", "--points", "5",
