@@ -64,25 +64,17 @@ def now_ms() -> int:
 # -- storages ------------------------------------------------------------------------------------
 
 
-class Storage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """One data store kvcm hands out URIs on. ``enabled`` is the admin switch, ``available``
+class Storage(results.StorageConfig, forbid_unknown_fields=True):
+    """One data store kvcm hands out URIs on, strict (the fields are the reply's,
+    :class:`kvcm.proto.results.StorageConfig`). ``enabled`` is the admin switch, ``available``
     the health probe's verdict; a storage takes writes only when both are true.
 
     ``storage_spec`` is stored normalized (:func:`check_storage`): complete, with every default
     of the backend filled in and paths absolute. For typed access, open or build the backend
-    (:data:`kvcm.backends.storage.registry.STORAGE_BACKENDS`); its ``spec`` is this same map."""
-
-    global_unique_name: str
-    storage_type: str
-    storage_spec: dict[str, Any] = {}
-    enabled: bool = True
-    available: bool = True
-    create_time: int = 0
-    update_time: int = 0
-    # Assigned by kvcm when the storage is added (8 hex digits, never reused): written in the
-    # ownership marker of its directory and in every container name it generates. "" only on
-    # records from before ownership markers, until their first open assigns one.
-    storage_id: str = ""
+    (:data:`kvcm.backends.storage.registry.STORAGE_BACKENDS`); its ``spec`` is this same map.
+    ``storage_id`` is assigned by kvcm when the storage is added (8 hex digits, never reused):
+    written in the ownership marker of its directory and in every container name it generates;
+    "" only on records from before ownership markers, until their first open assigns one."""
 
     @property
     def usable(self) -> bool:
