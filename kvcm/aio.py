@@ -487,10 +487,13 @@ class Client:
                                  trace_id=trace_id)
 
     async def finish_write_cache(self, *, instance_id: str, write_session_id: str, success_blocks: Mask | None = None,
-                                 trace_id: str | None = None, timeout: float | None = None) -> WriteFinished:
-        """End a write session; ``success_blocks`` is indexed over the session's locations."""
+                                 locations: Sequence[Mapping[str, Any]] | None = None, trace_id: str | None = None,
+                                 timeout: float | None = None) -> WriteFinished:
+        """End a write session; ``success_blocks`` is indexed over the session's locations.
+        ``locations``: Tair's clients echo the session's locations back (checked, not used)."""
         return await self._typed("finish_write_cache", WriteFinished, timeout, instance_id=instance_id,
-                                 write_session_id=write_session_id, success_blocks=success_blocks, trace_id=trace_id)
+                                 write_session_id=write_session_id, success_blocks=success_blocks,
+                                 locations=_listed(locations), trace_id=trace_id)
 
     async def remove_cache(self, *, instance_id: str, block_keys: Ints | None = None, token_ids: Ints | None = None,
                            block_mask: Mask | None = None, extra_keys: Sequence[Any] | None = None,
@@ -538,12 +541,13 @@ class Client:
                                replay_port: int | None = None, replay: bool | None = None, topic: str | None = None,
                                dp_rank: int | None = None, replay_timeout_s: float | None = None,
                                backoff_initial_s: float | None = None, backoff_max_s: float | None = None,
-                               poll_ms: int | None = None, report_mode: str | None = None, trace_id: str | None = None,
-                               timeout: float | None = None) -> AdminReply:
-        """Add one engine event source (``endpoint`` or ``host``); ``{"source": ...}``."""
+                               poll_ms: int | None = None, report_mode: str | None = None, pod: str | None = None,
+                               trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
+        """Add one engine event source (``endpoint`` or ``host``); ``{"source": ...}``. ``pod``: the
+        pod a DP rank belongs to (``match_engines`` groups by it; absent, the source is its own)."""
         return await self._typed("add_event_source", AdminReply, timeout, source_id=source_id, instance_id=instance_id,
                                  endpoint=endpoint, replay_endpoint=replay_endpoint, host=host, port=port,
-                                 replay_port=replay_port, replay=replay, topic=topic, dp_rank=dp_rank,
+                                 replay_port=replay_port, replay=replay, topic=topic, dp_rank=dp_rank, pod=pod,
                                  replay_timeout_s=replay_timeout_s, backoff_initial_s=backoff_initial_s,
                                  backoff_max_s=backoff_max_s, poll_ms=poll_ms, report_mode=report_mode, trace_id=trace_id)
 
@@ -594,10 +598,13 @@ class Client:
                                    loads: Mapping[str, float] | None = None, include_stale: bool | None = None,
                                    include_storage: bool | None = None, lora_name: str | None = None,
                                    extra_keys: Sequence[Any] | None = None, mm_features: MmFeatures | None = None,
-                                   cache_salt: str | None = None, trace_id: str | None = None,
+                                   cache_salt: str | None = None, query_type: str | int | None = None,
+                                   p2p_host_count: int | None = None, trace_id: str | None = None,
                                    timeout: float | None = None) -> HostCacheState:
-        """Tair KVCM's ``GetHostCacheState``: per host (pod), local and global prefix hits."""
+        """Tair KVCM's ``GetHostCacheState``: per host (pod), local and global prefix hits
+        (``query_type``: prefix matching only; ``p2p_host_count``: accepted, not used)."""
         return await self._typed("get_host_cache_state", HostCacheState, timeout, instance_id=instance_id,
+                                 query_type=query_type, p2p_host_count=p2p_host_count,
                                  block_cache_keys=block_cache_keys, block_keys=block_keys, token_ids=token_ids,
                                  medium=_listed(medium), top_k=top_k, loads=None if loads is None else dict(loads),
                                  include_stale=include_stale, include_storage=include_storage, lora_name=lora_name,

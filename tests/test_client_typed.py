@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Iterator
@@ -70,7 +71,8 @@ def same(typed: Any, untyped: dict[str, Any]) -> None:
 def written(kv: Client, instance: str, keys: list[int]) -> WriteSession:
     session = kv.start_write_cache(instance_id=instance, block_keys=keys)
     kv.finish_write_cache(instance_id=instance, write_session_id=session.write_session_id,
-                          success_blocks=Mask(offset=len(session.locations)))
+                          success_blocks=Mask(offset=len(session.locations)),
+                          locations=msgspec.to_builtins(session.locations))  # Tair's clients echo them
     return session
 
 
@@ -79,6 +81,43 @@ def test_every_rpc_has_a_typed_method() -> None:
     assert typed == set(METHODS)  # every RPC the server answers has its typed method
     for name in typed:
         assert getattr(Client, name).__doc__, name
+
+
+#: Fields every request may carry that the client sets itself (``auth`` from the client's own).
+_CLIENT_SET = {"auth"}
+
+
+def surface_gaps(methods: dict[str, Any], client: type) -> list[str]:
+    """Per RPC with a request schema: the request fields its typed method has no parameter for,
+    and the parameters that are no request field (``timeout`` aside)."""
+    gaps = []
+    for name, method in sorted(methods.items()):
+        request = getattr(method, "request", None)
+        typed = getattr(client, name, None)
+        if request is None or typed is None:
+            continue
+        fields = set(request.__struct_fields__) - _CLIENT_SET
+        params = set(inspect.signature(typed).parameters) - {"self", "timeout"}
+        gaps += [f"{name}: no parameter for field {f!r}" for f in sorted(fields - params)]
+        gaps += [f"{name}: parameter {p!r} is no request field" for p in sorted(params - fields)]
+    return gaps
+
+
+def test_every_request_field_is_a_typed_parameter(server: Any) -> None:
+    """The typed methods of both clients take exactly the fields of each RPC's request schema, as
+    the server's method table declares them: a field added to a request Struct without its
+    parameter (or a parameter the server would refuse) fails here."""
+    from kvcm.aio import Client as AsyncClient
+
+    methods = server.app.dispatcher.methods
+    assert len(methods) == len(METHODS)
+    assert surface_gaps(methods, Client) == []
+    assert surface_gaps(methods, AsyncClient) == []
+
+    class Short(Client):
+        def whoami(self, *, timeout: float | None = None) -> Any: ...  # type: ignore[override]
+
+    assert surface_gaps(methods, Short) == ["whoami: no parameter for field 'trace_id'"]
 
 
 def test_instances_typed(kv: Client) -> None:
@@ -210,8 +249,8 @@ def test_engine_tier_typed(kv: Client) -> None:
     kv.register_instance(instance_group="default", instance_id="te", block_size=4, location_spec_infos=SPECS)
     with FakeEnginePublisher().start() as engine:
         source = kv.add_event_source(source_id="pod-t", instance_id="te", endpoint=engine.endpoint,
-                                     replay_endpoint=engine.replay_endpoint)
-        assert source["source"]["source_id"] == "pod-t"
+                                     replay_endpoint=engine.replay_endpoint, pod="rack-1")
+        assert source["source"]["source_id"] == "pod-t" and source["source"]["pod"] == "rack-1"
         engine.store([11, 12, 13], tokens[:12], block_size=4)
         for _ in range(200):
             match = kv.match_engines(instance_id="te", token_ids=tokens)
@@ -222,6 +261,13 @@ def test_engine_tier_typed(kv: Client) -> None:
         assert match.sources[0].source_id == "pod-t" and match.sources[0].media == {"GPU": 3}
         same(match, {**kv.call("match_engines", {"instance_id": "te", "token_ids": tokens}), "freshness": msgspec.to_builtins(match.freshness)})  # ages move between calls
         assert kv.match_engines(instance_id="te", token_ids=tokens, medium="CPU", limit=1).sources == []
+        hosts = kv.get_host_cache_state(instance_id="te", token_ids=tokens, query_type="QT_PREFIX_MATCH",
+                                        p2p_host_count=2)
+        untyped = kv.call("get_host_cache_state", {"instance_id": "te", "token_ids": tokens,
+                                                   "query_type": "QT_PREFIX_MATCH", "p2p_host_count": 2})
+        assert hosts == msgspec.convert(untyped, type(hosts)) and untyped["hosts"]  # "global" is global_ here
+        with pytest.raises(InvalidArgument):
+            kv.get_host_cache_state(instance_id="te", token_ids=tokens, query_type="batch_get")
         listed = kv.list_event_sources(instance_id="te")["sources"]
         assert [s["source_id"] for s in listed] == ["pod-t"]
         assert kv.remove_event_source(source_id="pod-t")["instance_id"] == "te"
