@@ -185,7 +185,7 @@ class Reclaimer(CacheListener):
         self._manager = manager
         self._limits = limits
         self._config = config or ReclaimConfig()
-        self._clock: Callable[[], float] = clock or getattr(manager, "clock", None) or time.time
+        self._clock: Callable[[], float] = clock or manager.clock
         self._pace = pace
         self._grace = free_grace_s
         self._deleter_head = deleter_head(manager)
