@@ -1,4 +1,5 @@
-"""kvcm.engines.compact: the numpy/numba tables against dict/set models, batch by batch."""
+"""The compact engine-index tables (kvcm.engines.flat, keytable, holdersets, sourcemap, compact)
+against dict/set models, batch by batch."""
 
 from __future__ import annotations
 
@@ -10,16 +11,11 @@ import pytest
 
 pytest.importorskip("numba")
 
-from kvcm.engines.compact import (
-    MAX_LOAD,
-    MAX_POS,
-    CompactTable,
-    HolderSets,
-    KeyTable,
-    SourceMap,
-    as_u64,
-    to_signed_list,
-)
+from kvcm.engines.compact import CompactTable
+from kvcm.engines.flat import MAX_LOAD, MAX_POS, as_u64, to_signed_list
+from kvcm.engines.holdersets import HolderSets
+from kvcm.engines.keytable import KeyTable
+from kvcm.engines.sourcemap import SourceMap
 
 M64 = (1 << 64) - 1
 EDGE = [0, 1, M64, M64 - 1, 1 << 63, (1 << 63) - 1, 0xFFFFFFFF]  # unsigned forms

@@ -4,8 +4,8 @@ A source's dict (``SourceState.blocks``) is the write buffer: every store, remov
 works on ``EngineBlock`` s there, as it always did. At a flush, once the blocks are persisted,
 its *common* blocks move here (:meth:`CompactBlocks.migrate`): one kvcm key whose chain state is
 the key itself, the namespace's default adapter, held once on the source's primary medium. Here
-such a block costs a :class:`~kvcm.engines.compact.SourceMap` entry (its engine hash and the row
-of its key in the namespace's :class:`~kvcm.engines.compact.KeyTable`, where the key's position
+such a block costs a :class:`~kvcm.engines.sourcemap.SourceMap` entry (its engine hash and the row
+of its key in the namespace's :class:`~kvcm.engines.keytable.KeyTable`, where the key's position
 lives) instead of a struct, a tuple, a dict entry and three ints.
 
 Reading one back builds the ``EngineBlock`` it was (:meth:`CompactBlocks.get`); a block about to
@@ -26,8 +26,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvcm.engines.compact import KeyTable, SourceMap, to_signed_list
 from kvcm.engines.entries import M64, EngineBlock, Fresh
+from kvcm.engines.flat import to_signed_list
+from kvcm.engines.keytable import KeyTable
+from kvcm.engines.sourcemap import SourceMap
 
 #: Positions above this do not fit a KeyTable's position column: such blocks stay in the dict.
 _MAX_POS = (1 << 32) - 2

@@ -107,7 +107,7 @@ from kvcm.proto.kv_events import (
 from kvcm.threads import gc_paused
 
 if TYPE_CHECKING:
-    from kvcm.engines.compact import KeyTable
+    from kvcm.engines.keytable import KeyTable
 
 #: ``BlockStored.extra_keys`` of a store whose hashes are kvcm keys already (``report_events``'
 #: ``keyed`` adds: Tair's reporters name blocks by key and send no tokens). Compared by identity,

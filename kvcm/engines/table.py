@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-    from kvcm.engines.compact import KeyTable
+    from kvcm.engines.keytable import KeyTable
 
 #: KV-cache group kinds that carry the prefix (Dynamo's "main attention"). A source that only
 #: ever sent one group is matched on it by the walk when its kind is one of these; a source of
