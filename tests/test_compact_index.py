@@ -9,8 +9,6 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-pytest.importorskip("numba")
-
 from kvcm.engines.compact import CompactTable
 from kvcm.engines.flat import MAX_LOAD, MAX_POS, as_u64, to_signed_list
 from kvcm.engines.holdersets import HolderSets

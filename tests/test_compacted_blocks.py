@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("numba")
-
 from kvcm.engines.compact import CompactTable
 from kvcm.engines.compacted import CompactBlocks
 from kvcm.engines.entries import EngineBlock

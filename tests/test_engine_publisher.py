@@ -135,7 +135,7 @@ def test_event_log_is_read_by_the_optimizer(tmp_path):
     assert [x["type"] for x in lines] == ["GetCacheLocation", "StartWriteCache", "FinishWriteCache", "CacheReclaimSubmit"]
     assert all({"id", "source", "component", "type", "trigger_time_us"} <= set(x) for x in lines)
     assert lines[3]["component"] == "cache_reclaimer"
-    traces = pytest.importorskip("kvcm.optimizer.trace_readers")
+    from kvcm.optimizer import trace_readers as traces
     records = list(traces.read_trace(path, "kvcm_events", block_size=16))
     assert [r.op for r in records] == ["read", "write"]
     with pytest.raises(ValueError):

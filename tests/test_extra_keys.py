@@ -530,9 +530,8 @@ def test_the_compiled_hash_mixes_extra_keys_alike() -> None:
     extra keys take it: the keys are the Python ones, wherever the slices fall."""
     import random
 
+    from kvcm.cache import hash_kernel as kernel  # numba is a core dependency
     from kvcm.cache import keys
-
-    kernel = pytest.importorskip("kvcm.cache.hash_kernel", reason="numba is a test dependency")
     rng = random.Random(5)
     tokens = [rng.randrange(1 << 32) for _ in range(4000)]  # 250 blocks of 16
     features = [MmFeature("a", 300, 700), MmFeature("b", 2000, 5), MmFeature("c", 3990, 10)]

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcm.backends.metastore import MemoryStore
+from kvcm.cache import hash_kernel as kernel
 from kvcm.cache import keys
 from kvcm.cache.keys import ChainHasher, token_ids_to_block_keys
 from kvcm.config import ConfigError, load
@@ -22,8 +23,6 @@ from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SourceSpec
 from kvcm.proto.kv_events import BlockStored, DecodedBatch, encode_batch
 from kvcm.testing import make_test_config, serve_in_thread
-
-kernel = pytest.importorskip("kvcm.cache.hash_kernel", reason="numba is a test dependency (pip install -e '.[test]')")
 
 M64 = (1 << 64) - 1
 

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcm.backends.metastore import MemoryStore
+from kvcm.cache import hash_kernel as kernel
 from kvcm.cache import keys
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.service import EngineService
@@ -34,8 +35,6 @@ from kvcm.proto.kv_events import (
     encode_batch,
 )
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
-
-kernel = pytest.importorskip("kvcm.cache.hash_kernel", reason="numba is a test dependency (pip install -e '.[test]')")
 
 
 @pytest.fixture

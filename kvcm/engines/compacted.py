@@ -76,8 +76,9 @@ class CompactBlocks:
             if group[0].lora or once != {self.primary: 1}:
                 continue
             same = list(map(is_, map(_REFS, group), repeat(once)))
-            bids += ids if all(same) else compress(ids, same)
-            made += group if all(same) else compress(group, same)
+            whole = all(same)  # the usual: nothing was held again since the store
+            bids += ids if whole else compress(ids, same)
+            made += group if whole else compress(group, same)
         if dirty:
             ids = list(dict.fromkeys(compress(dirty, map(blocks.__contains__, dirty))))
             found = list(map(blocks.__getitem__, ids))

@@ -193,9 +193,6 @@ class HolderSets:
         """Live sets, the empty one included."""
         return len(self._ids)
 
-    def id_of(self, mask: int) -> int | None:
-        return self._ids.get(mask)
-
     def slots(self, sid: int) -> frozenset[int]:
         mask, out = self.masks[sid], []
         while mask:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -283,8 +283,3 @@ def _as_rows(rows: Sequence[int] | npt.NDArray[Any]) -> U32:
     if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= MAX_ROWS):
         raise ValueError("a row outside 0 .. 2**32 - 2 (a key not found?)")
     return arr.astype(np.uint32)
-
-
-def holdings_of(maps: Iterable[SourceMap]) -> int:
-    """Entries of the maps together (the bench's holdings)."""
-    return sum(map(len, maps))
