@@ -12,11 +12,24 @@ are refused, and container sizes are capped by the message size (msgpack's own r
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgpack
 import msgspec
+
+#: What :func:`unpack` can hand back: msgpack's types with maps keyed by strings (the decoders
+#: run with ``strict_map_key``; kvcm's maps are keyed by field names). Read it by narrowing
+#: (``isinstance``) or by converting it into a Struct; it never needs ``Any``.
+Decoded: TypeAlias = "None | bool | int | float | str | bytes | list[Decoded] | dict[str, Decoded]"
+#: What a reply or request may be built from: the same values, in read-only (covariant) containers,
+#: so a ``list[int]`` or a ``dict[str, str]`` is accepted as it is.
+Encodable: TypeAlias = "None | bool | int | float | str | bytes | Sequence[Encodable] | Mapping[str, Encodable]"
+#: A decoded map (a request's params, a reply's result map).
+DecodedMap: TypeAlias = dict[str, Decoded]
+#: A map a reply or request is built from.
+EncodableMap: TypeAlias = Mapping[str, Encodable]
 
 REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 MAX_MSGID = 2**32 - 1
