@@ -502,9 +502,10 @@ def test_a_request_carried_after_its_keys_are_derived_is_not_refused_for_them() 
     """The dispatcher asks the tokens hook until the keys are derived, never after: a request
     carried to the next turn for the budget has block_keys then, and its extra keys must not be
     taken for extra keys sent with block_keys."""
+    from kvcm.api.token_keys import TokenWork, hash_tokens
     from kvcm.proto import wire
     from kvcm.proto.extra_keys import check_request
-    from kvcm.rpc.dispatch import Dispatcher, Estimate, Limits, Method, TokenWork
+    from kvcm.rpc.dispatch import Dispatcher, Estimate, Limits, Method
 
     def tokens(r: _Work) -> TokenWork | None:
         check_request(bool(r.token_ids) and not r.block_keys, None, None, r.cache_salt)
@@ -513,7 +514,7 @@ def test_a_request_carried_after_its_keys_are_derived_is_not_refused_for_them() 
         extras = request_extras(tokens=len(r.token_ids), block_size=4, cache_salt=r.cache_salt)
         return TokenWork(r.token_ids, 4, lambda keys: setattr(r, "block_keys", keys), extras)
 
-    method = Method("work", lambda r: {"keys": r.block_keys}, _Work, cost=lambda r: Estimate(r.micros), tokens=tokens)
+    method = Method("work", lambda r: {"keys": r.block_keys}, _Work, cost=lambda r: Estimate(r.micros), prepare=hash_tokens(tokens))
     d = Dispatcher([method], limits=Limits(turn_budget_ms=10))
     params = {"micros": 8000, "token_ids": TOKENS[:12], "cache_salt": "s"}
     replies = d.serve([(t, peer, wire.pack_request(i, "work", {**params, "tag": t}))

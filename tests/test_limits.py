@@ -16,10 +16,11 @@ import msgpack
 import msgspec
 import pytest
 
+from kvcm.api.token_keys import TokenWork, hash_tokens
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.errors import Code, KvcmError
 from kvcm.proto import wire
-from kvcm.rpc.dispatch import Deferred, Dispatcher, Estimate, Limits, Method, TokenWork
+from kvcm.rpc.dispatch import Deferred, Dispatcher, Estimate, Limits, Method
 from kvcm.testing import serve_in_thread
 from tests.helpers import register
 
@@ -49,7 +50,7 @@ def _methods(ran: list[str], block_size: int = 4) -> list[Method]:
             return None
         return TokenWork(r.token_ids, block_size, lambda keys: setattr(r, "block_keys", keys))
 
-    return [Method("work", run, Work, cost=cost, tokens=tokens)]
+    return [Method("work", run, Work, cost=cost, prepare=hash_tokens(tokens))]
 
 
 def _req(msgid: int, **params: Any) -> bytes:

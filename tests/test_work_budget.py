@@ -11,7 +11,7 @@ import pytest
 
 from kvcm.errors import Code, KvcmError
 from kvcm.proto import wire
-from kvcm.rpc import dispatch
+from kvcm.rpc.outcome import Outcome
 from kvcm.testing import serve_in_thread
 
 INSTANCE = {"instance_group": "default", "instance_id": "llm", "block_size": 16}
@@ -76,7 +76,7 @@ def test_the_side_ports_relay_is_never_told_to_wait_for_one_caller(server):
     d = server.app.dispatcher
     method = d.methods["report_events"]
     for peer in (wire.RELAY_ID_PREFIX + b"12345678", b"plain-peer"):
-        outcome = dispatch._Outcome(1, method, None, peer)
+        outcome = Outcome(1, method, None, peer)
         outcome.error = refused
         d._remember_waits([outcome])
     assert (b"plain-peer", "report_events") in d._told_to_wait

@@ -26,6 +26,7 @@ from kvcm.api.costs import (
     US_PER_KEY,
     US_PER_SLOT,
 )
+from kvcm.api.token_keys import TokenWork, hash_tokens
 from kvcm.backends.storage.base import SlotStorage
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.manager import CacheManager
@@ -36,7 +37,7 @@ from kvcm.proto import wire
 from kvcm.proto.extra_keys import CacheSalt, ExtraKeys, LoraName, MmFeatures, check_request, request_extras
 from kvcm.proto.schema import KEYS_CEILING, Flags, Int64, Keys, RequestBase, Tokens
 from kvcm.proto.uris import parse_block_uri
-from kvcm.rpc.dispatch import Estimate, Method, TokenWork
+from kvcm.rpc.dispatch import Estimate, Method
 
 InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
@@ -290,19 +291,19 @@ def methods(manager: CacheManager, engines: EngineService | None = None) -> list
     costs = CacheCosts(manager, engines)
     return [
         Method("get_cache_location", api.get_cache_location, request=GetCacheLocationRequest,
-               cost=costs.get_cache_location, tokens=costs.tokens),
+               cost=costs.get_cache_location, prepare=hash_tokens(costs.tokens)),
         Method("get_cache_location_len", api.get_cache_location_len, request=GetCacheLocationLenRequest,
-               cost=costs.get_cache_location_len, tokens=costs.tokens),
+               cost=costs.get_cache_location_len, prepare=hash_tokens(costs.tokens)),
         Method("get_cache_meta", api.get_cache_meta, request=GetCacheMetaRequest, cost=costs.get_cache_meta,
-               tokens=costs.tokens),
+               prepare=hash_tokens(costs.tokens)),
         Method("start_write_cache", api.start_write_cache, request=StartWriteCacheRequest, writes=True,
-               idempotent=False, cost=costs.start_write_cache, tokens=costs.tokens),
+               idempotent=False, cost=costs.start_write_cache, prepare=hash_tokens(costs.tokens)),
         Method("finish_write_cache", api.finish_write_cache, request=FinishWriteCacheRequest, writes=True,
                idempotent=False),
         Method("remove_cache", api.remove_cache, request=RemoveCacheRequest, writes=True, cost=costs.remove_cache,
-               tokens=costs.tokens),
+               prepare=hash_tokens(costs.tokens)),
         Method("report_lost", api.report_lost, request=ReportLostRequest, writes=True, cost=costs.remove_cache,
-               tokens=costs.tokens),
+               prepare=hash_tokens(costs.tokens)),
         Method("trim_cache", api.trim_cache, request=TrimCacheRequest, writes=True),
         Method("pin_cache", api.pin_cache, request=PinCacheRequest, writes=True, cost=costs.pins),
         Method("unpin_cache", api.unpin_cache, request=UnpinCacheRequest, writes=True, cost=costs.pins),

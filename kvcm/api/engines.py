@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvcm.api.costs import US_PER_KEY, US_PER_MATCH_OPTION
+from kvcm.api.token_keys import TokenWork, hash_tokens
 from kvcm.cache.manager import CacheManager
 from kvcm.engines.index import KEYED, MAX_LABEL
 from kvcm.engines.push import Report, Reporter
@@ -33,7 +34,7 @@ from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Ev
 from kvcm.proto.schema import KEYS_CEILING, Keys, RequestBase, Tokens
 from kvcm.proto.wire import Raw
 from kvcm.rpc.auth import Authenticator
-from kvcm.rpc.dispatch import Estimate, Method, TokenWork
+from kvcm.rpc.dispatch import Estimate, Method
 
 #: ``loads``: source id -> load, each checked while decoding (a router sends a hundred per call),
 #: at most one per source events.max_sources allows at its most. NaN fails the bounds too.
@@ -603,11 +604,11 @@ def methods(
         Method("add_event_source", h.add_event_source, AddEventSourceRequest, writes=True, admin=True),
         Method("remove_event_source", h.remove_event_source, RemoveEventSourceRequest, writes=True, idempotent=False, admin=True),
         Method("list_event_sources", h.list_event_sources, ListEventSourcesRequest),
-        Method("match_engines", h.match_engines, MatchEnginesRequest, cost=h.match_cost, tokens=h.match_tokens),
+        Method("match_engines", h.match_engines, MatchEnginesRequest, cost=h.match_cost, prepare=hash_tokens(h.match_tokens)),
         Method("note_routed", h.note_routed, NoteRoutedRequest, idempotent=False, cost=h.note_cost,
-               tokens=h.match_tokens),
+               prepare=hash_tokens(h.match_tokens)),
         Method("get_host_cache_state", h.get_host_cache_state, GetHostCacheStateRequest, cost=h.host_cost,
-               tokens=h.match_tokens),
+               prepare=hash_tokens(h.match_tokens)),
         Method("report_events", reports.report_events, ReportEventsRequest, idempotent=False, cost=reports.cost,
                settle=reports.settle, admitted=reports.admitted),
     ]

@@ -18,14 +18,14 @@ import difflib
 import functools
 import re
 from collections.abc import Iterable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import msgspec.inspect as mi
 
 from kvcm.errors import InvalidArgument
 
-__all__ = ["KEYS_CEILING", "TOKENS_CEILING", "Credentials", "Flags", "Int64", "Keys", "RequestBase", "Tokens",
+__all__ = ["KEYS_CEILING", "LIMITED_FIELDS", "TOKENS_CEILING", "Credentials", "Flags", "Int64", "Keys", "RequestBase", "Tokens",
            "check_partial", "describe", "invalid", "suggest"]
 
 #: Hard ceilings of list lengths in requests. msgspec checks ``max_length`` from a list's header,
@@ -34,6 +34,12 @@ __all__ = ["KEYS_CEILING", "TOKENS_CEILING", "Credentials", "Flags", "Int64", "K
 #: (at most these); the ceilings only keep an over-long list from being decoded at all.
 KEYS_CEILING = 1 << 17
 TOKENS_CEILING = 1 << 19
+
+#: The request fields whose length the server's limits cap before any handler runs, and the
+#: limit (a field of :class:`kvcm.rpc.dispatch.Limits`, ``server.<limit>`` in the config) of each.
+LIMITED_FIELDS: dict[str, Literal["max_keys", "max_tokens"]] = {
+    "block_keys": "max_keys", "bool_masks": "max_keys", "success_blocks": "max_keys", "token_ids": "max_tokens",
+}
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 #: Block keys of a request, and the per-block flags of a mask.
