@@ -80,8 +80,9 @@ from kvcm.engines.hashing import Precomputed
 from kvcm.engines.hybrid import INCREMENTAL
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.metrics import EventMetrics
+from kvcm.engines.sourceconn import SourceConn
 from kvcm.engines.sources import SourceSpec, push_spec
-from kvcm.engines.subscriber import EventSubscriber, SourceConn
+from kvcm.engines.subscriber import EventSubscriber
 from kvcm.errors import AccessDenied, Code, Conflict, InvalidArgument, NotFound, error
 from kvcm.proto.kv_events import BlockRemoved, BlockStored, DecodedBatch, Event, EventDecodeError, decode_batch
 
