@@ -609,7 +609,11 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
             assert done["served"] == 2, done
             blocks = _sample_value(app, "kvcm_reclaim_blocks_total")
             assert blocks >= 240 - QUOTA_BLOCKS, blocks
-        time.sleep(DELAY_MS / 1000 + 0.3)  # let the last deletes finish: usage = recount then
+        def deleting() -> bool:
+            with app.cache.store.read() as view:
+                return bool(pending_bytes(view))
+
+        wait_for(lambda: not deleting(), timeout=30)  # the last deletes finish: usage = recount then
         app.cache.check()
 
 
