@@ -9,6 +9,7 @@ import time
 
 import pytest
 from helpers import (
+    TIME_FACTOR,
     add_group,
     error_code,
     finish,
@@ -342,7 +343,7 @@ def test_all_due_sessions_expire_in_one_tick():
         add_group(c, "g0", ["default-file"], delay_ms=0)
         register(c, "solo", group="g0")
         sessions = [start(c, [100 + i], "solo", write_timeout_seconds=0.2) for i in range(20)]
-        time.sleep(0.25)
+        time.sleep(0.25 * TIME_FACTOR)  # past the 0.2 s write timeout on the server's real clocks
         assert srv.app.cache.expire_sessions() == 20
         assert all(srv.app.cache.sessions.was_expired(s["write_session_id"]) for s in sessions)
 
@@ -405,7 +406,7 @@ def test_trim_remove_all_meta(c, inst, server):
 
 def test_trim_by_timestamp(c, inst, server):
     write(c, [1], inst)
-    time.sleep(0.01)
+    time.sleep(0.01)  # three distinct wall-clock microsecond stamps
     middle = int(time.time() * 1e6)
     time.sleep(0.01)
     write(c, [2], inst)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from block_bytes import read_problems, served, storage_roots, write_session
+from helpers import wait_for
 
 from kvcm.errors import KvcmError
 from kvcm.testing import RunningServer, start_subprocess, stop_subprocess
@@ -65,7 +66,7 @@ def _write_then_read(c: Any, key: int, refused: list[int], read: bool = True) ->
                                   "success_blocks": {"offset": 1}})
     if read:
         assert HOT in served(c, "i", [HOT]), f"block {HOT} is gone after writing block {key}"
-    time.sleep(0.05)
+    time.sleep(0.05)  # pacing: writes spread over the reclaimer's rounds
 
 
 def test_hot_block_outlives_cold_ones_no_write_refused_across_a_kill(tmp_path: Any, sock_dir: str) -> None:
@@ -82,8 +83,7 @@ def test_hot_block_outlives_cold_ones_no_write_refused_across_a_kill(tmp_path: A
             # block 1 are not journalled yet. After the restart the first write must evict; in
             # write order block 1 would go first, with its recency restored colder blocks go.
             rounds = _metric(c, "kvcm_reclaim_rounds_total")
-            while _metric(c, "kvcm_reclaim_rounds_total") == rounds:
-                time.sleep(0.02)
+            wait_for(lambda: _metric(c, "kvcm_reclaim_rounds_total") != rounds, timeout=60, interval=0.02)
             for key in range(31, 31 + QUOTA_BLOCKS // 2 + 2):
                 _write_then_read(c, key, refused)
     finally:
@@ -97,9 +97,7 @@ def test_hot_block_outlives_cold_ones_no_write_refused_across_a_kill(tmp_path: A
             # The usage gauge is what a round saw as it began: the third round's start shows
             # what the two rounds after the last write left.
             rounds = _metric(c, "kvcm_reclaim_rounds_total")
-            deadline = time.monotonic() + 60
-            while _metric(c, "kvcm_reclaim_rounds_total") < rounds + 3 and time.monotonic() < deadline:
-                time.sleep(INTERVAL / 3)
+            wait_for(lambda: _metric(c, "kvcm_reclaim_rounds_total") >= rounds + 3, timeout=60, interval=INTERVAL / 3)
             used = _metric(c, "kvcm_group_usage_bytes", group="hot")
             assert used <= WATERMARK * QUOTA_BLOCKS * SPEC, f"{used} bytes used two rounds after the last write"
             alive = served(c, "i", range(1, 81))

@@ -63,7 +63,7 @@ def report(c: Any, source: str, keys: list[int]) -> None:
             except KvcmError as exc:
                 if exc.code is not Code.RATE_LIMITED:
                     raise
-                time.sleep(int(exc.detail["retry_after_ms"]) / 1000)
+                time.sleep(int(exc.detail["retry_after_ms"]) / 1000)  # pacing: the server says when
 
 
 @pytest.fixture(scope="module")

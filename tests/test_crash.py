@@ -109,7 +109,7 @@ class Writers:
                 except CapacityError:
                     if not self.over_quota_ok:
                         raise
-                    time.sleep(0.01)
+                    time.sleep(0.01)  # pacing: back off while the group is full
                     continue
                 except KvcmError:
                     return  # the server died: a reply that never came is not an acknowledgement
@@ -119,7 +119,7 @@ class Writers:
     def run_for(self, seconds: float) -> None:
         for t in self.threads:
             t.start()
-        time.sleep(seconds)
+        time.sleep(seconds)  # the load's length, not a wait for anything: not scaled
 
 
 def test_kill_during_write_bursts(tmp_path, sock_dir):

@@ -87,7 +87,7 @@ class ByteWriters:
     def run_for(self, seconds: float) -> None:
         for t in self.threads:
             t.start()
-        time.sleep(seconds)
+        time.sleep(seconds)  # the load's length, not a wait for anything: not scaled
 
     def join(self) -> None:
         self.stop.set()

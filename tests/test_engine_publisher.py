@@ -11,7 +11,7 @@ import time
 import msgpack
 import pytest
 import zmq
-from helpers import TIME_FACTOR
+from helpers import TIME_FACTOR, wait_until
 
 from kvcm.api.engines import AddEventSourceRequest, MatchEnginesRequest, methods
 from kvcm.backends.metastore import MemoryStore
@@ -116,7 +116,7 @@ def test_publisher_thread_and_full_queue_leaves_a_gap():
         assert pub.seq == 2  # one seq skipped for the drops, one for the batch
         pub.start()
         pub.all_cleared("inst")
-        wait(lambda: time.sleep(0.01), lambda: pub.seq == 3)
+        wait_until(lambda: pub.seq == 3, interval=0.01)
     finally:
         pub.stop()
         pub.stop()  # idempotent
@@ -192,7 +192,7 @@ def test_cli_record_and_decode(tmp_path, capsys):
         deadline = time.monotonic() + 20 * TIME_FACTOR
         while thread.is_alive() and time.monotonic() < deadline:
             pub.remove([1])  # until the recorder's subscription is live
-            time.sleep(0.02)
+            time.sleep(0.02)  # pacing the real recorder: remove again until its subscription is live
         thread.join()
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert result == [0] and len(lines) == 3

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import register, wait_for
+from helpers import TIME_FACTOR, register, wait_for
 
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.scoring import parse_weights
@@ -189,7 +189,7 @@ def test_speculative_entries_appear_are_confirmed_and_expire(ranked):
     entry = _entry(_match(kv), "pod-cpu")
     assert entry is not None and entry["speculative"] is True and entry["matched_blocks"] == 8
     assert entry["speculative_blocks"] == 2 and entry["score"] == pytest.approx(6 * 0.8 + 2 * 0.9)
-    time.sleep(0.35)
+    time.sleep(0.35 * TIME_FACTOR)  # past the entry's 0.3 s ttl on the server's real clock
     entry = _entry(_match(kv), "pod-cpu")
     assert entry is not None and "speculative" not in entry and entry["matched_blocks"] == 6
     assert server.app.engines.speculative.ended["expired"] == 1

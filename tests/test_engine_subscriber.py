@@ -10,7 +10,7 @@ import time
 
 import pytest
 import zmq
-from helpers import TIME_FACTOR
+from helpers import TIME_FACTOR, wait_for
 
 from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys
@@ -302,9 +302,7 @@ def test_subscriber_thread_runs_and_stops(pubs):
     try:
         add(service, pub)
         store_blocks(pub, 0, 2)
-        deadline = time.monotonic() + 10 * TIME_FACTOR
-        while matched(service) != 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: matched(service) == 2, timeout=10 * TIME_FACTOR, interval=0.02)
         assert matched(service) == 2
     finally:
         service.stop()

@@ -290,7 +290,7 @@ class Load:
                 with self._lock:
                     keys = self.acked[-32:]
                 if not keys:
-                    time.sleep(0.01)
+                    time.sleep(0.01)  # pacing: nothing acknowledged to read yet
                     continue
                 try:
                     found = set(_found(c, keys, self.instance))
@@ -459,7 +459,7 @@ def test_a_sigstopped_leader_resumed_cannot_commit(pair):
             pair.endpoints[leader], "start_write_cache", {"instance_id": "inst", "block_keys": [99]},
             timeout=60 * TIME_FACTOR)))
         sender.start()
-        time.sleep(0.3)
+        time.sleep(0.3 * TIME_FACTOR)  # the request reaches the stopped process's socket: not observable
     finally:
         os.kill(pid, signal.SIGCONT)
     sender.join(90 * TIME_FACTOR)
@@ -507,7 +507,7 @@ def test_the_leader_stage_commits_with_its_epoch_and_is_fenced_by_a_newer_one(re
                                    "model_deployment": {"model_name": "m", "dtype": "fp16"}})
         # Background work runs only while the term is valid: an expired session stays while not.
         call("start_write_cache", {"instance_id": "inst", "block_keys": [7], "write_timeout_seconds": 0.05})
-        time.sleep(0.1)
+        time.sleep(0.1 * TIME_FACTOR)  # past the session's 0.05 s timeout on the app's real clocks
         expiry = next(t.fn for t in app.timers if t.name == "write-session-expiry")
         valid_until = lease._deadline
         lease._deadline = 0.0  # past the renew deadline
@@ -629,5 +629,5 @@ def test_leader_demote_hands_the_lease_over_and_holds_off_for_its_campaign_delay
     assert pair.info(leader)["leader"] is False
     os.kill(pair.nodes[other].process.pid, signal.SIGKILL)  # no leader left now ...
     pair.nodes[other].process.wait(10)
-    time.sleep((LEASE_MS + 3 * RENEW_MS) / 1000 * TIME_FACTOR)
+    time.sleep((LEASE_MS + 3 * RENEW_MS) / 1000 * TIME_FACTOR)  # proving a negative: past a whole lease, no leader
     assert pair.info(leader)["leader"] is False  # ... and the demoted node still holds off

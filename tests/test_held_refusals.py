@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import zmq
-from helpers import Clock
+from helpers import Clock, wait_for
 
 from kvcm.errors import Code, KvcmError
 from kvcm.proto import wire
@@ -103,9 +103,7 @@ def test_stopping_answers_the_held_refusals():
         sock = dealer(zmq.Context.instance(), running.endpoint)
         try:
             sock.send(wire.pack_request(9, "match_engines", BIG_MEDIA))
-            deadline = time.monotonic() + 5
-            while not len(running.app.dispatcher._tarpit) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: len(running.app.dispatcher._tarpit), timeout=5, interval=0.01)
             assert len(running.app.dispatcher._tarpit) == 1
             running.app.stop()  # answers what it holds before it closes (stop is idempotent)
             msgid, err, _ = answer(sock, 5.0)

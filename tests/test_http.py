@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 import urllib.error
 import urllib.request
 
 import msgpack
 import pytest
 import zmq
+from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcm.errors import InvalidArgument
@@ -86,9 +86,7 @@ def test_livez_fails_while_the_rpc_loop_is_wedged():
             with server.app.store.write():  # a write transaction: the next writer waits for it
                 group = {"name": "g", "storage_candidates": ["default-file"], "quota": {"capacity": 0}}
                 dealer.send(msgpack.packb([0, 1, "create_instance_group", [{"instance_group": group}]]))
-                deadline = time.monotonic() + 30
-                while _get(port, "/livez")[0] == 200 and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                wait_for(lambda: _get(port, "/livez")[0] != 200, timeout=30, interval=0.1)
                 assert _get(port, "/livez")[0] == 503
                 assert _get(port, "/readyz")[0] == 503
             assert dealer.poll(10_000), "the loop never came back"

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcm.errors import Code
@@ -270,7 +271,7 @@ def test_slowloris_and_silent_connections_are_cut_at_the_deadline_and_the_cap_ho
                             sock.send(bytes([next(trickle[sock], 97)]))
                         except OSError:
                             pass
-                time.sleep(0.25)
+                time.sleep(0.25)  # pacing the trickling peers: one byte a quarter second
             assert not open_socks, f"{len(open_socks)} connections still open"
             assert max(cut.values()) < timeout + SLACK, sorted(cut.values())
             assert peak - baseline <= cap + 1 + 2, (peak, baseline)  # + the one probe slot of this address
@@ -284,16 +285,12 @@ def test_connections_past_the_cap_get_503_at_once_and_slots_come_back():
     with serve_in_thread(overrides={"http": {"max_connections": 2, "read_timeout_s": 30.0}}) as server:
         port = server.http_port
         with connections(port, 2) as held:
-            deadline = time.monotonic() + 10
-            while not _busy(port) and time.monotonic() < deadline:  # until both are accepted
-                time.sleep(0.05)
+            wait_for(lambda: _busy(port), timeout=10)  # until both are accepted
             assert _busy(port)
             assert refused(server).get("connection_cap", 0) >= 1
             for sock in held:
                 sock.close()
-        deadline = time.monotonic() + 10
-        while _busy(port) and time.monotonic() < deadline:  # the held threads see EOF and end
-            time.sleep(0.05)
+        wait_for(lambda: not _busy(port), timeout=10)  # the held threads see EOF and end
         assert get(port, "/livez").status == 200
 
 
@@ -491,9 +488,8 @@ def test_auth_on_metrics_takes_a_valid_bearer_token_only():
         assert reply.status == 200 and reply.json()["result"]["user_name"] == "scraper", reply.body
         with server.client(auth={"user": "admin", "password": ADMIN_PW}) as c:
             c.call("revoke_token", {"token_id": issued["token_id"]})
-        deadline = time.monotonic() + 30  # the positive answer is remembered a few seconds only
-        while get(port, "/metrics", bearer).status == 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        # the positive answer is remembered a few seconds only
+        wait_for(lambda: get(port, "/metrics", bearer).status != 200, timeout=30, interval=0.2)
         assert get(port, "/metrics", bearer).status == 401
 
 

@@ -168,7 +168,7 @@ def _flood(port: int, source: str, hold: int) -> Iterator[list[int]]:
                         connects[0] += 1
                     except OSError:
                         break
-                time.sleep(0.01)
+                time.sleep(0.01)  # pacing the hostile peer's reconnects
         finally:
             for sock in socks:
                 sock.close()

@@ -196,7 +196,7 @@ def _growth_under_writes(tmp_path, scan: str) -> int:
                         for _ in index.scan(view, NS):
                             if stop.is_set():
                                 break
-                            time.sleep(0.0001)
+                            time.sleep(0.0001)  # a slow reader: its snapshot stays open
 
         thread = threading.Thread(target=scanner)
         thread.start()

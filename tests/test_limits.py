@@ -22,7 +22,7 @@ from kvcm.errors import Code, KvcmError
 from kvcm.proto import wire
 from kvcm.rpc.dispatch import Deferred, Dispatcher, Estimate, Limits, Method
 from kvcm.testing import serve_in_thread
-from tests.helpers import register
+from tests.helpers import TIME_FACTOR, register
 
 # -- synthetic methods ------------------------------------------------------------------------------
 
@@ -187,7 +187,7 @@ def test_a_carried_request_times_out():
 
     d = Dispatcher(_methods([]), authorize=authorize, limits=Limits(defer_timeout_s=0.05))
     assert d.serve([("x", b"A", _req(1, tag="x"))]) == []
-    time.sleep(0.1)
+    time.sleep(0.1 * TIME_FACTOR)  # past defer_timeout_s on the dispatcher's real monotonic clock
     (_, reply), = d.serve([])
     assert wire.parse_response(reply)[1]["name"] == "TIMEOUT"
     assert d.wait_ms() is None

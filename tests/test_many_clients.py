@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import time
 from typing import Any
 
 import msgpack
 import pytest
 import zmq
-from helpers import register
+from helpers import register, wait_for
 
 from kvcm.testing import serve_in_subprocess
 
@@ -92,9 +91,8 @@ def _run(processes: int, sockets: int, ops: int) -> None:
         problems = [x for _, found in results for x in found]
         assert problems == []
         assert sum(done for done, _ in results) == processes * sockets * ops
-        deadline = time.monotonic() + 20
-        while _descriptors(srv.process.pid) > baseline and time.monotonic() < deadline:
-            time.sleep(0.1)  # the server notices the peers' disconnects asynchronously
+        # the server notices the peers' disconnects asynchronously
+        wait_for(lambda: _descriptors(srv.process.pid) <= baseline, timeout=20, interval=0.1)
         assert _descriptors(srv.process.pid) <= baseline
 
 

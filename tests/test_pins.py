@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from helpers import error_code, locate, register, wait_for, write
+from helpers import TIME_FACTOR, error_code, locate, register, wait_for, write
 
 from kvcm.app import open_store
 from kvcm.backends.metastore.base import from_i64, from_u64, i64, u64
@@ -274,7 +274,7 @@ def test_pins_survive_a_restart_on_the_same_data_dir():
             kept = pin(c, "keep", [1, 2, -3], ttl=600)["expires_at"]
             pin(c, "keep", [4], ttl=0.2)
             unpin(c, "keep", [2])
-        time.sleep(0.3)  # the short pin lapses while the server is down
+        time.sleep(0.3 * TIME_FACTOR)  # the short pin lapses while the server is down (no server to poll)
         with serve_in_thread(data_dir=data, overrides=OVERRIDES) as srv, srv.client() as c:
             pins = srv.app.cache.pins
             assert pins.pinned("keep", time.time()) == {1, -3}

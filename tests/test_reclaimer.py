@@ -530,6 +530,8 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
     import threading
     import time
 
+    from helpers import wait_for
+
     from kvcm.cache.deleter import pending_bytes
     from kvcm.cache.usage import Usage
     from kvcm.testing import serve_in_thread
@@ -555,7 +557,7 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
                         used = Usage.group_used(view, "default")[0]
                         going = sum(n for (g, _), n in pending_bytes(view).items() if g == "default")
                     seen["peak"] = max(seen["peak"], used - going)
-                    time.sleep(0.0005)
+                    time.sleep(0.0005)  # sampling period
 
             def read() -> None:
                 with srv.client() as rc:
@@ -578,7 +580,7 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
                     # Writes wait for a read of the hot prompt in between, whatever the thread
                     # scheduling: LRU must then keep it (the write rate alone cannot push it out).
                     while seen["hot_reads"] == hot_reads and threads[1].is_alive():
-                        time.sleep(0.0005)
+                        time.sleep(0.0005)  # until the reader thread's next hot read
                     hot_reads = seen["hot_reads"]
                     keys = [prompt * 10 + i for i in range(4)]
                     if _write_prompt(c, root, keys):
@@ -588,8 +590,7 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
                         rejected += 1
                         time.sleep(INTERVAL)  # the hard quota: wait for the reclaimer
                 rounds_at_stop = _rounds(app)
-                while app.cache.usage("default")["bytes"] >= WATERMARK * quota:
-                    time.sleep(INTERVAL / 5)
+                wait_for(lambda: app.cache.usage("default")["bytes"] < WATERMARK * quota, timeout=60, interval=INTERVAL / 5)
                 rounds_to_watermark = _rounds(app) - rounds_at_stop
             finally:
                 stop.set()
@@ -608,7 +609,11 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
             assert done["served"] == 2, done
             blocks = _sample_value(app, "kvcm_reclaim_blocks_total")
             assert blocks >= 240 - QUOTA_BLOCKS, blocks
-        time.sleep(DELAY_MS / 1000 + 0.3)  # let the last deletes finish: usage = recount then
+        def deleting() -> bool:
+            with app.cache.store.read() as view:
+                return bool(pending_bytes(view))
+
+        wait_for(lambda: not deleting(), timeout=30)  # the last deletes finish: usage = recount then
         app.cache.check()
 
 
@@ -621,7 +626,7 @@ def _sample_value(app, name: str) -> float:
 
 
 def test_live_policy_change_applies_without_restart():
-    import time
+    from helpers import wait_for
 
     from kvcm.testing import serve_in_thread
 
@@ -635,8 +640,6 @@ def test_live_policy_change_applies_without_restart():
             c.call("update_instance_group", {"current_version": group["version"], "instance_group": {
                 "name": "default", "reclaim_strategy": {"reclaim_policy": "ttl", "ttl_seconds": 1,
                                                         "used_percentage": 0.9, "delay_before_delete_ms": 0}}})
-            deadline = time.monotonic() + 30
-            while app.cache.usage("default")["bytes"] > 0 and time.monotonic() < deadline:
-                time.sleep(INTERVAL)
+            wait_for(lambda: app.cache.usage("default")["bytes"] == 0, timeout=30, interval=INTERVAL)
             assert app.cache.usage("default")["bytes"] == 0  # TTL reclaimed all, far below the watermark
             assert app.reclaimer.tracked("default", "file").name == "ttl"

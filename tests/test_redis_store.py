@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 import redis
-from helpers import finish, hard_close, register, start, wait_for
+from helpers import TIME_FACTOR, finish, hard_close, register, start, wait_for
 from redis.crc import key_slot
 
 from kvcm.backends.metastore import u64
@@ -65,7 +65,7 @@ def test_a_commit_cut_off_while_sent_applies_nothing(rstore, redis_server):
     command = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
     with socket.create_connection(("127.0.0.1", redis_server.port)) as conn:
         conn.sendall(command[: len(command) - 9])  # everything but the end of the last argument
-    time.sleep(0.2)
+    time.sleep(0.2 * TIME_FACTOR)  # proving a negative: the cut script is still not applied after a while
     raw = _raw(redis_server)
     assert raw.hkeys(rstore.hash_key("blocks")) == [b"a"] and raw.get(rstore.commit_key) != b"cut"
     with rstore.write() as txn:  # the same script sent whole is applied: the cut was what stopped it

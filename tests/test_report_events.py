@@ -176,7 +176,7 @@ def test_a_silent_push_source_goes_stale_then_expires_and_heartbeats_keep_it_liv
     end = time.monotonic() + 1.6  # longer than stale_after_s, heard all along
     while time.monotonic() < end:
         assert kv.report_events(source_id="push-a", op="heartbeat").state == "live"
-        time.sleep(0.2)
+        time.sleep(0.2)  # pacing: heartbeats well inside stale_after_s, not a wait for anything
     assert "push-a" in matched(kv)
     assert wait_for(lambda: "push-a" not in matched(kv))  # silent: stale, left out
     reply = kv.call("match_engines", {"instance_id": "llm", "token_ids": TOKENS})

@@ -13,6 +13,7 @@ import time
 
 import pytest
 from block_bytes import read_problems, storage_roots, write_session
+from helpers import TIME_FACTOR
 
 from kvcm.client import Client
 from kvcm.errors import NotFound
@@ -184,7 +185,8 @@ def _engine_reports(endpoint: str) -> None:
         for seq, events in enumerate(batches):
             payload = encode_batch(events, 1.0 + seq)
             c.report_events(source_id="push-a", op="payloads", payloads=[{"seq": seq, "payload": payload}])
-            time.sleep(0.3)  # past the subscriber's next wake-up (poll_ms 20): persisted
+            # past the subscriber's next wake-up (poll_ms 20): persisted; in a subprocess, not observable
+            time.sleep(0.3 * TIME_FACTOR)
 
 
 def _engine_check(endpoint: str) -> None:

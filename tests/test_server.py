@@ -10,6 +10,7 @@ import msgpack
 import msgspec
 import pytest
 import zmq
+from helpers import TIME_FACTOR, wait_for
 
 from kvcm.backends.metastore import MemoryStore
 from kvcm.client import Client
@@ -191,7 +192,7 @@ def test_client_that_never_reads_loses_replies_not_the_server(tmp_path):
             deadline = time.monotonic() + 30
             while dropped._value.get() == 0 and time.monotonic() < deadline:
                 assert c.call("echo", {"z": 1}) == {"echo": {"z": 1}}  # served all along
-                time.sleep(0.05)
+                time.sleep(0.05)  # pacing: the echo answered all along, while the hog fills buffers
             assert dropped._value.get() > 0
             assert c.call("echo", {"z": 2}) == {"echo": {"z": 2}}
     finally:
@@ -202,9 +203,7 @@ def test_client_that_never_reads_loses_replies_not_the_server(tmp_path):
 
 def test_timers_run_between_polls(running):
     _, ticks = running
-    deadline = time.monotonic() + 5
-    while len(ticks) < 5 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: len(ticks) >= 5, timeout=5, interval=0.01)
     assert len(ticks) >= 5
 
 
@@ -222,7 +221,7 @@ def test_each_timer_keeps_its_own_interval_and_the_poll_waits_for_the_earliest(t
         assert 0 < server._next_timeout() <= 51  # the fast timer's, not the 1 s poll
         server._run_timers()  # too early for either
         assert (len(fast), len(slow)) == (1, 1)
-        time.sleep(0.06)
+        time.sleep(0.06 * TIME_FACTOR)  # the server's timers run on the real monotonic clock
         assert server._next_timeout() == 0  # overdue: no sleeping in poll
         server._run_timers()
         assert (len(fast), len(slow)) == (2, 1)  # the slow one waits its 30 s
@@ -263,9 +262,9 @@ def test_stop_answers_queued_requests(tmp_path):
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(server.endpoint)
     dealer.send(wire.pack_request(1, "slow", {}))
-    time.sleep(0.2)
+    time.sleep(0.2 * TIME_FACTOR)  # the first request runs alone, the second arrives while it does
     dealer.send(wire.pack_request(2, "slow", {}))
-    time.sleep(0.1)
+    time.sleep(0.1 * TIME_FACTOR)
     server.stop()
     gate.set()
     got = set()

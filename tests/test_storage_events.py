@@ -7,6 +7,7 @@ import json
 import time
 
 import zmq
+from helpers import TIME_FACTOR, wait_for
 
 from kvcm.optimizer.trace_readers import read_trace
 from kvcm.proto.kv_events import decode_batch
@@ -36,7 +37,7 @@ def test_publisher_and_event_log(tmp_path):
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(sock)
-        time.sleep(0.3)  # PUB/SUB slow joiner
+        time.sleep(0.3 * TIME_FACTOR)  # PUB/SUB slow joiner: a subscription's arrival cannot be observed
         kv.call("register_instance", INSTANCE)
         started = kv.call("start_write_cache", {"instance_id": "llm", "token_ids": tokens})
         kv.call("finish_write_cache", {"instance_id": "llm", "write_session_id": started["write_session_id"],
@@ -73,14 +74,12 @@ def test_get_cache_location_includes_engine_holders():
         kv.call("add_event_source", {"source_id": "pod-a", "instance_id": "llm", "endpoint": engine.endpoint,
                                      "replay_endpoint": engine.replay_endpoint})
         engine.store([7, 8], tokens, block_size=BLOCK)
-        deadline = time.monotonic() + 10
-        while True:
-            reply = kv.call("get_cache_location", {"instance_id": "llm", "query_type": "batch_get",
-                                                   "token_ids": tokens, "include_engines": True})
-            holders = reply["engine_locations"]
-            if all(holders) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        def engine_holders() -> list:
+            return kv.call("get_cache_location", {"instance_id": "llm", "query_type": "batch_get",
+                                                  "token_ids": tokens, "include_engines": True})["engine_locations"]
+
+        wait_for(lambda: all(engine_holders()))
+        holders = engine_holders()
         assert len(holders) == 2 and all(h and h[0]["source_id"] == "pod-a" for h in holders)
         plain = kv.call("get_cache_location", {"instance_id": "llm", "query_type": "batch_get", "token_ids": tokens})
         assert "engine_locations" not in plain

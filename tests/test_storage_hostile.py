@@ -127,7 +127,7 @@ def test_the_health_probe_never_opens_what_others_planted_at_its_name(tmp_path: 
         os.symlink(victim, f"/dev/shm/{prefix}probe.{pid}")
         os.mkdir(roots["fs"] / f".kvcm-probe-{pid}")
         os.mkfifo(roots["fifo"] / f".kvcm-probe-{pid}")
-        time.sleep(1.0)  # ten probe rounds; two failed probes make a storage unavailable
+        time.sleep(1.0 * TIME_FACTOR)  # proving a negative: ten probe rounds; two failed probes make a storage unavailable
         health = c.call("check_health")["storages"]
         assert all(health[name]["available"] for name in ("sh", *roots)), health
         for name in ("sh", *roots):
@@ -217,7 +217,7 @@ def test_a_directory_planted_at_a_lock_name_makes_the_storage_wait_not_fail(tmp_
     os.mkdir(planted)
     with serve_in_thread(data_dir=data, overrides=QUIET) as server, server.client(timeout=5.0, retries=0) as c:
         sampler = Sampler(lambda: server.app.registry.get_storage("sh").available)
-        time.sleep(0.5)  # five health rounds
+        time.sleep(0.5 * TIME_FACTOR)  # proving a negative: five health rounds, sampled all along
         register(c, "other")
         write(c, [7], instance="other")  # the default storage serves on
         os.rmdir(planted)
@@ -405,7 +405,7 @@ def test_a_storage_locked_by_a_paused_process_waits_and_comes_back(tmp_path: Any
             start(c, [9])
         assert info.value.code is Code.NO_STORAGE_AVAILABLE
         c.call("remove_cache", {"instance_id": "inst", "block_keys": [4]})
-        time.sleep(0.5)  # 25 deleter rounds: it waits for the storage, it never drops the copy unfreed
+        time.sleep(0.5 * TIME_FACTOR)  # proving a negative: 25 deleter rounds: it waits for the storage, it never drops the copy unfreed
         assert _status(c, 4) == "deleting"
         waiting = c.call("check_health")["storages"]["default-file"]
         assert waiting["available"] is True and "lock" in waiting["waiting"]  # why this node serves nothing
@@ -453,7 +453,7 @@ def test_after_a_leader_pause_the_next_leader_gets_its_file_storage_back(redis_f
             sampler = Sampler(available)
             with Client(pair.endpoints[b], timeout=5.0) as c:
                 c.call("remove_cache", {"instance_id": "inst", "block_keys": [4]})
-                time.sleep(0.5)
+                time.sleep(0.5 * TIME_FACTOR)  # proving a negative: deleter rounds, the free still waits
                 assert _status(c, 4) == "deleting"  # its free waits for the storage
         finally:
             os.kill(pair.nodes[a].process.pid, signal.SIGCONT)
@@ -463,7 +463,7 @@ def test_after_a_leader_pause_the_next_leader_gets_its_file_storage_back(redis_f
             write(c, [5])
             assert _served(c, [1, 2, 3, 5]) == 4
             assert wait_for(lambda: _status(c, 4) == "not_found", timeout=10 * TIME_FACTOR)
-        time.sleep(0.5)
+        time.sleep(0.5 * TIME_FACTOR)  # the sampler watches a while longer
         seen = sampler.stop()
         assert seen and all(seen), "the registry recorded the storage unavailable"
     finally:

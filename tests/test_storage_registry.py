@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from helpers import wait_for
 
 from kvcm.backends.storage.base import StorageBackend, slot_runs
 from kvcm.backends.storage.registry import STORAGE_BACKENDS, StorageHealth, normalize_spec, open_backend, parse_uri
@@ -165,7 +166,7 @@ def test_hung_probe_counts_as_failed_and_is_not_stacked():
     assert a.calls == 2  # the second round waited on the stuck probe instead of starting another
     a.gate.set()
     a.gate = None
-    time.sleep(0.05)
+    wait_for(lambda: not health._inflight["a"].thread.is_alive())  # the released probe ends
     health.run_once()  # collects the old probe's result
     assert flips[-1] == ("a", True)
 

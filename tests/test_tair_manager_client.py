@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import requests
-from helpers import free_port, wait_until
+from helpers import TIME_FACTOR, free_port, wait_until
 
 from kvcm import Client
 from kvcm.blocks import BlockIO
@@ -430,7 +430,7 @@ def test_tair_leader_demote_hands_the_lease_over_and_side_ports_answer_throughou
             # A write served by the new leader (the default storage is under n1's data dir: no blocks).
             client.register_instance({"instance_group": "default", "instance_id": "llm", "block_size": BLOCK,
                                       "location_spec_infos": [{"name": "tp0", "size": 64}]})
-            time.sleep(0.5)  # the demoted node's follower stage is serving too
+            time.sleep(0.5 * TIME_FACTOR)  # the prober keeps calling while the demoted node's follower stage serves too
         assert prober.failures == [], prober.failures[:5]
         assert prober.answers > 10
         # The connection opened before the switch is the one the demoted node's new stage answers on.
@@ -466,7 +466,7 @@ def test_a_follower_answers_server_not_leader_at_once_while_its_leader_is_stoppe
     # While the leader answers, the follower forwards to it (and Tair's client is served)...
     assert _tair_status(follower, "registerInstance", register)["code"] == "OK"
     os.kill(pair.nodes["n1"].process.pid, signal.SIGSTOP)
-    time.sleep(1.2)  # past the second the follower trusts its last look at the leader
+    time.sleep(1.2 * TIME_FACTOR)  # past the second the follower trusts its last look at the leader
     # ...and once it stops, every call starts at the follower again and is refused there.
     status = _tair_status(follower, "registerInstance", register)
     assert status["code"] == "SERVER_NOT_LEADER", status

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import time
 
+from helpers import wait_for
+
 import kvcm.threads
 from kvcm.threads import LoopThread
 
@@ -22,9 +24,7 @@ def test_the_same_failure_is_logged_once_then_counted(caplog, monkeypatch):
     with caplog.at_level(logging.ERROR, logger="kvcm.threads"):
         began = time.monotonic()
         loop.start()
-        deadline = began + 10
-        while len(calls) < 45 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: len(calls) >= 45, timeout=10, interval=0.01)
         loop.stop()
     elapsed = time.monotonic() - began
     assert loop.alive is False and loop.failures == len(calls) >= 45

@@ -91,7 +91,7 @@ def test_token_expires_after_its_ttl(server):
         assert made["expire_time"] - made["create_time"] == 1000
         with server.client(auth={"token": made["token"]}) as c:
             assert c.call("whoami")["authenticated_by"] == "token"
-            time.sleep(1.2)
+            time.sleep(1.2)  # the one-second ttl runs out on the server's own wall clock
             assert denied(c.call, "whoami").code == Code.UNAUTHENTICATED
         assert admin.call("list_tokens", {})["tokens"][0]["expired"] is True
 

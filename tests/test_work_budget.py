@@ -45,7 +45,7 @@ def test_a_source_past_its_budget_is_told_when_to_come_back_and_others_are_not(s
         assert report(other, "llm/b", 10**9, 2000)["applied_blocks"] == 2000  # another owner's budget is its own
         with pytest.raises(KvcmError) as info:  # the emptied bucket: a fresh wait
             report(kv, "llm/a", 10**8, 2000)
-        time.sleep(int(info.value.detail["retry_after_ms"]) / 1000 + 0.05)
+        time.sleep(int(info.value.detail["retry_after_ms"]) / 1000 + 0.05)  # the refill the server named
         assert report(kv, "llm/a", 10**8, 2000)["applied_blocks"] == 2000
 
 

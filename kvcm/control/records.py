@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from kvcm.backends.migrations import REGISTRY_SNAPSHOT
 from kvcm.backends.storage.registry import STORAGE_BACKENDS, normalize_spec
 from kvcm.control.passwords import CONTROL_CHARS, check_password_hash
 from kvcm.errors import InvalidArgument
@@ -400,7 +401,7 @@ def _b64(raw: bytes) -> str:
 # -- snapshots -------------------------------------------------------------------------------------
 
 
-SNAPSHOT_FORMAT, SNAPSHOT_VERSION = "kvcm-registry", 1
+SNAPSHOT_FORMAT, SNAPSHOT_VERSION = "kvcm-registry", REGISTRY_SNAPSHOT.current
 
 
 class Snapshot(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -426,11 +427,10 @@ def parse_snapshot(data: dict[str, Any] | str) -> Snapshot:
         except (ValueError, RecursionError) as exc:  # RecursionError: nested beyond any snapshot
             raise InvalidArgument(f"config_snapshot: not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     snapshot = convert(data, Snapshot, "config_snapshot")
-    if snapshot.format != SNAPSHOT_FORMAT or snapshot.version > SNAPSHOT_VERSION:
-        raise InvalidArgument(
-            f"config_snapshot: format {snapshot.format!r} v{snapshot.version} is not "
-            f"{SNAPSHOT_FORMAT!r} v{SNAPSHOT_VERSION}"
-        )
+    if snapshot.format != SNAPSHOT_FORMAT:
+        raise InvalidArgument(f"config_snapshot: format {snapshot.format!r} is not {SNAPSHOT_FORMAT!r}")
+    if (problem := REGISTRY_SNAPSHOT.refusal(snapshot.version)) is not None:
+        raise InvalidArgument(f"config_snapshot: {problem}")
     return snapshot
 
 

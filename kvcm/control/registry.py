@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from kvcm.backends.metastore.base import MetaStore, ReadTxn
+from kvcm.backends.migrations import METASTORE
 from kvcm.backends.storage.roots import StorageRoots, check_placement
 from kvcm.control.accounts import AccountRegistry
 from kvcm.control.groups import GroupRegistry
@@ -58,7 +59,7 @@ from kvcm.control.registry_core import (
 from kvcm.control.storages import StorageRegistry
 from kvcm.errors import Code, Conflict, NotFound, error
 
-_SCHEMA_KEY, _SCHEMA = b"registry.schema", b"1"
+_SCHEMA_KEY, _SCHEMA = b"registry.schema", METASTORE.marker
 # The id of this data dir's metadata, named by the ownership marker of every storage it records
 # (kvcm.backends.storage.ownership): a store made anew gets a new id, so its storages can tell.
 _DATA_DIR_ID_KEY = b"data_dir.id"
@@ -105,10 +106,8 @@ class Registry(StorageRegistry, GroupRegistry, InstanceRegistry, AccountRegistry
                 txn.put("meta", _DATA_DIR_ID_KEY, self.data_dir_id.encode())
             if schema is None:
                 txn.put("meta", _SCHEMA_KEY, _SCHEMA)
-            elif schema != _SCHEMA:
-                raise error(
-                    Code.UNSUPPORTED, f"registry schema {schema!r} is newer than this kvcm supports ({_SCHEMA!r})"
-                )
+            elif (problem := METASTORE.refusal(schema)) is not None:
+                raise error(Code.UNSUPPORTED, problem)
         with self._store.read() as view:
             for table in self._all_tables():
                 table.load(view)

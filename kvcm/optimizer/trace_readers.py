@@ -37,11 +37,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+from kvcm.backends.migrations import TRACE
 from kvcm.cache.keys import chain_hash_ids
 from kvcm.optimizer import kvcm_events, vllm_capture
 from kvcm.optimizer.trace import OPS, LineContext, Record, Trace, TraceError, json_lines
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = TRACE.current
 Progress = Callable[[int], object]
 
 
@@ -112,8 +113,8 @@ def read_schema(path: str, trace: Trace, progress: Progress | None = None) -> It
 
 
 def _read_header(line: LineContext, trace: Trace) -> None:
-    if line.get("kvcm_schema", int) > SCHEMA_VERSION:
-        raise line.fail(f"kvcm_schema version {line.obj['kvcm_schema']} is newer than {SCHEMA_VERSION}")
+    if (problem := TRACE.refusal(line.get("kvcm_schema", int))) is not None:
+        raise line.fail(problem)
     trace.block_size = int(line.number("block_size", trace.block_size))
     for instance, spec in line.get("instances", dict, {}).items():
         if not isinstance(spec, dict) or type(spec.get("block_size")) is not int:

@@ -27,9 +27,11 @@ from typing import Any
 
 import msgpack
 
+from kvcm.backends.migrations import RECLAIM_SNAPSHOT
+
 log = logging.getLogger("kvcm.reclaimer")
 
-VERSION = 1
+VERSION = RECLAIM_SNAPSHOT.current
 SNAPSHOT = "snapshot"
 _DAMAGED = (ValueError, KeyError, TypeError, IndexError, msgpack.UnpackException)
 
@@ -57,8 +59,8 @@ class RecencyFile:
                 raw = f.read()
             self._snapshot_bytes = len(raw)
             snap = msgpack.unpackb(raw, strict_map_key=False)
-            if not isinstance(snap, dict) or snap.get("version") != VERSION:
-                raise ValueError(f"unknown snapshot version {snap.get('version') if isinstance(snap, dict) else '?'}")
+            if not isinstance(snap, dict) or (problem := RECLAIM_SNAPSHOT.refusal(snap.get("version"))) is not None:
+                raise ValueError(problem if isinstance(snap, dict) else "not a snapshot")
             self.gen, groups = int(snap["gen"]), dict(snap["groups"])
         except FileNotFoundError:
             pass

@@ -38,6 +38,7 @@ import lmdb
 
 from kvcm.backends.metastore.base import DATABASES, merge_savepoint, run_aborts
 from kvcm.backends.metastore.lmdb_txn import LmdbReadTxn, LmdbWriteTxn, key_range, translate_error
+from kvcm.backends.migrations import upgrade_lmdb_layout
 from kvcm.errors import Code, ServerError, Unavailable
 from kvcm.lockfile import LockBusy, drop_lock_file, hold_lock_file
 
@@ -164,27 +165,12 @@ class LmdbStore:
         self.stale_readers_cleared = 0
         self._clear_stale_readers()  # slots left by killed readers of a previous run
         self._dbs = {name: self._env.open_db(name.encode()) for name in DATABASES}
-        self._migrate_names()
+        upgrade_lmdb_layout(self._env, self._dbs)  # the layout steps of kvcm.backends.migrations
         self._gate = _Gate()
         self._local = threading.local()
         self._closed = False
         self._forked = False  # set in a child process after fork(): see _mark_forked
         _open_stores.add(self)
-
-    def _migrate_names(self) -> None:
-        """Databases an older kvcm named otherwise: the runs table was once called ``access``
-        (moved into ``runs``, entry by entry, in one transaction), and ``engine_hashes`` was
-        never written (dropped)."""
-        with self._env.begin(write=True) as txn:
-            names = {bytes(k) for k, _ in txn.cursor()}
-            if b"access" in names:
-                old = self._env.open_db(b"access", txn=txn)
-                runs = self._dbs["runs"]
-                for key, value in txn.cursor(db=old):
-                    txn.put(key, value, db=runs)
-                txn.drop(old, delete=True)
-            if b"engine_hashes" in names:
-                txn.drop(self._env.open_db(b"engine_hashes", txn=txn), delete=True)
 
     def _lock_dir(self, path: str) -> str:
         """Hold ``kvcm.lock`` (see :mod:`kvcm.lockfile`: a clean close removes it again)."""

@@ -47,10 +47,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcm.backends.migrations import STORAGE_MARKER
 from kvcm.backends.storage.base import create_unique, open_regular
 from kvcm.errors import InvalidArgument
 
-MARKER_VERSION = 2
+MARKER_VERSION = STORAGE_MARKER.current
 #: The data dir's secret that signs markers (hex text, mode 0600, created once).
 KEY_FILE = "marker.key"
 
