@@ -32,6 +32,7 @@ from typing import Any
 from kvcm.client import Client
 from kvcm.config import Config, load
 from kvcm.errors import AccessDenied, KvcmError
+from kvcm.rpc.curve import CurveOptions
 from kvcm.testing.fake_engine import FakeEnginePublisher
 
 #: Where test servers let storages live: every temp dir a test makes, and the shm tmpfs.
@@ -196,7 +197,7 @@ def stop_subprocess(server: RunningServer, kill: bool = False, timeout: float = 
 
 
 def _wait_ready(endpoint: str, timeout: float = 30.0, process: subprocess.Popen[bytes] | None = None,
-                client_options: dict[str, Any] | None = None) -> None:
+                client_options: CurveOptions | None = None) -> None:
     deadline = time.monotonic() + timeout
     with Client(endpoint, timeout=0.5, retries=0, **(client_options or {})) as client:
         while True:
