@@ -111,7 +111,7 @@ def encode(record: Record) -> bytes:
             head = loc
     if serving != 1 or len(head.addr) > 255:  # type: ignore[union-attr]
         head = None
-    items: list[list[Any]] = []
+    items: list[list[object]] = []
     for loc in record.locs:
         created = round(loc.created * 1000)
         item = [loc.id, loc.status, created - base, round(loc.written * 1000) - created if loc.written else None,

@@ -50,7 +50,7 @@ from kvcm.cache.sessions import Session, new_session_id, random_id
 from kvcm.cache.state import CacheState
 from kvcm.cache.usage import FreeKey, Key, Usage
 from kvcm.errors import CapacityError, Code, InvalidArgument, NotFound
-from kvcm.proto.wire import Raw, pack_array_raw, pack_map_raw
+from kvcm.proto.wire import Encodable, Raw, pack_array_raw, pack_map_raw
 
 log = logging.getLogger("kvcm.cache.writes")
 
@@ -496,7 +496,7 @@ def _reply(session_id: str, mask: dict[str, Any], wires: list[bytes]) -> Raw:
 # -- finish ---------------------------------------------------------------------------------------
 
 
-def finish_write_cache(s: CacheState, instance_id: str, session_id: str, success: BlockMask | None) -> dict[str, Any]:
+def finish_write_cache(s: CacheState, instance_id: str, session_id: str, success: BlockMask | None) -> dict[str, Encodable]:
     s.instance(instance_id)
     with s.store.write(join=True) as txn:
         session = s.sessions.get(txn, session_id)
