@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
 
 from kvcm.backends.storage.base import SlotStorage
 from kvcm.cache import consistency, lookup, removal, writes

@@ -12,7 +12,6 @@ blocks exactly (``offset <= n``, ``len(bool_masks) == n``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
