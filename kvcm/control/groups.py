@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import msgspec
 
 from kvcm.backends.metastore.base import ReadTxn, WriteTxn
