@@ -25,10 +25,10 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
-from typing import Any
 
 import msgpack
 
+from kvcm.backends.metastore.base import ReadTxn
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.locations import wire as wire_of
 from kvcm.cache.locations import wires as wire_cache
@@ -148,7 +148,7 @@ def _prefix(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask 
     return hits, [_LOCATIONS_MAP, _packer.pack_array_header(done), *parts]
 
 
-def _runs(view: Any, ns: bytes, wanted: list[int], unusable: frozenset[str], parts: list[bytes]) -> int:
+def _runs(view: ReadTxn, ns: bytes, wanted: list[int], unusable: frozenset[str], parts: list[bytes]) -> int:
     """Match the leading keys against run records; returns how many keys they covered."""
     packed: memoryview | None = None  # the keys packed once a run is found; sliced without a copy
     done = 0
@@ -169,7 +169,7 @@ def _runs(view: Any, ns: bytes, wanted: list[int], unusable: frozenset[str], par
     return done
 
 
-def _walk(s: CacheState, snap: Any, ns: bytes, wanted: list[int]) -> Iterator[list[bytes]]:
+def _walk(s: CacheState, snap: CachedRead, ns: bytes, wanted: list[int]) -> Iterator[list[bytes]]:
     """The stored values of a prefix walk's keys, a slice at a time (the first of
     :data:`_FIRST_SLICE` keys, each next one twice as long), until a slice ends at a key
     without a record. A long prompt whose prefix ends early (a miss at its fourth block of
@@ -185,7 +185,7 @@ def _walk(s: CacheState, snap: Any, ns: bytes, wanted: list[int]) -> Iterator[li
         size *= 2
 
 
-def _blocks(s: CacheState, snap: Any, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
+def _blocks(s: CacheState, snap: CachedRead, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
             rank: Callable[[str], int]) -> list[bytes]:
     wires: list[bytes] = []
     for values in _walk(s, snap, inst.ns, wanted):
@@ -202,7 +202,7 @@ def _blocks(s: CacheState, snap: Any, inst: InstanceView, wanted: list[int], unu
     return wires
 
 
-def _visible_count(s: CacheState, snap: Any, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
+def _visible_count(s: CacheState, snap: CachedRead, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
                    rank: Callable[[str], int]) -> int:
     """How many leading keys of ``wanted`` have a visible copy (:func:`_blocks`' length,
     without building a location's wire bytes)."""

@@ -292,7 +292,7 @@ _WBITS = -12  # raw deflate, 4 KiB window: a small state to set up per run
 # Runs shorter than this are stored as format 1 (not deflated): setting up the compressor cost
 # about a third of the extra CPU a 4-key write paid, for a few hundred bytes per run saved.
 _DEFLATE_FROM = 8
-bodies = BuiltCache(192 << 20)
+bodies: BuiltCache[tuple[bytes, bytes]] = BuiltCache(192 << 20)
 
 
 def set_cache_bytes(total: int) -> None:
