@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import zmq
 
@@ -37,16 +37,13 @@ log = logging.getLogger("kvcm.rpc.server")
 
 #: ``handle_batch(payloads, senders) -> replies``: one reply (or None) per payload, all in one turn.
 BatchHandler = Callable[[Sequence[bytes], Sequence[bytes]], list[bytes | None]]
-#: A request's routing frames, the tag a reply is sent back with.
-Head = list[bytes]
-Tag = TypeVar("Tag")
 
 
 @runtime_checkable
-class TurnHandler(Protocol[Tag]):
+class TurnHandler(Protocol):
     """What the dispatcher offers the loop: requests may finish in a later turn than they came."""
 
-    def serve(self, arrivals: Sequence[tuple[Tag, bytes, bytes]]) -> list[tuple[Tag, bytes | None]]:
+    def serve(self, arrivals: Sequence[tuple[Any, bytes, bytes]]) -> list[tuple[Any, bytes | None]]:
         """``(tag, sender, payload)`` in; ``(tag, reply or None)`` of every request finished."""
         ...
 
@@ -61,7 +58,7 @@ class _WholeBatches:
     def __init__(self, handle_batch: BatchHandler) -> None:
         self._handle_batch = handle_batch
 
-    def serve(self, arrivals: Sequence[tuple[Head, bytes, bytes]]) -> list[tuple[Head, bytes | None]]:
+    def serve(self, arrivals: Sequence[tuple[Any, bytes, bytes]]) -> list[tuple[Any, bytes | None]]:
         replies = self._handle_batch([a[2] for a in arrivals], [a[1] for a in arrivals])
         if len(replies) != len(arrivals):
             raise RuntimeError(f"handler returned {len(replies)} replies for {len(arrivals)} requests")
@@ -87,7 +84,7 @@ class Server:
     def __init__(
         self,
         endpoint: str,
-        handler: BatchHandler | TurnHandler[Head],
+        handler: BatchHandler | TurnHandler,
         metrics: Metrics | None = None,
         timers: Sequence[Timer] = (),
         max_message_bytes: int = 4 << 20,
@@ -100,7 +97,7 @@ class Server:
     ) -> None:
         """``socket_setup`` runs on the ROUTER socket before it binds (CURVE keys, for one)."""
         self._socket_setup = socket_setup
-        self._handler: TurnHandler[Head] = handler if isinstance(handler, TurnHandler) else _WholeBatches(handler)
+        self._handler: TurnHandler = handler if isinstance(handler, TurnHandler) else _WholeBatches(handler)
         self.metrics = metrics or Metrics()
         self._timers = list(timers)
         # The earliest ``due`` of the timers, kept by _run_timers: every loop turn asks for it,
@@ -171,11 +168,11 @@ class Server:
 
     def _serve_ready(self) -> None:
         """Drain ready messages into one turn; reply to each request that finished."""
-        arrivals: list[tuple[Head, bytes, bytes]] = []
+        arrivals: list[tuple[Any, bytes, bytes]] = []
         self._drain(arrivals)
         self._turn(arrivals)
 
-    def _turn(self, arrivals: list[tuple[Head, bytes, bytes]]) -> None:
+    def _turn(self, arrivals: list[tuple[Any, bytes, bytes]]) -> None:
         for head, reply in self._safe_serve(arrivals):
             if reply is not None:
                 # the loop moves: a liveness probe right after this reply must see it alive
@@ -190,7 +187,7 @@ class Server:
                 time.sleep(wait / 1000.0)
             self._turn([])
 
-    def _drain(self, arrivals: list[tuple[Head, bytes, bytes]]) -> None:
+    def _drain(self, arrivals: list[tuple[Any, bytes, bytes]]) -> None:
         sock, poll = self._socket, self._poller.poll
         for _ in range(self._drain_max):
             try:
@@ -210,7 +207,7 @@ class Server:
             if not poll(0):
                 break
 
-    def _accept(self, frames: list[bytes], arrivals: list[tuple[Head, bytes, bytes]]) -> None:
+    def _accept(self, frames: list[bytes], arrivals: list[tuple[Any, bytes, bytes]]) -> None:
         envelope = _split(frames)
         if envelope is None:
             self.metrics.bad_messages.labels("frames").inc()
@@ -223,7 +220,7 @@ class Server:
             return
         arrivals.append((head, head[0], payload))
 
-    def _safe_serve(self, arrivals: list[tuple[Head, bytes, bytes]]) -> list[tuple[Head, bytes | None]]:
+    def _safe_serve(self, arrivals: list[tuple[Any, bytes, bytes]]) -> list[tuple[Any, bytes | None]]:
         try:
             return self._handler.serve(arrivals)
         except Exception:
