@@ -26,7 +26,9 @@ from typing import Any
 from kvcm.aio import Client
 from kvcm.blocks import BlockIO, StorageSpec, parse, specs_of_reply
 from kvcm.connector import (
+    IoOptions,
     Match,
+    NewBlock,
     RankWrite,
     ReadBlock,
     Ticket,
@@ -37,19 +39,21 @@ from kvcm.connector import (
     default_endpoint,
     extras_of,
     group_of,
+    instance_info_of,
     new_blocks,
     read_blocks,
     registration,
     start_params,
 )
 from kvcm.errors import NotFound
+from kvcm.proto.wire import DecodedMap, Encodable
 
 
 class AsyncWriteSession(WriteState):
     """A started write (see :meth:`AsyncConnector.begin_write`); leave its ``async with`` block
     to finish it, or await :meth:`finish` / :meth:`fail`."""
 
-    def __init__(self, client: Client, instance_id: str, session_id: str, blocks: list[Any], cached: int) -> None:
+    def __init__(self, client: Client, instance_id: str, session_id: str, blocks: list[NewBlock], cached: int) -> None:
         super().__init__(instance_id, session_id, blocks, cached)
         self._client = client
 
@@ -60,15 +64,15 @@ class AsyncWriteSession(WriteState):
         if self.result is None:
             await self._finish(exc_type is None)  # an exception fails every block, and propagates
 
-    async def finish(self) -> dict[str, Any]:
+    async def finish(self) -> DecodedMap:
         """The fully written blocks are served, the others failed; the reply."""
         return await self._finish(True)
 
-    async def fail(self) -> dict[str, Any]:
+    async def fail(self) -> DecodedMap:
         """Every block failed (their space is freed at once)."""
         return await self._finish(False)
 
-    async def _finish(self, succeeded: bool) -> dict[str, Any]:
+    async def _finish(self, succeeded: bool) -> DecodedMap:
         if self.result is None:
             self.result = dict(await self._client.call("finish_write_cache", self._finish_params(succeeded)))
         return self.result
@@ -88,9 +92,9 @@ class AsyncConnector:
         block_size: int,
         specs: Mapping[str, int] | None = None,
         instance_group: str | None = None,
-        model_deployment: Mapping[str, Any] | None = None,
+        model_deployment: Mapping[str, Encodable] | None = None,
         client: Client | None = None,
-        io_options: Mapping[str, Any] | None = None,
+        io_options: IoOptions | None = None,
         **client_options: Any,
     ) -> None:
         check_block_size(block_size)
@@ -103,7 +107,7 @@ class AsyncConnector:
         self._specs: list[StorageSpec] = []
         # BlockIO asks for the specs synchronously; this connector refreshes them (awaited)
         # before handing out a URI of a storage it has not seen, so the list is always current.
-        self.io = BlockIO(lambda: self._specs, **dict(io_options or {}))
+        self.io = BlockIO(lambda: self._specs, **(io_options if io_options is not None else IoOptions()))
 
     async def open(self) -> AsyncConnector:
         """Register or attach (see :class:`kvcm.connector.Connector`) and fetch the storage
@@ -119,7 +123,7 @@ class AsyncConnector:
         return self
 
     async def _attach(self, specs: Mapping[str, int] | None, group: str | None,
-                      deployment: Mapping[str, Any] | None) -> None:
+                      deployment: Mapping[str, Encodable] | None) -> None:
         registered = None
         if specs is None or group is None:
             registered = await self._registered(must_exist=specs is None)
@@ -129,14 +133,14 @@ class AsyncConnector:
         await self.client.call("register_instance", registration(self.instance_id, self.block_size, specs,
                                                                  group_of(group, registered), deployment))
 
-    async def _registered(self, must_exist: bool) -> dict[str, Any] | None:
+    async def _registered(self, must_exist: bool) -> DecodedMap | None:
         try:
             reply = await self.client.call("get_instance_info", {"instance_id": self.instance_id})
         except NotFound:
             if must_exist:
                 raise
             return None
-        return dict(reply["instance_info"])
+        return instance_info_of(reply)
 
     async def _refresh_specs(self) -> None:
         reply = await self.client.call("get_storage_specs", {"instance_id": self.instance_id})

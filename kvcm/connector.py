@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import msgspec
 
@@ -49,10 +49,20 @@ from kvcm.client import Client
 from kvcm.errors import InvalidArgument, NotFound
 from kvcm.proto.extra_keys import MmFeature
 from kvcm.proto.results import CacheLocations
+from kvcm.proto.wire import Decoded, DecodedMap, Encodable, EncodableMap
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:6381"
 DEFAULT_GROUP = "default"  # the instance group the embedded default creates
 ENDPOINT_ENV = "KVCM_SERVER_ENDPOINT"  # the same variable ``kvcm call`` and ``kvcm serve`` read
+
+
+class IoOptions(TypedDict, total=False):
+    """The :class:`kvcm.blocks.BlockIO` options a connector passes on (``io_options``)."""
+
+    mounts: Mapping[str, str] | None
+    direct: bool
+    max_files: int
+    max_segments: int
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,7 @@ class NewBlock:
     _io: BlockIO = field(repr=False)
     written: set[str] = field(default_factory=set)
 
-    def write(self, spec: str, data: Any) -> None:
+    def write(self, spec: str, data: object) -> None:
         """Write this block's bytes of ``spec`` (any buffer of exactly the spec's size)."""
         uri = self.uris.get(spec)
         if uri is None:
@@ -144,7 +154,7 @@ class ReadBlock:
     uris: dict[str, str]
     _io: BlockIO = field(repr=False)
 
-    def read_into(self, spec: str, out: Any) -> None:
+    def read_into(self, spec: str, out: object) -> None:
         """Read this block's bytes of ``spec`` into ``out`` (a writable buffer of the spec's size)."""
         self._io.read_into(self._uri(spec), out)
 
@@ -168,7 +178,7 @@ class WriteState:
         self.session_id = session_id
         self.new_blocks = new_blocks
         self.cached = cached
-        self.result: dict[str, Any] | None = None  # the finish reply, once finished
+        self.result: DecodedMap | None = None  # the finish reply, once finished
         self._by_index = {b.index: b for b in new_blocks}
 
     def ticket(self) -> Ticket:
@@ -190,10 +200,10 @@ class WriteState:
         """Per block not fully written yet, the specs still missing."""
         return {b.index: sorted(b.uris.keys() - b.written) for b in self.new_blocks if not b.done}
 
-    def _finish_params(self, succeeded: bool) -> dict[str, Any]:
+    def _finish_params(self, succeeded: bool) -> dict[str, Encodable]:
         """The finish request: the fully written blocks served (when ``succeeded``), the rest failed."""
         done = [succeeded and b.done for b in self.new_blocks]
-        mask: dict[str, Any] = {"offset": len(done)} if all(done) else {"bool_masks": done}
+        mask: EncodableMap = {"offset": len(done)} if all(done) else {"bool_masks": done}
         return {"instance_id": self.instance_id, "write_session_id": self.session_id, "success_blocks": mask}
 
 
@@ -214,16 +224,16 @@ class WriteSession(WriteState):
         if self.result is None:
             self._finish(exc_type is None)  # an exception fails every block, and propagates
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> DecodedMap:
         """Finish: the fully written blocks are served, the others failed. Returns the reply
         (``served``, ``failed``)."""
         return self._finish(True)
 
-    def fail(self) -> dict[str, Any]:
+    def fail(self) -> DecodedMap:
         """Finish with every block failed (their space is freed at once)."""
         return self._finish(False)
 
-    def _finish(self, succeeded: bool) -> dict[str, Any]:
+    def _finish(self, succeeded: bool) -> DecodedMap:
         if self.result is None:
             self.result = dict(self._client.call("finish_write_cache", self._finish_params(succeeded)))
         return self.result
@@ -246,7 +256,7 @@ class RankWrite:
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         self._failed = exc_type is not None
 
-    def write(self, index: int, data: Any) -> None:
+    def write(self, index: int, data: object) -> None:
         """Write block ``index`` (its prompt position) of this rank's spec."""
         for block in self.blocks:
             if block.index == index:
@@ -282,9 +292,9 @@ class Connector:
         block_size: int,
         specs: Mapping[str, int] | None = None,
         instance_group: str | None = None,
-        model_deployment: Mapping[str, Any] | None = None,
+        model_deployment: Mapping[str, Encodable] | None = None,
         client: Client | None = None,
-        io_options: Mapping[str, Any] | None = None,
+        io_options: IoOptions | None = None,
         **client_options: Any,
     ) -> None:
         check_block_size(block_size)
@@ -294,13 +304,13 @@ class Connector:
         self.client = client if client is not None else Client(default_endpoint(endpoint), **client_options)
         try:
             self._attach(specs, instance_group, model_deployment)
-            self.io = BlockIO.for_instance(self.client, instance_id, **dict(io_options or {}))
+            self.io = BlockIO.for_instance(self.client, instance_id, **(io_options if io_options is not None else IoOptions()))
         except BaseException:
             self.close()
             raise
 
     def _attach(self, specs: Mapping[str, int] | None, group: str | None,
-                deployment: Mapping[str, Any] | None) -> None:
+                deployment: Mapping[str, Encodable] | None) -> None:
         registered = None
         if specs is None or group is None:  # the registered instance decides the group, or is required
             registered = registered_info(self.client.call, self.instance_id, must_exist=specs is None)
@@ -370,27 +380,35 @@ def default_endpoint(endpoint: str | None) -> str:
     return endpoint if endpoint is not None else os.environ.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT
 
 
-def registered_info(call: Callable[[str, dict[str, Any]], Any], instance_id: str,
-                    must_exist: bool) -> dict[str, Any] | None:
+def registered_info(call: Callable[[str, dict[str, Encodable]], Decoded], instance_id: str,
+                    must_exist: bool) -> DecodedMap | None:
     """The registered instance (``get_instance_info``'s ``instance_info``); None when it is not
     registered and need not be."""
     try:
-        return dict(call("get_instance_info", {"instance_id": instance_id})["instance_info"])
+        return instance_info_of(call("get_instance_info", {"instance_id": instance_id}))
     except NotFound:
         if must_exist:
             raise
         return None
 
 
-def check_same_block_size(instance_id: str, registered: Mapping[str, Any] | None, block_size: int) -> None:
+def instance_info_of(reply: Decoded) -> DecodedMap:
+    """``get_instance_info``'s ``instance_info`` map, a copy."""
+    info = reply.get("instance_info") if isinstance(reply, dict) else None
+    if not isinstance(info, dict):
+        raise InvalidArgument("get_instance_info reply has no instance_info map")
+    return dict(info)
+
+
+def check_same_block_size(instance_id: str, registered: DecodedMap | None, block_size: int) -> None:
     """A reader's block size is the registered one: any other would split prompts into other
     blocks, and a lookup would count blocks of the wrong size (a wrong answer, not an error)."""
     if registered is not None and registered["block_size"] != block_size:
-        raise InvalidArgument(f"instance {instance_id!r} is registered with block_size {registered['block_size']}, "
+        raise InvalidArgument(f"instance {instance_id!r} is registered with block_size {registered['block_size']!s}, "
                               f"this connector was given block_size {block_size}")
 
 
-def group_of(group: str | None, registered: Mapping[str, Any] | None) -> str:
+def group_of(group: str | None, registered: DecodedMap | None) -> str:
     """The group to register in: the one given, else the registered instance's, else the default."""
     if group is not None:
         return group
@@ -398,10 +416,10 @@ def group_of(group: str | None, registered: Mapping[str, Any] | None) -> str:
 
 
 def registration(instance_id: str, block_size: int, specs: Mapping[str, int], group: str,
-                 deployment: Mapping[str, Any] | None) -> dict[str, Any]:
+                 deployment: Mapping[str, Encodable] | None) -> dict[str, Encodable]:
     """``register_instance``'s params: the deployment only when given, so attaching to an
     instance registered without one (or with another the caller does not know) succeeds."""
-    params: dict[str, Any] = {
+    params: dict[str, Encodable] = {
         "instance_group": group, "instance_id": instance_id, "block_size": block_size,
         "location_spec_infos": [{"name": name, "size": size} for name, size in specs.items()],
     }
@@ -412,8 +430,8 @@ def registration(instance_id: str, block_size: int, specs: Mapping[str, int], gr
 
 def extras_of(
     *,
-    extra_keys: Sequence[Any] | None = None,
-    mm_features: Sequence[MmFeature | Mapping[str, Any]] | None = None,
+    extra_keys: Sequence[object] | None = None,
+    mm_features: Sequence[MmFeature | Mapping[str, object]] | None = None,
     lora_name: str | None = None,
     cache_salt: str | None = None,
 ) -> dict[str, Any]:

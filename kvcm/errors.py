@@ -26,7 +26,6 @@ Hierarchy::
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Any
 
 
 class Code(IntEnum):
@@ -75,8 +74,8 @@ class KvcmError(Exception):
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
 
-    def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"code": int(self.code), "name": self.code.name, "message": self.message}
+    def to_wire(self) -> dict[str, int | str | dict[str, str]]:
+        out: dict[str, int | str | dict[str, str]] = {"code": int(self.code), "name": self.code.name, "message": self.message}
         if self.detail:
             out["detail"] = dict(self.detail)
         return out
@@ -162,7 +161,7 @@ def error(code: Code, message: str) -> KvcmError:
     return family_of(code)(message, code)
 
 
-def error_from_wire(obj: Any) -> KvcmError:
+def error_from_wire(obj: object) -> KvcmError:
     """Map a wire error map back to an exception (the client's single mapping point)."""
     if not isinstance(obj, dict):
         return ServerError(f"malformed error from server: {obj!r}", Code.INTERNAL_ERROR)

@@ -16,7 +16,6 @@ import platform
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -123,9 +122,9 @@ class Metrics:
         """Prometheus text format."""
         return bytes(generate_latest(self._view))
 
-    def snapshot(self) -> dict[str, list[dict[str, Any]]]:
+    def snapshot(self) -> dict[str, list[dict[str, dict[str, str] | float]]]:
         """The same numbers as ``/metrics``, as a map for the ``get_metrics`` RPC."""
-        out: dict[str, list[dict[str, Any]]] = {}
+        out: dict[str, list[dict[str, dict[str, str] | float]]] = {}
         for family in self._view.collect():
             for sample in family.samples:
                 out.setdefault(sample.name, []).append({"labels": dict(sample.labels), "value": sample.value})

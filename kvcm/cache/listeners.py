@@ -9,10 +9,11 @@ request or the other listeners.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from kvcm.cache.masks import BlockMask
+from kvcm.cache.record_codec import Location
+from kvcm.proto.wire import EncodableMap
 
 log = logging.getLogger("kvcm.cache.listeners")
 
@@ -28,7 +29,7 @@ class CacheListener:
         """A ``get_cache_location`` succeeded: the request as the client sent it, with its keys."""
 
     def on_write_started(self, instance_id: str, session_id: str, keys: list[int], token_ids: Sequence[int] | None,
-                         block_mask: dict[str, Any], spec_group_names: Sequence[str] | None,
+                         block_mask: EncodableMap, spec_group_names: Sequence[str] | None,
                          timeout: float | None) -> None:
         """A ``start_write_cache`` committed: its session, keys, and the mask of the keys it
         left to write (``block_mask`` of the reply)."""
@@ -81,7 +82,7 @@ class Listeners:
         for listener in self._all:
             _call(listener, listener.on_read, instance_id, keys, now)
 
-    def served(self, instance_id: str, served: list[tuple[int, Any, int | None]], now: float) -> None:
+    def served(self, instance_id: str, served: list[tuple[int, Location, int | None]], now: float) -> None:
         """One finished write: ``(key, location, parent)`` per copy that became readable."""
         for key, loc, parent in served:
             for listener in self._all:
@@ -96,7 +97,7 @@ class Listeners:
             _call(listener, listener.on_lookup, instance_id, query_type, keys, token_ids, mask, sw_size, spec_names)
 
     def write_started(self, instance_id: str, session_id: str, keys: list[int], token_ids: Sequence[int] | None,
-                      block_mask: dict[str, Any], spec_group_names: Sequence[str] | None,
+                      block_mask: EncodableMap, spec_group_names: Sequence[str] | None,
                       timeout: float | None) -> None:
         for listener in self._all:
             _call(listener, listener.on_write_started, instance_id, session_id, keys, token_ids, block_mask,
@@ -127,7 +128,7 @@ class Listeners:
             _call(listener, listener.on_unpinned, instance_id, keys)
 
 
-def _call(listener: CacheListener, hook: Any, *args: Any) -> None:
+def _call(listener: CacheListener, hook: Callable[..., None], *args: object) -> None:
     try:
         hook(*args)
     except Exception:

@@ -37,13 +37,15 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache, partial
 from itertools import repeat
 from operator import add
-from typing import Any, NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import msgpack
 
-from kvcm.backends.metastore.base import WriteTxn
+from kvcm.backends.metastore.base import MetaStore, ReadTxn, WriteTxn
 from kvcm.cache.uricodec import PLACEHOLDER, matcher, split
 from kvcm.errors import Code, ServerError
+
+V = TypeVar("V")  # what a BuiltCache holds per compact key
 
 DB = "skeletons"
 MAX_SKELETONS = 4096  # past this, new shapes are stored verbatim (a storage with free-form URIs)
@@ -76,7 +78,7 @@ def skeleton_id(packed: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(packed, digest_size=4).digest(), "big") & _ID
 
 
-class BuiltCache:
+class BuiltCache(Generic[V]):
     """Bounded, approximately-LRU map of compact bytes -> bytes built from them, sized in bytes.
 
     Two generations of dicts (as :class:`kvcm.cache.meta_index.SearchCache`): inserts go to ``young``; when
@@ -91,14 +93,14 @@ class BuiltCache:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, capacity)
-        self._young: dict[Any, Any] = {}
-        self._old: dict[Any, Any] = {}
+        self._young: dict[bytes, tuple[V, int]] = {}
+        self._old: dict[bytes, tuple[V, int]] = {}
         self._young_bytes = 0
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
 
-    def get(self, key: Any) -> Any:
+    def get(self, key: bytes) -> V | None:
         entry = self._young.get(key)
         if entry is None:
             entry = self._old.get(key)
@@ -107,7 +109,7 @@ class BuiltCache:
             self.put(key, entry[0], entry[1])
         return entry[0]
 
-    def put(self, key: Any, value: Any, size: int) -> None:
+    def put(self, key: bytes, value: V, size: int) -> None:
         half = self.capacity // 2
         if size > half:
             return
@@ -116,7 +118,7 @@ class BuiltCache:
         self._young[key] = (value, size)
         self._young_bytes += size
 
-    def young(self) -> dict[Any, Any]:
+    def young(self) -> dict[bytes, tuple[V, int]]:
         """The young generation, for callers that inline :meth:`get`'s common case (values are
         ``(value, size)`` pairs)."""
         return self._young
@@ -131,12 +133,12 @@ class BuiltCache:
 
 _by_id: dict[int, Skeleton] = {}
 _packed: dict[int, bytes] = {}
-_by_shape: dict[tuple[Any, ...], int] = {}
+_by_shape: dict[tuple[str, str, int, tuple[str, ...], tuple[str, ...]], int] = {}
 _facts: dict[bytes, tuple[str, str, int]] = {}  # 4-byte id -> (storage, type, nbytes)
-_last: dict[tuple[Any, ...], int] = {}  # (type, storage, nbytes, spec names) -> skeleton last used
+_last: dict[tuple[str, str, int, tuple[str, ...]], int] = {}  # (type, storage, nbytes, spec names) -> skeleton last used
 _lock = threading.Lock()
-_persisted: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
-wires = BuiltCache(8 << 20)  # a quarter of cache.wire_cache_bytes' default, until the app sets it
+_persisted: weakref.WeakKeyDictionary[MetaStore, set[int]] = weakref.WeakKeyDictionary()
+wires: BuiltCache[bytes] = BuiltCache(8 << 20)  # a quarter of cache.wire_cache_bytes' default, until the app sets it
 
 
 # -- wire form ------------------------------------------------------------------------------------
@@ -447,14 +449,14 @@ def remember(addr: bytes, built: bytes) -> None:
 # -- persistence ----------------------------------------------------------------------------------
 
 
-def _done(store: Any) -> set[int]:
+def _done(store: MetaStore) -> set[int]:
     done = _persisted.get(store)
     if done is None:
         done = _persisted[store] = set()
     return done
 
 
-def persist(txn: WriteTxn, store: Any, addrs: Iterable[bytes]) -> None:
+def persist(txn: WriteTxn, store: MetaStore, addrs: Iterable[bytes]) -> None:
     """Make sure ``store`` holds the skeletons ``addrs`` use, in ``txn`` (the transaction that
     writes the records naming them)."""
     done = _done(store)
@@ -465,7 +467,7 @@ def persist(txn: WriteTxn, store: Any, addrs: Iterable[bytes]) -> None:
             txn.on_commit(partial(done.add, sid))
 
 
-def load(store: Any) -> int:
+def load(store: MetaStore) -> int:
     """Read the skeletons a store holds into the process-wide table; returns how many."""
     with store.read() as view:
         items = list(view.scan(DB))
@@ -485,7 +487,7 @@ def load(store: Any) -> int:
     return len(items)
 
 
-def check(view: Any, addrs: Iterable[bytes]) -> None:
+def check(view: ReadTxn, addrs: Iterable[bytes]) -> None:
     """Every compact address names a skeleton the store holds (``MetaIndex.check``)."""
     ids = {a[:4] for a in addrs if a[0] < 0x80}
     for raw in ids:

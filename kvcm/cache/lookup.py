@@ -25,10 +25,10 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
-from typing import Any
 
 import msgpack
 
+from kvcm.backends.metastore.base import ReadTxn
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.locations import wire as wire_of
 from kvcm.cache.locations import wires as wire_cache
@@ -50,7 +50,7 @@ from kvcm.cache.record_codec import (
 )
 from kvcm.cache.state import CacheState
 from kvcm.errors import InvalidArgument
-from kvcm.proto.wire import Raw, pack_array_raw
+from kvcm.proto.wire import Encodable, EncodableMap, Raw, pack_array_raw
 
 _packer = msgpack.Packer(use_bin_type=True)
 _LOCATIONS_MAP = _packer.pack_map_header(1) + _packer.pack("locations")  # {"locations": <spliced array>}
@@ -148,7 +148,7 @@ def _prefix(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask 
     return hits, [_LOCATIONS_MAP, _packer.pack_array_header(done), *parts]
 
 
-def _runs(view: Any, ns: bytes, wanted: list[int], unusable: frozenset[str], parts: list[bytes]) -> int:
+def _runs(view: ReadTxn, ns: bytes, wanted: list[int], unusable: frozenset[str], parts: list[bytes]) -> int:
     """Match the leading keys against run records; returns how many keys they covered."""
     packed: memoryview | None = None  # the keys packed once a run is found; sliced without a copy
     done = 0
@@ -169,7 +169,7 @@ def _runs(view: Any, ns: bytes, wanted: list[int], unusable: frozenset[str], par
     return done
 
 
-def _walk(s: CacheState, snap: Any, ns: bytes, wanted: list[int]) -> Iterator[list[bytes]]:
+def _walk(s: CacheState, snap: CachedRead, ns: bytes, wanted: list[int]) -> Iterator[list[bytes]]:
     """The stored values of a prefix walk's keys, a slice at a time (the first of
     :data:`_FIRST_SLICE` keys, each next one twice as long), until a slice ends at a key
     without a record. A long prompt whose prefix ends early (a miss at its fourth block of
@@ -185,7 +185,7 @@ def _walk(s: CacheState, snap: Any, ns: bytes, wanted: list[int]) -> Iterator[li
         size *= 2
 
 
-def _blocks(s: CacheState, snap: Any, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
+def _blocks(s: CacheState, snap: CachedRead, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
             rank: Callable[[str], int]) -> list[bytes]:
     wires: list[bytes] = []
     for values in _walk(s, snap, inst.ns, wanted):
@@ -202,7 +202,7 @@ def _blocks(s: CacheState, snap: Any, inst: InstanceView, wanted: list[int], unu
     return wires
 
 
-def _visible_count(s: CacheState, snap: Any, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
+def _visible_count(s: CacheState, snap: CachedRead, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
                    rank: Callable[[str], int]) -> int:
     """How many leading keys of ``wanted`` have a visible copy (:func:`_blocks`' length,
     without building a location's wire bytes)."""
@@ -287,7 +287,7 @@ def get_cache_meta(
     token_ids: Sequence[int] | None,
     mask: BlockMask | None,
     detail_level: int,
-) -> dict[str, Any]:
+) -> dict[str, Encodable]:
     """One entry per request key (Tair compacted by the mask): ``locations[i]`` is the
     copy a reader would get (else the first copy, else an empty location) and ``metas[i]`` says
     what kvcm knows, in more detail as ``detail_level`` grows:
@@ -305,7 +305,8 @@ def get_cache_meta(
     unusable, rank = s.pool.unusable, s.group_view(inst.group).rank
     with s.index.read() as snap:
         values = s.index.get_values(snap, inst.ns, keys)
-    locations, metas = [], []
+    locations: list[EncodableMap] = []
+    metas: list[EncodableMap] = []
     for i, (key, value) in enumerate(zip(keys, values)):
         if flags is not None and flags[i]:
             locations.append(_EMPTY)
@@ -317,17 +318,17 @@ def get_cache_meta(
     return {"locations": locations, "metas": metas}
 
 
-_EMPTY: dict[str, Any] = {"type": "unspecified", "spec_size": 0, "location_specs": []}
+_EMPTY: EncodableMap = {"type": "unspecified", "spec_size": 0, "location_specs": []}
 
 
 def _describe(key: int, value: bytes | None, level: int, unusable: frozenset[str],
-              rank: Callable[[str], int]) -> tuple[dict[str, Any], dict[str, Any]]:
+              rank: Callable[[str], int]) -> tuple[EncodableMap, EncodableMap]:
     if value is None:
         return _EMPTY, {"key": key, "status": "not_found"}  # no "id" here (Tair leaked one)
     record = decode(value)
     wire = visible(value, unusable, rank)
     loc = next((x for x in record.locs if x.wire == wire), record.locs[0])
-    meta: dict[str, Any] = {"key": key, "status": STATUS_NAMES[Status(loc.status)], "id": loc.id}
+    meta: dict[str, Encodable] = {"key": key, "status": STATUS_NAMES[Status(loc.status)], "id": loc.id}
     if level >= 1:
         meta.update(storage=loc.storage, type=loc.type, nbytes=loc.nbytes, created=loc.created,
                     written=loc.written, updated=record.updated, parent=record.parent,
@@ -337,7 +338,7 @@ def _describe(key: int, value: bytes | None, level: int, unusable: frozenset[str
     return unpack_wire(loc.wire), meta
 
 
-def _loc_meta(loc: Location) -> dict[str, Any]:
+def _loc_meta(loc: Location) -> dict[str, Encodable]:
     return {"id": loc.id, "status": STATUS_NAMES[Status(loc.status)], "storage": loc.storage, "type": loc.type,
             "nbytes": loc.nbytes, "created": loc.created, "written": loc.written,
             "location": unpack_wire(loc.wire)}

@@ -19,9 +19,8 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
 
-from kvcm.backends.storage.base import damaged
+from kvcm.backends.storage.base import SlotStorage
 from kvcm.cache import consistency, lookup, removal, writes
 from kvcm.cache.deleter import pending_bytes
 from kvcm.cache.listeners import CacheListener
@@ -31,8 +30,8 @@ from kvcm.cache.room import RoomMaker
 from kvcm.cache.sessions import DB as SESSIONS
 from kvcm.cache.sessions import decode_session
 from kvcm.cache.state import CacheState, LostCounter
-from kvcm.cache.usage import Key, Usage
-from kvcm.proto.wire import Raw
+from kvcm.cache.usage import GroupUsage, Key, Usage
+from kvcm.proto.wire import Encodable, Raw
 
 __all__ = ["CacheManager", "LostCounter"]
 
@@ -86,7 +85,7 @@ class CacheManager(CacheState):
                 continue
             try:
                 backend.reserve(by_storage.get(name, []))
-                if damaged(backend):
+                if isinstance(backend, SlotStorage) and backend.damaged():
                     self.mark_lost(name, backend.lost, "startup")
                 removed = backend.sweep()
                 if removed:
@@ -109,28 +108,28 @@ class CacheManager(CacheState):
                                          spec_names, reply=False)[0]
 
     def get_cache_meta(self, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
-                       mask: BlockMask | None, detail_level: int = 0) -> dict[str, Any]:
+                       mask: BlockMask | None, detail_level: int = 0) -> dict[str, Encodable]:
         return lookup.get_cache_meta(self, instance_id, block_keys, token_ids, mask, detail_level)
 
     def start_write_cache(self, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
                           spec_group_names: Sequence[str] | None = None, timeout: float | None = None) -> Raw:
         return writes.start_write_cache(self, instance_id, block_keys, token_ids, spec_group_names, timeout)
 
-    def finish_write_cache(self, instance_id: str, session_id: str, success: BlockMask | None) -> dict[str, Any]:
+    def finish_write_cache(self, instance_id: str, session_id: str, success: BlockMask | None) -> dict[str, Encodable]:
         return writes.finish_write_cache(self, instance_id, session_id, success)
 
     def remove_cache(self, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
-                     mask: BlockMask | None) -> dict[str, Any]:
+                     mask: BlockMask | None) -> dict[str, Encodable]:
         return removal.remove_cache(self, instance_id, block_keys, token_ids, mask)
 
-    def trim_cache(self, instance_id: str, strategy: str, begin_us: int = 0, end_us: int = 0) -> dict[str, Any]:
+    def trim_cache(self, instance_id: str, strategy: str, begin_us: int = 0, end_us: int = 0) -> dict[str, Encodable]:
         return removal.trim_cache(self, instance_id, strategy, begin_us, end_us)
 
     def report_lost(self, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
-                    mask: BlockMask | None) -> dict[str, Any]:
+                    mask: BlockMask | None) -> dict[str, Encodable]:
         return removal.report_lost(self, instance_id, block_keys, token_ids, mask)
 
-    def pin_cache(self, instance_id: str, block_keys: Sequence[int], ttl_s: float) -> dict[str, Any]:
+    def pin_cache(self, instance_id: str, block_keys: Sequence[int], ttl_s: float) -> dict[str, Encodable]:
         """Pin ``block_keys`` for ``ttl_s`` seconds (:mod:`kvcm.cache.pins`); a key need not be stored."""
         self.instance(instance_id)
         keys = list(block_keys)
@@ -140,7 +139,7 @@ class CacheManager(CacheState):
                 txn.on_commit(lambda: self.listeners.pinned(instance_id, keys, ttl_s, expires_at))
         return {"pinned": pinned, "expires_at": expires_at}
 
-    def unpin_cache(self, instance_id: str, block_keys: Sequence[int]) -> dict[str, Any]:
+    def unpin_cache(self, instance_id: str, block_keys: Sequence[int]) -> dict[str, Encodable]:
         self.instance(instance_id)
         keys = list(block_keys)
         with self.store.write() as txn:
@@ -222,7 +221,7 @@ class CacheManager(CacheState):
         self.room_maker = maker
         self.inline_limit = limit
 
-    def usage(self, group: str) -> dict[str, Any]:
+    def usage(self, group: str) -> GroupUsage:
         """Committed usage of ``group`` (bytes and location counts, by type and instance)."""
         return self.usage_book.usage(group)
 

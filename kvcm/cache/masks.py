@@ -12,11 +12,11 @@ blocks exactly (``offset <= n``, ``len(bool_masks) == n``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
 from kvcm.errors import InvalidArgument
+from kvcm.proto.wire import Encodable
 
 
 class BlockMask(msgspec.Struct, omit_defaults=True):
@@ -78,7 +78,7 @@ def success_flags(mask: BlockMask | None, n: int) -> list[bool]:
     return list(mask.bool_masks)
 
 
-def write_mask(exists: Sequence[bool]) -> dict[str, Any]:
+def write_mask(exists: Sequence[bool]) -> dict[str, Encodable]:
     """``start_write_cache``'s mask over the request keys (true / ``< offset`` = already there).
 
     A pure prefix of existing keys becomes ``{"offset": p}``, anything else ``{"bool_masks"}``,

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvcm.cache.meta_index import namespace
 from kvcm.cache.record_codec import empty_wire
+from kvcm.control.records import Instance, InstanceGroup
 from kvcm.errors import CapacityError, Code, InvalidArgument
 
 
@@ -35,7 +35,7 @@ class InstanceView:
     empty_wire: bytes  # Tair's filler entry for batch_get / sw match misses
 
     @classmethod
-    def of(cls, instance: Any) -> InstanceView:
+    def of(cls, instance: Instance) -> InstanceView:
         specs = tuple((s.name, int(s.size)) for s in instance.location_spec_infos)
         groups = {g.name: frozenset(g.spec_names) for g in instance.location_spec_groups}
         return cls(instance.instance_id, instance.instance_group, namespace(instance.instance_id),
@@ -70,7 +70,7 @@ class GroupView:
     delay_ms: int = 0
 
     @classmethod
-    def of(cls, group: Any) -> GroupView:
+    def of(cls, group: InstanceGroup) -> GroupView:
         quota = group.quota
         per_type = {q.storage_type: int(q.capacity) for q in quota.quota_config}
         delay = int(group.reclaim_strategy.delay_before_delete_ms)

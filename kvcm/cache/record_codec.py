@@ -111,7 +111,7 @@ def encode(record: Record) -> bytes:
             head = loc
     if serving != 1 or len(head.addr) > 255:  # type: ignore[union-attr]
         head = None
-    items: list[list[Any]] = []
+    items: list[list[object]] = []
     for loc in record.locs:
         created = round(loc.created * 1000)
         item = [loc.id, loc.status, created - base, round(loc.written * 1000) - created if loc.written else None,
@@ -292,7 +292,7 @@ _WBITS = -12  # raw deflate, 4 KiB window: a small state to set up per run
 # Runs shorter than this are stored as format 1 (not deflated): setting up the compressor cost
 # about a third of the extra CPU a 4-key write paid, for a few hundred bytes per run saved.
 _DEFLATE_FROM = 8
-bodies = BuiltCache(192 << 20)
+bodies: BuiltCache[tuple[bytes, bytes]] = BuiltCache(192 << 20)
 
 
 def set_cache_bytes(total: int) -> None:

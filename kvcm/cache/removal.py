@@ -28,6 +28,7 @@ from kvcm.cache.room import Victim
 from kvcm.cache.state import CacheState
 from kvcm.cache.usage import FreeKey, Key
 from kvcm.errors import InvalidArgument, NotFound
+from kvcm.proto.wire import Encodable
 
 log = logging.getLogger("kvcm.cache.removal")
 
@@ -214,7 +215,7 @@ def _request_keys(s: CacheState, instance_id: str, block_keys: Sequence[int] | N
 
 
 def remove_cache(s: CacheState, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
-                 mask: BlockMask | None) -> dict[str, Any]:
+                 mask: BlockMask | None) -> dict[str, Encodable]:
     """Mark every copy of the unmasked keys ``deleting`` now; the deleter frees them after
     the group's ``delay_before_delete_ms`` (readers that already hold URIs get that grace)."""
     inst, keys = _request_keys(s, instance_id, block_keys, token_ids, mask)
@@ -223,7 +224,7 @@ def remove_cache(s: CacheState, instance_id: str, block_keys: Sequence[int] | No
     return {"removed": marked}
 
 
-def trim_cache(s: CacheState, instance_id: str, strategy: str, begin_us: int = 0, end_us: int = 0) -> dict[str, Any]:
+def trim_cache(s: CacheState, instance_id: str, strategy: str, begin_us: int = 0, end_us: int = 0) -> dict[str, Encodable]:
     """``remove_all_cache``: every block, freed after the delay; ``remove_all_meta``: forget
     the metadata now (space is released, data left as is); ``timestamp``: blocks last
     modified in ``[begin_timestamp, end_timestamp)`` (wall-clock µs, end 0 = no bound)."""
@@ -343,7 +344,7 @@ def mark_lost(s: CacheState, storage: str, lost: Callable[[list[str]], set[str]]
 
 
 def report_lost(s: CacheState, instance_id: str, block_keys: Sequence[int] | None, token_ids: Sequence[int] | None,
-                mask: BlockMask | None) -> dict[str, Any]:
+                mask: BlockMask | None) -> dict[str, Encodable]:
     """A client could not read these blocks (``report_lost``): their serving copies become
     ``deleting`` now (no grace delay: the bytes are bad for every reader) and count as lost."""
     inst, keys = _request_keys(s, instance_id, block_keys, token_ids, mask)

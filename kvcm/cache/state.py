@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcm.backends.metastore.base import MetaStore, ReadTxn, WriteTxn, i64
 from kvcm.cache.deleter import Deleter
@@ -34,14 +34,17 @@ from kvcm.cache.usage import BeingFreed, Usage
 from kvcm.control.registry import GROUP, INSTANCE, Registry
 from kvcm.errors import Code, InvalidArgument, NotFound, Unavailable
 
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry, Counter
+
 
 class LostCounter:
     """``kvcm_blocks_lost_total{source}``: copies found without their bytes (startup scan,
     periodic scan, client report). Kept in memory too, for tools and tests."""
 
-    def __init__(self, registry: Any = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.counts: dict[str, int] = defaultdict(int)
-        self._metric: Any = None
+        self._metric: Counter | None = None
         if registry is not None:
             from prometheus_client import Counter
 

@@ -22,20 +22,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 
-from kvcm.backends.storage.base import damaged
+from kvcm.backends.storage.base import SlotStorage, StorageBackend
 from kvcm.backends.storage.ownership import ForeignDirectory, Owner, marker_key
 from kvcm.cache.record_codec import decode
+from kvcm.control.records import Storage
 from kvcm.control.registry import STORAGE, Registry, new_id
 from kvcm.errors import InvalidArgument, ServerError
 from kvcm.lockfile import LockBusy
 
 log = logging.getLogger("kvcm.storage_pool")
 
-Opener = Callable[[Any, "str | None", Owner], Any]
+Opener = Callable[[Storage, "str | None", Owner], StorageBackend]
 
 
 class Recorder(Protocol):
@@ -47,7 +48,7 @@ class Recorder(Protocol):
     def mark_lost(self, storage: str, lost: Callable[[list[str]], set[str]], source: str) -> int: ...
 
 
-def default_opener(storage: Any, data_dir: str | None, owner: Owner) -> Any:
+def default_opener(storage: Storage, data_dir: str | None, owner: Owner) -> StorageBackend:
     """Open a backend through the storage registry (``kvcm.backends.storage.registry``)."""
     from kvcm.backends.storage.registry import open_backend
 
@@ -66,15 +67,15 @@ class StoragePool:
         self.orphans = orphans
         self.foreign: dict[str, ForeignDirectory] = {}  # storages refused at start-up, and why
         self._opener = opener or default_opener
-        self._backends: dict[str, Any] = {}
+        self._backends: dict[str, StorageBackend] = {}
         self._types: dict[str, str] = {}
-        self._specs: dict[str, Any] = {}
+        self._specs: dict[str, object] = {}
         self._lock = threading.Lock()
         self.unusable: frozenset[str] = frozenset()
         self.removed: frozenset[str] = frozenset()  # removed since start: their copies are unreadable
         self._following = False  # a follower's pool (:meth:`follow`)
         # Waiting storages (module docstring): name -> (record with its id, on_foreign, id to record).
-        self._waiting: dict[str, tuple[Any, str, bool]] = {}
+        self._waiting: dict[str, tuple[Storage, str, bool]] = {}
         self._recovering: frozenset[str] = frozenset()  # reopened, slots not rebuilt yet: unusable
         self._key: bytes | None = None  # the data dir's marker key, read (or made) on first use
         # One rebuild at a time: the RPC and health threads both rebuild, and a rebuild computed
@@ -97,7 +98,7 @@ class StoragePool:
         self._rebuild()
         self.registry.on_change(self._on_change)
 
-    def owner(self, storage: Any, on_foreign: str = "refuse") -> Owner:
+    def owner(self, storage: Storage, on_foreign: str = "refuse") -> Owner:
         storages = self.registry.list_storages()
         name = storage.global_unique_name
         taken = frozenset(s.storage_id for s in storages if s.global_unique_name != name and s.storage_id)
@@ -111,7 +112,7 @@ class StoragePool:
             self._key = marker_key(self.data_dir) if self.data_dir else b""
         return self._key
 
-    def try_open(self, storage: Any, on_foreign: str = "refuse") -> None:
+    def try_open(self, storage: Storage, on_foreign: str = "refuse") -> None:
         """Open and close ``storage`` once; raises why it cannot be opened (``add_storage``
         refuses it then, instead of storing a storage that only logs a line). A storage that
         cannot be opened is the caller's bad argument, not a server fault: INVALID_ARGUMENT.
@@ -122,7 +123,7 @@ class StoragePool:
             raise InvalidArgument(f"storage {storage.global_unique_name!r} cannot be opened: {exc.message}") from None
         _close(backend)
 
-    def _open(self, storage: Any, persist: bool = False, on_foreign: str = "refuse") -> None:
+    def _open(self, storage: Storage, persist: bool = False, on_foreign: str = "refuse") -> None:
         """``persist``: record a failure as ``available: false`` in the registry (at start-up;
         from inside a commit callback only the in-memory reason is set).
 
@@ -149,7 +150,7 @@ class StoragePool:
             return
         self._install(name, backend)
 
-    def _failed(self, name: str, storage: Any, exc: Exception, persist: bool) -> None:
+    def _failed(self, name: str, storage: Storage, exc: Exception, persist: bool) -> None:
         if isinstance(exc, ForeignDirectory):
             self.foreign[name] = exc
         log.error("storage %r (%s) cannot be opened: %s", name, storage.storage_type, exc)
@@ -159,7 +160,7 @@ class StoragePool:
         else:
             self.registry.unavailable_reasons[name] = reason
 
-    def _wait(self, name: str, attempt: tuple[Any, str, bool], exc: LockBusy) -> None:
+    def _wait(self, name: str, attempt: tuple[Storage, str, bool], exc: LockBusy) -> None:
         """A transient failure: kept out of the registry (another node may serve the storage
         well), retried by :meth:`reopen_waiting`."""
         with self._lock:
@@ -169,7 +170,7 @@ class StoragePool:
             log.warning("storage %r waits: %s; it opens once that lock is free", name, exc.message)
         self.registry.unavailable_reasons[name] = f"waiting for its lock: {exc.message}"
 
-    def _install(self, name: str, backend: Any) -> None:
+    def _install(self, name: str, backend: StorageBackend) -> None:
         with self._lock:
             old = self._backends.get(name)
             self._backends[name] = backend
@@ -208,7 +209,7 @@ class StoragePool:
             opened.append(name)
         return opened
 
-    def _recover(self, name: str, backend: Any, recorder: Recorder) -> None:
+    def _recover(self, name: str, backend: StorageBackend, recorder: Recorder) -> None:
         """Reserve what the metadata records on ``backend``, then let it serve. Installed first
         (unusable): frees from here on reach it, and it knows not to reserve those again."""
         with self._lock:
@@ -222,7 +223,7 @@ class StoragePool:
         self._rebuild()
         try:
             backend.reserve(_recorded_uris(recorder, name))
-            if damaged(backend):
+            if isinstance(backend, SlotStorage) and backend.damaged():
                 recorder.mark_lost(name, backend.lost, "startup")
             swept = backend.sweep()
             log.info("storage %r opened again (%d orphan container(s) removed)", name, swept)
@@ -275,7 +276,7 @@ class StoragePool:
             self.removed = self.removed | {name}
         self._rebuild()
 
-    def _spec_changed(self, storage: Any) -> bool:
+    def _spec_changed(self, storage: Storage) -> bool:
         return bool(self._specs.get(storage.global_unique_name) != storage.storage_spec)
 
     def _rebuild(self) -> None:
@@ -287,7 +288,7 @@ class StoragePool:
 
     # -- lookups ----------------------------------------------------------------------------------
 
-    def get(self, name: str) -> Any | None:
+    def get(self, name: str) -> StorageBackend | None:
         return self._backends.get(name)
 
     def usable(self, name: str) -> bool:
@@ -299,7 +300,7 @@ class StoragePool:
     def names(self) -> list[str]:
         return list(self._backends)
 
-    def backends(self) -> list[Any]:
+    def backends(self) -> list[StorageBackend]:
         """Every opened backend (the storage-health prober's view)."""
         return list(self._backends.values())
 
@@ -319,7 +320,7 @@ def _recorded_uris(recorder: Recorder, name: str) -> list[str]:
     return out
 
 
-def _close(backend: Any) -> None:
+def _close(backend: StorageBackend) -> None:
     try:
         backend.close()
     except Exception:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TypedDict
 
 import msgpack
 
@@ -31,6 +31,21 @@ from kvcm.backends.metastore.base import ReadTxn, WriteTxn
 
 DB = "usage"
 Key = tuple[str, str, str]  # (group, instance, storage type)
+
+
+class Counts(TypedDict):
+    bytes: int
+    keys: int
+
+
+class InstanceUsage(Counts):
+    by_type: dict[str, Counts]
+
+
+class GroupUsage(InstanceUsage):
+    """What :meth:`UsageBook.usage` tells of a group."""
+
+    by_instance: dict[str, InstanceUsage]
 
 
 def _db_key(key: Key) -> bytes:
@@ -89,12 +104,12 @@ class Usage:
             by_type[_parse_key(raw_key)[2]] += nbytes
         return total, dict(by_type)
 
-    def usage(self, group: str) -> dict[str, Any]:
+    def usage(self, group: str) -> GroupUsage:
         """Committed usage of ``group``: ``{"bytes", "keys", "by_type": {type: {bytes, keys}},
         "by_instance": {instance: {bytes, keys, by_type}}}``."""
         with self._lock:
             rows = [(k, list(v)) for k, v in self._counts.items() if k[0] == group]
-        out: dict[str, Any] = {"bytes": 0, "keys": 0, "by_type": {}, "by_instance": {}}
+        out: GroupUsage = {"bytes": 0, "keys": 0, "by_type": {}, "by_instance": {}}
         for (_, instance, kind), (nbytes, nkeys) in rows:
             out["bytes"] += nbytes
             out["keys"] += nkeys
@@ -207,7 +222,7 @@ def _merge(into: dict[FreeKey, int], deltas: Mapping[FreeKey, int], sign: int) -
             into.pop(key, None)
 
 
-def _bump(slot: dict[str, Any], nbytes: int, nkeys: int) -> None:
+def _bump(slot: Counts, nbytes: int, nkeys: int) -> None:
     slot["bytes"] += nbytes
     slot["keys"] += nkeys
 

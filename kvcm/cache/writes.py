@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.backends.metastore.base import WriteTxn, i64
-from kvcm.backends.storage.base import SlotStorage
+from kvcm.backends.storage.base import SlotStorage, StorageBackend
 from kvcm.cache.deleter import schedule
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.locations import address, addresses, is_compact, pack_wire, persist, remember, skeleton_of, wire_uris
@@ -50,7 +50,7 @@ from kvcm.cache.sessions import Session, new_session_id, random_id
 from kvcm.cache.state import CacheState
 from kvcm.cache.usage import FreeKey, Key, Usage
 from kvcm.errors import CapacityError, Code, InvalidArgument, NotFound
-from kvcm.proto.wire import Raw, pack_array_raw, pack_map_raw
+from kvcm.proto.wire import Encodable, EncodableMap, Raw, pack_array_raw, pack_map_raw
 
 log = logging.getLogger("kvcm.cache.writes")
 
@@ -104,7 +104,7 @@ def start_write_cache(
 
 
 def _tell_started(s: CacheState, txn: WriteTxn, instance_id: str, session_id: str, keys: list[int],
-                  token_ids: Sequence[int] | None, mask: dict[str, Any], spec_group_names: Sequence[str] | None,
+                  token_ids: Sequence[int] | None, mask: EncodableMap, spec_group_names: Sequence[str] | None,
                   timeout: float | None) -> None:
     if s.listeners:
         txn.on_commit(lambda: s.listeners.write_started(instance_id, session_id, keys, token_ids, mask,
@@ -344,7 +344,7 @@ def _allocate_on(s: CacheState, target: Target, specs: list[tuple[tuple[str, int
     return out, reused
 
 
-def _reuse(backend: Any, target: Target, specs: list[tuple[tuple[str, int], ...]], spare: list[bytes]
+def _reuse(backend: StorageBackend, target: Target, specs: list[tuple[tuple[str, int], ...]], spare: list[bytes]
            ) -> list[bytes | None]:
     """Hand slots of copies this transaction dropped (``spare``: addresses on ``target``'s
     storage) straight to new blocks of the same layout; per block the address taken over, or
@@ -402,7 +402,7 @@ def _vouched(backend: SlotStorage, specs: list[tuple[tuple[str, int], ...]],
     return out
 
 
-def _release(s: CacheState, storage: str, uris: Sequence[Any]) -> None:
+def _release(s: CacheState, storage: str, uris: Sequence[str | list[str]]) -> None:
     flat = [u for item in uris for u in (item if isinstance(item, list) else [item])]
     backend = s.pool.get(storage)
     if backend is not None and flat:
@@ -489,14 +489,14 @@ def _addresses(target: Target, specs: list[tuple[tuple[str, int], ...]], uris: l
             for block_specs, block_uris in zip(specs, uris)]
 
 
-def _reply(session_id: str, mask: dict[str, Any], wires: list[bytes]) -> Raw:
+def _reply(session_id: str, mask: EncodableMap, wires: list[bytes]) -> Raw:
     return pack_map_raw({"write_session_id": session_id, "block_mask": mask, "locations": pack_array_raw(wires)})
 
 
 # -- finish ---------------------------------------------------------------------------------------
 
 
-def finish_write_cache(s: CacheState, instance_id: str, session_id: str, success: BlockMask | None) -> dict[str, Any]:
+def finish_write_cache(s: CacheState, instance_id: str, session_id: str, success: BlockMask | None) -> dict[str, Encodable]:
     s.instance(instance_id)
     with s.store.write(join=True) as txn:
         session = s.sessions.get(txn, session_id)

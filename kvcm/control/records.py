@@ -25,8 +25,8 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 import msgspec
 
@@ -35,8 +35,10 @@ from kvcm.backends.storage.registry import STORAGE_BACKENDS, normalize_spec
 from kvcm.control.passwords import CONTROL_CHARS, check_password_hash
 from kvcm.errors import InvalidArgument
 from kvcm.proto import results, schema
+from kvcm.proto.wire import DecodedMap
 
 T = TypeVar("T")
+C = TypeVar("C")  # a checked record
 
 #: Storage types (those of the storage backends), and the Tair spellings accepted on input for them.
 STORAGE_TYPES: tuple[str, ...] = tuple(STORAGE_BACKENDS)
@@ -253,7 +255,7 @@ IDENTITY_FIELDS = ("instance_group", "block_size", "location_spec_infos", "locat
 OPTIONAL_IDENTITY_FIELDS = frozenset({"location_spec_infos", "location_spec_groups", "model_deployment"})
 
 
-def identity_value(instance: Instance, name: str) -> Any:
+def identity_value(instance: Instance, name: str) -> object:
     """One identity field of ``instance`` in its comparable form."""
     if name == "location_spec_infos":
         return sorted((s.name, s.size) for s in instance.location_spec_infos)
@@ -276,7 +278,7 @@ def identity_difference(old: Instance, new: Instance, given: frozenset[str] | No
     return None
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     if isinstance(value, ModelDeployment):
         changed = {f: getattr(value, f) for f in value.__struct_fields__
                    if f != "user_data" and getattr(value, f) != getattr(ModelDeployment(), f)}
@@ -420,7 +422,7 @@ class Snapshot(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tokens: list[Token] = []  # digests only: a snapshot never holds a usable token
 
 
-def parse_snapshot(data: dict[str, Any] | str) -> Snapshot:
+def parse_snapshot(data: Mapping[str, object] | str) -> Snapshot:
     if isinstance(data, str):
         try:
             data = json.loads(data)
@@ -471,7 +473,7 @@ def _check_snapshot_account(account: Account) -> Account:
     return msgspec.structs.replace(account, groups=groups)
 
 
-def _at(check: Callable[[Any], Any], record: Any, field: str, index: int) -> Any:
+def _at(check: Callable[[T], C], record: T, field: str, index: int) -> C:
     try:
         return check(record)
     except InvalidArgument as exc:
@@ -511,7 +513,7 @@ def _check_unique(values: list[str], field: str) -> None:
         seen.add(value)
 
 
-def convert(obj: Any, kind: type[T], where: str) -> T:
+def convert(obj: object, kind: type[T], where: str) -> T:
     """``msgspec.convert`` (strict) with errors as InvalidArgument naming the field under ``where``
     (unknown fields with their path and a "did you mean", see :func:`kvcm.proto.schema.describe`)."""
     try:
@@ -529,7 +531,7 @@ def decoder(kind: type[T]) -> msgspec.msgpack.Decoder[T]:
     return msgspec.msgpack.Decoder(kind)
 
 
-def to_wire(record: msgspec.Struct) -> dict[str, Any]:
+def to_wire(record: msgspec.Struct) -> DecodedMap:
     """A record as a plain map with Tair field names (wire replies, snapshots)."""
-    out: dict[str, Any] = msgspec.to_builtins(record)
+    out: DecodedMap = msgspec.to_builtins(record)
     return out

@@ -16,7 +16,7 @@ the storage-health thread.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -58,6 +58,7 @@ from kvcm.control.registry_core import (
 )
 from kvcm.control.storages import StorageRegistry
 from kvcm.errors import Code, Conflict, NotFound, error
+from kvcm.proto.wire import DecodedMap
 
 _SCHEMA_KEY, _SCHEMA = b"registry.schema", METASTORE.marker
 # The id of this data dir's metadata, named by the ownership marker of every storage it records
@@ -209,7 +210,7 @@ class Registry(StorageRegistry, GroupRegistry, InstanceRegistry, AccountRegistry
         with self._store.read() as view:
             return {t.kind: view.count(t.db) for t in self._all_tables()}
 
-    def gen_config_snapshot(self) -> dict[str, Any]:
+    def gen_config_snapshot(self) -> DecodedMap:
         """Everything in the registry (accounts with their hashes, tokens as digests), as one map."""
         with self._store.read() as view:
             snapshot = Snapshot(
@@ -223,7 +224,7 @@ class Registry(StorageRegistry, GroupRegistry, InstanceRegistry, AccountRegistry
             )
         return to_wire(snapshot)
 
-    def load_config_snapshot(self, data: dict[str, Any] | str, caller: str | None = None) -> dict[str, int]:
+    def load_config_snapshot(self, data: Mapping[str, object] | str, caller: str | None = None) -> dict[str, int]:
         """Validate a whole snapshot, then replace the registry with it in one transaction.
 
         Refused (STILL_REFERENCED) if it would leave no admin while there is one now, or drop

@@ -22,6 +22,7 @@ from kvcm.control.records import (
     encode,
 )
 from kvcm.errors import Code, Conflict, NotFound, error
+from kvcm.proto.wire import DecodedMap
 
 log = logging.getLogger("kvcm.control.registry")
 
@@ -90,12 +91,13 @@ class Table(Generic[R]):
         txn.on_commit(lambda: changed(self.kind, name, None))
 
 
-def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+def merge(base: DecodedMap, changes: DecodedMap) -> DecodedMap:
     """Nested maps merge key by key; anything else (lists included) is replaced."""
     out = dict(base)
     for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
+        current = out.get(key)
+        if isinstance(value, dict) and isinstance(current, dict):
+            out[key] = merge(current, value)
         else:
             out[key] = value
     return out

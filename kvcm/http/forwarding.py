@@ -4,11 +4,12 @@ follow ``SERVER_NOT_LEADER`` or (for Tair's calls, which answer it themselves) d
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from kvcm.client import Client, Endpoints
 from kvcm.errors import KvcmError
 from kvcm.proto import wire
+from kvcm.proto.wire import Decoded, EncodableMap
+from kvcm.rpc.curve import CurveOptions
 
 _RPC_TIMEOUT_S = 30.0
 
@@ -26,14 +27,14 @@ class ClientPool:
     threads come and go, so clients are pooled rather than kept per thread.
     ``follow=False``: SERVER_NOT_LEADER is not followed (:class:`NoFollow`)."""
 
-    def __init__(self, endpoint: str, options: dict[str, Any] | None = None, follow: bool = True) -> None:
+    def __init__(self, endpoint: str, options: CurveOptions | None = None, follow: bool = True) -> None:
         self._endpoint = endpoint
         self._options = options or {}  # more Client arguments (CURVE keys)
         self._follow = follow
         self._idle: list[Client] = []
         self._lock = threading.Lock()
 
-    def call(self, method: str, params: dict[str, Any], timeout: float | None = None) -> Any:
+    def call(self, method: str, params: EncodableMap, timeout: float | None = None) -> Decoded:
         with self._lock:
             client = self._idle.pop() if self._idle else None
         if client is None:
@@ -42,7 +43,8 @@ class ClientPool:
             if not self._follow:
                 client.endpoints = NoFollow(self._endpoint)
         try:
-            return client.call(method, params, timeout=timeout, retry=False)
+            reply: Decoded = client.call(method, dict(params), timeout=timeout, retry=False)
+            return reply
         finally:
             with self._lock:
                 self._idle.append(client)

@@ -14,7 +14,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from kvcm.errors import AccessDenied, Code, KvcmError
 
@@ -232,16 +231,16 @@ class SlowLane:
     (which only starts their handling); at most :data:`_LANE_DEPTH` wait, the rest are turned
     away (503) on the accept thread."""
 
-    def __init__(self, rate: float, serve: Callable[[socket.socket, Any], None],
+    def __init__(self, rate: float, serve: Callable[[socket.socket, object], None],
                  turn_away: Callable[[socket.socket], None]) -> None:
         self._gap = 1.0 / rate
         self._serve = serve
         self._turn_away = turn_away
-        self._queue: queue.Queue[tuple[socket.socket, Any] | None] = queue.Queue(_LANE_DEPTH)
+        self._queue: queue.Queue[tuple[socket.socket, object] | None] = queue.Queue(_LANE_DEPTH)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def offer(self, request: socket.socket, client_address: Any) -> bool:
+    def offer(self, request: socket.socket, client_address: object) -> bool:
         """Queue the connection (False when the lane is full)."""
         with self._lock:
             if self._thread is None:
@@ -274,7 +273,7 @@ class SlowLane:
             time.sleep(self._gap)
 
 
-def peer_of(client_address: Any) -> str:
+def peer_of(client_address: object) -> str:
     """The remote address a connection's slots are counted under (no port: one host is one peer)."""
     if isinstance(client_address, tuple) and client_address:
         return str(client_address[0])

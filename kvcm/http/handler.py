@@ -13,7 +13,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvcm.config import HttpConfig
 from kvcm.errors import AccessDenied, Code, InvalidArgument, KvcmError, ServerError, Unavailable, error
@@ -21,7 +21,11 @@ from kvcm.http.guards import Authorities, Refused, Suspects, http_status, unauth
 from kvcm.http.json_body import NotJson, jsonable, parse_body
 from kvcm.http.server import BoundedServer
 from kvcm.metrics import Metrics
+from kvcm.proto.wire import Decoded, DecodedMap, EncodableMap
 from kvcm.tair import translate as tair
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
 
 log = logging.getLogger("kvcm.http")
 _LINGER_S = 1.0  # after a refusal, unread request bytes are drained this long before closing
@@ -46,7 +50,7 @@ class _DeadlineReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer: Any) -> int:
+    def readinto(self, buffer: WriteableBuffer) -> int:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("request deadline passed")
@@ -65,7 +69,7 @@ class _SocketWriter(io.BufferedIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data: Any) -> int:
+    def write(self, data: ReadableBuffer) -> int:
         self._sock.settimeout(self._timeout)
         self._sock.sendall(data)
         with memoryview(data) as view:
@@ -86,9 +90,9 @@ class Side(Protocol):
     authorities: Authorities
     admin_authorities: Authorities
 
-    def call(self, method: str, params: dict[str, Any]) -> Any: ...
+    def call(self, method: str, params: EncodableMap) -> Decoded: ...
 
-    def tair(self, name: str, params: dict[str, Any], admin: bool, local_ip: str) -> tuple[int, dict[str, Any]]: ...
+    def tair(self, name: str, params: DecodedMap, admin: bool, local_ip: str) -> tuple[int, object]: ...
 
     def refused(self, reason: str) -> None: ...
 
@@ -124,7 +128,7 @@ class Handler(BaseHTTPRequestHandler):
         self._served = server is not None and self.request in server.adopted
         self._linger = False  # a refusal left request bytes unread
 
-    def log_message(self, fmt: str, *args: Any) -> None:
+    def log_message(self, fmt: str, *args: object) -> None:
         log.debug("http: " + fmt, *args)
 
     def handle(self) -> None:
@@ -359,7 +363,7 @@ class Handler(BaseHTTPRequestHandler):
                                    "Authorization: Bearer <token> (http.max_unauthenticated_body_bytes)")
         return None
 
-    def _credentials(self, params: dict[str, Any], bearer: str | None) -> None:
+    def _credentials(self, params: DecodedMap, bearer: str | None) -> None:
         """The call's ``auth``: the body's own, else the bearer token (Refused without either)."""
         if self.side.auth_required and "auth" not in params:
             if bearer is None:
@@ -404,12 +408,12 @@ class Handler(BaseHTTPRequestHandler):
         if refusal.status < 500:
             self.side.suspects.failed(self._client())
 
-    def _tair_refused(self, refusal: Refused, params: dict[str, Any]) -> None:
+    def _tair_refused(self, refusal: Refused, params: DecodedMap) -> None:
         self.side.refused(refusal.reason)
         self._count_refusal(refusal)
         self._json(200, tair.refused(refusal.error, params), refusal.headers)
 
-    def _forward(self, name: str, params: dict[str, Any]) -> None:
+    def _forward(self, name: str, params: DecodedMap) -> None:
         try:
             self._json(200, {"result": self.side.call(name, params)})
         except KvcmError as exc:
@@ -427,7 +431,7 @@ class Handler(BaseHTTPRequestHandler):
         self._check_content_type()
         return self._content_length()
 
-    def _read_json(self, length: int) -> dict[str, Any]:
+    def _read_json(self, length: int) -> DecodedMap:
         raw = self.rfile.read(length) if length else b""
         if len(raw) < length:  # the client closed its side before sending it all
             raise Refused(400, "length", InvalidArgument("body shorter than its Content-Length"))
@@ -487,7 +491,7 @@ class Handler(BaseHTTPRequestHandler):
     def _probe(self, ok: bool) -> None:
         self._send(200 if ok else 503, b"ok\n" if ok else b"not ok\n", "text/plain")
 
-    def _json(self, status: int, body: Any, headers: Iterable[tuple[str, str]] = ()) -> None:
+    def _json(self, status: int, body: object, headers: Iterable[tuple[str, str]] = ()) -> None:
         self._send(status, json.dumps(body, default=jsonable).encode(), "application/json", headers)
 
     def _send(self, status: int, body: bytes, kind: str, headers: Iterable[tuple[str, str]] = ()) -> None:

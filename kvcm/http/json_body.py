@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from kvcm.errors import InvalidArgument
+from kvcm.proto.wire import Decoded, DecodedMap
 
 # -- request bodies -------------------------------------------------------------------------------
 
@@ -27,11 +28,11 @@ class _DuplicateKey(Exception):
     """Raised out of the parser at an object with a key twice (its path is found afterwards)."""
 
 
-class _Members(list[tuple[str, Any]]):
+class _Members(list[tuple[str, object]]):
     """An object's members in order, a repeated key kept: only to name where it repeats."""
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def parse_body(raw: bytes) -> DecodedMap:
     """A request body: a JSON object whose keys are unique in every object (the last of two would
     win silently), nested at most 32 levels, with integers in int64/uint64 and only finite
     numbers (Python's parser takes NaN, Infinity and 1e400). Every refusal is INVALID_ARGUMENT
@@ -49,7 +50,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _unique(members: list[tuple[str, Any]]) -> dict[str, Any]:
+def _unique(members: list[tuple[str, Decoded]]) -> DecodedMap:
     # The parser's hook for every object: building the dict here costs ~20% of the parse, and a
     # length check finds a repeated key.
     obj = dict(members)
@@ -58,7 +59,7 @@ def _unique(members: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-def _plain(body: dict[str, Any]) -> bool:
+def _plain(body: DecodedMap) -> bool:
     """True when nothing in ``body`` is refused; :func:`_fault` says where, when it is not. A pass
     over whole levels checking exact types: the hot path, several times faster than walking values
     one by one with their depth (a 52,000-event report is a few hundred thousand values)."""
@@ -83,10 +84,10 @@ def _plain(body: dict[str, Any]) -> bool:
     return not any(level)  # a value inside a container at depth 32 would be at depth 33
 
 
-def _fault(body: dict[str, Any]) -> str:
+def _fault(body: DecodedMap) -> str:
     """The first refused value of ``body`` in document order, named by its path (the slow walk,
     run only once :func:`_plain` has found something)."""
-    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    stack: list[tuple[Decoded, str, int]] = [(body, "", 1)]
     while stack:
         value, where, depth = stack.pop()
         at = where[:_MAX_PATH] or "body"
@@ -105,7 +106,7 @@ def _fault(body: dict[str, Any]) -> str:
 
 def _repeated_key(raw: bytes) -> str:
     """The path of the first key that repeats within one object (parsed again keeping every member)."""
-    stack: list[tuple[Any, str]] = [(json.loads(raw, object_pairs_hook=_Members), "")]
+    stack: list[tuple[object, str]] = [(json.loads(raw, object_pairs_hook=_Members), "")]
     while stack:
         value, where = stack.pop()
         if isinstance(value, _Members):
@@ -126,7 +127,7 @@ def _member(where: str, key: str) -> str:
     return f"{where}.{name}" if where else name
 
 
-def jsonable(value: Any) -> Any:
+def jsonable(value: object) -> str:
     if isinstance(value, bytes):
         return value.hex()
     raise TypeError(f"cannot encode {type(value).__name__}")

@@ -74,7 +74,7 @@ class BoundedServer(ThreadingHTTPServer):
         with self._live_lock:
             return self._live.get(request, ("", ANY))[1] == PROBE
 
-    def adopt(self, request: socket.socket, client_address: Any) -> None:
+    def adopt(self, request: socket.socket, client_address: object) -> None:
         """Serve a connection the last stage handed over (its thread starts with the idle wait)."""
         self.adopted.add(request)
         self.process_request(request, client_address)
@@ -101,7 +101,7 @@ class BoundedServer(ThreadingHTTPServer):
         for sock in (self._wake_r, self._wake_w):
             sock.close()
 
-    def process_request(self, request: Any, client_address: Any) -> None:
+    def process_request(self, request: Any, client_address: object) -> None:
         if self._suspects is not None and self._suspects.suspect(peer_of(client_address)):
             if self._lane.offer(request, client_address):
                 self._refused("slow_lane")  # served later, at the lane's pace
@@ -111,7 +111,7 @@ class BoundedServer(ThreadingHTTPServer):
             return
         self._start(request, client_address)
 
-    def _start(self, request: Any, client_address: Any) -> None:
+    def _start(self, request: socket.socket, client_address: object) -> None:
         """A connection's slot and thread (or 503 when no slot is left)."""
         peer = peer_of(client_address)
         kind = self._slots.take(peer)
@@ -127,7 +127,7 @@ class BoundedServer(ThreadingHTTPServer):
             self._release(request)
             raise
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+    def process_request_thread(self, request: Any, client_address: object) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
@@ -149,7 +149,7 @@ class BoundedServer(ThreadingHTTPServer):
             pass
         self.shutdown_request(request)
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
+    def handle_error(self, request: object, client_address: object) -> None:
         log.debug("http: connection ended with an error", exc_info=True)
 
     def close_connections(self) -> None:
@@ -187,17 +187,17 @@ class SidePort:
             except BaseException:
                 self._listeners[0].close()
                 raise
-        self._waiting: list[tuple[socket.socket, Any, bool]] = []
+        self._waiting: list[tuple[socket.socket, object, bool]] = []
         self._lock = threading.Lock()
 
     def listener(self, admin: bool) -> socket.socket:
         return self._listeners[1 if admin else 0]
 
-    def keep(self, sock: socket.socket, peer: Any, admin: bool) -> None:
+    def keep(self, sock: socket.socket, peer: object, admin: bool) -> None:
         with self._lock:
             self._waiting.append((sock, peer, admin))
 
-    def take(self) -> list[tuple[socket.socket, Any, bool]]:
+    def take(self) -> list[tuple[socket.socket, object, bool]]:
         """The connections waiting for a stage (each given to one stage only)."""
         with self._lock:
             waiting, self._waiting = self._waiting, []

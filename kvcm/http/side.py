@@ -8,7 +8,6 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from kvcm.client import IDEMPOTENT_METHODS, Client
 from kvcm.config import Config, HttpConfig
@@ -18,6 +17,8 @@ from kvcm.http.guards import Authorities, Slots, Suspects
 from kvcm.http.handler import handler_for
 from kvcm.http.server import BoundedServer, Server6, SidePort
 from kvcm.metrics import Metrics
+from kvcm.proto.wire import Decoded, DecodedMap, EncodableMap
+from kvcm.rpc.curve import CurveOptions
 from kvcm.tair import translate as tair
 
 _TOKEN_CACHE_S = 5.0  # a verified bearer token is trusted this long before whoami is asked again
@@ -68,7 +69,7 @@ class SideHttp:
         *,
         max_body: int = 4 << 20,
         auth_required: bool = False,
-        client_options: dict[str, Any] | None = None,
+        client_options: CurveOptions | None = None,
         role: Callable[[], str] | None = None,
         port: SidePort | None = None,
     ) -> None:
@@ -89,9 +90,9 @@ class SideHttp:
         self._tair_pool = ClientPool(rpc_endpoint, client_options, follow=False)
         self._leader_pools: dict[str, ClientPool] = {}  # Tair calls a follower sends on, by leader
         self._tair_roots = tair.CallerRoots()  # storage directories for Tair's URIs, across calls
-        self._leaders: dict[str, tuple[dict[str, Any] | None, float]] = {}  # endpoint -> (info, until)
+        self._leaders: dict[str, tuple[DecodedMap | None, float]] = {}  # endpoint -> (info, until)
         self._leaders_lock = threading.Lock()
-        self._client_options = client_options or {}
+        self._client_options: CurveOptions = client_options or {}
         self._tokens: dict[bytes, tuple[bool, float]] = {}  # sha256(token) -> (valid, until when)
         self._tokens_lock = threading.Lock()
         self._held = port
@@ -179,14 +180,14 @@ class SideHttp:
         for pool in pools:
             pool.close()
 
-    def tair(self, name: str, params: dict[str, Any], admin: bool, local_ip: str) -> tuple[int, dict[str, Any]]:
+    def tair(self, name: str, params: DecodedMap, admin: bool, local_ip: str) -> tuple[int, object]:
         """A Tair RPC (``POST /api/<lowerCamelName>``) through :mod:`kvcm.tair`."""
         surface = "admin" if admin else "meta" if self.admin_port is not None else "both"
         ctx = tair.Context(http_port=self.port, admin_port=self.admin_port, local_host=local_ip, ask=self._ask,
                           roots=self._tair_roots)
         return tair.serve(name, params, surface, ctx, self.tair_call)
 
-    def tair_call(self, method: str, params: dict[str, Any]) -> Any:
+    def tair_call(self, method: str, params: EncodableMap) -> Decoded:
         """A translated Tair call: to this node, and from a follower on to the leader it names only
         if that leader answers now. Otherwise its SERVER_NOT_LEADER is the answer at once, naming
         the leader, rather than a wait of the RPC timeout on a dead or stopped one: Tair's client
@@ -238,7 +239,7 @@ class SideHttp:
             old.close()
         return pool
 
-    def _ask(self, endpoint: str) -> dict[str, Any] | None:
+    def _ask(self, endpoint: str) -> DecodedMap | None:
         """``get_manager_cluster_info`` of another node (the leader), or None if it does not
         answer within ``_ASK_TIMEOUT_S``; either answer is remembered ``_LEADER_VERDICT_S``."""
         now = time.monotonic()
@@ -246,10 +247,11 @@ class SideHttp:
             known = self._leaders.get(endpoint)
         if known is not None and known[1] > now:
             return known[0]
-        info: dict[str, Any] | None = None
+        info: DecodedMap | None = None
         try:
             with Client(endpoint, timeout=_ASK_TIMEOUT_S, retries=0, **self._client_options) as client:
-                info = client.call("get_manager_cluster_info", {}, retry=False)
+                reply = client.call("get_manager_cluster_info", {}, retry=False)
+                info = reply if isinstance(reply, dict) else None
         except KvcmError:
             pass
         with self._leaders_lock:
@@ -263,7 +265,7 @@ class SideHttp:
         info = self._ask(endpoint)
         return info is not None and bool(info.get("leader"))
 
-    def call(self, method: str, params: dict[str, Any]) -> Any:
+    def call(self, method: str, params: EncodableMap) -> Decoded:
         return self._pool.call(method, params)
 
     def refused(self, reason: str) -> None:

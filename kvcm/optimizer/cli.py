@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,7 @@ def sample_path(name: str) -> Path:
     return sample.path
 
 
-def add_optimize_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_optimize_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``optimize`` to an ``argparse`` subparsers object; returns the new parser."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "optimize", help=DESCRIPTION, description=DESCRIPTION
@@ -210,9 +210,9 @@ def _policies(args: argparse.Namespace, spec: ReplaySpec) -> list[str]:
     return names
 
 
-def _policy_options(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict[str, Any]]:
+def _policy_options(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict[str, object]]:
     """``[POLICY.]KEY=VALUE`` items -> {policy: {key: value}}; no POLICY = every policy."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, object]] = {}
     for item in items:
         name, sep, raw = item.partition("=")
         if not sep:
@@ -223,7 +223,7 @@ def _policy_options(items: Sequence[str], policies: Sequence[str]) -> dict[str, 
     return out
 
 
-def _value(raw: str) -> Any:
+def _value(raw: str) -> int | float | bool | str:
     for kind in (int, float):
         try:
             return kind(raw)
@@ -290,7 +290,7 @@ class _Progress:
             bar.close()
         self._bars.clear()
 
-    def bar(self, desc: str, total: int | None, unit: str = "B") -> Any:
+    def bar(self, desc: str, total: int | None, unit: str = "B") -> Callable[[int], object] | None:
         """A callable advancing a new bar by its argument (a no-op when disabled)."""
         if not self.enabled:
             return None
@@ -299,7 +299,8 @@ class _Progress:
         bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", file=sys.stderr,
                    leave=False, dynamic_ncols=True)  # fmt: skip
         self._bars.append(bar)
-        return bar.update
+        update: Callable[[int], object] = bar.update
+        return update
 
 
 # --- runs ---------------------------------------------------------------------------------------
@@ -324,7 +325,7 @@ def _single(
 
 def _sweep(
     args: argparse.Namespace, trace: Trace, spec: ReplaySpec, policies: list[str],
-    options: dict[str, dict[str, Any]], cost: CostModel | None, progress: _Progress,
+    options: dict[str, dict[str, object]], cost: CostModel | None, progress: _Progress,
 ) -> int:  # fmt: skip
     records = list(trace)
     progress.close()
@@ -376,7 +377,7 @@ def _export_trees(result: ReplayResult, out_dir: str) -> None:
             f.write(tree.to_dot())
 
 
-def _print(args: argparse.Namespace, summary: dict[str, Any], table: Any) -> None:
+def _print(args: argparse.Namespace, summary: object, table: Callable[[], str]) -> None:
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -86,7 +86,7 @@ class Value:
     storage_cost_per_hour: float
     net_per_hour: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, float]:
         return asdict(self)
 
 

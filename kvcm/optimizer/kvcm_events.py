@@ -61,7 +61,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from kvcm.optimizer.trace import LineContext, Mask, Record, Trace, json_lines
 
@@ -80,7 +80,7 @@ class _Session:
     output_tokens: int = 0
 
 
-def parse_mask(value: Any, n: int, line: LineContext, name: str) -> Mask:
+def parse_mask(value: object, n: int, line: LineContext, name: str) -> Mask:
     """Any accepted mask form -> an int offset or a list of bools (see the module docstring)."""
     if value is None:
         return 0
@@ -222,8 +222,8 @@ def read_events(
 
 
 def event_line(
-    kind: str, source: str, trigger_time_us: int, event_id: str, **fields: Any
-) -> dict[str, Any]:
+    kind: str, source: str, trigger_time_us: int, event_id: str, **fields: object
+) -> dict[str, object]:
     """One event-log object with the common fields first (for writers and tests)."""
     if kind not in EVENT_TYPES:
         raise ValueError(f"unknown event type {kind!r}; valid: {', '.join(EVENT_TYPES)}")

@@ -7,10 +7,10 @@ is drawn, through the object API (no pyplot global state, no display needed).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvcm.optimizer.report import timeline_rows
-from kvcm.optimizer.stats import ReplayResult
+from kvcm.optimizer.stats import ReplayResult, TimelineRow
 from kvcm.optimizer.sweep import SweepPoint
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def timeline_figure(result: ReplayResult, window: int = 200, title: str = "") ->
     return fig
 
 
-def _windowed(rows: Sequence[tuple[Any, ...]], window: int) -> list[float]:
+def _windowed(rows: Sequence[TimelineRow], window: int) -> list[float]:
     """Token hit rate over the last ``window`` lookups, at every lookup."""
     out, tokens, hits = [], 0, 0
     for i, row in enumerate(rows):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 from kvcm.optimizer.trace import Mask
 
@@ -232,7 +231,7 @@ class RadixTree:
 
     # --- export --------------------------------------------------------------------------------
 
-    def export(self) -> list[dict[str, Any]]:
+    def export(self) -> list[dict[str, float | None]]:
         """Nodes breadth first, for visualization (Tair's ``ExportForVisualization`` fields)."""
         out = []
         for node in self.nodes():

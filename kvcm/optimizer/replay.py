@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any, cast
+from typing import cast
 
 from kvcm.optimizer.radix import RadixTree
 from kvcm.optimizer.spec import GroupSpec, InstanceSpec, ReplaySpec, TierSpec
-from kvcm.optimizer.stats import GroupResult, HitStats, ReplayResult
+from kvcm.optimizer.stats import GroupResult, HitStats, ReplayResult, TierResult, TimelineRow
 from kvcm.optimizer.trace import Record
 from kvcm.policies import BasePolicy, make_policy
 
@@ -65,7 +65,7 @@ class _Instance:
         self.block_size = block_size
         self.size = spec.block_bytes if group.unit == "bytes" else 1
         self.stats = HitStats(tier_hit_blocks=[0] * len(group.tiers))
-        self.timeline: list[tuple[Any, ...]] = []
+        self.timeline: list[TimelineRow] = []
         self.tree = RadixTree() if trees else None
         self.cached = 0
         group.instances.append(self)
@@ -454,7 +454,7 @@ def _group_result(group: _Group) -> GroupResult:
                        group.peak, group.peak_blocks)  # fmt: skip
 
 
-def _tier_result(tier: _Tier) -> dict[str, Any]:
+def _tier_result(tier: _Tier) -> TierResult:
     capacity = None if tier.spec.capacity is None else tier.spec.capacity.amount
     return {
         "name": tier.spec.name,

@@ -16,10 +16,9 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from typing import Any
 
 from kvcm.optimizer.cost import CostModel, Value, marginal
-from kvcm.optimizer.stats import GroupResult, ReplayResult
+from kvcm.optimizer.stats import GroupResult, ReplayResult, TimelineRow
 from kvcm.optimizer.sweep import SweepPoint
 
 TIMELINE_HEADER = (
@@ -54,7 +53,7 @@ def _rate(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
-def timeline_rows(rows: Sequence[tuple[Any, ...]]) -> list[list[Any]]:
+def timeline_rows(rows: Sequence[TimelineRow]) -> list[list[float]]:
     """Replay timeline tuples -> CSV rows with per-lookup and cumulative rates."""
     out = []
     acc_read = acc_int = acc_ext = acc_tok = acc_hit_tok = 0
@@ -93,9 +92,9 @@ def write_timelines(result: ReplayResult, out_dir: str) -> list[str]:
 
 def result_json(
     result: ReplayResult, counts: dict[str, int] | None = None, cost: CostModel | None = None
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """A JSON-able summary of one replay."""
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "label": result.label,
         "records": result.records,
         "dropped_records": result.dropped_records,
@@ -107,9 +106,13 @@ def result_json(
         "trace_counts": dict(counts or {}),
     }
     if cost is not None:
-        held = sum(cost.capacity_bytes(t["capacity"] or 0, g.unit) for g in result.groups for t in g.tiers)
-        out["cost"] = cost.value(result.total, result.duration, held).to_json()
+        out["cost"] = _value_of(result, cost).to_json()
     return out
+
+
+def _value_of(result: ReplayResult, cost: CostModel) -> Value:
+    held = sum(cost.capacity_bytes(t["capacity"] or 0, g.unit) for g in result.groups for t in g.tiers)
+    return cost.value(result.total, result.duration, held)
 
 
 def sweep_json(
@@ -117,13 +120,13 @@ def sweep_json(
     ceiling: ReplayResult | None = None,
     cost: CostModel | None = None,
     duration: float = 0.0,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """A JSON-able sweep: its points (with cost when given) and the unbounded ceiling."""
     rows = [p.to_json() for p in points]
     if cost is not None:
         for row, value, extra in zip(rows, *_priced(points, cost, duration)):
             row["cost"] = {**value.to_json(), "marginal_money_per_hour_per_unit": extra}
-    out: dict[str, Any] = {"points": rows}
+    out: dict[str, object] = {"points": rows}
     if ceiling is not None:
         out["unbounded"] = {"working_set": max((g.peak_usage for g in ceiling.groups), default=0),
                             **ceiling.total.to_json()}  # fmt: skip
@@ -164,11 +167,11 @@ def write_sweep_csv(
             writer.writerow(line)
 
 
-def _fmt(value: Any) -> Any:
+def _fmt(value: object) -> object:
     return round(value, 6) if isinstance(value, float) else value
 
 
-def write_json(obj: Any, path: str) -> None:
+def write_json(obj: object, path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
@@ -206,7 +209,7 @@ def result_table(result: ReplayResult, cost: CostModel | None = None) -> str:
         if len(g.tiers) > 1:
             lines.append(_tier_hits(result, g))
     if cost is not None:
-        lines.append(_cost_line(result_json(result, cost=cost)["cost"]))
+        lines.append(_cost_line(_value_of(result, cost).to_json()))
     return "\n".join(lines)
 
 
@@ -218,7 +221,7 @@ def _tier_hits(result: ReplayResult, group: GroupResult) -> str:
     return f"  block hits by tier: {shares}"
 
 
-def _cost_line(v: dict[str, Any]) -> str:
+def _cost_line(v: dict[str, float]) -> str:
     return (
         f"saved {v['tokens_saved']} prefill tokens = {v['gpu_seconds_saved']:.0f} GPU-s, worth "
         f"{v['money_saved']:.2f}\nper hour of this traffic: {v['gpu_hours_saved_per_hour']:.2f} "

@@ -122,7 +122,7 @@ class TierSpec:
     name: str = "cache"
     capacity: Capacity | None = None
     policy: str = "lru"
-    policy_options: dict[str, Any] = field(default_factory=dict)
+    policy_options: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,24 @@ hits were found in kvcm's tiers; token rates weigh each lookup by its prompt tok
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TypedDict
 
 from kvcm.optimizer.radix import RadixTree
+
+#: One lookup of a replay timeline: ``(time, instance's cached blocks, group's cached blocks,
+#: blocks read, internal hits, external hits, tokens read, internal hit tokens, hit tokens)``.
+TimelineRow = tuple[float, int, int, int, int, int, int, int, int]
+
+
+class TierResult(TypedDict):
+    """Where one tier of a group ended."""
+
+    name: str
+    policy: str
+    capacity: int | None
+    limit: int | None
+    usage: int
+    blocks: int
 
 #: Columns of a timeline row, one row per lookup.
 TIMELINE_COLUMNS = (
@@ -72,7 +87,7 @@ class HitStats:
         for i, n in enumerate(other.tier_hit_blocks):
             tiers[i] += n
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         out = asdict(self)
         out["hit_blocks"] = self.hit_blocks
         for name in RATES:
@@ -96,7 +111,7 @@ class GroupResult:
 
     name: str
     unit: str
-    tiers: list[dict[str, Any]]
+    tiers: list[TierResult]
     instances: list[str]
     peak_usage: int
     peak_blocks: int
@@ -110,7 +125,7 @@ class ReplayResult:
     instances: dict[str, HitStats]
     block_sizes: dict[str, int]
     groups: list[GroupResult]
-    timelines: dict[str, list[tuple[Any, ...]]]
+    timelines: dict[str, list[TimelineRow]]
     records: int
     dropped_records: int
     first_ts: float

@@ -37,7 +37,7 @@ class SweepPoint:
     instances: dict[str, HitStats] = field(default_factory=dict)
     wall_seconds: float = 0.0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "policy": self.policy,
             "capacity": self.capacity,
@@ -93,7 +93,7 @@ def replay_point(
     policy: str,
     capacity: int,
     unit: str = "blocks",
-    options: dict[str, Any] | None = None,
+    options: dict[str, object] | None = None,
 ) -> SweepPoint:
     """Replay once with every group's first tier set to (``policy``, ``capacity``).
 
@@ -108,7 +108,7 @@ def replay_point(
 
 
 def with_first_tiers(
-    spec: ReplaySpec, policy: str, options: dict[str, Any] | None = None, **changes: Any
+    spec: ReplaySpec, policy: str, options: dict[str, object] | None = None, **changes: Any
 ) -> ReplaySpec:
     """``spec`` with every group's first tier using ``policy`` (and ``changes``, e.g. capacity).
 
@@ -144,7 +144,7 @@ def run_sweep(
     policies: Sequence[str],
     jobs: int = 1,
     progress: Callable[[SweepPoint], object] | None = None,
-    policy_options: dict[str, dict[str, Any]] | None = None,
+    policy_options: dict[str, dict[str, object]] | None = None,
 ) -> list[SweepPoint]:
     """Replay every (policy, capacity) pair; points come back ordered by policy then capacity.
 

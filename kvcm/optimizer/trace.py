@@ -57,9 +57,9 @@ class Record:
     output_tokens: int = 0
     ttl: float = 0.0  # a pin's length in seconds (op "pin" only)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """The ``kvcm_schema`` line for this record (defaults omitted)."""
-        out: dict[str, Any] = {"ts": self.ts, "instance": self.instance, "op": self.op}
+        out: dict[str, object] = {"ts": self.ts, "instance": self.instance, "op": self.op}
         if self.keys:
             out["keys"] = self.keys
         if self.parent is not None:

@@ -35,7 +35,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO
 
 from kvcm.backends.migrations import TRACE
 from kvcm.cache.keys import chain_hash_ids
@@ -58,7 +58,7 @@ class Reader:
     block_size: int
     description: str
 
-    def options(self) -> dict[str, Any]:
+    def options(self) -> dict[str, object]:
         """The reader's options and their defaults."""
         params = list(inspect.signature(self.read).parameters.values())[3:]
         return {p.name: p.default for p in params}
@@ -175,7 +175,7 @@ def _write_schema(trace: Trace, records: Iterable[Record], f: IO[str], header_fi
     return n
 
 
-def _header(trace: Trace) -> dict[str, Any]:
+def _header(trace: Trace) -> dict[str, object]:
     instances = {i: {"block_size": bs} for i, bs in sorted(trace.block_sizes.items())}
     return {"kvcm_schema": SCHEMA_VERSION, "block_size": trace.block_size, "instances": instances}
 
@@ -206,7 +206,7 @@ def read_trace(
     *,
     block_size: int | None = None,
     progress: Progress | None = None,
-    **options: Any,
+    **options: object,
 ) -> Trace:
     """Open ``path`` as format ``fmt``; iterate the result for records (streamed, once).
 
@@ -224,10 +224,10 @@ def read_trace(
     return trace
 
 
-def parse_options(fmt: str, items: Iterable[str]) -> dict[str, Any]:
+def parse_options(fmt: str, items: Iterable[str]) -> dict[str, object]:
     """``["key=value", ...]`` -> reader options, each converted to its default's type."""
     defaults = get_reader(fmt).options()
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for item in items:
         name, sep, raw = item.partition("=")
         if not sep or name not in defaults:
@@ -237,7 +237,7 @@ def parse_options(fmt: str, items: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def _convert(raw: str, default: Any, name: str) -> Any:
+def _convert(raw: str, default: object, name: str) -> bool | int | float | str:
     try:
         if isinstance(default, bool):
             if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):

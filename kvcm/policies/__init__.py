@@ -40,7 +40,6 @@ Every policy has :meth:`check`, asserting its invariants, for tests and stress r
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
 from kvcm.policies.base import BasePolicy, Policy
 from kvcm.policies.leaf_lru import LeafLRU
@@ -54,7 +53,7 @@ POLICIES: dict[str, type[BasePolicy]] = {
 }
 
 
-def make_policy(name: str, **opts: Any) -> BasePolicy:
+def make_policy(name: str, **opts: object) -> BasePolicy:
     """Build the policy registered as ``name`` with its options.
 
     :raises ValueError: unknown name (the message lists the valid ones) or unknown option.

@@ -122,12 +122,12 @@ class BasePolicy(ABC):
             self.on_remove(key)
         return chosen
 
-    def dump(self, key: Callable[[Hashable], Any] = lambda k: k) -> dict[str, Any]:
+    def dump(self, key: Callable[[Hashable], object] = lambda k: k) -> dict[str, object]:
         """The whole state as plain data (lists, numbers, keys as ``key`` gives them), for
         :meth:`load` into a fresh policy with the same options: victims come out as before."""
         return {"sizes": [[key(k), v] for k, v in self.sizes.items()], "clock": self._clock, **self._dump(key)}
 
-    def load(self, state: dict[str, Any], key: Callable[[Any], Hashable] = lambda k: k) -> None:
+    def load(self, state: dict[str, Any], key: Callable[[object], Hashable] = lambda k: k) -> None:
         """Restore :meth:`dump`'s output; ``key`` turns a stored key back into a key (tuples come
         back from msgpack as lists)."""
         self.sizes.clear()
@@ -137,11 +137,11 @@ class BasePolicy(ABC):
         self._load(state, key)
 
     @abstractmethod
-    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+    def _dump(self, key: Callable[[Hashable], object]) -> dict[str, object]:
         ...
 
     @abstractmethod
-    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+    def _load(self, state: dict[str, Any], key: Callable[[object], Hashable]) -> None:
         ...
 
     def check(self) -> None:
@@ -177,8 +177,8 @@ class _HeapIndex:
     __slots__ = ("_heap", "rank")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple[Any, ...], Hashable]] = []
-        self.rank: dict[Hashable, tuple[Any, ...]] = {}
+        self._heap: list[tuple[tuple[float, ...], Hashable]] = []
+        self.rank: dict[Hashable, tuple[float, ...]] = {}
 
     def __len__(self) -> int:
         return len(self.rank)
@@ -186,7 +186,7 @@ class _HeapIndex:
     def __contains__(self, key: object) -> bool:
         return key in self.rank
 
-    def update(self, key: Hashable, rank: tuple[Any, ...]) -> None:
+    def update(self, key: Hashable, rank: tuple[float, ...]) -> None:
         self.rank[key] = rank
         heapq.heappush(self._heap, (rank, key))
         if len(self._heap) > 2 * len(self.rank) + 64:
@@ -199,7 +199,7 @@ class _HeapIndex:
         """The ``n`` lowest-ranked candidates, best first (heap left as it was, minus stale)."""
         heap, rank = self._heap, self.rank
         out: list[Hashable] = []
-        popped: list[tuple[tuple[Any, ...], Hashable]] = []
+        popped: list[tuple[tuple[float, ...], Hashable]] = []
         seen: set[Hashable] = set()
         while heap and len(out) < n:
             item = heapq.heappop(heap)
@@ -216,10 +216,10 @@ class _HeapIndex:
         self._heap = [(r, k) for k, r in self.rank.items()]
         heapq.heapify(self._heap)
 
-    def dump(self, key: Callable[[Hashable], Any]) -> list[Any]:
+    def dump(self, key: Callable[[Hashable], object]) -> list[object]:
         return [[key(k), list(r)] for k, r in self.rank.items()]
 
-    def load(self, rows: list[Any], key: Callable[[Any], Hashable]) -> None:
+    def load(self, rows: list[Any], key: Callable[[object], Hashable]) -> None:
         self.rank = {key(k): tuple(r) for k, r in rows}
         self._compact()
 
@@ -236,7 +236,7 @@ class _SampleIndex:
     def __init__(self, k: int, seed: int) -> None:
         self._items: list[Hashable] = []
         self._pos: dict[Hashable, int] = {}
-        self.rank: dict[Hashable, tuple[Any, ...]] = {}
+        self.rank: dict[Hashable, tuple[float, ...]] = {}
         self.k = k
         self._rng = random.Random(seed)
 
@@ -246,7 +246,7 @@ class _SampleIndex:
     def __contains__(self, key: object) -> bool:
         return key in self._pos
 
-    def update(self, key: Hashable, rank: tuple[Any, ...]) -> None:
+    def update(self, key: Hashable, rank: tuple[float, ...]) -> None:
         self.rank[key] = rank
         if key not in self._pos:
             self._pos[key] = len(self._items)
@@ -262,11 +262,11 @@ class _SampleIndex:
             self._items[pos] = last
             self._pos[last] = pos
 
-    def dump(self, key: Callable[[Hashable], Any]) -> list[Any]:
+    def dump(self, key: Callable[[Hashable], object]) -> list[object]:
         state = self._rng.getstate()
         return [[[key(k), list(self.rank[k])] for k in self._items], [state[0], list(state[1]), state[2]]]
 
-    def load(self, rows: list[Any], key: Callable[[Any], Hashable]) -> None:
+    def load(self, rows: list[Any], key: Callable[[object], Hashable]) -> None:
         items, rng = rows
         self._items = [key(k) for k, _ in items]
         self._pos = {k: i for i, k in enumerate(self._items)}

@@ -76,7 +76,7 @@ class _Sizes:
             raise KeyError(key)
         return p._size[e]
 
-    def get(self, key: Hashable, default: Any = None) -> Any:
+    def get(self, key: Hashable, default: int | None = None) -> int | None:
         p = self._p
         e = p._find(key)
         return default if e < 0 else p._size[e]
@@ -428,12 +428,12 @@ class CompactLRU(BasePolicy):
         for key, size in rows:
             self._add(key, size)
 
-    def dump(self, key: Callable[[Hashable], Any] = lambda k: k) -> dict[str, Any]:
+    def dump(self, key: Callable[[Hashable], object] = lambda k: k) -> dict[str, object]:
         """``LRU``'s format (sizes in recency order, no sequence, no candidates)."""
         return {"sizes": [[key(k), v] for k, v in self.sizes.items()], "clock": self._clock,
                 "seq": 0, "cand": None}
 
-    def load(self, state: dict[str, Any], key: Callable[[Any], Hashable] = lambda k: k) -> None:
+    def load(self, state: dict[str, Any], key: Callable[[object], Hashable] = lambda k: k) -> None:
         rows = [(key(k), v) for k, v in state["sizes"]]
         self._reset(len(rows))
         self._big.clear()
@@ -442,10 +442,10 @@ class CompactLRU(BasePolicy):
             self.on_write(k, 0.0, size)
         self._clock = state["clock"]
 
-    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+    def _dump(self, key: Callable[[Hashable], object]) -> dict[str, object]:
         return {}  # dump() is overridden whole
 
-    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+    def _load(self, state: dict[str, Any], key: Callable[[object], Hashable]) -> None:
         pass  # load() is overridden whole
 
     def check(self) -> None:

@@ -69,12 +69,12 @@ class LeafLRU(BasePolicy):
         if parent in self.sizes:
             self._cand.update(parent, (self._last[parent],))
 
-    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+    def _dump(self, key: Callable[[Hashable], object]) -> dict[str, object]:
         return {"seq": self._seq, "parent": [[key(k), None if p is None else key(p)] for k, p in self._parent.items()],
                 "children": [[key(k), n] for k, n in self._children.items()],
                 "last": [[key(k), n] for k, n in self._last.items()], "cand": self._cand.dump(key)}
 
-    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+    def _load(self, state: dict[str, Any], key: Callable[[object], Hashable]) -> None:
         self._seq = state["seq"]
         self._parent = {key(k): None if p is None else key(p) for k, p in state["parent"]}
         self._children = {key(k): n for k, n in state["children"]}

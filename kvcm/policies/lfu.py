@@ -65,11 +65,11 @@ class LFU(BasePolicy):
             del self._score[key]
             self._cand.discard(key)
 
-    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+    def _dump(self, key: Callable[[Hashable], object]) -> dict[str, object]:
         return {"t0": self._t0, "seq": self._seq, "score": [[key(k), v] for k, v in self._score.items()],
                 "cand": self._cand.dump(key)}
 
-    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+    def _load(self, state: dict[str, Any], key: Callable[[object], Hashable]) -> None:
         self._t0, self._seq = state["t0"], state["seq"]
         self._score = {key(k): v for k, v in state["score"]}
         self._cand.load(state["cand"], key)

@@ -48,10 +48,10 @@ class LRU(BasePolicy):
             self._seq += 1
             self._cand.update(key, (self._seq,))  # type: ignore[union-attr]
 
-    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+    def _dump(self, key: Callable[[Hashable], object]) -> dict[str, object]:
         return {"seq": self._seq, "cand": None if self._cand is None else self._cand.dump(key)}
 
-    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+    def _load(self, state: dict[str, Any], key: Callable[[object], Hashable]) -> None:
         self._seq = state["seq"]
         if self._cand is not None:
             self._cand.load(state["cand"], key)

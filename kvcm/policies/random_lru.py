@@ -72,10 +72,10 @@ class RandomLRU(BasePolicy):
             self._keys[pos], self._times[pos] = last_key, last_time
             self._pos[last_key] = pos
 
-    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+    def _dump(self, key: Callable[[Hashable], object]) -> dict[str, object]:
         return {"keys": [key(k) for k in self._keys], "times": list(self._times), "state": self._state}
 
-    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+    def _load(self, state: dict[str, Any], key: Callable[[object], Hashable]) -> None:
         self._keys = [key(k) for k in state["keys"]]
         self._times = list(state["times"])
         self._pos = {k: i for i, k in enumerate(self._keys)}

@@ -43,10 +43,10 @@ class TTL(BasePolicy):
         if self._drop_size(key):
             del self._written[key]
 
-    def _dump(self, key: Callable[[Hashable], Any]) -> dict[str, Any]:
+    def _dump(self, key: Callable[[Hashable], object]) -> dict[str, object]:
         return {"written": [[key(k), t] for k, t in self._written.items()]}
 
-    def _load(self, state: dict[str, Any], key: Callable[[Any], Hashable]) -> None:
+    def _load(self, state: dict[str, Any], key: Callable[[object], Hashable]) -> None:
         self._written = {key(k): t for k, t in state["written"]}
 
     def victims(self, n: int, now: float) -> list[Hashable]:

@@ -10,12 +10,12 @@ microseconds.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import msgspec
 
 from kvcm.cache.listeners import CacheListener
 from kvcm.cache.masks import BlockMask
+from kvcm.proto.wire import EncodableMap
 from kvcm.publish.eventlog import EventLog
 from kvcm.publish.publisher import EventPublisher
 
@@ -42,7 +42,7 @@ class StorageEvents(CacheListener):
                                               spec_names or ())
 
     def on_write_started(self, instance_id: str, session_id: str, keys: list[int], token_ids: Sequence[int] | None,
-                         block_mask: dict[str, Any], spec_group_names: Sequence[str] | None,
+                         block_mask: EncodableMap, spec_group_names: Sequence[str] | None,
                          timeout: float | None) -> None:
         if self.event_log is not None:
             self.event_log.start_write_cache(instance_id, session_id, keys, token_ids or (), block_mask,
@@ -78,6 +78,6 @@ class StorageEvents(CacheListener):
             self.event_log.unpin_cache(instance_id, keys)
 
 
-def _builtins(mask: BlockMask | None) -> Any:
+def _builtins(mask: BlockMask | None) -> object:
     """A mask as the log writes it: ``{"offset": n}``, ``{"bool_masks": [...]}`` or null."""
     return None if mask is None else msgspec.to_builtins(mask)

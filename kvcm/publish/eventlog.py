@@ -30,8 +30,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from typing import IO, Any
+from collections.abc import Mapping, Sequence
+from typing import IO
 
 log = logging.getLogger("kvcm.publish.eventlog")
 
@@ -53,7 +53,7 @@ class EventLog:
         self.written = 0
         self.errors = 0
 
-    def write(self, event: dict[str, Any]) -> None:
+    def write(self, event: Mapping[str, object]) -> None:
         """Append one event; fills ``id`` and ``trigger_time_us`` when missing."""
         if event.get("type") not in EVENT_TYPES:
             raise ValueError(f"event type must be one of {EVENT_TYPES}, got {event.get('type')!r}")
@@ -79,7 +79,7 @@ class EventLog:
         query_type: str,
         keys: Sequence[int],
         tokens: Sequence[int] = (),
-        block_mask: Any = None,
+        block_mask: object = None,
         sw_size: int = -1,
         location_spec_names: Sequence[str] = (),
     ) -> None:
@@ -95,7 +95,7 @@ class EventLog:
         write_session_id: str,
         keys: Sequence[int],
         tokens: Sequence[int] = (),
-        block_mask: Any = None,
+        block_mask: object = None,
         location_spec_group_names: Sequence[str] = (),
         write_timeout_seconds: int = 10,
     ) -> None:
@@ -106,7 +106,7 @@ class EventLog:
             "write_timeout_seconds": write_timeout_seconds,
         })  # fmt: skip
 
-    def finish_write_cache(self, instance_id: str, write_session_id: str, success_block: Any) -> None:
+    def finish_write_cache(self, instance_id: str, write_session_id: str, success_block: object) -> None:
         self.write({
             "source": instance_id, "component": "cache_manager", "type": "FinishWriteCache",
             "write_session_id": write_session_id, "success_block": success_block,
@@ -139,7 +139,7 @@ class EventLog:
                 self._file = None
 
 
-def _with_common(event: dict[str, Any]) -> dict[str, Any]:
+def _with_common(event: Mapping[str, object]) -> dict[str, object]:
     out = {"id": event.get("id") or uuid.uuid4().hex, "source": str(event.get("source", "")),
            "component": event.get("component", "cache_manager"), "type": event["type"],
            "trigger_time_us": event.get("trigger_time_us") or int(time.time() * 1e6)}  # fmt: skip
@@ -148,7 +148,7 @@ def _with_common(event: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: object) -> str | list[object]:
     if isinstance(value, (bytes, bytearray)):
         return value.hex()
     if isinstance(value, (set, frozenset, tuple)):

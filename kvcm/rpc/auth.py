@@ -41,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Generic, NoReturn, TypeVar
 
 import msgspec
 
@@ -63,6 +63,7 @@ from kvcm.rpc.dispatch import Deferred, Method
 log = logging.getLogger("kvcm.rpc.auth")
 
 K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 #: Verdicts kept at most (each map); past it the oldest is dropped.
 _MAX_VERDICTS = 4096
@@ -92,9 +93,9 @@ class Principal:
     def may_use(self, group: str) -> bool:
         return self.all_groups or group in self.groups
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, str | list[str]]:
         """``whoami``: never a secret."""
-        out: dict[str, Any] = {
+        out: dict[str, str | list[str]] = {
             "user_name": self.user_name,
             "role": self.role,
             "groups": sorted(self.groups),
@@ -233,7 +234,7 @@ class Authenticator:
 
     # -- the hook -------------------------------------------------------------------------------
 
-    def __call__(self, method: Method, request: Any, peer: bytes = b"") -> None:
+    def __call__(self, method: Method, request: object, peer: bytes = b"") -> None:
         """Allow the call, or raise AccessDenied (UNAUTHENTICATED / PERMISSION_DENIED), RATE_LIMITED,
         INSTANCE_NOT_EXIST (another tenant's instance) or :class:`Deferred` (ask again soon)."""
         if not self.enabled:
@@ -245,7 +246,7 @@ class Authenticator:
         if not principal.all_groups and method.name not in FILTERED_METHODS:
             self._check_tenancy(method, request, principal)
 
-    def authenticate(self, auth: Any, peer: bytes = b"", submit: bool = False) -> Principal:
+    def authenticate(self, auth: object, peer: bytes = b"", submit: bool = False) -> Principal:
         """The caller of a request whose ``auth`` is ``auth`` (a Credentials, a map or None).
         A password without a known verdict is queued for checking (:class:`Deferred`) only with
         ``submit``; otherwise it is refused."""
@@ -256,14 +257,14 @@ class Authenticator:
             raise AccessDenied('"auth" needs "token", or "user" and "password"', Code.UNAUTHENTICATED)
         return self._by_password(user, password, peer, submit)
 
-    def principal(self, request: Any) -> Principal | None:
+    def principal(self, request: object) -> Principal | None:
         """The already authorized caller of ``request`` (None when auth is off). Cheap: it finds
         the verdict the hook just used; for handlers that show less to non-admins."""
         if not self.enabled:
             return None
         return self.authenticate(_auth_of(request))
 
-    def visible(self, request: Any) -> Callable[[str], bool] | None:
+    def visible(self, request: object) -> Callable[[str], bool] | None:
         """A filter on instance ids for what the caller of ``request`` may see; None = all."""
         principal = self.principal(request)
         if principal is None or principal.all_groups:
@@ -276,7 +277,7 @@ class Authenticator:
 
         return visible
 
-    def check_reporter(self, request: Any, owner: str, instance_id: str, source_id: str) -> None:
+    def check_reporter(self, request: object, owner: str, instance_id: str, source_id: str) -> None:
         """``report_events`` for an already registered push source: an admin may report for any;
         anyone else only for a source its own account registered (``owner``), of an instance in
         its groups. Another tenant's source answers as a missing one, like its instances do."""
@@ -291,7 +292,7 @@ class Authenticator:
             raise AccessDenied(f"report_events: event source {source_id[:200]!r} was registered by another "
                                f"account; only it (or an admin) may report for it", Code.PERMISSION_DENIED)
 
-    def caller(self, request: Any) -> str | None:
+    def caller(self, request: object) -> str | None:
         """The account name of the caller of ``request`` (None when auth is off)."""
         principal = self.principal(request)
         return None if principal is None else principal.user_name
@@ -423,7 +424,7 @@ class Authenticator:
 
     # -- tenancy --------------------------------------------------------------------------------
 
-    def _check_tenancy(self, method: Method, request: Any, principal: Principal) -> None:
+    def _check_tenancy(self, method: Method, request: object, principal: Principal) -> None:
         instance_id = getattr(request, "instance_id", None)
         if not isinstance(instance_id, str):
             instance_id = ""
@@ -442,20 +443,20 @@ class Authenticator:
             raise instance_not_found(instance_id)
 
 
-def _bucket(peer: bytes, auth: Any) -> bytes:
+def _bucket(peer: bytes, auth: object) -> bytes:
     """The login rate-limit key of a request: its connection, split by the end client a relay
     names (never merged with another connection's, so naming a client cannot blame someone else)."""
     client = auth.get("client") if isinstance(auth, dict) else getattr(auth, "client", None)
     return peer if not isinstance(client, str) or not client else peer + b"|" + client.encode()
 
 
-def _auth_of(request: Any) -> Any:
+def _auth_of(request: object) -> object:
     if isinstance(request, dict):
         return request.get("auth")
     return getattr(request, "auth", None)
 
 
-def _credentials(auth: Any) -> tuple[str | None, str | None, str | None]:
+def _credentials(auth: object) -> tuple[str | None, str | None, str | None]:
     """``(user, password, token)`` of a request's ``auth``; refuses anything else."""
     if auth is None:
         raise AccessDenied(
@@ -483,7 +484,7 @@ def _raise_if_over(failures: _Failures[K], key: K, now: float) -> None:
         )
 
 
-def _decrement(counts: dict[Any, int], key: Any) -> None:
+def _decrement(counts: dict[K, int], key: K) -> None:
     left = counts.get(key, 0) - 1
     if left > 0:
         counts[key] = left
@@ -491,7 +492,7 @@ def _decrement(counts: dict[Any, int], key: Any) -> None:
         counts.pop(key, None)
 
 
-def _bounded_put(verdicts: dict[bytes, Any], key: bytes, value: Any) -> None:
+def _bounded_put(verdicts: dict[bytes, V], key: bytes, value: V) -> None:
     verdicts.pop(key, None)  # re-inserted last: the oldest entry is always first
     if len(verdicts) >= _MAX_VERDICTS:
         verdicts.pop(next(iter(verdicts)))

@@ -29,13 +29,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 import zmq
 from zmq.auth import load_certificate, load_certificates
 from zmq.utils import z85
 
 from kvcm.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger("kvcm.curve")
 # pyzmq's authenticator logs every client key at DEBUG; our own logger for it stays above that.
@@ -171,7 +175,7 @@ def _write_new(path: str, text: str, mode: int) -> None:
     os.chmod(path, mode)  # the umask may have taken bits off the public file's mode
 
 
-def apply_server(sock: zmq.Socket[Any], keys: KeyPair) -> None:
+def apply_server(sock: zmq.Socket[bytes], keys: KeyPair) -> None:
     """Make ``sock`` a CURVE server (call before bind); ZAP decides which clients get in."""
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
@@ -183,11 +187,21 @@ def apply_server(sock: zmq.Socket[Any], keys: KeyPair) -> None:
         log.warning("this libzmq cannot enforce ZAP; CURVE clients depend on the ZAP handler running")
 
 
-def apply_client(sock: zmq.Socket[Any], server_key: bytes, keys: KeyPair) -> None:
+def apply_client(sock: zmq.Socket[_Frame], server_key: bytes, keys: KeyPair) -> None:
     """Make ``sock`` a CURVE client of the server with public key ``server_key`` (before connect)."""
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+
+
+_Frame = TypeVar("_Frame")  # what a socket's receives give: bytes, or asyncio's futures
+
+
+class CurveOptions(TypedDict, total=False):
+    """The CURVE keyword arguments of :class:`kvcm.Client` (an in-process client of a CURVE server)."""
+
+    curve_server_key: bytes
+    curve_client_keys: KeyPair
 
 
 class KeyGate:
@@ -250,7 +264,7 @@ class CurveServer:
         allowed = None if allowed_dir is None else allowed_keys(allowed_dir) | {self.internal.public}
         self.gate = KeyGate(allowed, on_reject)
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._auth: Any = None  # the ThreadAuthenticator, once started
+        self._auth: ThreadAuthenticator | None = None  # the ThreadAuthenticator, once started
 
     def start(self) -> CurveServer:
         """Start the ZAP handler; server sockets must not bind before this."""
@@ -263,11 +277,11 @@ class CurveServer:
         self._auth = auth
         return self
 
-    def setup(self, sock: zmq.Socket[Any]) -> None:
+    def setup(self, sock: zmq.Socket[bytes]) -> None:
         """``socket_setup`` for a server socket on :attr:`context`."""
         apply_server(sock, self.keys)
 
-    def client_options(self) -> dict[str, Any]:
+    def client_options(self) -> CurveOptions:
         """``Client`` keyword arguments for the server's own in-process client."""
         return {"curve_server_key": self.keys.public, "curve_client_keys": self.internal}
 
@@ -280,7 +294,7 @@ class CurveServer:
             self.context.term()
 
 
-def serve_curve(secret_key_file: str, allowed_clients_dir: str, registry: Any) -> CurveServer | None:
+def serve_curve(secret_key_file: str, allowed_clients_dir: str, registry: CollectorRegistry) -> CurveServer | None:
     """CURVE for a node's RPC port (``server.curve_secret_key_file``; every stage of a node, leader
     or follower, binds the same way), started; None (plaintext) without a key file. Refused
     connections count in ``kvcm_curve_rejected_clients`` of the Prometheus ``registry``."""

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from kvcm.rpc.curve import create_certificates
 
 
-def add_keys_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_keys_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``keys`` (with ``generate``) to an argparse subparsers object."""
     p: argparse.ArgumentParser = subparsers.add_parser("keys", help="CURVE key pairs for encrypted connections")
     sub = p.add_subparsers(dest="keys_cmd", required=True)

@@ -27,19 +27,23 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcm.client import Client
 from kvcm.config import Config, load
 from kvcm.errors import AccessDenied, KvcmError
+from kvcm.rpc.curve import CurveOptions
 from kvcm.testing.fake_engine import FakeEnginePublisher
+
+if TYPE_CHECKING:
+    from kvcm.app import App
 
 #: Where test servers let storages live: every temp dir a test makes, and the shm tmpfs.
 TEST_ALLOWED_ROOTS = (tempfile.gettempdir(), "/dev/shm")
 
 
 #: What a default layer gives: ``{section: {key: value}}`` for one server, from its data dir.
-DefaultLayer = Callable[[str], Mapping[str, Mapping[str, Any]]]
+DefaultLayer = Callable[[str], Mapping[str, Mapping[str, object]]]
 
 _default_layers: list[DefaultLayer] = []
 
@@ -64,15 +68,15 @@ def default_overrides(layer: DefaultLayer) -> Iterator[None]:
         _default_layers.remove(layer)
 
 
-def _defaults_for(data_dir: str) -> dict[str, dict[str, Any]]:
-    merged: dict[str, dict[str, Any]] = {}
+def _defaults_for(data_dir: str) -> dict[str, dict[str, object]]:
+    merged: dict[str, dict[str, object]] = {}
     for layer in _default_layers:
         for section, values in layer(data_dir).items():
             merged.setdefault(section, {}).update(values)
     return merged
 
 
-def _as_set_value(value: Any) -> str:
+def _as_set_value(value: object) -> str:
     """A config value as ``--set`` text (what :func:`kvcm.config.load` parses back)."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -92,23 +96,23 @@ class RunningServer:
 
     endpoint: str
     data_dir: str
-    app: Any = None  # the in-process App (thread mode only)
+    app: App | None = None  # the in-process App (thread mode only)
     process: subprocess.Popen[bytes] | None = None  # subprocess mode only
     http_port: int | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, object] = field(default_factory=dict)
 
     def client(self, timeout: float = 10.0, **kwargs: Any) -> Client:
         return Client(self.endpoint, timeout=timeout, **kwargs)
 
 
-def make_test_config(data_dir: str, endpoint: str, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+def make_test_config(data_dir: str, endpoint: str, overrides: Mapping[str, Mapping[str, object]] | None = None) -> Config:
     """A config for tests: private endpoint, temp data dir, HTTP on a free port.
 
     Storages may live under the system temp dir and ``/dev/shm`` (:data:`TEST_ALLOWED_ROOTS`),
     so tests can add storages in their own temp dirs; override ``storage.allowed_roots`` to
     test the production default (``[]``). The layers of :func:`default_overrides` come next,
     then ``overrides``."""
-    layer: dict[str, dict[str, Any]] = {
+    layer: dict[str, dict[str, object]] = {
         "server": {"endpoint": endpoint},
         "store": {"data_dir": data_dir},
         "http": {"port": 0},
@@ -121,7 +125,7 @@ def make_test_config(data_dir: str, endpoint: str, overrides: Mapping[str, Mappi
 
 @contextmanager
 def serve_in_thread(
-    data_dir: str | None = None, overrides: Mapping[str, Mapping[str, Any]] | None = None
+    data_dir: str | None = None, overrides: Mapping[str, Mapping[str, object]] | None = None
 ) -> Iterator[RunningServer]:
     """Run an :class:`~kvcm.app.App` on a background thread; stop it and clean up on exit."""
     from kvcm.app import App
@@ -196,7 +200,7 @@ def stop_subprocess(server: RunningServer, kill: bool = False, timeout: float = 
 
 
 def _wait_ready(endpoint: str, timeout: float = 30.0, process: subprocess.Popen[bytes] | None = None,
-                client_options: dict[str, Any] | None = None) -> None:
+                client_options: CurveOptions | None = None) -> None:
     deadline = time.monotonic() + timeout
     with Client(endpoint, timeout=0.5, retries=0, **(client_options or {})) as client:
         while True:

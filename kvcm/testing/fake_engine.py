@@ -165,7 +165,7 @@ class FakeEnginePublisher:
         medium: str | None = "GPU",
         lora_name: str | None = None,
         group_idx: int | None = None,
-        extra_keys: Sequence[Any] | None = None,
+        extra_keys: Sequence[object] | None = None,
         **extra: Any,
     ) -> int:
         """Publish one ``BlockStored`` (a batch of one event). ``extra_keys``: one entry per
