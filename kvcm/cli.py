@@ -170,7 +170,8 @@ GIL_SWITCH_S = 0.0005
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvcm.app import App, HaNode
+    from kvcm.node.app import App
+    from kvcm.node.ha import HaNode
 
     config = effective_config(args)
     logging.basicConfig(level=config.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -225,12 +226,12 @@ def _wait_ports_free(config: Config, stop: threading.Event, timeout: float = 5.0
     """A holder that stopped cleanly closed its ports just before it let go of the lock, and a
     dead one's are closed by the kernel in the same sweep as its lock: wait a moment for them
     (a port still taken past ``timeout`` refuses the start as usual)."""
-    from kvcm.app import _http_port_in_use
+    from kvcm.node.refusals import http_port_in_use
     from kvcm.rpc.server import endpoint_in_use
 
     deadline = time.monotonic() + timeout
     while not stop.is_set() and time.monotonic() < deadline and (
-            endpoint_in_use(config.server.endpoint) or (config.http.enabled and _http_port_in_use(config.http))):
+            endpoint_in_use(config.server.endpoint) or (config.http.enabled and http_port_in_use(config.http))):
         stop.wait(0.01)
 
 

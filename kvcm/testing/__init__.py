@@ -123,8 +123,8 @@ def make_test_config(data_dir: str, endpoint: str, overrides: Mapping[str, Mappi
 def serve_in_thread(
     data_dir: str | None = None, overrides: Mapping[str, Mapping[str, Any]] | None = None
 ) -> Iterator[RunningServer]:
-    """Run an :class:`~kvcm.app.App` on a background thread; stop it and clean up on exit."""
-    from kvcm.app import App
+    """Run an :class:`~kvcm.node.app.App` on a background thread; stop it and clean up on exit."""
+    from kvcm.node.app import App
 
     sock_dir = _short_ipc_dir()
     data_dir = data_dir or os.path.join(sock_dir, "data")
