@@ -24,22 +24,25 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcm.client import Client
-from kvcm.config import Config, load
+from kvcm.config import Config, Layer, load
 from kvcm.errors import AccessDenied, KvcmError
 from kvcm.testing.fake_engine import FakeEnginePublisher
+
+if TYPE_CHECKING:
+    from kvcm.node.app import App
 
 #: Where test servers let storages live: every temp dir a test makes, and the shm tmpfs.
 TEST_ALLOWED_ROOTS = (tempfile.gettempdir(), "/dev/shm")
 
 
 #: What a default layer gives: ``{section: {key: value}}`` for one server, from its data dir.
-DefaultLayer = Callable[[str], Mapping[str, Mapping[str, Any]]]
+DefaultLayer = Callable[[str], Layer]
 
 _default_layers: list[DefaultLayer] = []
 
@@ -64,15 +67,15 @@ def default_overrides(layer: DefaultLayer) -> Iterator[None]:
         _default_layers.remove(layer)
 
 
-def _defaults_for(data_dir: str) -> dict[str, dict[str, Any]]:
-    merged: dict[str, dict[str, Any]] = {}
+def _defaults_for(data_dir: str) -> dict[str, dict[str, object]]:
+    merged: dict[str, dict[str, object]] = {}
     for layer in _default_layers:
         for section, values in layer(data_dir).items():
             merged.setdefault(section, {}).update(values)
     return merged
 
 
-def _as_set_value(value: Any) -> str:
+def _as_set_value(value: object) -> str:
     """A config value as ``--set`` text (what :func:`kvcm.config.load` parses back)."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -92,23 +95,23 @@ class RunningServer:
 
     endpoint: str
     data_dir: str
-    app: Any = None  # the in-process App (thread mode only)
+    app: App | None = None  # the in-process App (thread mode only)
     process: subprocess.Popen[bytes] | None = None  # subprocess mode only
     http_port: int | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, object] = field(default_factory=dict)
 
     def client(self, timeout: float = 10.0, **kwargs: Any) -> Client:
         return Client(self.endpoint, timeout=timeout, **kwargs)
 
 
-def make_test_config(data_dir: str, endpoint: str, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+def make_test_config(data_dir: str, endpoint: str, overrides: Layer | None = None) -> Config:
     """A config for tests: private endpoint, temp data dir, HTTP on a free port.
 
     Storages may live under the system temp dir and ``/dev/shm`` (:data:`TEST_ALLOWED_ROOTS`),
     so tests can add storages in their own temp dirs; override ``storage.allowed_roots`` to
     test the production default (``[]``). The layers of :func:`default_overrides` come next,
     then ``overrides``."""
-    layer: dict[str, dict[str, Any]] = {
+    layer: dict[str, dict[str, object]] = {
         "server": {"endpoint": endpoint},
         "store": {"data_dir": data_dir},
         "http": {"port": 0},
@@ -121,7 +124,7 @@ def make_test_config(data_dir: str, endpoint: str, overrides: Mapping[str, Mappi
 
 @contextmanager
 def serve_in_thread(
-    data_dir: str | None = None, overrides: Mapping[str, Mapping[str, Any]] | None = None
+    data_dir: str | None = None, overrides: Layer | None = None
 ) -> Iterator[RunningServer]:
     """Run an :class:`~kvcm.node.app.App` on a background thread; stop it and clean up on exit."""
     from kvcm.node.app import App

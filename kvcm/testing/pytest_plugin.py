@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 import pytest
 
 if TYPE_CHECKING:  # the plugin loads in every pytest run of an environment with kvcm: stay light
+    from kvcm.config import Layer
     from kvcm.testing import RunningServer
 
 #: Keyword arguments of the ``kvcm`` marker and of the factory.
@@ -45,7 +46,7 @@ class ServerFactory(Protocol):
     """What ``kvcm_server_factory`` gives a test."""
 
     def __call__(
-        self, *, overrides: Mapping[str, Mapping[str, Any]] | None = None, http: bool = True
+        self, *, overrides: Layer | None = None, http: bool = True
     ) -> RunningServer: ...
 
 
@@ -54,7 +55,7 @@ def _refuse(message: str) -> NoReturn:
     pytest.fail(message, pytrace=False)
 
 
-def _layer(where: str, overrides: Any, http: Any) -> dict[str, dict[str, Any]]:
+def _layer(where: str, overrides: object, http: object) -> dict[str, dict[str, object]]:
     """The overrides to start with, checked here so a typo fails with its name, not deep in start-up."""
     if not isinstance(http, bool):
         _refuse(f"{where}: http must be True or False, got {http!r}")
@@ -62,7 +63,7 @@ def _layer(where: str, overrides: Any, http: Any) -> dict[str, dict[str, Any]]:
         overrides = {}
     if not isinstance(overrides, Mapping):
         _refuse(f"{where}: overrides must be a dict of {{section: {{key: value}}}}, got {overrides!r}")
-    layer: dict[str, dict[str, Any]] = {}
+    layer: dict[str, dict[str, object]] = {}
     for section, values in overrides.items():
         if not isinstance(section, str) or not isinstance(values, Mapping):
             _refuse(f"{where}: overrides[{section!r}] must map config keys to values, got {values!r}")
@@ -85,7 +86,7 @@ def kvcm_server_factory(tmp_path: pathlib.Path) -> Iterator[ServerFactory]:
     with ExitStack() as stack:
         started = 0
 
-        def start(*, overrides: Mapping[str, Mapping[str, Any]] | None = None, http: bool = True) -> RunningServer:
+        def start(*, overrides: Layer | None = None, http: bool = True) -> RunningServer:
             nonlocal started
             layer = _layer("kvcm_server_factory", overrides, http)
             started += 1
