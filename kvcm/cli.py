@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TypeAlias
 
 from kvcm.config import Config, ConfigError, ServerConfig, load, overrides_from_pairs, to_toml
 from kvcm.errors import KvcmError, StartRefused
@@ -22,6 +22,9 @@ DEFAULT_ENDPOINT = ServerConfig.endpoint
 
 log = logging.getLogger("kvcm.cli")
 
+#: What ``add_subparsers`` returns: each subcommand (and each plugin's) adds its parser to it.
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML config file")
@@ -29,7 +32,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="override one setting (repeatable)")
 
 
-def _serve_parser(sub: Any) -> None:
+def _serve_parser(sub: Subcommands) -> None:
     p = sub.add_parser("serve", help="run the kvcm server (embedded default: ./kvcm-data)")
     _add_config_args(p)
     p.add_argument("--endpoint", help="RPC endpoint, e.g. tcp://127.0.0.1:6381 or ipc:///tmp/kvcm.sock")
@@ -46,7 +49,7 @@ def _serve_parser(sub: Any) -> None:
                          help="storages hold blocks of lost metadata: delete the blocks kvcm named, then start")
 
 
-def _call_parser(sub: Any) -> None:
+def _call_parser(sub: Subcommands) -> None:
     p = sub.add_parser("call", help="call one RPC method and print its JSON result", add_help=False,
                        description="Call one RPC method and print its JSON result.")
     p.add_argument("-h", "--help", action=_CallHelp, nargs=0, help="show this help (with the endpoint a call "
@@ -99,7 +102,7 @@ class _CallHelp(argparse.Action):
     """``kvcm call --help``: argparse's help plus the endpoint a call would use now (with the
     flags given before ``--help``, the environment and the config file) and the method names."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: str | Sequence[object] | None,
                  option_string: str | None = None) -> None:
         from kvcm.client import METHODS
 
@@ -115,7 +118,7 @@ class _CallHelp(argparse.Action):
         parser.exit()
 
 
-def _config_parser(sub: Any) -> None:
+def _config_parser(sub: Subcommands) -> None:
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_cmd", required=True)
     show = csub.add_parser("show", help="print the effective config as TOML")
@@ -133,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plugin_parsers(sub: Any) -> None:
+def _plugin_parsers(sub: Subcommands) -> None:
     """Subcommands owned by other packages (optimizer, engine events, CURVE keys)."""
     for module_name, adder in (("kvcm.optimizer.cli", "add_optimize_parser"), ("kvcm.engines.cli", "add_events_parser"),
                                ("kvcm.rpc.keygen", "add_keys_parser")):
@@ -170,7 +173,8 @@ GIL_SWITCH_S = 0.0005
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvcm.app import App, HaNode
+    from kvcm.node.app import App
+    from kvcm.node.ha import HaNode
 
     config = effective_config(args)
     logging.basicConfig(level=config.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -225,12 +229,12 @@ def _wait_ports_free(config: Config, stop: threading.Event, timeout: float = 5.0
     """A holder that stopped cleanly closed its ports just before it let go of the lock, and a
     dead one's are closed by the kernel in the same sweep as its lock: wait a moment for them
     (a port still taken past ``timeout`` refuses the start as usual)."""
-    from kvcm.app import _http_port_in_use
+    from kvcm.node.refusals import http_port_in_use
     from kvcm.rpc.server import endpoint_in_use
 
     deadline = time.monotonic() + timeout
     while not stop.is_set() and time.monotonic() < deadline and (
-            endpoint_in_use(config.server.endpoint) or (config.http.enabled and _http_port_in_use(config.http))):
+            endpoint_in_use(config.server.endpoint) or (config.http.enabled and http_port_in_use(config.http))):
         stop.wait(0.01)
 
 
@@ -262,10 +266,9 @@ def cmd_call(args: argparse.Namespace) -> int:
               f"{min(CONNECT_PROBE_S, args.timeout):g} s: start one with `kvcm serve`, or point --endpoint "
               "or KVCM_SERVER_ENDPOINT at a running one", file=sys.stderr)
         return 1
-    curve: dict[str, Any] = {}
-    if args.curve_server_key or args.curve_client_key:  # a client key alone is refused by Client
-        curve = {"curve_server_key": args.curve_server_key, "curve_client_keys": args.curve_client_key}
-    with Client(endpoint, timeout=args.timeout, auth=auth, **curve) as client:
+    curve = bool(args.curve_server_key or args.curve_client_key)  # a client key alone is refused by Client
+    with Client(endpoint, timeout=args.timeout, auth=auth, curve_server_key=args.curve_server_key if curve else None,
+                curve_client_keys=args.curve_client_key if curve else None) as client:
         result = client.call(args.method, params)
     print(json.dumps(result, indent=2, sort_keys=True, default=_jsonable))
     return 0
@@ -347,7 +350,7 @@ def _warn(message: str) -> None:
     print(f"kvcm call: warning: {message}", file=sys.stderr)
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: object) -> str:
     if isinstance(value, bytes):
         return value.hex()
     raise TypeError(f"cannot encode {type(value).__name__}")

@@ -17,10 +17,13 @@ import sys
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, TypedDict
 from urllib.parse import urlsplit
 
 from kvcm.proto.schema import KEYS_CEILING, TOKENS_CEILING
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -216,11 +219,34 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     ha: HaConfig = field(default_factory=HaConfig)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, dict[str, object]]:
         return dataclasses.asdict(self)
 
-    def replace(self, **sections: Any) -> Config:
+    def replace(self, **sections: Unpack[Sections]) -> Config:
         return dataclasses.replace(self, **sections)
+
+
+class Sections(TypedDict, total=False):
+    """The sections :meth:`Config.replace` may swap, each a whole section dataclass."""
+
+    server: ServerConfig
+    http: HttpConfig
+    store: StoreConfig
+    storage: StorageConfig
+    cache: CacheConfig
+    reclaim: ReclaimConfig
+    events: EventsConfig
+    publisher: PublisherConfig
+    auth: AuthConfig
+    log: LogConfig
+    ha: HaConfig
+
+
+#: Settings by section as a layer gives them (TOML values, environment text, ``--set`` text or
+#: flags), before each is checked against its field's type.
+Layer: TypeAlias = Mapping[str, Mapping[str, object]]
+#: A setting's value once checked: the types the config dataclasses hold.
+Setting: TypeAlias = "str | int | float | bool | tuple[str, ...]"
 
 
 def _sections() -> dict[str, type]:
@@ -228,7 +254,7 @@ def _sections() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
 
-def _coerce(key: str, kind: Any, value: Any) -> Any:
+def _coerce(key: str, kind: object, value: object) -> Setting:
     """Convert ``value`` (from TOML, env text or CLI text) to ``kind`` or raise ConfigError."""
     origin = typing.get_origin(kind)
     if origin is tuple:
@@ -243,18 +269,8 @@ def _coerce(key: str, kind: Any, value: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             return value.lower() in ("1", "true", "yes", "on")
         raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if kind in (int, float):
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        try:
-            number = kind(value) if isinstance(value, str) else value
-        except ValueError:
-            raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}") from None
-        if kind is int and isinstance(number, float) and not number.is_integer():
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        if not isinstance(number, (int, float)):
-            raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}")
-        return kind(number)
+    if kind is int or kind is float:
+        return _number(key, int if kind is int else float, value)
     if kind is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -262,7 +278,21 @@ def _coerce(key: str, kind: Any, value: Any) -> Any:
     raise ConfigError(f"{key}: unsupported setting type {kind!r}")  # pragma: no cover
 
 
-def _parse_text_list(key: str, text: str) -> list[Any]:
+def _number(key: str, kind: type[int] | type[float], value: object) -> int | float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    try:
+        number = kind(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}") from None
+    if kind is int and isinstance(number, float) and not number.is_integer():
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if not isinstance(number, (int, float)):
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}")
+    return kind(number)
+
+
+def _parse_text_list(key: str, text: str) -> list[object]:
     text = text.strip()
     if not text:
         return []
@@ -277,9 +307,9 @@ def _parse_text_list(key: str, text: str) -> list[Any]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def _merge(layers: list[tuple[str, Mapping[str, Mapping[str, Any]]]]) -> dict[str, dict[str, Any]]:
+def _merge(layers: list[tuple[str, Layer]]) -> dict[str, dict[str, Setting]]:
     sections = _sections()
-    merged: dict[str, dict[str, Any]] = {name: {} for name in sections}
+    merged: dict[str, dict[str, Setting]] = {name: {} for name in sections}
     for origin, layer in layers:
         for section, values in layer.items():
             if section not in sections:
@@ -299,8 +329,8 @@ def _merge(layers: list[tuple[str, Mapping[str, Mapping[str, Any]]]]) -> dict[st
 CLIENT_ENV = ("KVCM_PASSWORD", "KVCM_TOKEN")
 
 
-def _env_layer(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    layer: dict[str, dict[str, Any]] = {}
+def _env_layer(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    layer: dict[str, dict[str, str]] = {}
     sections = _sections()
     for name, value in environ.items():
         if not name.startswith("KVCM_") or name.startswith("KVCM_TEST_") or name in CLIENT_ENV:
@@ -314,9 +344,9 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     return layer
 
 
-def overrides_from_pairs(pairs: list[str]) -> dict[str, dict[str, Any]]:
+def overrides_from_pairs(pairs: list[str]) -> dict[str, dict[str, object]]:
     """``["server.endpoint=ipc:///tmp/k"]`` -> ``{"server": {"endpoint": "ipc:///tmp/k"}}``."""
-    layer: dict[str, dict[str, Any]] = {}
+    layer: dict[str, dict[str, object]] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         section, dot, name = key.strip().partition(".")
@@ -329,10 +359,10 @@ def overrides_from_pairs(pairs: list[str]) -> dict[str, dict[str, Any]]:
 def load(
     path: str | None = None,
     environ: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    overrides: Layer | None = None,
 ) -> Config:
     """Build the effective config from file, environment and overrides, validated."""
-    layers: list[tuple[str, Mapping[str, Mapping[str, Any]]]] = []
+    layers: list[tuple[str, Layer]] = []
     if path:
         try:
             with open(path, "rb") as fh:
@@ -523,7 +553,7 @@ def to_toml(config: Config) -> str:
     return "\n".join(lines)
 
 
-def _toml_value(value: Any) -> str:
+def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

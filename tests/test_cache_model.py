@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
-from kvcm.app import App
 from kvcm.client import Client
 from kvcm.errors import NotFound
+from kvcm.node.app import App
 from kvcm.testing import _wait_ready, make_test_config
 
 KEYS = st.lists(st.integers(1, 10), min_size=1, max_size=5)

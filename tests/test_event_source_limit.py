@@ -15,13 +15,13 @@ import time
 import pytest
 import zmq
 
-from kvcm.app import App
 from kvcm.config import ConfigError
 from kvcm.engines.index import EngineIndex
 from kvcm.engines.sourceconn import SOCKETS_PER_SOURCE, size_context
 from kvcm.engines.sources import SourceSpec, SubscriberSettings
 from kvcm.engines.subscriber import EventSubscriber
 from kvcm.errors import CapacityError, Code
+from kvcm.node.app import App
 from kvcm.proto.kv_events import BlockStored, encode_batch
 from kvcm.testing import make_test_config, serve_in_thread
 

@@ -115,9 +115,9 @@ def test_without_follower_reads_a_follower_refuses_reads_too(no_reads_pair):
 
 def test_a_follower_stage_store_refuses_every_commit(redis_server, tmp_path):
     """Whatever code path on a follower tries to write, its store refuses it."""
-    from kvcm.app import _open_redis
     from kvcm.config import load
     from kvcm.errors import Unavailable
+    from kvcm.node.stores import open_redis as _open_redis
 
     config = load(None, environ={}, overrides={
         "store": {"backend": "redis", "redis_url": redis_server.url, "redis_prefix": "ro-test",
@@ -216,8 +216,8 @@ def test_a_follower_s_front_door_is_the_leader_s_curve_on_rpc_and_credentials_on
     from zmq.auth import create_certificates
 
     from kvcm.config import load
-    from kvcm.follower import FollowerStage
     from kvcm.ha.lease import Lease
+    from kvcm.node.follower import FollowerStage
 
     _, server_secret = create_certificates(str(tmp_path), "server")
     alice_public, alice_secret = create_certificates(str(tmp_path), "alice")

@@ -409,8 +409,8 @@ def check_offline(redis_url: str, prefix: str, data_dir: str, acked: list[int], 
 
     import redis as redis_py
 
-    from kvcm.app import App
     from kvcm.cache import consistency
+    from kvcm.node.app import App
     from kvcm.testing import make_test_config
 
     # A killed node's lease and a killed writer's mark stay until they expire; every kvcm is down,
@@ -487,8 +487,8 @@ def _health(endpoint: str) -> dict:
 def test_the_leader_stage_commits_with_its_epoch_and_is_fenced_by_a_newer_one(redis_server, sock_dir):
     import redis as redis_py
 
-    from kvcm.app import App
     from kvcm.ha.lease import Lease
+    from kvcm.node.app import App
     from kvcm.testing import make_test_config
 
     prefix = f"h{uuid.uuid4().hex[:10]}"

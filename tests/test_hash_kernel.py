@@ -182,7 +182,7 @@ def test_a_server_configured_for_numba_hashes_reports_queries_and_writes_alike(p
 
 def test_numba_missing_is_a_start_up_error(python_only: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     import kvcm.cache
-    from kvcm.app import App
+    from kvcm.node.app import App
 
     monkeypatch.delattr(kvcm.cache, "hash_kernel", raising=False)
     monkeypatch.setitem(sys.modules, "kvcm.cache.hash_kernel", None)  # importing it raises ImportError
@@ -199,7 +199,7 @@ def test_server_hash_kernel_is_validated() -> None:
 
 def test_a_kernel_that_cannot_be_built_is_a_start_up_error(python_only: None, monkeypatch: pytest.MonkeyPatch,
                                                           tmp_path: Any) -> None:
-    from kvcm.app import App
+    from kvcm.node.app import App
 
     def broken() -> None:
         raise RuntimeError("no LLVM target")

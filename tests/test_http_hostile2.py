@@ -269,7 +269,7 @@ def curve(tmp_path) -> Iterator[tuple[dict[str, Any], str]]:
 
 
 def test_an_allow_list_with_auth_off_does_not_start_a_side_port_that_bypasses_it(curve, tmp_path):
-    from kvcm.app import App
+    from kvcm.node.app import App
 
     server, sock_dir = curve
     config = make_test_config(str(tmp_path / "d"), f"ipc://{sock_dir}/rpc", {"server": server})

@@ -28,8 +28,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvcm.rpc.dispatch", "kvcm.rpc.auth", "kvcm.api"),  # the method table and its handlers
     ("kvcm.rpc.server", "kvcm.client", "kvcm.aio", "kvcm.blocks", "kvcm.http", "kvcm.tair"),  # sockets, client SDK; Tair's HTTP surface
     ("kvcm.connector", "kvcm.aio_connector"),  # the connector helpers over the clients and block I/O
-    ("kvcm.follower",),  # a follower node's serving stage (reads from the shared store)
-    ("kvcm.app", "kvcm.testing", "kvcm.optimizer", "kvcm.rpc.keygen", "kvcm.cli", "kvcm.__main__"),
+    # a follower node's serving stage (reads from the shared store); opening stores; start refusals
+    ("kvcm.node.follower", "kvcm.node.stores", "kvcm.node.refusals", "kvcm.node.kernel"),
+    ("kvcm.node", "kvcm.testing", "kvcm.optimizer", "kvcm.rpc.keygen", "kvcm.cli", "kvcm.__main__"),
 ]
 
 

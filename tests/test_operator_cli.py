@@ -253,12 +253,12 @@ def test_two_servers_differing_only_in_endpoint_collide_on_the_default_http_port
 def test_a_port_taken_between_check_and_bind_leaves_nothing_behind(tmp_path, sock_dir, monkeypatch):
     """The bind itself (not the early check) finds the HTTP port taken: the refusal is the same,
     and every lock file, socket file and store opened so far is closed again."""
-    import kvcm.app
-    from kvcm.app import App
+    import kvcm.node.refusals
     from kvcm.config import load
     from kvcm.errors import StartRefused
+    from kvcm.node.app import App
 
-    monkeypatch.setattr(kvcm.app, "_http_port_in_use", lambda cfg: False)
+    monkeypatch.setattr(kvcm.node.refusals, "http_port_in_use", lambda cfg: False)
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()

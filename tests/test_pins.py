@@ -15,13 +15,13 @@ import pytest
 import zmq
 from helpers import TIME_FACTOR, error_code, locate, register, wait_for, write
 
-from kvcm.app import open_store
 from kvcm.backends.metastore.base import from_i64, from_u64, i64, u64
 from kvcm.backends.metastore.memory import MemoryStore
 from kvcm.cache.meta_index import namespace
 from kvcm.cache.pins import DB as PINS
 from kvcm.cache.pins import Pins
 from kvcm.errors import KvcmError
+from kvcm.node.stores import open_store
 from kvcm.optimizer.replay import replay
 from kvcm.optimizer.spec import Capacity, GroupSpec, ReplaySpec, TierSpec
 from kvcm.optimizer.trace import Record

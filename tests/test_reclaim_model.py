@@ -3,7 +3,7 @@
 hypothesis generates streams of prompts sharing a two-block "system prompt" prefix: writes of
 new chains, several prefix lookups (read hits) per tick on overlapping prefixes, removals,
 clock steps and ticks (and restarts, in their own tests). They run against an in-process
-:class:`~kvcm.app.App` (LMDB in a temp dir; the dispatcher called directly, no socket, no
+:class:`~kvcm.node.app.App` (LMDB in a temp dir; the dispatcher called directly, no socket, no
 background thread: the test runs the deleter and ``reclaimer.run_once(now)`` itself, at the
 times of an injected clock). A naive :class:`Model` applies every event one at a time, in
 order, and at every tick the reclaimer's ``Round.victims`` must equal the model's: same keys,
@@ -34,8 +34,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvcm.app import App
 from kvcm.errors import CapacityError
+from kvcm.node.app import App
 from kvcm.proto import wire
 from kvcm.reclaimer import Round
 from kvcm.testing import make_test_config

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcm.app import App
 from kvcm.backends.metastore import LmdbStore, i64
 from kvcm.cache import locations
 from kvcm.cache import record_codec as records
@@ -31,6 +30,7 @@ from kvcm.cache.record_codec import (
     run_members,
 )
 from kvcm.cache.uricodec import join, matcher, split
+from kvcm.node.app import App
 from kvcm.testing import make_test_config
 
 # -- URIs -----------------------------------------------------------------------------------------

@@ -21,12 +21,13 @@ from helpers import locate, register, write
 from test_ha import LEASE_MS, RENEW_MS, Pair, wait_until
 from test_redis_outage import _http_port, _probe, _refusal, _role
 
-from kvcm.app import HaNode, open_store, redis_password
 from kvcm.backends.metastore.redis import RECORD_FILE, RedisStore, StoreLost
 from kvcm.config import Config, load
 from kvcm.errors import Code, StartRefused, Unavailable
 from kvcm.ha.floor import EpochFloor
 from kvcm.ha.lease import Lease
+from kvcm.node.ha import HaNode
+from kvcm.node.stores import open_store, redis_password
 from kvcm.testing import RunningServer, start_subprocess, stop_subprocess
 
 NO_CONFIG = ("--user", "kvcm", "on", "nopass", "~*", "&*", "+@all", "-config")  # a managed Redis: no CONFIG

@@ -274,8 +274,8 @@ def test_wait_replicas_without_a_replica_times_out_as_an_error(redis_server, tmp
 
 
 def test_password_file_and_password_in_the_url(redis_factory, tmp_path):
-    from kvcm.app import open_store
     from kvcm.config import load
+    from kvcm.node.stores import open_store
 
     server = redis_factory("--requirepass", "s3cret-pw")
     with pytest.raises(Unavailable):
@@ -441,9 +441,9 @@ def test_password_given_twice_is_refused(tmp_path):
 
 
 def test_an_unreachable_redis_refuses_the_start(tmp_path):
-    from kvcm.app import open_store
     from kvcm.config import load
     from kvcm.errors import StartRefused
+    from kvcm.node.stores import open_store
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -458,9 +458,9 @@ def test_an_unreachable_redis_refuses_the_start(tmp_path):
 
 def test_an_empty_prefix_beside_stored_blocks_refuses_the_start(redis_server, tmp_path, sock_dir):
     """A wrong URL, database or prefix must not make kvcm sweep the storages' blocks as orphans."""
-    from kvcm.app import open_store
     from kvcm.config import load
     from kvcm.errors import StartRefused
+    from kvcm.node.stores import open_store
 
     data, prefix = str(tmp_path / "data"), _prefix()
     server = _serve(data, sock_dir, redis_server.url, prefix)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvcm.backends.metastore.base import MetaStore, ReadTxn, WriteTxn, i64
 from kvcm.cache.deleter import Deleter
@@ -31,11 +31,15 @@ from kvcm.cache.room import RoomMaker
 from kvcm.cache.sessions import InFlightStats, Sessions
 from kvcm.cache.storage_pool import StoragePool
 from kvcm.cache.usage import BeingFreed, Usage
+from kvcm.config import CacheConfig, StoreConfig
 from kvcm.control.registry import GROUP, INSTANCE, Registry
 from kvcm.errors import Code, InvalidArgument, NotFound, Unavailable
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Counter
+
+#: Keys a lookup takes per lock batch (the index's lock granularity; no setting).
+BATCH_SIZE = 16
 
 
 class LostCounter:
@@ -46,8 +50,6 @@ class LostCounter:
         self.counts: dict[str, int] = defaultdict(int)
         self._metric: Counter | None = None
         if registry is not None:
-            from prometheus_client import Counter
-
             self._metric = Counter("kvcm_blocks_lost", "Block copies whose bytes were found gone (no longer served)",
                                    ["source"], registry=registry)
 
@@ -65,33 +67,26 @@ class CacheState:
         store: MetaStore,
         registry: Registry,
         pool: StoragePool,
+        config: CacheConfig = CacheConfig(),
         *,
+        index: StoreConfig = StoreConfig(),
+        metrics_registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
-        default_write_timeout: float = 30.0,
-        max_write_timeout: float = 600.0,
-        max_open_sessions: int = 1024,
-        max_writing_bytes: int = 16 << 30,
-        metrics_registry: Any = None,
-        lost_scan_s: float = 60.0,
-        lock_shards: int = 64,
-        cache_size: int = 65536,
-        batch_size: int = 16,
-        runs: bool = True,
-        max_pins_per_instance: int = 4096,
-        max_pin_ttl_s: float = 86400.0,
     ) -> None:
+        """``config``: the ``[cache]`` settings; ``index``: the ``[store]`` settings of the
+        block index (its lock shards and search cache)."""
         self.store = store
         self.registry = registry
         self.pool = pool
         self.clock = clock
         self.monotonic = monotonic
-        self.default_write_timeout = default_write_timeout
-        self.max_write_timeout = max_write_timeout
-        self.max_open_sessions = max_open_sessions
-        self.max_writing_bytes = max_writing_bytes
-        self.runs = runs
-        self.index = MetaIndex(store, lock_shards, batch_size, cache_size, encode, decode, check_value,
+        self.default_write_timeout = config.write_timeout_seconds
+        self.max_write_timeout = config.max_write_timeout_seconds
+        self.max_open_sessions = config.max_open_sessions_per_instance
+        self.max_writing_bytes = config.max_writing_bytes_per_instance
+        self.runs = config.runs
+        self.index = MetaIndex(store, index.lock_shards, BATCH_SIZE, index.search_cache_size, encode, decode, check_value,
                                tag=_run_of, drop_tag=_drop_run)
         load_skeletons(store)  # before any record is read: their locations name skeletons
         self.usage_book = Usage()
@@ -105,11 +100,11 @@ class CacheState:
         if metrics_registry is not None:
             metrics_registry.register(InFlightStats(self.inflight))
         self.lost = LostCounter(metrics_registry)
-        self.lost_scan_s = lost_scan_s
-        self.next_lost_scan = monotonic() + lost_scan_s  # the deleter thread's schedule
+        self.lost_scan_s = config.lost_scan_s
+        self.next_lost_scan = monotonic() + config.lost_scan_s  # the deleter thread's schedule
         self.deleter = Deleter(store, self.index, self.usage_book.add, pool.get, clock, being_freed=self.being_freed)
         self.listeners = Listeners()
-        self.pins = Pins(max_pins_per_instance, max_pin_ttl_s)
+        self.pins = Pins(config.max_pins_per_instance, config.max_pin_ttl_s)
         self.known: dict[str, str] = {}  # instance id -> group, kept after removal (purges)
         self.purges: list[str] = []
         self._views: dict[str, InstanceView] = {}

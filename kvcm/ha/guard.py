@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 import redis
 
@@ -28,7 +27,7 @@ from kvcm.errors import StartRefused, Unavailable
 log = logging.getLogger("kvcm.ha")
 
 
-def check_node_start(client: Any, config: Config) -> None:
+def check_node_start(client: redis.Redis, config: Config) -> None:
     """Refuse (:class:`StartRefused`) a node whose Redis keeps no AOF (unless
     ``ha.require_aof`` is off), whose data dir's store was lost or is another deployment's, or
     whose prefix a kvcm without the lease writes."""
@@ -43,7 +42,7 @@ def check_node_start(client: Any, config: Config) -> None:
         log.warning("node %s: start checks deferred to the leader stage: %s", config.ha.node_id, exc.message)
 
 
-def _check_identity(client: Any, prefix: str, where: str, data_dir: str) -> None:
+def _check_identity(client: redis.Redis, prefix: str, where: str, data_dir: str) -> None:
     try:
         raw = client.get(f"{{{prefix}}}:deployment")
     except redis.RedisError as exc:
@@ -54,7 +53,7 @@ def _check_identity(client: Any, prefix: str, where: str, data_dir: str) -> None
         raise refusal
 
 
-def _check_no_writer(client: Any, prefix: str, where: str) -> None:
+def _check_no_writer(client: redis.Redis, prefix: str, where: str) -> None:
     try:
         raw = client.get(f"{{{prefix}}}:writer")
     except redis.RedisError as exc:

@@ -32,12 +32,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
 from kvcm.errors import Code, Unavailable
 from kvcm.ha.floor import EpochFloor
+from kvcm.proto.wire import Encodable
 
 log = logging.getLogger("kvcm.ha")
 
@@ -88,7 +88,7 @@ class Holder:
     epoch: int
 
 
-def parse_holder(raw: Any) -> Holder | None:
+def parse_holder(raw: str | bytes | None) -> Holder | None:
     """The holder in a ``{P}:leader`` value, None when absent or not a record kvcm wrote."""
     if raw is None:
         return None
@@ -111,7 +111,7 @@ class Lease:
 
     def __init__(
         self,
-        client: Any,
+        client: redis.Redis,
         prefix: str,
         node_id: str,
         endpoint: str,
@@ -314,7 +314,7 @@ class Lease:
             self.release()
 
 
-def lease_facts(lease: Lease) -> dict[str, Any]:
+def lease_facts(lease: Lease) -> dict[str, Encodable]:
     """The lease's view for ``get_manager_cluster_info``: the role, the leader, the epoch."""
     leader = lease.is_leader()
     holder = lease.holder

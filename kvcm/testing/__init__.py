@@ -24,26 +24,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvcm.client import Client
-from kvcm.config import Config, load
+from kvcm.config import Config, Layer, load
 from kvcm.errors import AccessDenied, KvcmError
 from kvcm.rpc.curve import CurveOptions
 from kvcm.testing.fake_engine import FakeEnginePublisher
 
 if TYPE_CHECKING:
-    from kvcm.app import App
+    from kvcm.node.app import App
 
 #: Where test servers let storages live: every temp dir a test makes, and the shm tmpfs.
 TEST_ALLOWED_ROOTS = (tempfile.gettempdir(), "/dev/shm")
 
 
 #: What a default layer gives: ``{section: {key: value}}`` for one server, from its data dir.
-DefaultLayer = Callable[[str], Mapping[str, Mapping[str, object]]]
+DefaultLayer = Callable[[str], Layer]
 
 _default_layers: list[DefaultLayer] = []
 
@@ -105,7 +105,7 @@ class RunningServer:
         return Client(self.endpoint, timeout=timeout, **kwargs)
 
 
-def make_test_config(data_dir: str, endpoint: str, overrides: Mapping[str, Mapping[str, object]] | None = None) -> Config:
+def make_test_config(data_dir: str, endpoint: str, overrides: Layer | None = None) -> Config:
     """A config for tests: private endpoint, temp data dir, HTTP on a free port.
 
     Storages may live under the system temp dir and ``/dev/shm`` (:data:`TEST_ALLOWED_ROOTS`),
@@ -125,10 +125,10 @@ def make_test_config(data_dir: str, endpoint: str, overrides: Mapping[str, Mappi
 
 @contextmanager
 def serve_in_thread(
-    data_dir: str | None = None, overrides: Mapping[str, Mapping[str, object]] | None = None
+    data_dir: str | None = None, overrides: Layer | None = None
 ) -> Iterator[RunningServer]:
-    """Run an :class:`~kvcm.app.App` on a background thread; stop it and clean up on exit."""
-    from kvcm.app import App
+    """Run an :class:`~kvcm.node.app.App` on a background thread; stop it and clean up on exit."""
+    from kvcm.node.app import App
 
     sock_dir = _short_ipc_dir()
     data_dir = data_dir or os.path.join(sock_dir, "data")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 import pytest
 
 if TYPE_CHECKING:  # the plugin loads in every pytest run of an environment with kvcm: stay light
+    from kvcm.config import Layer
     from kvcm.testing import RunningServer
 
 #: Keyword arguments of the ``kvcm`` marker and of the factory.
@@ -45,7 +46,7 @@ class ServerFactory(Protocol):
     """What ``kvcm_server_factory`` gives a test."""
 
     def __call__(
-        self, *, overrides: Mapping[str, Mapping[str, object]] | None = None, http: bool = True
+        self, *, overrides: Layer | None = None, http: bool = True
     ) -> RunningServer: ...
 
 
@@ -85,7 +86,7 @@ def kvcm_server_factory(tmp_path: pathlib.Path) -> Iterator[ServerFactory]:
     with ExitStack() as stack:
         started = 0
 
-        def start(*, overrides: Mapping[str, Mapping[str, object]] | None = None, http: bool = True) -> RunningServer:
+        def start(*, overrides: Layer | None = None, http: bool = True) -> RunningServer:
             nonlocal started
             layer = _layer("kvcm_server_factory", overrides, http)
             started += 1

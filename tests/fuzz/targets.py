@@ -60,7 +60,7 @@ class _Kvcm:
     """One in-process kvcm (not serving a socket: the dispatcher is called directly)."""
 
     def __init__(self) -> None:
-        from kvcm.app import App
+        from kvcm.node.app import App
         from kvcm.testing import make_test_config
 
         self.sandbox = tempfile.mkdtemp(prefix="kvcm-fuzz-")

@@ -24,13 +24,17 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from contextlib import ExitStack
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from kvcm.backends.metastore import DataDirLocked, LmdbStore, MemoryStore, MetaStore
+from kvcm.backends.metastore import DataDirLocked
 from kvcm.config import Config
 from kvcm.errors import KvcmError, Unavailable
 from kvcm.http import SideHttp, SidePort
 from kvcm.metrics import Metrics
+from kvcm.node.stores import open_engine_store
+from kvcm.proto.wire import Encodable
 from kvcm.rpc.curve import CurveServer, serve_curve
 from kvcm.rpc.dispatch import Dispatcher, Method
 from kvcm.rpc.server import Server, Timer
@@ -38,6 +42,7 @@ from kvcm.version import __version__
 
 if TYPE_CHECKING:
     from kvcm.backends.metastore.redis import RedisStore
+    from kvcm.engines.service import EngineService
     from kvcm.ha.lease import Lease
 
 log = logging.getLogger("kvcm.follower")
@@ -47,6 +52,9 @@ REFRESH_S = 1.0  # how often an idle follower looks for what the leader changed
 #: What a follower answers from the shared store (with ``ha.follower_reads``).
 READS = frozenset({"get_cache_location", "get_cache_location_len", "get_cache_meta", "get_instance_info", "get_storage_specs",
                    "match_engines", "get_host_cache_state", "list_event_sources"})
+
+#: Facts about a node, as check_health / get_manager_cluster_info report them.
+Info = Callable[[], dict[str, Encodable]]
 
 
 class FollowerReads:
@@ -64,57 +72,54 @@ class FollowerReads:
 
         self.store = store
         self.config = config
-        self.engine_store: MetaStore | None = None
         self.registry = Registry(store, None, config.storage.allowed_roots)
         self.authorize = Authenticator(self.registry, config.auth)
-        try:
-            self.engines = self._build_engines(data_dir, metrics)
+        with ExitStack() as undo:  # a failed build closes what it opened
+            undo.callback(store.close)
+            undo.callback(self.authorize.close)
+            self.engine_store = open_engine_store(config.store, config.events, data_dir or None)
+            undo.callback(self.engine_store.close)
+            self.engines = self._build_engines(metrics)
+            undo.callback(self.engines.stop)
             self.storages = StoragePool(self.registry, data_dir)
-            cfg = config.cache
-            self.cache = CacheManager(store, self.registry, self.storages, metrics_registry=metrics.registry,
-                                      lock_shards=config.store.lock_shards,
-                                      cache_size=config.store.search_cache_size, runs=cfg.runs)
+            self.cache = CacheManager(store, self.registry, self.storages, config.cache, index=config.store,
+                                      metrics_registry=metrics.registry)
             self.storages.follow()
-        except BaseException:
-            self.close()
-            raise
+            undo.pop_all()
         self._registry_dbs = self.registry.databases
         self._dbs = (*self._registry_dbs, DEFINITIONS, SKELETONS, BLOCKS_DB, RUNS_DB)
         self._seen = store.versions(self._dbs)
         self.refreshes = 0  # how often a read found the leader had changed something (tests, logs)
 
-    def _build_engines(self, data_dir: str, metrics: Metrics) -> Any:
+    def _build_engines(self, metrics: Metrics) -> EngineService:
         """This node's own engine index, fed by the sources of the config (each node subscribes
         to every source itself, so routers may ask any node)."""
         from kvcm.engines.service import EngineService
         from kvcm.engines.sources import SubscriberSettings
 
         cfg = self.config.events
-        self.engine_store = LmdbStore(os.path.join(data_dir, "engines"), sync=cfg.sync,
-                                      map_size=self.config.store.map_size,
-                                      map_size_max=self.config.store.map_size_max) \
-            if data_dir else MemoryStore()
-        engines = EngineService(self.engine_store, lambda instance_id: self.registry.get_instance(instance_id).block_size,
-                                SubscriberSettings.from_config(cfg), registry=metrics.registry,
-                                static_sources=cfg.sources, shared=self.store)
+        engines = EngineService(self.engine_store, self._block_size, SubscriberSettings.from_config(cfg),
+                                registry=metrics.registry, static_sources=cfg.sources, shared=self.store)
         engines.follow_definitions()
         return engines
 
-    def methods(self, info: Callable[[], dict[str, Any]]) -> list[Method]:
+    def _block_size(self, instance_id: str) -> int:
+        return self.registry.get_instance(instance_id).block_size
+
+    def methods(self, info: Info) -> list[Method]:
         from kvcm.api import control, data, engines
 
-        table = (control.methods(self.registry, info, self.authorize) + data.methods(self.cache, self.engines)
-                 + engines.methods(self.engines, self.authorize, lambda: self.cache))
+        cache = self.cache
+        table = (control.methods(self.registry, info, self.authorize) + data.methods(cache, self.engines)
+                 + engines.methods(self.engines, self.authorize, lambda: cache))
         return [self._fresh(m) for m in table if m.name in READS]
 
     def _fresh(self, method: Method) -> Method:
-        from dataclasses import replace
-
         from kvcm.cache.locations import UnknownSkeleton
 
         handler = method.handler
 
-        def run(req: Any) -> Any:
+        def run(req: object) -> object:
             try:
                 return handler(req)
             except UnknownSkeleton:  # stored by the leader after this read's refresh: load, once more
@@ -147,12 +152,9 @@ class FollowerReads:
             self.engines.start()
 
     def close(self) -> None:
-        engines = getattr(self, "engines", None)
-        if engines is not None:
-            engines.stop()
+        self.engines.stop()
         self.authorize.close()
-        if self.engine_store is not None:
-            self.engine_store.close()
+        self.engine_store.close()
         self.store.close()
 
 
@@ -164,7 +166,7 @@ class _FreshTurns:
         self._dispatcher = dispatcher
         self._before = before
 
-    def serve(self, arrivals: Sequence[tuple[Any, bytes, bytes]]) -> list[tuple[Any, bytes | None]]:
+    def serve(self, arrivals: Sequence[tuple[object, bytes, bytes]]) -> list[tuple[object, bytes | None]]:
         if arrivals:
             self._before()
         return self._dispatcher.serve(arrivals)
@@ -173,74 +175,97 @@ class _FreshTurns:
         return self._dispatcher.wait_ms()
 
 
+def _hold_data_dir(config: Config, owner: str) -> str:
+    """Take the data dir's lock file for ``owner``; returns its path.
+    :raises DataDirLocked: another kvcm process holds it."""
+    from kvcm.lockfile import LockBusy, hold_lock_file
+
+    lock = os.path.join(os.path.abspath(config.store.data_dir), "kvcm.lock")
+    os.makedirs(os.path.dirname(lock), exist_ok=True)
+    try:
+        hold_lock_file(lock, owner, f"data dir {config.store.data_dir!r}")
+    except LockBusy:
+        raise DataDirLocked(f"data dir {config.store.data_dir!r} is in use by another kvcm process (lock file "
+                            "kvcm.lock); stop it or choose another --data-dir") from None
+    return lock
+
+
 class FollowerStage:
     """A follower's serving stage: the RPC port answers the role-free methods and, with
     ``ha.follower_reads``, the reads (:class:`FollowerReads`); everything else is
     ``SERVER_NOT_LEADER`` naming the leader. The side HTTP port reports the role. A node builds
-    its leader :class:`~kvcm.app.App` (and its caches) only once it holds the lease, so a
+    its leader :class:`~kvcm.node.app.App` (and its caches) only once it holds the lease, so a
     leader's caches are never older than its term."""
 
     def __init__(self, config: Config, lease: Lease, open_store: Callable[[], RedisStore],
                  side_port: SidePort | None = None) -> None:
         """``side_port``: the side HTTP port's listeners the node holds across its stages."""
-        from kvcm.api import leader as leader_api
-        from kvcm.api.control import cluster_info
-        from kvcm.lockfile import LockBusy, hold_lock_file
+        from kvcm.lockfile import drop_lock_file
 
         self.config = config
         self.lease = lease
         self.metrics = Metrics()
         self.started_at = time.time()
+        self.endpoint = config.server.endpoint  # the bound one once the server is built
         self.reads: FollowerReads | None = None
         self.curve: CurveServer | None = None
+        self.http: SideHttp | None = None
         self._stale: KvcmError | None = None  # why this turn's reads cannot be fresh (Redis away)
-        self._lock = os.path.join(os.path.abspath(config.store.data_dir), "kvcm.lock")
-        os.makedirs(os.path.dirname(self._lock), exist_ok=True)
-        try:
-            hold_lock_file(self._lock, f"the follower {id(self):x}", f"data dir {config.store.data_dir!r}")
-        except LockBusy:
-            raise DataDirLocked(f"data dir {config.store.data_dir!r} is in use by another kvcm process (lock file "
-                                "kvcm.lock); stop it or choose another --data-dir") from None
+        self._lock = _hold_data_dir(config, f"the follower {id(self):x}")
+        with ExitStack() as undo:  # a failed build closes what it opened and lets the lock go
+            undo.callback(drop_lock_file, self._lock)
+            self._wire(open_store, side_port, undo)
+            undo.pop_all()
+
+    def _wire(self, open_store: Callable[[], RedisStore], side_port: SidePort | None, undo: ExitStack) -> None:
+        config = self.config
+        if config.ha.follower_reads:
+            self.reads = self._build_reads(open_store)
+        if self.reads is not None:
+            undo.callback(self.reads.close)
+        authorize = self.reads.authorize if self.reads is not None else None
+        self.dispatcher = Dispatcher(self._methods(), metrics=self.metrics, gate=self._gate,
+                                     authorize=authorize if authorize is not None and authorize.enabled else None)
+        # The same front door as the leader's: CURVE on the RPC port, credentials on the side
+        # port (a follower serves reads and /metrics too).
+        self.curve = serve_curve(config.server.curve_secret_key_file, config.server.curve_allowed_clients_dir,
+                                 self.metrics.registry)
+        if self.curve is not None:
+            undo.callback(self.curve.stop)
+        self.server = self._build_server()
+        undo.callback(self.server.close_unserved)
+        self.endpoint = self.server.endpoint
+        self.http = SideHttp(config.http, self.metrics, self.endpoint, lambda: True, lambda: True,
+                             max_body=config.server.max_message_bytes, auth_required=config.auth.enabled,
+                             client_options=self.curve.client_options() if self.curve is not None else None,
+                             role=self.role, port=side_port) if config.http.enabled else None
+
+    def _methods(self) -> list[Method]:
+        from kvcm.api import leader as leader_api
+        from kvcm.api.control import cluster_info
+
         methods = [
-            Method("check_health", lambda req: {"status": "ok", "is_health": True, "is_leader": False,
-                                                "node": self.info()}),
+            Method("check_health", self._check_health),
             Method("get_manager_cluster_info", lambda req: cluster_info(self.info(), self.started_at)),
             # Each node's own elector settings; leader_demote is the leader's (SERVER_NOT_LEADER here).
-            *(m for m in leader_api.methods(lease, lease.campaign_delay_ms) if m.name != "leader_demote"),
+            *(m for m in leader_api.methods(self.lease, self.lease.campaign_delay_ms) if m.name != "leader_demote"),
         ]
-        try:
-            if config.ha.follower_reads:
-                self.reads = self._build_reads(open_store)
-            if self.reads is not None:
-                methods += self.reads.methods(self.info)
-            authorize = self.reads.authorize if self.reads is not None else None
-            self.dispatcher = Dispatcher(methods, metrics=self.metrics, gate=self._gate,
-                                         authorize=authorize if authorize is not None and authorize.enabled else None)
-            # Between reads too: new event sources are followed without waiting for a reader.
-            timers = [] if self.reads is None else [Timer("follower-refresh", REFRESH_S, self._refresh_quietly)]
-            # The same front door as the leader's: CURVE on the RPC port, credentials on the side
-            # port (a follower serves reads and /metrics too).
-            self.curve = serve_curve(config.server.curve_secret_key_file, config.server.curve_allowed_clients_dir,
-                                     self.metrics.registry)
-            self.server = Server(config.server.endpoint, _FreshTurns(self.dispatcher, self._refresh_turn),
-                                 metrics=self.metrics, timers=timers,
-                                 max_message_bytes=config.server.max_message_bytes, poll_ms=config.server.poll_ms,
-                                 context=self.curve.context if self.curve is not None else None,
-                                 socket_setup=self.curve.setup if self.curve is not None else None)
-            self.endpoint = self.server.endpoint
-            self.http = SideHttp(config.http, self.metrics, self.endpoint, lambda: True, lambda: True,
-                                 max_body=config.server.max_message_bytes, auth_required=config.auth.enabled,
-                                 client_options=self.curve.client_options() if self.curve is not None else None,
-                                 role=lambda: "follower", port=side_port) if config.http.enabled else None
-        except BaseException:
-            if getattr(self, "server", None) is not None:
-                self.server.close_unserved()
-            if self.curve is not None:
-                self.curve.stop()
-            if self.reads is not None:
-                self.reads.close()
-            self._drop_lock()
-            raise
+        if self.reads is not None:
+            methods += self.reads.methods(self.info)
+        return methods
+
+    def _check_health(self, req: object) -> dict[str, Encodable]:
+        return {"status": "ok", "is_health": True, "is_leader": False, "node": self.info()}
+
+    def _build_server(self) -> Server:
+        cfg = self.config.server
+        # Between reads too: new event sources are followed without waiting for a reader.
+        timers = [] if self.reads is None else [Timer("follower-refresh", REFRESH_S, self._refresh_quietly)]
+        return Server(cfg.endpoint, _FreshTurns(self.dispatcher, self._refresh_turn),
+                      metrics=self.metrics, timers=timers,
+                      max_message_bytes=cfg.max_message_bytes, poll_ms=cfg.poll_ms,
+                      context=self.curve.context if self.curve is not None else None,
+                      socket_setup=self.curve.setup if self.curve is not None else None)
 
     def _build_reads(self, open_store: Callable[[], RedisStore]) -> FollowerReads | None:
         """None when the shared store is not ready for reads yet (no leader ever initialised it,
@@ -278,7 +303,7 @@ class FollowerStage:
             return self._stale
         return None
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, Encodable]:
         from kvcm.ha.lease import lease_facts
 
         return {"version": __version__, "endpoint": self.endpoint, "node_id": self.lease.node_id,

@@ -1,0 +1,171 @@
+"""``kvcm serve`` with ``ha.enabled``: one node of a leader/follower group sharing a Redis store.
+
+The node holds the leader lease's campaign for its whole life and runs one stage at a time: a
+:class:`~kvcm.node.follower.FollowerStage` until the lease is won, then a full
+:class:`~kvcm.node.app.App` for the term, and a follower stage again once the lease is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import TypeAlias
+
+from kvcm.backends.metastore import DataDirLocked
+from kvcm.config import Config
+from kvcm.errors import Unavailable
+from kvcm.http import SidePort, refuse_unguarded
+from kvcm.node.app import App
+from kvcm.node.follower import FollowerStage
+from kvcm.node.kernel import load_hash_kernel
+from kvcm.node.refusals import http_bind_failed
+from kvcm.node.stores import open_redis, redis_password, require_redis_client
+from kvcm.rpc.server import endpoint_in_use
+from kvcm.version import __version__
+
+log = logging.getLogger("kvcm.app")
+
+Stage: TypeAlias = "App | FollowerStage"  # the one a node runs now
+
+
+class HaNode:
+    """``kvcm serve`` with ``ha.enabled``: a follower stage until the lease is won, then a
+    full :class:`App` for the term; back to a follower stage when the lease is lost. Each stage
+    binds the same endpoints, so clients only see refusals and a reconnect."""
+
+    def __init__(self, config: Config, orphans: str = "refuse") -> None:
+        require_redis_client(config)
+        refuse_unguarded(config)
+        import redis
+
+        from kvcm.backends.metastore.redis import CONNECT_TIMEOUT_S
+        from kvcm.ha.floor import EpochFloor
+        from kvcm.ha.guard import check_node_start
+        from kvcm.ha.lease import Lease
+
+        load_hash_kernel(config)  # the follower stage hashes the token_ids of the reads it serves
+        self.config = config
+        self.orphans = orphans
+        ha = config.ha
+        # Replies within a renew interval: a Redis that hangs must not hold the renew thread past
+        # the lease's deadline (is_leader() turns false by the clock regardless).
+        client = redis.Redis.from_url(config.store.redis_url, password=redis_password(config),
+                                      socket_timeout=ha.renew_ms / 1000.0,
+                                      socket_connect_timeout=min(CONNECT_TIMEOUT_S, ha.renew_ms / 1000.0))
+        check_node_start(client, config)  # a node that could never lead says so before binding anything
+        self.lease = Lease(client, config.store.redis_prefix, ha.node_id,
+                           ha.advertise_endpoint or config.server.endpoint, ha.lease_ms, ha.renew_ms,
+                           on_change=self._changed, campaign_delay_ms=ha.campaign_delay_ms,
+                           floor=EpochFloor.in_data_dir(os.path.abspath(config.store.data_dir)))
+        self.stage: Stage | None = None
+        self._stop = threading.Event()
+        self._stage_lock = threading.Lock()
+        self._announced = False
+        # Bound once for the node's life, so the side port never closes between stages.
+        self.side_port = self._bind_side_port() if config.http.enabled else None
+
+    def _bind_side_port(self) -> SidePort:
+        try:
+            return SidePort(self.config.http)
+        except OSError as exc:
+            raise http_bind_failed(self.config.http, exc) from None
+
+    def _changed(self, leader: bool) -> None:
+        with self._stage_lock:
+            stage = self.stage
+        if stage is not None and (isinstance(stage, App) != leader or
+                                  (isinstance(stage, App) and stage.term != self.lease.epoch)):
+            log.info("node %s: role change to %s", self.lease.node_id, "leader" if leader else "follower")
+            # Off the lease thread (a renew must not wait for HTTP requests in flight).
+            threading.Thread(target=self._switch, args=(stage,), name="kvcm-role-change", daemon=True).start()
+
+    @staticmethod
+    def _switch(stage: Stage) -> None:
+        """End a stage at a role change: the side port's requests in flight are answered by it
+        while its RPC loop still serves, then the loop ends."""
+        if stage.http is not None:
+            stage.http.hand_over()
+        stage.request_stop()
+
+    def run(self, started: Callable[[], None] | None = None) -> None:
+        self.lease.step()  # the first attempt before any port is bound: a free lease is taken at once
+        self.lease.start()
+        try:
+            while not self._stop.is_set():
+                self._run_stage(started)
+        finally:
+            self.lease.stop(release=True)
+            if self.side_port is not None:
+                self.side_port.close()
+
+    def _run_stage(self, started: Callable[[], None] | None) -> None:
+        leader = self.lease.is_leader()
+        self._wait_endpoint_free()
+        try:
+            stage = self._build_stage(leader)
+        except DataDirLocked:
+            raise
+        except Unavailable as exc:  # Redis away while building the leader stage: follow, retry
+            log.warning("node %s: cannot start the %s stage: %s", self.lease.node_id,
+                        "leader" if leader else "follower", exc)
+            self._stop.wait(self.lease.renew_ms / 1000.0)
+            return
+        with self._stage_lock:
+            self.stage = stage
+        if self._stop.is_set() or self.lease.is_leader() != leader or (isinstance(stage, App) and self.lease.epoch != stage.term):
+            stage.request_stop()
+        stage.run(started=self._announce(started))
+
+    def _build_stage(self, leader: bool) -> Stage:
+        if leader:
+            return App(self.config, self.orphans, lease=self.lease, side_port=self.side_port)
+        return FollowerStage(self.config, self.lease, partial(open_redis, self.config, follower=True),
+                             side_port=self.side_port)
+
+    def _wait_endpoint_free(self, timeout: float = 5.0) -> None:
+        """The last stage's sockets close in ZeroMQ's I/O thread, a moment after its stop: the
+        next stage binds the same endpoint once it is free (a port still taken past ``timeout``
+        refuses the start as usual)."""
+        if self.stage is None:
+            return
+        deadline = time.monotonic() + timeout
+        while endpoint_in_use(self.config.server.endpoint) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _announce(self, started: Callable[[], None] | None) -> Callable[[], None] | None:
+        if started is None or self._announced:
+            return None
+
+        def once() -> None:
+            self._announced = True
+            started()
+        return once
+
+    @property
+    def endpoint(self) -> str:
+        return self.stage.endpoint if self.stage is not None else self.config.server.endpoint
+
+    def role(self) -> str:
+        return "leader" if self.lease.is_leader() else "follower"
+
+    def startup_block(self, config_file: str | None = None) -> list[str]:
+        stage = self.stage
+        if isinstance(stage, App):
+            return stage.startup_block(config_file)
+        return [f"kvcm serving on {self.endpoint}",
+                f"  {'version':<10} {__version__}",
+                f"  {'ha':<10} node {self.lease.node_id}, follower"]
+
+    def request_stop(self) -> None:
+        """Signal-safe: ends the current stage and the loop."""
+        self._stop.set()
+        stage = self.stage
+        if stage is not None:
+            stage.request_stop()
+
+
+__all__ = ["HaNode"]
