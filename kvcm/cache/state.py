@@ -16,7 +16,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter
 
 from kvcm.backends.metastore.base import MetaStore, ReadTxn, WriteTxn, i64
 from kvcm.cache.deleter import Deleter
@@ -34,9 +35,6 @@ from kvcm.cache.usage import BeingFreed, Usage
 from kvcm.config import CacheConfig, StoreConfig
 from kvcm.control.registry import GROUP, INSTANCE, Registry
 from kvcm.errors import Code, InvalidArgument, NotFound, Unavailable
-
-if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry, Counter
 
 #: Keys a lookup takes per lock batch (the index's lock granularity; no setting).
 BATCH_SIZE = 16
