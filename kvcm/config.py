@@ -387,7 +387,19 @@ _HOST_ENTRY = re.compile(r"(?:[a-z0-9_.-]{1,253}|\[[0-9a-f:.]{2,45}\])(?::[0-9]{
 
 def validate(config: Config) -> None:
     """Cross-field and range checks; raise ConfigError naming the key."""
-    checks: list[tuple[bool, str]] = [
+    for section in (_store_server_checks, _http_checks, _cache_reclaim_checks, _auth_checks, _events_checks,
+                    _misc_checks):
+        for ok, message in section(config):
+            if not ok:
+                raise ConfigError(message)
+    _check_redis(config.store)
+    _check_curve(config)
+    _check_ha(config)
+
+
+def _store_server_checks(config: Config) -> list[tuple[bool, str]]:
+    """Store and RPC server limits."""
+    return [
         (config.store.lock_shards > 0 and config.store.lock_shards & (config.store.lock_shards - 1) == 0,
          "store.lock_shards must be a power of two"),
         (config.store.backend in ("lmdb", "memory", "redis"), "store.backend must be one of: lmdb, memory, redis"),
@@ -403,6 +415,12 @@ def validate(config: Config) -> None:
         (config.server.poll_ms > 0, "server.poll_ms must be positive"),
         (config.server.live_after_s > config.server.poll_ms / 1000,
          "server.live_after_s must be longer than one poll (server.poll_ms)"),
+    ]
+
+
+def _http_checks(config: Config) -> list[tuple[bool, str]]:
+    """The side HTTP port."""
+    return [
         (0 <= config.http.port < 65536, "http.port must be in 0..65535"),
         (-1 <= config.http.admin_port < 65536, "http.admin_port must be -1 (off) or in 0..65535"),
         (config.http.admin_port in (-1, 0) or config.http.admin_port != config.http.port,
@@ -416,6 +434,12 @@ def validate(config: Config) -> None:
         (config.http.max_unauthenticated_body_bytes >= 0, "http.max_unauthenticated_body_bytes must not be negative"),
         (all(_HOST_ENTRY.fullmatch(h.strip().lower()) for h in config.http.allowed_hosts),
          "http.allowed_hosts: each entry must be a host name, an IP address or [IPv6], with an optional :port"),
+    ]
+
+
+def _cache_reclaim_checks(config: Config) -> list[tuple[bool, str]]:
+    """Writes, pins and reclaim."""
+    return [
         (config.cache.write_timeout_seconds > 0, "cache.write_timeout_seconds must be positive"),
         (config.cache.write_timeout_seconds <= config.cache.max_write_timeout_seconds <= 7 * 86400,
          "cache.max_write_timeout_seconds must be in [cache.write_timeout_seconds, 604800]"),
@@ -432,6 +456,12 @@ def validate(config: Config) -> None:
         (config.reclaim.inline_max_blocks > 0, "reclaim.inline_max_blocks must be positive"),
         (config.reclaim.sample_size >= 0, "reclaim.sample_size must not be negative"),
         (config.events.backoff_initial_s > 0, "events.backoff_initial_s must be positive"),
+    ]
+
+
+def _auth_checks(config: Config) -> list[tuple[bool, str]]:
+    """Credentials checks and their caches."""
+    return [
         # A deferred request finds its verdict in these caches when it is retried a turn later.
         (config.auth.verdict_cache_s >= 1, "auth.verdict_cache_s must be at least 1"),
         (config.auth.failed_cache_s >= 1, "auth.failed_cache_s must be at least 1"),
@@ -441,6 +471,12 @@ def validate(config: Config) -> None:
         (config.auth.failed_login_limit > 0, "auth.failed_login_limit must be positive"),
         (config.auth.failed_login_limit_per_user > 0, "auth.failed_login_limit_per_user must be positive"),
         (config.auth.failed_login_window_s > 0, "auth.failed_login_window_s must be positive"),
+    ]
+
+
+def _events_checks(config: Config) -> list[tuple[bool, str]]:
+    """The engine tier."""
+    return [
         (1 <= config.events.max_sources <= 16000, "events.max_sources must be in 1..16000"),
         (config.events.probe_interval_s > 0, "events.probe_interval_s must be positive"),
         # A live source is probed at least once before it can be called stale.
@@ -456,17 +492,17 @@ def validate(config: Config) -> None:
         (0 <= config.events.max_sources_per_account <= 16000, "events.max_sources_per_account must be in 0..16000"),
         (0 <= config.events.reserved_admin_sources <= 16000, "events.reserved_admin_sources must be in 0..16000"),
         (0 < config.events.push_budget_ms_per_s <= 1000, "events.push_budget_ms_per_s must be in (0, 1000]"),
+    ]
+
+
+def _misc_checks(config: Config) -> list[tuple[bool, str]]:
+    """Kernel, storage roots, logging."""
+    return [
         (config.server.hash_kernel in ("python", "numba"), "server.hash_kernel must be python or numba"),
         (all(os.path.isabs(r) and r.isprintable() for r in config.storage.allowed_roots),
          "storage.allowed_roots: each entry must be an absolute path without control characters"),
         (config.log.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log.level must be DEBUG, INFO, WARNING or ERROR"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    _check_redis(config.store)
-    _check_curve(config)
-    _check_ha(config)
 
 
 _NODE_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")

@@ -73,3 +73,24 @@ def test_config_show_cli(capsys, monkeypatch):
 def test_config_error_exit_code(capsys):
     assert main(["config", "show", "--set", "server.nope=1"]) == 2
     assert "server.nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "pair, needle",
+    [
+        ("store.map_size=1024", "store.map_size"),
+        ("server.poll_ms=0", "server.poll_ms"),
+        ("http.max_connections=0", "http.max_connections"),
+        ("cache.lost_scan_s=-1", "cache.lost_scan_s"),
+        ("reclaim.duty_cycle=2", "reclaim.duty_cycle"),
+        ("auth.max_pending_checks=0", "auth.max_pending_checks"),
+        ("auth.failed_login_window_s=0", "auth.failed_login_window_s"),
+        ("events.probe_interval_s=0", "events.probe_interval_s"),
+        ("events.push_budget_ms_per_s=0", "events.push_budget_ms_per_s"),
+        ("server.hash_kernel=c", "server.hash_kernel"),
+        ("log.level=chatty", "log.level"),
+    ],
+)
+def test_every_section_of_checks_is_applied(pair, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load(environ={}, overrides=overrides_from_pairs([pair]))
