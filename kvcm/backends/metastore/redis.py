@@ -276,7 +276,7 @@ class RedisStore:
             try:
                 self.commit_script(keys=[self.epoch_key, self.commit_key, self.versions_key, self.deployment_key,
                                          *keys],
-                                   args=[token, commit_id, self.identity.deployment.encode(), *args])
+                                   args=[token, commit_id, self.deployment.encode(), *args])
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 self._resolve_in_doubt(commit_id, exc)
             except redis.RedisError as exc:
@@ -340,6 +340,18 @@ class RedisStore:
 
     # -- identity: the deployment, lost data, the single writer (redis_identity) ----------------
 
+    @property
+    def deployment(self) -> str:
+        """This deployment's id, checked by every commit ("" = unchecked: a store opened by a
+        tool or a test, never claimed). Set by :meth:`claim`."""
+        return self.identity.deployment
+
+    @property
+    def lost(self) -> str:
+        """Why the store is not this deployment's any more ("" = it is): then every read, commit
+        and readiness probe is refused (:class:`StoreLost`)."""
+        return self.identity.lost
+
     def stored_deployment(self) -> str | None:
         """The deployment id the store holds (None: no key, a new or lost store)."""
         return self.identity.stored()
@@ -372,7 +384,7 @@ class RedisStore:
     def reachable(self) -> bool:
         """Redis answered a PING within ``PROBE_TIMEOUT_S`` (the answer is reused for
         ``PROBE_EVERY_S``): what the readiness probe reports about the store."""
-        return not self.identity.lost and self.readiness.answered()
+        return not self.lost and self.readiness.answered()
 
     def versions(self, dbs: Sequence[str]) -> tuple[int, ...]:
         """How many commits touched each of ``dbs`` so far (0 = never): a reader that cached

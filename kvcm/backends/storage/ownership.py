@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm.backends.storage.base import create_unique, open_regular
+from kvcm.backends.storage.safe_files import create_unique, open_regular
 from kvcm.errors import InvalidArgument
 
 MARKER_VERSION = 2
