@@ -127,15 +127,10 @@ class RedisStore:
         # must never write, whatever code path tries.
         self.read_only = ""
         self._lock_path = self._lock_dir(path) if path is not None else None
-        try:
-            self.client = connect(url, password)
-        except BaseException:
-            self._release_lock()
-            raise
+        self.client = self._connect(url, password)
         self.keys = Keys.of(prefix)
         self.epoch_key, self.commit_key = self.keys.epoch, self.keys.commit
         self.versions_key, self.deployment_key = self.keys.versions, self.keys.deployment
-        self.where = f"Redis {redact(url)} (prefix {prefix})"
         self.commit_script = self.client.register_script(COMMIT)
         self.scan_script = self.client.register_script(SCAN)
         self._ranks_script = self.client.register_script(AT_RANKS)
@@ -162,6 +157,14 @@ class RedisStore:
             raise DataDirLocked(f"data dir {path!r} is in use by another kvcm process (lock file kvcm.lock); "
                                 "stop it or choose another --data-dir") from None
         return lock
+
+    def _connect(self, url: str, password: str | None) -> redis.Redis:
+        """The data-plane connection; the data dir's lock is given back if there is none."""
+        try:
+            return connect(url, password)
+        except BaseException:
+            self._release_lock()
+            raise
 
     def _release_lock(self) -> None:
         if self._lock_path is not None:
