@@ -11,8 +11,9 @@ import time
 import pytest
 from helpers import wait_for
 
-from kvcm.backends.storage.base import StorageBackend, slot_runs
+from kvcm.backends.storage.base import StorageBackend
 from kvcm.backends.storage.registry import STORAGE_BACKENDS, StorageHealth, normalize_spec, open_backend, parse_uri
+from kvcm.backends.storage.slots import slot_runs
 from kvcm.errors import InvalidArgument
 from kvcm.proto.uris import format_uri
 

@@ -15,8 +15,8 @@ from helpers import remove_shm, shm_prefix
 
 from kvcm.api.control import CLIENT_SPEC_FIELDS
 from kvcm.backends.storage import registry
-from kvcm.backends.storage.base import SpecReader
 from kvcm.backends.storage.external import ExternalStorage
+from kvcm.backends.storage.specs import SpecReader
 from kvcm.client import IDEMPOTENT_METHODS, METHODS, Client
 from kvcm.errors import Code, KvcmError
 from kvcm.testing import RunningServer, serve_in_thread

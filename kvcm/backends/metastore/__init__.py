@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from kvcm.backends.metastore.base import DATABASES, MetaStore, ReadTxn, WriteTxn, from_i64, from_u64, i64, u64
 from kvcm.backends.metastore.lmdb import DataDirLocked, LmdbStore
 from kvcm.backends.metastore.memory import MemoryStore
 
 
-def _redis_store(*args: Any, **kwargs: Any) -> Any:
-    """Imported on use: redis-py is needed only by deployments that choose Redis."""
+def _redis_store(url: str, path: str | None = None, prefix: str = "kvcm", password: str | None = None,
+                 wait_replicas: int = 0, wait_timeout_ms: int = 1000, fencing_token: int | None = None) -> MetaStore:
+    """:class:`~kvcm.backends.metastore.redis.RedisStore`, imported on use: redis-py is needed
+    only by deployments that choose Redis."""
     from kvcm.backends.metastore.redis import RedisStore
 
-    return RedisStore(*args, **kwargs)
+    return RedisStore(url, path, prefix, password, wait_replicas, wait_timeout_ms, fencing_token)
 
 
-STORES: dict[str, Callable[..., Any]] = {"lmdb": LmdbStore, "memory": MemoryStore, "redis": _redis_store}
+STORES: dict[str, Callable[..., MetaStore]] = {"lmdb": LmdbStore, "memory": MemoryStore, "redis": _redis_store}
 
 __all__ = [
     "DATABASES",

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from kvcm.errors import InvalidArgument, KvcmError
 
@@ -76,7 +76,28 @@ def run_aborts(fns: list[Callable[[], None]]) -> None:
     fns.clear()
 
 
-def merge_savepoint(child: Any, stack: list[Any], group: Any) -> None:
+V = TypeVar("V")
+
+
+class Callbacks(Protocol):
+    """What a write transaction's group keeps of its committed savepoints."""
+
+    @property
+    def callbacks(self) -> list[Callable[[], None]]: ...
+
+    @property
+    def aborts(self) -> list[Callable[[], None]]: ...
+
+
+class Savepoint(Callbacks, Protocol[V]):
+    """A savepoint with an undo log (None: a savepoint whose rollback aborts its group): the
+    state of each ``(database, key)`` it changed, as ``V``, before its first change."""
+
+    @property
+    def undo(self) -> dict[tuple[str, bytes], V] | None: ...
+
+
+def merge_savepoint(child: Savepoint[V], stack: Sequence[Savepoint[V]], group: Callbacks) -> None:
     """A savepoint that ended without error hands its undo log (where kept) and its callbacks
     to the savepoint around it, or, outermost, its callbacks to the group: a committed child
     follows its parent's fate, and a parent that rolls back later takes its children down.

@@ -6,7 +6,7 @@ mapping of LMDB errors to kvcm's.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from typing import cast
 
 import lmdb
 
@@ -30,7 +30,7 @@ def translate_error(exc: lmdb.Error) -> Exception:
 class LmdbReadTxn:
     """A read view over one LMDB transaction (committed data, or a write txn's own writes)."""
 
-    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, Any]) -> None:
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:
         self._txn = txn
         self._dbs = dbs
 
@@ -82,7 +82,7 @@ class LmdbWriteTxn(LmdbReadTxn):
     def __init__(
         self,
         txn: lmdb.Transaction,
-        dbs: dict[str, Any],
+        dbs: dict[str, lmdb._Database],
         callbacks: list[Callable[[], None]],
         undo: dict[tuple[str, bytes], bytes | None] | None,
     ) -> None:

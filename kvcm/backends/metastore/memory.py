@@ -144,6 +144,14 @@ class _WriteView(_View):
                         table[key] = value
 
 
+class _ThreadState(threading.local):
+    """This thread's open views: the group's own first, then one per open ``write()`` block
+    (None outside a group)."""
+
+    def __init__(self) -> None:
+        self.stack: list[_WriteView] | None = None
+
+
 class MemoryStore:
     """Dict-backed :class:`~kvcm.backends.metastore.base.MetaStore`."""
 
@@ -151,7 +159,7 @@ class MemoryStore:
         self.path: str | None = None
         self._data = _Data()
         self._writer = threading.RLock()
-        self._local = threading.local()
+        self._local = _ThreadState()
 
     @contextmanager
     def read(self) -> Iterator[_View]:
@@ -159,7 +167,7 @@ class MemoryStore:
 
     @contextmanager
     def group(self) -> Iterator[None]:
-        if getattr(self._local, "stack", None):
+        if self._local.stack:
             yield
             return
         with self._writer:
@@ -178,7 +186,7 @@ class MemoryStore:
 
     @contextmanager
     def write(self, join: bool = False) -> Iterator[_WriteView]:
-        stack: list[_WriteView] | None = getattr(self._local, "stack", None)
+        stack = self._local.stack
         if join and stack and len(stack) > 1:  # stack[0] is the group's own view, not a block
             yield stack[-1]
             return

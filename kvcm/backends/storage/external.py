@@ -31,9 +31,11 @@ import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
-from typing import Any
 
-from kvcm.backends.storage.base import PRIVATE, SAFE_OPEN, Inventory, Slot, SpecReader
+from kvcm.backends.storage.base import Inventory, Slot
+from kvcm.backends.storage.ownership import Owner
+from kvcm.backends.storage.safe_files import PRIVATE, SAFE_OPEN
+from kvcm.backends.storage.specs import Spec, SpecReader, spec_flag, spec_int, spec_text
 from kvcm.errors import CapacityError, Code, InvalidArgument, ServerError
 from kvcm.proto.uris import ParsedUri, format_uri, parse_uri
 
@@ -50,23 +52,23 @@ class ExternalStorage(ABC):
 
     type_name = ""
     scheme = ""
-    spec_source: Mapping[str, Any] | None = None  # the spec it was opened with (set by open_backend)
+    spec_source: Mapping[str, object] | None = None  # the spec it was opened with (set by open_backend)
 
-    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None,
-                 owner: Any = None) -> None:
+    def __init__(self, name: str, spec: Mapping[str, object] | None, data_dir: str | None = None,
+                 owner: Owner | None = None) -> None:
         # ``owner`` (kvcm.backends.storage.ownership.Owner) is unused: kvcm creates no files here, the
         # external system owns the space, so there is nothing a marker would protect.
         self.name = name
         self.spec = self.read_spec(name, spec, data_dir)
-        self.capacity_bytes: int = self.spec["capacity_bytes"]
-        self.probe_address = _loopback_address(name, self.spec["probe_address"] or None)
+        self.capacity_bytes = spec_int(self.spec, "capacity_bytes")
+        self.probe_address = _loopback_address(name, spec_text(self.spec, "probe_address") or None)
         self._lock = threading.Lock()
         self._live: dict[str, int] = {}  # uri -> size
         self._bytes_used = 0
         self._opened = False
 
     @classmethod
-    def read_spec(cls, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> dict[str, Any]:
+    def read_spec(cls, name: str, spec: Mapping[str, object] | None, data_dir: str | None = None) -> Spec:
         """The normalized spec (defaults filled). Pure: touches nothing, connects nowhere."""
         reader = SpecReader(cls.type_name, name, spec)
         cls._read_fields(name, reader)
@@ -83,7 +85,7 @@ class ExternalStorage(ABC):
         """Read the type's own spec fields (the shared ones are read by ``read_spec``)."""
 
     @classmethod
-    def _check_fields(cls, name: str, spec: dict[str, Any]) -> None:
+    def _check_fields(cls, name: str, spec: Spec) -> None:
         """Checks across fields, on the complete spec."""
 
     @abstractmethod
@@ -234,13 +236,13 @@ class ThreeFsStorage(ExternalStorage):
     type_name = "3fs"
     scheme = "hf3fs"  # what Tair's code emits (its proto comment says 3fs://)
 
-    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None,
-                 owner: Any = None) -> None:
+    def __init__(self, name: str, spec: Mapping[str, object] | None, data_dir: str | None = None,
+                 owner: Owner | None = None) -> None:
         super().__init__(name, spec, data_dir, owner)
-        self.directory = posixpath.normpath(posixpath.join(self.spec["mountpoint"], self.spec["root_dir"].strip("/")))
-        self.key_count_per_file: int = self.spec["key_count_per_file"]
-        self.touch_file_when_create: bool = self.spec["touch_file_when_create"]
-        self.check_available: bool = self.spec["check_storage_available_when_open"]
+        self.directory = posixpath.normpath(posixpath.join(spec_text(self.spec, "mountpoint"), spec_text(self.spec, "root_dir").strip("/")))
+        self.key_count_per_file = spec_int(self.spec, "key_count_per_file")
+        self.touch_file_when_create = spec_flag(self.spec, "touch_file_when_create")
+        self.check_available = spec_flag(self.spec, "check_storage_available_when_open")
         self._files: dict[str, int] = {}  # file path -> live blocks in it
 
     @classmethod
@@ -317,15 +319,15 @@ class MooncakeStorage(ExternalStorage):
     type_name = "mooncake"
     scheme = "mooncake"
 
-    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None,
-                 owner: Any = None) -> None:
+    def __init__(self, name: str, spec: Mapping[str, object] | None, data_dir: str | None = None,
+                 owner: Owner | None = None) -> None:
         super().__init__(name, spec, data_dir, owner)
-        self.local_hostname: str = self.spec["local_hostname"]
-        self.metadata_connstring: str = self.spec["metadata_connstring"]
-        self.protocol: str = self.spec["protocol"]
-        self.rdma_device: str | None = self.spec["rdma_device"] or None
-        self.master_service_entry: str = self.spec["master_service_entry"]
-        self.key_prefix: str = self.spec["key_prefix"]
+        self.local_hostname = spec_text(self.spec, "local_hostname")
+        self.metadata_connstring = spec_text(self.spec, "metadata_connstring")
+        self.protocol = spec_text(self.spec, "protocol")
+        self.rdma_device = spec_text(self.spec, "rdma_device") or None
+        self.master_service_entry = spec_text(self.spec, "master_service_entry")
+        self.key_prefix = spec_text(self.spec, "key_prefix")
 
     @classmethod
     def _read_fields(cls, name: str, reader: SpecReader) -> None:
@@ -337,12 +339,12 @@ class MooncakeStorage(ExternalStorage):
         reader.text("key_prefix", "kvcm/")
 
     @classmethod
-    def _check_fields(cls, name: str, spec: dict[str, Any]) -> None:
+    def _check_fields(cls, name: str, spec: Spec) -> None:
         if spec["protocol"] not in ("tcp", "rdma"):
             raise InvalidArgument(f"storage {name!r}: storage_spec.protocol must be tcp or rdma, got {spec['protocol']!r}")
         if spec["protocol"] == "rdma" and not spec["rdma_device"]:
             raise InvalidArgument(f"storage {name!r}: storage_spec.rdma_device is required with protocol rdma")
-        if any(c in spec["key_prefix"] for c in "&=?"):
+        if any(c in spec_text(spec, "key_prefix") for c in "&=?"):
             raise InvalidArgument(f"storage {name!r}: storage_spec.key_prefix must not contain & = ?")
 
     def _new_uris(self, count: int, size: int) -> list[str]:
@@ -358,16 +360,16 @@ class TairMemPoolStorage(ExternalStorage):
     type_name = "tairmempool"
     scheme = "pace"
 
-    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None,
-                 owner: Any = None) -> None:
+    def __init__(self, name: str, spec: Mapping[str, object] | None, data_dir: str | None = None,
+                 owner: Owner | None = None) -> None:
         super().__init__(name, spec, data_dir, owner)
-        self.domain: str = self.spec["domain"]
-        self.timeout_ms: int = self.spec["timeout"]
-        self.service_discovery_url: str | None = self.spec["service_discovery_url"] or None
-        self.enable_vipserver: bool = self.spec["enable_vipserver"]
-        self.media_type: str = self.spec["media_type"]
-        self.node_id: int = self.spec["node_id"]
-        self.range_id: int = self.spec["range_id"]
+        self.domain = spec_text(self.spec, "domain")
+        self.timeout_ms = spec_int(self.spec, "timeout")
+        self.service_discovery_url = spec_text(self.spec, "service_discovery_url") or None
+        self.enable_vipserver = spec_flag(self.spec, "enable_vipserver")
+        self.media_type = spec_text(self.spec, "media_type")
+        self.node_id = spec_int(self.spec, "node_id")
+        self.range_id = spec_int(self.spec, "range_id")
         self._next_offset = 0
 
     @classmethod

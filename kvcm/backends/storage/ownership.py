@@ -45,10 +45,9 @@ import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvcm.backends.migrations import STORAGE_MARKER
-from kvcm.backends.storage.base import create_unique, open_regular
+from kvcm.backends.storage.safe_files import create_unique, open_regular
 from kvcm.errors import InvalidArgument
 
 MARKER_VERSION = STORAGE_MARKER.current
@@ -167,7 +166,7 @@ def _read_key(path: str) -> bytes:
     return key
 
 
-def _signature(key: bytes, body: Mapping[str, Any], path: str) -> str:
+def _signature(key: bytes, body: Mapping[str, object], path: str) -> str:
     """The HMAC of a marker's fields and of where it lies, so a signed marker copied elsewhere
     proves nothing there."""
     where = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
@@ -191,7 +190,9 @@ def read_marker(path: str, key: bytes = b"") -> Marker | None:
     finally:
         os.close(fd)
     try:
-        data: Any = json.loads(raw)
+        data: object = json.loads(raw)
+        if not isinstance(data, dict):
+            raise TypeError("not a map")
         adopted = tuple(str(i) for i in data.get("adopted", ()))
         marker = Marker(str(data["storage_id"]), str(data.get("storage", "")), str(data["data_dir_id"]),
                         str(data.get("data_dir", "")), adopted)
@@ -206,7 +207,7 @@ def read_marker(path: str, key: bytes = b"") -> Marker | None:
 def write_marker(path: str, marker: Marker, key: bytes = b"") -> None:
     """Write ``marker``, signed with ``key`` if there is one, atomically (a crash leaves the old
     one or the new one, never half), private (0600) and through a new file of a random name."""
-    body: dict[str, Any] = {"kvcm_marker": MARKER_VERSION, "storage_id": marker.storage_id, "storage": marker.storage,
+    body: dict[str, object] = {"kvcm_marker": MARKER_VERSION, "storage_id": marker.storage_id, "storage": marker.storage,
                             "data_dir_id": marker.data_dir_id, "data_dir": marker.data_dir,
                             "adopted": list(marker.adopted)}
     if key:

@@ -23,25 +23,29 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Protocol, TypeAlias
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvcm.backends.storage.base import StorageBackend
-from kvcm.backends.storage.external import MooncakeStorage, TairMemPoolStorage, ThreeFsStorage
+from kvcm.backends.storage.external import ExternalStorage, MooncakeStorage, TairMemPoolStorage, ThreeFsStorage
 from kvcm.backends.storage.file import FileStorage, resolve_file_uri
 from kvcm.backends.storage.ownership import Owner
 from kvcm.backends.storage.shm import ShmStorage, resolve_shm_uri
+from kvcm.backends.storage.specs import Spec
 from kvcm.errors import Code, InvalidArgument, ServerError
 from kvcm.proto.uris import ParsedUri, format_uri, parse_uri
 from kvcm.threads import LoopThread
 
 log = logging.getLogger("kvcm.backends.storage")
 
-#: type name -> backend class; every class takes ``(name, spec, data_dir)`` and has a pure
-#: ``read_spec(name, spec, data_dir) -> dict`` classmethod (validate, fill defaults, normalize).
-STORAGE_BACKENDS: dict[str, type] = {
+#: A backend class: it takes ``(name, spec, data_dir, owner)`` and has a pure
+#: ``read_spec(name, spec, data_dir) -> Spec`` classmethod (validate, fill defaults, normalize).
+BackendClass: TypeAlias = type[FileStorage] | type[ShmStorage] | type[ExternalStorage]
+
+#: type name -> backend class.
+STORAGE_BACKENDS: dict[str, BackendClass] = {
     "file": FileStorage,
     "shm": ShmStorage,
     "3fs": ThreeFsStorage,
@@ -67,7 +71,20 @@ __all__ = [
 ]
 
 
-def _backend_class(storage_type: Any, name: Any) -> type:
+class StorageRecord(Protocol):
+    """A registry ``Storage`` record, as :func:`open_backend` reads it."""
+
+    @property
+    def storage_type(self) -> str: ...
+
+    @property
+    def global_unique_name(self) -> str: ...
+
+    @property
+    def storage_spec(self) -> Mapping[str, object]: ...
+
+
+def _backend_class(storage_type: object, name: object) -> BackendClass:
     cls = STORAGE_BACKENDS.get(storage_type) if isinstance(storage_type, str) else None
     if cls is None:
         raise InvalidArgument(
@@ -79,8 +96,8 @@ def _backend_class(storage_type: Any, name: Any) -> type:
 
 
 def normalize_spec(
-    storage_type: str, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None
-) -> dict[str, Any]:
+    storage_type: str, name: str, spec: Mapping[str, object] | None, data_dir: str | None = None
+) -> Spec:
     """Validate ``spec`` strictly with the backend's own reader and return it complete: every
     field of the type with its default filled in, as plain builtins (str, int, bool).
 
@@ -89,14 +106,12 @@ def normalize_spec(
     resolves them (``file``: ``root_path`` under ``data_dir``; refused without one), so the
     result holds absolute paths. InvalidArgument for an unknown type (listing the valid ones),
     a bad name, or a bad spec (naming ``storage_spec.<field>``)."""
-    cls: Any = _backend_class(storage_type, name)
-    out: dict[str, Any] = cls.read_spec(name, spec, data_dir)
-    return out
+    return _backend_class(storage_type, name).read_spec(name, spec, data_dir)
 
 
 def open_backend(
-    storage_type: Any, name: str | None = None, spec: Mapping[str, Any] | None = None, data_dir: str | None = None,
-    owner: Owner | None = None,
+    storage_type: str | StorageRecord, name: str | None = None, spec: Mapping[str, object] | None = None,
+    data_dir: str | None = None, owner: Owner | None = None,
 ) -> StorageBackend:
     """Build and open one storage. InvalidArgument for an unknown type (listing the valid ones),
     a bad name, or a bad spec (naming the field); ServerError(IO_ERROR) if it cannot open;
@@ -112,12 +127,13 @@ def open_backend(
         record = storage_type
         return open_backend(record.storage_type, record.global_unique_name, record.storage_spec, name, owner)
     cls = _backend_class(storage_type, name)
-    backend: StorageBackend = cls(name, spec, data_dir, owner)
+    assert name is not None  # _backend_class refused anything but a valid name
+    backend = cls(name, spec, data_dir, owner)
     try:
         backend.open()
     except OSError as exc:
         raise ServerError(f"storage {name!r}: cannot open: {exc}", Code.IO_ERROR) from exc
-    backend.spec_source = spec  # type: ignore[attr-defined]
+    backend.spec_source = spec
     return backend
 
 

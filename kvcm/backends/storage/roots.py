@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from kvcm.errors import InvalidArgument
 
@@ -60,25 +59,26 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def _check_text(name: str, field: str, value: Any) -> None:
+def _check_text(name: str, field: str, value: object) -> None:
     if isinstance(value, str) and any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
         raise InvalidArgument(f"storage {name!r}: storage_spec.{field} contains a control character (NUL, newline, ...)")
 
 
-def placement(storage_type: str, spec: Mapping[str, Any]) -> tuple[str, str] | None:
+def placement(storage_type: str, spec: Mapping[str, object]) -> tuple[str, str] | None:
     """``(real directory, shm prefix or "")`` a storage manages, or None (external types)."""
     field = _DIR_FIELD.get(storage_type)
-    if field is None or not isinstance(spec.get(field), str):
+    directory = spec.get(field) if field is not None else None
+    if not isinstance(directory, str):
         return None
     prefix = spec.get("prefix", "") if storage_type == "shm" else ""
-    return real_path(spec[field]), prefix if isinstance(prefix, str) else ""
+    return real_path(directory), prefix if isinstance(prefix, str) else ""
 
 
 def check_placement(
     storage_type: str,
     name: str,
-    spec: Mapping[str, Any],
-    others: Iterable[tuple[str, str, Mapping[str, Any]]],
+    spec: Mapping[str, object],
+    others: Iterable[tuple[str, str, Mapping[str, object]]],
     roots: StorageRoots,
 ) -> None:
     """InvalidArgument with the reason unless ``spec`` (normalized) may live where it says.
@@ -110,7 +110,7 @@ def check_placement(
 
 
 def _check_overlap(
-    name: str, field: str, mine: tuple[str, str], other_name: str, other_type: str, other_spec: Mapping[str, Any]
+    name: str, field: str, mine: tuple[str, str], other_name: str, other_type: str, other_spec: Mapping[str, object]
 ) -> None:
     theirs = placement(other_type, other_spec)
     if theirs is None:

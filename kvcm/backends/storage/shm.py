@@ -2,7 +2,7 @@
 
 A segment is a file in the tmpfs behind ``shm_open`` (``/dev/shm/<prefix><n>``), cut into
 slots of one block size like a ``file`` container, so all the slot machinery is shared with
-:class:`~kvcm.backends.storage.file.DirectoryStorage`. URIs keep the storage name as host (as
+:class:`~kvcm.backends.storage.directory.DirectoryStorage`. URIs keep the storage name as host (as
 every kvcm URI does) and name the segment in the path::
 
     shm://<storage name>/<segment>?offset=O&size=S
@@ -22,11 +22,11 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
 
-from kvcm.backends.storage.base import Container, SpecReader, check_component
-from kvcm.backends.storage.file import DirectoryStorage
+from kvcm.backends.storage.directory import DirectoryStorage
 from kvcm.backends.storage.ownership import Owner
+from kvcm.backends.storage.slots import Container
+from kvcm.backends.storage.specs import Spec, SpecReader, check_component, spec_int, spec_text
 from kvcm.errors import CapacityError, Code, InvalidArgument
 from kvcm.proto.uris import ShmUri, parse_block_uri
 
@@ -43,17 +43,17 @@ class ShmStorage(DirectoryStorage):
     type_name = "shm"
     container_label = "segments"
 
-    def __init__(self, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None,
+    def __init__(self, name: str, spec: Mapping[str, object] | None, data_dir: str | None = None,
                  owner: Owner | None = None) -> None:
         self.spec = self.read_spec(name, spec, data_dir)
-        self.segment_size: int = self.spec["segment_size"]
-        self.prefix: str = self.spec["prefix"]
-        super().__init__(name, self.spec["shm_dir"], self.spec["capacity_bytes"], owner)
+        self.segment_size = spec_int(self.spec, "segment_size")
+        self.prefix = spec_text(self.spec, "prefix")
+        super().__init__(name, spec_text(self.spec, "shm_dir"), spec_int(self.spec, "capacity_bytes"), owner)
         # ``<prefix><storage id>-<n>``; segments from before storage ids are ``<prefix><n>``.
         self._segment = re.compile(re.escape(self.prefix) + r"(?:([0-9a-f]{8})-)?([0-9]+)")
 
     @classmethod
-    def read_spec(cls, name: str, spec: Mapping[str, Any] | None, data_dir: str | None = None) -> dict[str, Any]:
+    def read_spec(cls, name: str, spec: Mapping[str, object] | None, data_dir: str | None = None) -> Spec:
         """The normalized spec (defaults filled, ``shm_dir`` absolute). Creates no segment."""
         reader = SpecReader(cls.type_name, name, spec)
         reader.integer("segment_size", DEFAULT_SEGMENT_SIZE, minimum=1)
