@@ -12,10 +12,11 @@ import inspect
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvcm.control.records import InstanceGroup
 from kvcm.policies import POLICIES, TTL, BasePolicy, make_policy
 from kvcm.policies.compact_lru import CompactLRU
 
@@ -73,7 +74,7 @@ def _access(policy: BasePolicy, base: int, keys: Iterable[int], now: float) -> N
     policy.access_many(filter(policy.sizes.__contains__, map(base.__add__, keys)), now)  # C-level loop
 
 
-def limits_of(group: Any) -> Limits:
+def limits_of(group: InstanceGroup) -> Limits:
     """:class:`Limits` of a registry ``InstanceGroup`` (``kvcm.control.records``)."""
     strategy, quota = group.reclaim_strategy, group.quota
     return Limits(
@@ -86,7 +87,13 @@ def limits_of(group: Any) -> Limits:
     )
 
 
-def limits_from_registry(registry: Any) -> Callable[[], dict[str, Limits]]:
+class GroupSource(Protocol):
+    """What :func:`limits_from_registry` reads: the registry's instance groups."""
+
+    def list_groups(self) -> Iterable[InstanceGroup]: ...
+
+
+def limits_from_registry(registry: GroupSource) -> Callable[[], dict[str, Limits]]:
     """The ``limits`` callable for a :class:`~kvcm.control.registry.Registry`: every group, read afresh
     (the registry's reads are in-memory and thread-safe), so updates apply on the next tick."""
 
@@ -369,7 +376,7 @@ class ReclaimMetrics:
         self._usage_types: dict[str, set[str]] = {}  # group -> storage types with a usage series
         # The labelled children of ``blocks``/``bytes``: counted on every in-line eviction, where
         # two ``labels()`` lookups cost more than the rest of the counting.
-        self._reclaimed: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
+        self._reclaimed: dict[tuple[str, str, str, str], tuple[Counter, Counter]] = {}
 
     def count(self, labels: tuple[str, str, str, str], blocks: int, nbytes: int) -> None:
         """``blocks`` blocks of ``nbytes`` bytes reclaimed (group, storage type, policy, reason)."""
