@@ -497,7 +497,7 @@ def test_a_handle_hands_out_no_usable_place_once_retired_and_keeps_a_bounded_num
     """A place made for a handle its cache let go meanwhile (another thread's eviction, between
     the lookup and the remembering) is never usable; and a handle keeps one place per block,
     letting the oldest go past the bound rather than growing with every remembering."""
-    import kvcm.blocks as blocks
+    import kvcm.blocks.places as blocks
 
     size = 4096
     (tmp_path / "kvcm.t.0").write_bytes(bytes(8 * size))

@@ -2,7 +2,10 @@
 
 :mod:`kvcm.reclaimer.core` has :class:`Reclaimer` (the round: sync, drain, TTL sweep, watermark,
 eviction); :mod:`kvcm.reclaimer.state` has :class:`Limits`, the per-group policies and the
-metrics. Policies themselves live in :mod:`kvcm.policies`, shared with the optimizer.
+metrics; :mod:`kvcm.reclaimer.plan` what each round must free, :mod:`kvcm.reclaimer.victims`
+who goes; :mod:`kvcm.reclaimer.hooks` what the reclaimer needs of the cache, and the optional
+capabilities it checks for; :mod:`kvcm.reclaimer.persist` recency across restarts. Policies
+themselves live in :mod:`kvcm.policies`, shared with the optimizer.
 """
 
 from __future__ import annotations

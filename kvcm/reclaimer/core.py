@@ -37,23 +37,24 @@ removed when it stops serving, before its space is freed.)
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from kvcm.cache.listeners import CacheListener
 from kvcm.cache.room import Room
 from kvcm.config import ReclaimConfig
-from kvcm.policies import BasePolicy
+from kvcm.reclaimer import plan
+from kvcm.reclaimer.hooks import CacheHooks, ExactUsage, PinnedCache, deleter_head
 from kvcm.reclaimer.persist import RecencyFile
-from kvcm.reclaimer.state import GroupState, IKey, Limits, ReclaimMetrics, deleter_head
+from kvcm.reclaimer.state import GroupState, IKey, Limits, ReclaimMetrics, Tracked
+from kvcm.reclaimer.victims import Job, Picker
 
 log = logging.getLogger("kvcm.reclaimer")
 
@@ -61,41 +62,6 @@ CHUNK = 256  # victims per evict() call: keeps each write transaction short
 _MAX_EVENTS = 1_000_000  # past this many buffered events, read hits are dropped (and counted)
 _SERVE, _READ, _REMOVE = 0, 1, 2
 _MAX_GIVEN = 65536  # in-line victims remembered for give_back (a request evicts at most inline_max_blocks)
-
-
-class CacheHooks(Protocol):
-    """The part of ``kvcm.cache.manager.CacheManager`` the reclaimer uses; optional capabilities
-    are :class:`PinnedCache` and :class:`ExactUsage` (and a ``deleter`` whose head it watches:
-    :func:`~kvcm.reclaimer.state.deleter_head`)."""
-
-    clock: Callable[[], float]
-
-    def add_listener(self, listener: CacheListener) -> None: ...
-    def usage(self, group: str) -> Mapping[str, Any]: ...
-    def evict(self, instance_id: str, keys: list[int], storage_type: str | None = None) -> int: ...
-    def instances_of_group(self, group: str) -> list[str]: ...
-    def serving_keys(self, instance_id: str) -> Iterable[tuple[Any, ...]]: ...
-
-
-class PinView(Protocol):
-    """``manager.pins`` (:mod:`kvcm.cache.pins`): blocks no policy may pick while pinned."""
-
-    def is_pinned(self, instance_id: str, key: int, now: float) -> bool: ...
-
-
-@runtime_checkable
-class PinnedCache(Protocol):
-    """The optional capability of a cache with soft pins; checked with ``isinstance``."""
-
-    pins: PinView
-
-
-@runtime_checkable
-class ExactUsage(Protocol):
-    """The optional capability of a cache that knows its usage less what is being freed;
-    without it the reclaimer subtracts its own in-flight evictions."""
-
-    def usage_net_of_frees(self, groups: Iterable[str]) -> Mapping[str, tuple[int, dict[str, int]]]: ...
 
 
 @dataclass
@@ -107,48 +73,6 @@ class Round:
     freed: int = 0
     triggered: list[str] = field(default_factory=list)
     seconds: float = 0.0
-
-
-@dataclass
-class _Job:
-    """Free ``need`` bytes of one (group, storage type), or reclaim an explicit key list (TTL)."""
-
-    state: GroupState
-    stype: str
-    reason: str
-    need: int = 0
-    keys: deque[Hashable] | None = None
-    done: bool = False
-    inline_seen: int = -1  # the group's in-line bytes of this type when last looked at (-1: not yet)
-
-    @property
-    def policy(self) -> BasePolicy:
-        return self.state.policies[self.stype]
-
-
-class Tracked:
-    """One (group, storage type) policy seen with ``(instance_id, key)`` keys (tests, tools)."""
-
-    def __init__(self, state: GroupState, policy: BasePolicy) -> None:
-        self._state, self._policy = state, policy
-
-    def __len__(self) -> int:
-        return len(self._policy)
-
-    def __contains__(self, ikey: object) -> bool:
-        if not (isinstance(ikey, tuple) and len(ikey) == 2 and ikey[0] in self._state.instances()):
-            return False
-        return self._state.key_of(*ikey) in self._policy
-
-    def __getattr__(self, name: str) -> Any:  # name, ttl_seconds, size_total, check, ...
-        return getattr(self._policy, name)
-
-    @property
-    def sizes(self) -> dict[IKey, int]:
-        return {self._state.ikey(k): v for k, v in self._policy.sizes.items()}  # type: ignore[arg-type]
-
-    def victims(self, n: int, now: float) -> list[IKey]:
-        return [self._state.ikey(k) for k in self._policy.victims(n, now)]  # type: ignore[arg-type]
 
 
 class Reclaimer(CacheListener):
@@ -165,7 +89,7 @@ class Reclaimer(CacheListener):
     :param pace: called with the seconds of work after each evicted chunk; the thread uses it to
         sleep and bound its CPU share (``reclaim.duty_cycle``), tests leave it out.
     :param free_grace_s: only for a manager whose deleter queue cannot be watched
-        (:func:`~kvcm.reclaimer.state.deleter_head`): how long after its delete delay an
+        (:func:`~kvcm.reclaimer.hooks.deleter_head`): how long after its delete delay an
         evicted location is assumed freed.
     :param state_dir: where recency survives restarts (:mod:`kvcm.reclaimer.persist`); None:
         policies are rebuilt from the store at start-up, in write order.
@@ -193,7 +117,7 @@ class Reclaimer(CacheListener):
         self._events: deque[tuple[Any, ...]] = deque()
         self._groups: dict[str, GroupState] = {}
         self._group_of: dict[str, str] = {}  # instance_id -> group
-        self._pins: PinView | None = manager.pins if isinstance(manager, PinnedCache) else None
+        self._picker = Picker(manager.pins if isinstance(manager, PinnedCache) else None)
         # Guards the policies and group states: the reclaimer thread and in-line eviction both
         # choose victims. Never held while the manager evicts (lock order: the write
         # transaction first, then in-memory locks).
@@ -276,7 +200,7 @@ class Reclaimer(CacheListener):
             for state in self._groups.values():
                 state.marked_since_sample = {}
             self._prepare(now)
-            ttl_jobs = self._ttl_jobs(now)
+            ttl_jobs = plan.ttl_jobs(self._groups.values(), now)
         budget = self._config.max_victims_per_round
         budget -= self._run_jobs(ttl_jobs, budget, now, report)
         with self._lock:
@@ -330,35 +254,46 @@ class Reclaimer(CacheListener):
                 return Room([], f"instance group {group!r} is not known to the reclaimer yet")
             self._prepare(now)
             for stype, need in needs.items():
-                for job in self._inline_jobs(state, stype, need):
-                    job.need = need
-                    while not job.done and len(picked) < limit:
-                        chosen = self._select(job, min(CHUNK, limit - len(picked)), now, pinned)
-                        if not chosen:
-                            break
-                        nbytes = sum(size for _, size in chosen)
-                        job.need -= nbytes
-                        job.done = job.need <= 0
-                        self._given_types.add(job.stype)
-                        forgotten: dict[str, list[int]] = {}
-                        for packed, size in chosen:
-                            iid, key = state.ikey(packed)
-                            picked.append((iid, key, job.stype))
-                            self._given[(iid, key, job.stype)] = size
-                            forgotten.setdefault(iid, []).append(key)
-                        # Forgotten now, so journalled now: the cache's removal event for them
-                        # is not folded in again (on_removed); give_back journals them back.
-                        self._journal.extend((_REMOVE, iid, keys) for iid, keys in forgotten.items())
-                        while len(self._given) > _MAX_GIVEN:  # victims the cache dropped unmarked
-                            del self._given[next(iter(self._given))]
-                        self._count(state, job.stype, "inline", len(chosen), nbytes)
-                        state.inline_bytes[job.stype] = state.inline_bytes.get(job.stype, 0) + nbytes
-                        state.add_inflight(job.stype, nbytes, now + state.limits.delay_before_delete_ms / 1000.0)
-                    need = max(job.need, 0)
-                    if not need:
-                        break
+                self._room_of_type(state, stype, need, limit, now, picked, pinned)
         why = f"{pinned[0]} pinned block(s) passed over" if pinned[0] else ""
         return Room(picked, why)
+
+    def _room_of_type(self, state: GroupState, stype: str, need: int, limit: int, now: float,
+                      picked: list[tuple[str, int, str]], pinned: list[int]) -> None:
+        """make_room's victims of one storage type (``""``: any, the best-stocked type first)."""
+        for job in self._inline_jobs(state, stype, need):
+            job.need = need
+            while not job.done and len(picked) < limit:
+                chosen = self._picker.select(job, min(CHUNK, limit - len(picked)), now, pinned)
+                if not chosen:
+                    break
+                self._give(job, chosen, now, picked)
+            need = max(job.need, 0)
+            if not need:
+                break
+
+    def _give(self, job: Job, chosen: list[tuple[int, int]], now: float, picked: list[tuple[str, int, str]]) -> None:
+        """In-line victims handed to the cache: remembered (give_back tracks them again if their
+        eviction does not commit), journalled as removed, counted as in flight."""
+        state = job.state
+        nbytes = sum(size for _, size in chosen)
+        job.need -= nbytes
+        job.done = job.need <= 0
+        self._given_types.add(job.stype)
+        forgotten: dict[str, list[int]] = {}
+        for packed, size in chosen:
+            iid, key = state.ikey(packed)
+            picked.append((iid, key, job.stype))
+            self._given[(iid, key, job.stype)] = size
+            forgotten.setdefault(iid, []).append(key)
+        # Forgotten now, so journalled now: the cache's removal event for them is not folded in
+        # again (on_removed); give_back journals them back.
+        self._journal.extend((_REMOVE, iid, keys) for iid, keys in forgotten.items())
+        while len(self._given) > _MAX_GIVEN:  # victims the cache dropped unmarked
+            del self._given[next(iter(self._given))]
+        self._count(state, job.stype, "inline", len(chosen), nbytes)
+        state.inline_bytes[job.stype] = state.inline_bytes.get(job.stype, 0) + nbytes
+        state.add_inflight(job.stype, nbytes, now + state.limits.delay_before_delete_ms / 1000.0)
 
     def give_back(self, victims: Sequence[tuple[str, int, str]]) -> None:
         """The transaction that evicted ``victims`` did not commit: they still serve, and are
@@ -373,12 +308,12 @@ class Reclaimer(CacheListener):
                     state.serve(iid, key, size, stype, None, now)
                     self._journal.append((_SERVE, iid, key, size, stype, None, now))
 
-    def _inline_jobs(self, state: GroupState, stype: str, need: int) -> list[_Job]:
+    def _inline_jobs(self, state: GroupState, stype: str, need: int) -> list[Job]:
         if stype:
-            return [_Job(state, stype, "inline", need=need)] if stype in state.policies else []
+            return [Job(state, stype, "inline", need=need)] if stype in state.policies else []
         # any type: the best-stocked type first, then the others
         ranked = sorted(state.policies, key=lambda t: -state.policies[t].size_total)
-        return [_Job(state, t, "inline", need=need) for t in ranked]
+        return [Job(state, t, "inline", need=need) for t in ranked]
 
     # -- sync, drain, rebuild, persistence -------------------------------------------------------
 
@@ -555,16 +490,9 @@ class Reclaimer(CacheListener):
 
     # -- planning -------------------------------------------------------------------------------
 
-    def _ttl_jobs(self, now: float) -> list[_Job]:
-        return [
-            _Job(state, stype, "ttl", keys=deque(keys))
-            for state in self._groups.values()
-            for stype, keys in state.expired(now).items()
-        ]
-
     def _watermark_jobs(self, usages: Mapping[str, Mapping[str, Any]],
-                        nets: Mapping[str, tuple[int, dict[str, int]]], report: Round) -> list[_Job]:
-        jobs: list[_Job] = []
+                        nets: Mapping[str, tuple[int, dict[str, int]]], report: Round) -> list[Job]:
+        jobs: list[Job] = []
         for state in self._groups.values():
             if state.name not in usages:
                 continue  # appeared since the usage snapshot: next round
@@ -572,46 +500,19 @@ class Reclaimer(CacheListener):
             if needs:
                 report.triggered.append(state.name)
                 self.metrics.triggered.labels(state.name).inc()
-            jobs += [_Job(state, t, "watermark", need=n) for t, n in needs.items() if t in state.policies]
+            jobs += [Job(state, t, "watermark", need=n) for t, n in needs.items() if t in state.policies]
         return jobs
 
     def _group_needs(self, state: GroupState, usage: Mapping[str, Any],
                      net: tuple[int, dict[str, int]] | None = None) -> dict[str, int]:
         """Bytes to free per storage type so the group and each type end under their floors."""
-        lim = state.limits
-        if net is not None:  # the manager knows exactly what was on its way out at the sample
-            # ... and what was marked since (this round's TTL sweep, in-line evictions) is not in it
-            since = state.marked_since_sample
-            by_type = {t: n - since.get(t, 0) for t, n in net[1].items()}
-            total = net[0] - sum(since.values())
-        else:  # estimated from what this reclaimer handed over (see the module docstring)
-            by_type = {t: int(u.get("bytes", 0)) - state.inflight_bytes(t) for t, u in usage.get("by_type", {}).items()}
-            total = int(usage.get("bytes", 0)) - sum(state.inflight_bytes(t) for t in state.inflight)
-        self._record_usage(state, usage, by_type)
-        high, low = lim.used_percentage, max(0.0, lim.used_percentage - self._config.hysteresis)
-        needs = {t: _excess(by_type.get(t, 0), q, high, low) for t, q in lim.type_quotas.items()}
-        extra = _excess(total, lim.quota, high, low) - sum(needs.values())
-        if extra > 0:
-            # only types with serving blocks can give anything back
-            rest = {t: max(0, u - needs.get(t, 0)) for t, u in by_type.items() if t in state.policies}
-            for t, share in _shares(extra, rest).items():
-                needs[t] = needs.get(t, 0) + share
-        return {t: n for t, n in needs.items() if n > 0}
-
-    def _record_usage(self, state: GroupState, usage: Mapping[str, Any], by_type: Mapping[str, int]) -> None:
-        m, name, lim = self.metrics, state.name, state.limits
-        m.set_usage(name, usage)
-        m.group_quota_bytes.labels(name).set(max(lim.quota, 0))
-        for stype, u in usage.get("by_type", {}).items():
-            m.inflight.labels(name, stype).set(u.get("bytes", 0) - by_type.get(stype, 0))
-        for stype, quota in lim.type_quotas.items():
-            m.quota_bytes.labels(name, stype).set(max(quota, 0))
-        for stype, policy in state.policies.items():
-            m.tracked.labels(name, stype).set(len(policy))
+        by_type, total = plan.usage_less_inflight(state, usage, net)
+        self.metrics.record(state, usage, by_type)
+        return plan.needs(state, by_type, total, self._config.hysteresis)
 
     # -- execution ------------------------------------------------------------------------------
 
-    def _run_jobs(self, jobs: list[_Job], budget: int, now: float, report: Round) -> int:
+    def _run_jobs(self, jobs: list[Job], budget: int, now: float, report: Round) -> int:
         """Round-robin one chunk per job until all are done or ``budget`` victims are spent."""
         spent = 0
         active = [j for j in jobs if not j.done]
@@ -626,10 +527,10 @@ class Reclaimer(CacheListener):
                     break
             for job in [j for j in active if j.done]:
                 active.remove(job)
-                _pass_on(job, active)
+                plan.pass_on(job, active)
         return spent
 
-    def _step(self, job: _Job, limit: int, now: float, report: Round) -> int:
+    def _step(self, job: Job, limit: int, now: float, report: Round) -> int:
         with self._lock:
             # In-line eviction ran between two chunks: what it freed is freed for this job too
             # (else the job, planned before, would take the hot set once in-line took the cold).
@@ -640,7 +541,7 @@ class Reclaimer(CacheListener):
             if job.keys is None and job.need <= 0:
                 job.done = True
                 return 0
-            chosen = self._select(job, limit, now, [0]) if job.state.policies.get(job.stype) is not None else []
+            chosen = self._picker.select(job, limit, now, [0]) if job.state.policies.get(job.stype) is not None else []
         if not chosen:
             job.done = True
             return 0
@@ -652,74 +553,7 @@ class Reclaimer(CacheListener):
             job.done = not job.keys
         return len(chosen)
 
-    def _select(self, job: _Job, limit: int, now: float, pinned: list[int]) -> list[tuple[int, int]]:
-        """Up to ``limit`` victims with their sizes, already removed from the group's trackers;
-        pinned blocks are passed over (and counted in ``pinned[0]``)."""
-        if job.keys is None and job.policy.name == "leaf_lru":
-            return self._peel(job, limit, now, pinned)
-        if job.keys is not None:
-            keys: list[Hashable] = []
-            while job.keys and len(keys) < limit:
-                key = job.keys.popleft()
-                if self._pinned(job.state, key, now):
-                    pinned[0] += 1
-                else:
-                    keys.append(key)
-            sizes = job.policy.sizes
-            picked = [(k, sizes[k]) for k in keys if k in sizes]  # a TTL key may be untracked since
-        else:
-            picked = self._take(job, limit, now, pinned)  # the policy's own victims: all tracked
-        for key, _ in picked:
-            job.state.forget(job.stype, key)
-        return picked  # type: ignore[return-value]  # the trackers hold key_of() ints only
-
-    def _pinned(self, state: GroupState, packed: Hashable, now: float) -> bool:
-        if self._pins is None:
-            return False
-        iid, key = state.ikey(packed)  # type: ignore[arg-type]  # the trackers hold key_of() ints only
-        return self._pins.is_pinned(iid, key, now)
-
-    def _best(self, state: GroupState, policy: BasePolicy, n: int, now: float, pinned: list[int]) -> list[Hashable]:
-        """The policy's ``n`` best victims that are not pinned (asking for more past pinned ones)."""
-        want = n
-        while True:
-            found = policy.victims(want, now)
-            free = [k for k in found if not self._pinned(state, k, now)]
-            if len(free) >= n or len(found) < want:
-                pinned[0] += len(found) - len(free)
-                return free[:n]
-            want = want * 2 + len(found) - len(free)
-
-    def _take(self, job: _Job, limit: int, now: float, pinned: list[int]) -> list[tuple[Hashable, int]]:
-        """The policy's best victims with their sizes, as many as cover ``job.need`` (estimated
-        by mean size)."""
-        policy, sizes = job.policy, job.policy.sizes
-        mean = policy.size_total / len(policy) if len(policy) else 1.0
-        want = min(limit, max(1, math.ceil(job.need / max(mean, 1.0))))
-        picked, total = [], 0
-        for key in self._best(job.state, policy, want, now, pinned):
-            size = sizes[key]
-            picked.append((key, size))
-            total += size
-            if total >= job.need:
-                break
-        return picked
-
-    def _peel(self, job: _Job, limit: int, now: float, pinned: list[int]) -> list[tuple[int, int]]:
-        """One victim at a time: removing a leaf can make its parent the next best (leaf_lru)."""
-        policy, total = job.policy, 0
-        picked: list[tuple[Hashable, int]] = []
-        while len(picked) < limit and total < job.need:
-            best = self._best(job.state, policy, 1, now, pinned)
-            if not best:
-                break
-            size = policy.sizes[best[0]]
-            picked.append((best[0], size))
-            total += size
-            job.state.forget(job.stype, best[0])
-        return picked  # type: ignore[return-value]
-
-    def _evict(self, job: _Job, chosen: list[tuple[int, int]], now: float, report: Round) -> int:
+    def _evict(self, job: Job, chosen: list[tuple[int, int]], now: float, report: Round) -> int:
         state, stype = job.state, job.stype
         by_instance: dict[str, list[int]] = {}
         ikeys = [state.ikey(packed) for packed, _ in chosen]
@@ -743,34 +577,6 @@ class Reclaimer(CacheListener):
 def _flush_reads(state: GroupState, batch: dict[str, tuple[list[list[int]], list[float]]]) -> None:
     for iid, (key_lists, times) in batch.items():
         state.read_many(iid, key_lists, times)
-
-
-def _excess(used: int, quota: int, high: float, low: float) -> int:
-    """Bytes to free when ``used`` reached the high mark (``>=``, as Tair, so a watermark of 1.0
-    means "when full"); the target is the low mark, and always strictly below the high one."""
-    high_mark, low_mark = round(quota * high, 6), round(quota * low, 6)  # 1000 * 0.8 is 800, not 799.99
-    if quota <= 0 or used <= 0 or used < high_mark:
-        return 0
-    target = min(math.floor(low_mark), math.ceil(high_mark) - 1)
-    return max(0, used - max(target, 0))
-
-
-def _shares(total: int, weights: Mapping[str, int]) -> dict[str, int]:
-    """Split ``total`` in proportion to ``weights`` (rounded up, so the sum covers ``total``)."""
-    whole = sum(weights.values())
-    if whole <= 0:
-        return {}
-    return {k: math.ceil(total * w / whole) for k, w in weights.items() if w > 0}
-
-
-def _pass_on(job: _Job, active: list[_Job]) -> None:
-    """A watermark job that ran out of victims hands what it still owes to its group's others."""
-    if job.keys is not None or job.need <= 0:
-        return
-    siblings = [j for j in active if j.state is job.state and j.keys is None]
-    for sibling in siblings:
-        sibling.need += math.ceil(job.need / len(siblings))
-    job.need = 0
 
 
 def duty_pacer(duty_cycle: float) -> Callable[[float], None] | None:

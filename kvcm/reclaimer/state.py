@@ -12,11 +12,11 @@ import inspect
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvcm.backends.metastore.base import from_u64
+from kvcm.control.records import InstanceGroup
 from kvcm.policies import POLICIES, TTL, BasePolicy, make_policy
 from kvcm.policies.compact_lru import CompactLRU
 
@@ -74,7 +74,7 @@ def _access(policy: BasePolicy, base: int, keys: Iterable[int], now: float) -> N
     policy.access_many(filter(policy.sizes.__contains__, map(base.__add__, keys)), now)  # C-level loop
 
 
-def limits_of(group: Any) -> Limits:
+def limits_of(group: InstanceGroup) -> Limits:
     """:class:`Limits` of a registry ``InstanceGroup`` (``kvcm.control.records``)."""
     strategy, quota = group.reclaim_strategy, group.quota
     return Limits(
@@ -87,7 +87,13 @@ def limits_of(group: Any) -> Limits:
     )
 
 
-def limits_from_registry(registry: Any) -> Callable[[], dict[str, Limits]]:
+class GroupSource(Protocol):
+    """What :func:`limits_from_registry` reads: the registry's instance groups."""
+
+    def list_groups(self) -> Iterable[InstanceGroup]: ...
+
+
+def limits_from_registry(registry: GroupSource) -> Callable[[], dict[str, Limits]]:
     """The ``limits`` callable for a :class:`~kvcm.control.registry.Registry`: every group, read afresh
     (the registry's reads are in-memory and thread-safe), so updates apply on the next tick."""
 
@@ -312,6 +318,31 @@ class GroupState:
                 self.inflight[stype] = [e for e in pending if not settled(e[0])]
 
 
+class Tracked:
+    """One (group, storage type) policy seen with ``(instance_id, key)`` keys (tests, tools)."""
+
+    def __init__(self, state: GroupState, policy: BasePolicy) -> None:
+        self._state, self._policy = state, policy
+
+    def __len__(self) -> int:
+        return len(self._policy)
+
+    def __contains__(self, ikey: object) -> bool:
+        if not (isinstance(ikey, tuple) and len(ikey) == 2 and ikey[0] in self._state.instances()):
+            return False
+        return self._state.key_of(*ikey) in self._policy
+
+    def __getattr__(self, name: str) -> Any:  # name, ttl_seconds, size_total, check, ...
+        return getattr(self._policy, name)
+
+    @property
+    def sizes(self) -> dict[IKey, int]:
+        return {self._state.ikey(k): v for k, v in self._policy.sizes.items()}  # type: ignore[arg-type]
+
+    def victims(self, n: int, now: float) -> list[IKey]:
+        return [self._state.ikey(k) for k in self._policy.victims(n, now)]  # type: ignore[arg-type]
+
+
 class ReclaimMetrics:
     """The reclaimer's Prometheus families (``kvcm_usage_*``, ``kvcm_quota_*``, ``kvcm_group_*``,
     ``kvcm_reclaim_*``).
@@ -345,7 +376,7 @@ class ReclaimMetrics:
         self._usage_types: dict[str, set[str]] = {}  # group -> storage types with a usage series
         # The labelled children of ``blocks``/``bytes``: counted on every in-line eviction, where
         # two ``labels()`` lookups cost more than the rest of the counting.
-        self._reclaimed: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
+        self._reclaimed: dict[tuple[str, str, str, str], tuple[Counter, Counter]] = {}
 
     def count(self, labels: tuple[str, str, str, str], blocks: int, nbytes: int) -> None:
         """``blocks`` blocks of ``nbytes`` bytes reclaimed (group, storage type, policy, reason)."""
@@ -354,6 +385,18 @@ class ReclaimMetrics:
             children = self._reclaimed[labels] = (self.blocks.labels(*labels), self.bytes.labels(*labels))
         children[0].inc(blocks)
         children[1].inc(nbytes)
+
+    def record(self, state: GroupState, usage: Mapping[str, Any], by_type: Mapping[str, int]) -> None:
+        """A group's usage sample (``by_type``: less what is on its way out), quotas and tracked blocks."""
+        name, lim = state.name, state.limits
+        self.set_usage(name, usage)
+        self.group_quota_bytes.labels(name).set(max(lim.quota, 0))
+        for stype, u in usage.get("by_type", {}).items():
+            self.inflight.labels(name, stype).set(u.get("bytes", 0) - by_type.get(stype, 0))
+        for stype, quota in lim.type_quotas.items():
+            self.quota_bytes.labels(name, stype).set(max(quota, 0))
+        for stype, policy in state.policies.items():
+            self.tracked.labels(name, stype).set(len(policy))
 
     def set_usage(self, group: str, usage: Mapping[str, Any]) -> None:
         """The group's totals and its per-type usage; a type that no longer has usage reads 0
@@ -384,28 +427,3 @@ class ReclaimMetrics:
                 gauge.remove(group)
             except KeyError:
                 pass
-
-
-def deleter_head(manager: Any) -> Callable[[], float | None] | None:
-    """A probe for the due time of the deleter's oldest pending delete (None: queue empty), or
-    None when the manager has no deleter queue to look at (test doubles).
-
-    The deleter frees in due order, so every delete due *before* the head is done: that tells
-    the reclaimer exactly when bytes it evicted stop counting in usage, however far the deleter
-    lags. Uses ``manager.deleter.next_due()`` when there is one, else reads the head of
-    :mod:`kvcm.cache.deleter`'s queue (keys ``u64(due_ms) + u64(seq)``, in due order).
-    """
-    deleter, store = getattr(manager, "deleter", None), getattr(manager, "store", None)
-    if deleter is not None and callable(getattr(deleter, "next_due", None)):
-        return deleter.next_due  # type: ignore[no-any-return]
-    if deleter is None or store is None:
-        return None
-    from kvcm.cache.deleter import DB
-
-    def head() -> float | None:
-        with store.read() as view:
-            for key, _ in view.scan(DB, limit=1):
-                return from_u64(key[:8]) / 1000.0
-        return None
-
-    return head

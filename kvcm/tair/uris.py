@@ -31,11 +31,12 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable
 
 from kvcm.errors import InvalidArgument, KvcmError, ServerError
+from kvcm.proto.tair import as_list, as_map, as_maps
 from kvcm.proto.uris import parse_block_uri
+from kvcm.proto.wire import Decoded, DecodedMap
 
 #: How long a learned directory is trusted: a storage whose root_path is updated (a remount) is
 #: seen in Tair's URIs at most this late; a name not cached, or expired, costs one RPC.
@@ -54,7 +55,7 @@ _UNSAFE = frozenset("?#\0")
 
 #: ``(kvcm method) -> result``: ``get_storage_specs`` of the calling instance or ``list_storage``,
 #: forwarded with the call's own credentials.
-Fetch = Callable[[str], Any]
+Fetch = Callable[[str], Decoded]
 
 
 class Roots:
@@ -78,15 +79,15 @@ class Roots:
         self._dirs = {}
         self._memo = {}
 
-    def learn(self, storages: Iterable[Any]) -> None:
+    def learn(self, storages: Iterable[Decoded]) -> None:
         expires = self._clock() + self._ttl
         dirs = dict(self._dirs)
         for storage in storages:
-            if not isinstance(storage, Mapping):
+            if not isinstance(storage, dict):
                 continue
             kind = storage.get("storage_type")
             field = DIR_FIELD.get(kind) if isinstance(kind, str) else None
-            directory = (storage.get("storage_spec") or {}).get(field) if field else None
+            directory = as_map(storage.get("storage_spec") or {}).get(field) if field else None
             name = storage.get("global_unique_name")
             if isinstance(directory, str) and directory.startswith("/") and isinstance(name, str) \
                     and _UNSAFE.isdisjoint(directory):
@@ -131,7 +132,7 @@ class CallerRoots:
         # Credentials are keyed by a hash under a per-process key, never kept as they are.
         self._key = secrets.token_bytes(32)
 
-    def of(self, auth: Any) -> Roots:
+    def of(self, auth: Decoded) -> Roots:
         caller = self._caller(auth)
         with self._lock:
             roots = self._by_caller.get(caller)
@@ -147,10 +148,10 @@ class CallerRoots:
         with self._lock:
             self._by_caller = {}
 
-    def _caller(self, auth: Any) -> bytes:
+    def _caller(self, auth: Decoded) -> bytes:
         if auth is None:
             return b""
-        if isinstance(auth, Mapping):
+        if isinstance(auth, dict):
             auth = {k: v for k, v in auth.items() if k != "client"}
         text = json.dumps(auth, sort_keys=True, default=repr)
         return hmac.new(self._key, text.encode(), hashlib.sha256).digest()
@@ -171,11 +172,11 @@ class Translator:
         found = self._roots.cached(name, kind)
         if found is None and not self._asked:
             self._asked = True
-            self._roots.learn(self._fetch("get_storage_specs").get("storages") or [])
+            self._roots.learn(as_list(as_map(self._fetch("get_storage_specs")).get("storages") or []))
             found = self._roots.cached(name, kind)
             if found is None:  # a storage the group no longer lists still holds blocks
                 try:
-                    self._roots.learn(self._fetch("list_storage").get("storage") or [])
+                    self._roots.learn(as_list(as_map(self._fetch("list_storage")).get("storage") or []))
                 except KvcmError as exc:  # list_storage is admin-only when auth is on
                     self._why = f" (its group does not list it, and list_storage: {exc.code.name})"
                 found = self._roots.cached(name, kind)
@@ -198,17 +199,19 @@ class Translator:
             self._roots.remember(uri, tair, found[1])
         return tair
 
-    def locations_out(self, locations: list[Any]) -> list[Any]:
+    def locations_out(self, locations: list[DecodedMap]) -> list[DecodedMap]:
         """Every spec URI of kvcm's ``locations`` in Tair's form, in place (a forwarded reply is
         the call's own): the hot path of a lookup, a dictionary look-up per remembered URI."""
         memo, out = self._memo, self.out
         for loc in locations:
-            for spec in loc["location_specs"]:
+            for spec in as_maps(loc["location_specs"]):
                 uri = spec["uri"]
+                if type(uri) is not str:
+                    raise TypeError(f"a location spec's uri is a string, not {type(uri).__name__}")
                 spec["uri"] = memo.get(uri) or out(uri)
         return locations
 
-    def into(self, uri: Any, where: str) -> str:
+    def into(self, uri: Decoded, where: str) -> str:
         """Tair's URI -> kvcm's; InvalidArgument unless it names a block path kvcm generates under
         the storage's directory."""
         if not isinstance(uri, str):
