@@ -26,7 +26,6 @@ from collections import Counter
 from collections.abc import MutableMapping, Sequence
 from itertools import compress, repeat
 from operator import and_, is_, or_
-from typing import Any
 
 from kvcm.engines.bounds import BoundedIndex
 from kvcm.engines.entries import (
@@ -53,12 +52,13 @@ from kvcm.proto.kv_events import (
     ExternalBlockHash,
     hash_to_u64,
 )
+from kvcm.proto.wire import Decoded
 from kvcm.threads import gc_paused
 
 #: ``BlockStored.extra_keys`` of a store whose hashes are kvcm keys already (``report_events``'
 #: ``keyed`` adds: Tair's reporters name blocks by key and send no tokens). Compared by identity,
 #: so no decoded engine payload can carry it.
-KEYED: list[Any] = ["kvcm-keys"]
+KEYED: list[Decoded] = ["kvcm-keys"]
 
 
 class EventApplier(BoundedIndex):
@@ -220,7 +220,7 @@ class EventApplier(BoundedIndex):
         block_size: int,
         size: int,
     ) -> list[int]:
-        """Any store, one block at a time (held ones gain a holding): the keys newly held."""
+        """A store of any kind, one block at a time (held ones gain a holding): the keys newly held."""
         gained: list[int] = []  # keys this medium starts holding: one table update for all
         blocks = state.blocks
         full = state.spec.report_mode == FULL

@@ -14,11 +14,12 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from itertools import chain
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvcm.backends.metastore.base import MetaStore
+from kvcm.backends.metastore.base import MetaStore, WriteTxn
 from kvcm.engines.entries import (
     Candidates,
     EngineBlock,
@@ -242,5 +243,5 @@ class IndexState:
         return table
 
 
-    def _txn(self) -> Any:
+    def _txn(self) -> AbstractContextManager[WriteTxn | None]:
         return self._store.write() if self._store is not None else NullTxn()

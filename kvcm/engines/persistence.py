@@ -15,6 +15,7 @@ from itertools import compress, repeat
 from operator import is_
 from typing import Any
 
+from kvcm.backends.metastore.base import ReadTxn, WriteTxn
 from kvcm.engines.bounds import BoundedIndex
 from kvcm.engines.entries import (
     BLOCK_KEY,
@@ -87,7 +88,7 @@ class IndexPersistence(BoundedIndex):
             return [], []
         return list(state.dirty), list(state.fresh)
 
-    def _flush_source(self, txn: Any, state: SourceState) -> int:
+    def _flush_source(self, txn: WriteTxn, state: SourceState) -> int:
         compact = state.compact
         if compact is None or not len(compact):
             return flush_source(txn, state)
@@ -120,7 +121,7 @@ class IndexPersistence(BoundedIndex):
                 self._migrate(state, (list(state.blocks), []))
             return list(self._sources.values())
 
-    def _load_blocks(self, txn: Any, state: SourceState) -> None:
+    def _load_blocks(self, txn: ReadTxn, state: SourceState) -> None:
         """A source's blocks: its per-block records of the older format, then its log replayed
         in order, never holding more than its bound (plus one record) on the way."""
         prefix = SID.pack(state.number)

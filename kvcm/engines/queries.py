@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
 from operator import attrgetter
-from typing import Any
 
 from kvcm.engines.entries import (
     SourceMatch,
@@ -21,6 +20,11 @@ _MAX_RUNS = 65_536  # memoised runs per table (a few hundred bytes each), then s
 _MAX_RUN_TABLES = 4096  # (instance, adapter) namespaces whose runs are kept
 _BY_SOURCE = attrgetter("source_id")
 _BY_MATCH = attrgetter("matched_blocks")
+
+
+#: One engine holding a key, as ``get_cache_location(include_engines=true)`` names it
+#: (``source_id``, ``medium``, ``group_idx``).
+EngineLocation = dict[str, str | int]
 
 
 class IndexQueries(IndexState):
@@ -222,7 +226,7 @@ class IndexQueries(IndexState):
 
     def locations(
         self, instance_id: str, keys: Sequence[int], *, lora_name: str | None = None
-    ) -> list[list[dict[str, Any]]]:
+    ) -> list[list[EngineLocation]]:
         """Per key, the engines holding it (``{"source_id", "medium", "group_idx"}``), for
         ``get_cache_location(include_engines=true)``."""
         with self._lock:
@@ -230,7 +234,7 @@ class IndexQueries(IndexState):
             if table is None:
                 return [[] for _ in keys]
             allowed = table.allowed(None, None)
-            out = [
+            out: list[list[EngineLocation]] = [
                 [
                     {"source_id": s.source_id, "medium": s.medium, "group_idx": s.group}
                     for s in table.holders_of(k, allowed)

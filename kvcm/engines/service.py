@@ -33,6 +33,7 @@ from kvcm.engines.entries import SourceMatch, SourceState
 from kvcm.engines.index import EngineIndex, Run
 from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.push import PushIngest, Report, Reporter
+from kvcm.engines.queries import EngineLocation
 from kvcm.engines.scoring import (
     ENTRY,
     STORAGE,
@@ -508,7 +509,7 @@ class EngineService:
         self.speculative.note(instance_id, source_id, keys, ttl_s, lora_name)
         return {"instance_id": instance_id, "source_id": source_id, "num_blocks": len(keys), "ttl_s": ttl_s}
 
-    def engine_locations(self, instance_id: str, keys: Sequence[int], lora_name: str | None = None) -> list[list[dict[str, Any]]]:
+    def engine_locations(self, instance_id: str, keys: Sequence[int], lora_name: str | None = None) -> list[list[EngineLocation]]:
         """Per key, the engines holding it: for ``get_cache_location(include_engines=true)``."""
         return self.index.locations(instance_id, keys, lora_name=lora_name)
 
