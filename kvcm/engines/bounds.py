@@ -21,12 +21,7 @@ from collections import deque
 from itertools import accumulate, chain, islice, repeat
 from operator import attrgetter, itemgetter
 
-from kvcm.engines.entries import (
-    M64,
-    EngineBlock,
-    SourceState,
-    weight,
-)
+from kvcm.engines.entries import M64, EngineBlock, SourceState, weight
 from kvcm.engines.indexstate import IndexState
 
 #: An eviction takes a source (or the total) down to this share of its bound.

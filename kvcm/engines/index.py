@@ -22,12 +22,7 @@ import threading
 from collections import Counter
 
 from kvcm.engines.applying import KEYED, EventApplier
-from kvcm.engines.entries import (
-    SOURCES_DB,
-    EngineBlock,
-    SourceState,
-    delete_blocks,
-)
+from kvcm.engines.entries import SOURCES_DB, EngineBlock, SourceState, delete_blocks
 from kvcm.engines.indexstate import MAX_GROUPS, MAX_LABEL, MAX_SLOTS, Run, RunMemo
 from kvcm.engines.persistence import IndexPersistence
 from kvcm.engines.queries import IndexQueries

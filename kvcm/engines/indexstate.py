@@ -20,12 +20,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from kvcm.backends.metastore.base import MetaStore, WriteTxn
-from kvcm.engines.entries import (
-    Candidates,
-    EngineBlock,
-    NullTxn,
-    SourceState,
-)
+from kvcm.engines.entries import Candidates, EngineBlock, NullTxn, SourceState
 from kvcm.engines.hybrid import FULL
 from kvcm.engines.scoring import Fragment
 from kvcm.engines.sources import SubscriberSettings
@@ -40,7 +35,6 @@ MAX_SLOTS = 64
 MAX_GROUPS = 64
 #: Characters of a medium or adapter name at most (they key slots and tables).
 MAX_LABEL = 256
-#: An eviction takes a source (or the total) down to this share of its bound.
 #: One run of a match: the sources holding exactly the same number of the query's keys, in
 #: source id order, as fragments, as their joined ``sources`` and ``pods`` entries, and how many.
 Run = tuple[list[Fragment], bytes, bytes, int]

@@ -6,10 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 from operator import attrgetter
 
-from kvcm.engines.entries import (
-    SourceMatch,
-    normalize_medium,
-)
+from kvcm.engines.entries import SourceMatch, normalize_medium
 from kvcm.engines.hybrid import Holdings, answer
 from kvcm.engines.indexstate import IndexState, Run, RunMemo
 from kvcm.engines.scoring import ENTRY, POD_ENTRY, Fragment, fragment
@@ -54,21 +51,7 @@ class IndexQueries(IndexState):
             if table is None:
                 return []
             runs = table.longest_prefixes(keys, table.allowed(wanted, group_idx) & ~_mask(table, exclude))
-            slots = table.slots
-            per_source: dict[str, SourceMatch] = {}
-            for n, bits in runs:  # ascending n: a later run of a source is its better one
-                while bits:
-                    low = bits & -bits
-                    bits ^= low
-                    slot = slots[low.bit_length() - 1]
-                    if slot is None:
-                        continue
-                    entry = per_source.get(slot.source_id)
-                    if entry is None:
-                        per_source[slot.source_id] = SourceMatch(slot.source_id, slot.dp_rank, n, {slot.medium: n})
-                    else:
-                        entry.media[slot.medium] = max(n, entry.media.get(slot.medium, 0))
-                        entry.matched_blocks = n
+            per_source = _per_source(runs, table.slots)
             if group_idx is None and table.hybrid_slots:
                 for source_id, found in self._hybrid(instance_id, table, keys, wanted, exclude):
                     per_source[source_id] = found
@@ -258,3 +241,23 @@ def _mask(table: HolderTable, sources: Collection[str]) -> int:
         for sid in table.source_slots(source_id):
             mask |= 1 << sid
     return mask
+
+
+def _per_source(runs: Iterable[tuple[int, int]], slots: list[Slot | None]) -> dict[str, SourceMatch]:
+    """Each source's match from the runs ``(length, holder mask)``, ascending: a later run of a
+    source is its better one."""
+    per_source: dict[str, SourceMatch] = {}
+    for n, bits in runs:
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            slot = slots[low.bit_length() - 1]
+            if slot is None:
+                continue
+            entry = per_source.get(slot.source_id)
+            if entry is None:
+                per_source[slot.source_id] = SourceMatch(slot.source_id, slot.dp_rank, n, {slot.medium: n})
+            else:
+                entry.media[slot.medium] = max(n, entry.media.get(slot.medium, 0))
+                entry.matched_blocks = n
+    return per_source
