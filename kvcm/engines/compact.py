@@ -13,13 +13,10 @@ index's lock guards every call.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from kvcm.engines.flat import I64, Bools, as_u64, to_signed_list
+from kvcm.engines.flat import I64, U32, Bools, Ints, as_u64, to_signed_list
 from kvcm.engines.holdersets import MAX_SLOTS, HolderSets
 from kvcm.engines.keytable import KeyTable
 
@@ -65,7 +62,7 @@ class CompactTable:
             self._counts = grown
 
     def hold(
-        self, slot: int, keys: Sequence[int] | npt.NDArray[Any], pos: Sequence[int] | npt.NDArray[Any] | None = None
+        self, slot: int, keys: Ints, pos: Ints | None = None
     ) -> tuple[I64, Bools]:
         """One more holding of each key (a key named twice is held twice) by ``slot``, each key
         given its position if ``pos`` (kept from the first). Returns each key's row (stable
@@ -79,7 +76,7 @@ class CompactTable:
         self._hold_rows(np.full(len(q), slot, dtype=np.int64), rows)
         return rows, mismatch
 
-    def hold_many(self, slots: I64, keys: Sequence[int] | npt.NDArray[Any]) -> I64:
+    def hold_many(self, slots: I64, keys: Ints) -> I64:
         """One more holding of ``keys[i]`` by ``slots[i]`` each; returns the keys' rows."""
         q = as_u64(keys)
         rows = self.keys.locate_many(q, insert=True)
@@ -95,19 +92,19 @@ class CompactTable:
                 extra = self.extra.setdefault(slot, {})
                 extra[key] = extra.get(key, 0) + 1
 
-    def release(self, slot: int, keys: Sequence[int] | npt.NDArray[Any]) -> None:
+    def release(self, slot: int, keys: Ints) -> None:
         """One holding less of each key by ``slot``; releases beyond its holdings do nothing."""
         q = as_u64(keys)
         if len(q):
             self._release_rows(np.full(len(q), slot, dtype=np.int64), self.keys.locate_many(q, insert=False))
 
-    def release_many(self, slots: I64, keys: Sequence[int] | npt.NDArray[Any]) -> None:
+    def release_many(self, slots: I64, keys: Ints) -> None:
         """One holding less of ``keys[i]`` by ``slots[i]`` each (beyond its holdings: nothing)."""
         q = as_u64(keys)
         if len(q):
             self._release_rows(np.asarray(slots, dtype=np.int64), self.keys.locate_many(q, insert=False))
 
-    def release_rows(self, slot: int, rows: npt.NDArray[Any]) -> None:
+    def release_rows(self, slot: int, rows: U32 | I64) -> None:
         """:meth:`release` of the keys of ``rows`` (as :meth:`hold` returned them; negative
         rows are skipped). A row must name a key ``slot`` holds (or held: releases beyond its
         holdings do nothing); a row freed meanwhile and reused by another key would release
@@ -145,7 +142,7 @@ class CompactTable:
                 del self.extra[slot]
         return rows
 
-    def forget(self, slot: int, keys: Sequence[int] | npt.NDArray[Any]) -> None:
+    def forget(self, slot: int, keys: Ints) -> None:
         """Every holding of ``keys`` by ``slot`` goes (its slot is about to be dropped)."""
         q = as_u64(keys)
         extra = self.extra.get(slot)
@@ -161,7 +158,7 @@ class CompactTable:
         """Distinct keys the slot holds."""
         return int(self._counts[slot]) if 0 <= slot < len(self._counts) else 0
 
-    def masks(self, keys: Sequence[int] | npt.NDArray[Any]) -> list[int]:
+    def masks(self, keys: Ints) -> list[int]:
         """Each key's holder mask (0: nobody), as ``HolderTable.holders[key]``."""
         masks = self.sets.masks
         return [masks[i] for i in self.keys.lookup_many(keys).tolist()]
@@ -172,7 +169,7 @@ class CompactTable:
         masks = self.sets.masks
         return dict(zip(to_signed_list(keys), [masks[i] for i in ids.tolist()]))
 
-    def runs(self, keys: Sequence[int] | npt.NDArray[Any], allowed: int) -> list[tuple[int, int, int]]:
+    def runs(self, keys: Ints, allowed: int) -> list[tuple[int, int, int]]:
         """:meth:`HolderTable.runs <kvcm.engines.table.HolderTable.runs>` on set ids: one kernel
         call looks the keys up and cuts them into stretches of one set id; Python then runs once
         per stretch (about one per slot when engines hold contiguous prefixes), each stretch's

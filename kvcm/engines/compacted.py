@@ -21,13 +21,12 @@ from __future__ import annotations
 
 from itertools import compress, repeat
 from operator import and_, attrgetter, eq, is_
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvcm.engines.entries import M64, EngineBlock, Fresh
-from kvcm.engines.flat import to_signed_list
+from kvcm.engines.flat import U32, to_signed_list
 from kvcm.engines.keytable import KeyTable
 from kvcm.engines.sourcemap import SourceMap
 
@@ -179,7 +178,7 @@ class CompactBlocks:
     def clear(self) -> None:
         self.maps.clear()
 
-    def _block(self, table: KeyTable, rows: npt.NDArray[Any]) -> list[EngineBlock]:
+    def _block(self, table: KeyTable, rows: U32) -> list[EngineBlock]:
         r = rows.astype(np.int64)
         keys = to_signed_list(table.keys[r])
         pos = table.pos_of(r).tolist()

@@ -37,7 +37,8 @@ from typing import Any
 
 import msgspec
 
-from kvcm.engines.hybrid import GroupInfo, group_record
+from kvcm.backends.metastore.base import WriteTxn
+from kvcm.engines.hybrid import GroupDetail, GroupInfo, group_record
 from kvcm.engines.sources import SourceSpec
 from kvcm.proto.kv_events import DecodedBatch
 
@@ -86,7 +87,7 @@ class SourceMatch(msgspec.Struct, gc=False):
     dp_rank: int
     matched_blocks: int
     media: dict[str, int]
-    groups: list[dict[str, Any]] | None = None
+    groups: list[GroupDetail] | None = None
     unsupported: str | None = None
 
 
@@ -251,7 +252,7 @@ def new_block(lora: str, states: list[int], i: int, size: int, pos: int, step: i
 
 
 def flush_source(
-    txn: Any,
+    txn: WriteTxn,
     state: SourceState,
     migrated: Callable[[], list[tuple[int, EngineBlock]]] | None = None,
     migrated_n: int = 0,
@@ -300,7 +301,7 @@ def encode_log(ids: list[int], blocks: list[EngineBlock | None]) -> bytes:
     return ENC.encode((list(map(and_, ids, repeat(M64))), list(map(rshift, ids, repeat(64))), blocks))
 
 
-def delete_blocks(txn: Any, number: int) -> int:
+def delete_blocks(txn: WriteTxn, number: int) -> int:
     """Delete every persisted record of the source's blocks (log and older per-block ones)."""
     deleted = 0
     for db in (BLOCKS_DB, LOG_DB):

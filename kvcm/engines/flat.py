@@ -19,7 +19,7 @@ beside their module where it is writable, as :mod:`kvcm.cache.hash_kernel` does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
 import numba
 import numpy as np
@@ -29,6 +29,11 @@ U64 = npt.NDArray[np.uint64]
 U32 = npt.NDArray[np.uint32]
 I64 = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
+#: Keys, hashes or positions as callers give them: Python ints or an integer array.
+Ints = Sequence[int] | U64 | I64 | U32
+#: A cell or row number as the kernels compute it: a Python int, or numpy's (numba's) int64.
+Cell = int | np.int64
+_S = TypeVar("_S", bound=np.generic)
 
 #: Index fill at most (live entries / cells); past it the index doubles. Linear probing's
 #: expected probes grow as 1/(1-load)^2 for a miss: 0.8 keeps a miss around 13 cells.
@@ -45,13 +50,16 @@ NO_POS = np.uint32(0xFFFFFFFF)  # a KeyTable row whose key's position is not kno
 MAX_POS = 0xFFFFFFFE
 #: KeyTable rows and SourceMap values are ``uint32`` (and 2**32 - 1 is the empty index cell).
 MAX_ROWS = 0xFFFFFFFF
-_C1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finaliser: keys need not be well mixed
-_C2 = np.uint64(0x94D049BB133111EB)  # (Tair reporters name blocks by key; tests by counting)
-_S30, _S27, _S31, _S32 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(32)
+_C1: np.uint64 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finaliser: keys need not be well mixed
+_C2: np.uint64 = np.uint64(0x94D049BB133111EB)  # (Tair reporters name blocks by key; tests by counting)
+_S30: np.uint64 = np.uint64(30)
+_S27: np.uint64 = np.uint64(27)
+_S31: np.uint64 = np.uint64(31)
+_S32: np.uint64 = np.uint64(32)
 # meta[] fields shared with the kernels (a small int64 array they update in place)
 SIZE, USED, AUX = 0, 1, 2  # live entries, rows written (high-water mark), free head / eviction head
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+_F = TypeVar("_F", bound=Callable[..., object])
 
 
 def jit(fn: _F) -> _F:
@@ -66,18 +74,19 @@ def jit(fn: _F) -> _F:
 
 
 @jit
-def home(key: Any, cells: Any) -> Any:
+def home(key: np.uint64, cells: np.uint64) -> Cell:
     """The key's home cell: its mix's top 32 bits scaled to the index's ``cells`` (any count:
     the index grows by :data:`GROWTH`, not by doubling)."""
     z = key
     z = (z ^ (z >> _S30)) * _C1
     z = (z ^ (z >> _S27)) * _C2
     z = z ^ (z >> _S31)
-    return np.int64(((z >> _S32) * cells) >> _S32)
+    cell: np.int64 = np.int64(((z >> _S32) * cells) >> _S32)
+    return cell
 
 
 @jit
-def find(index: Any, rows: Any, key: Any, shift: Any) -> Any:
+def find(index: U32, rows: U64, key: np.uint64, shift: np.uint64) -> Cell:
     """The cell whose row holds ``key``, or ``-(empty cell) - 1`` where it would go."""
     n = index.shape[0]
     i = home(key, shift)
@@ -93,7 +102,7 @@ def find(index: Any, rows: Any, key: Any, shift: Any) -> Any:
 
 
 @jit
-def delete_cell(index: Any, rows: Any, i: Any, shift: Any) -> None:
+def delete_cell(index: U32, rows: U64, i: Cell, shift: np.uint64) -> None:
     """Empty cell ``i`` by backward shift: each later cell of the probe run whose home is not in
     ``(i, j]`` (cyclically) moves back into the hole, so every remaining key stays reachable
     from its home without tombstones."""
@@ -114,7 +123,7 @@ def delete_cell(index: Any, rows: Any, i: Any, shift: Any) -> None:
 
 
 @jit
-def place(index: Any, rows: Any, r: Any, shift: Any) -> None:
+def place(index: U32, rows: U64, r: Cell, shift: np.uint64) -> None:
     """Put row ``r`` (a key not in the index) into its first free cell from home."""
     n = index.shape[0]
     i = home(rows[r], shift)
@@ -126,7 +135,7 @@ def place(index: Any, rows: Any, r: Any, shift: Any) -> None:
 
 
 @jit
-def reindex_cells(old: Any, rows: Any, new: Any, shift: Any) -> None:
+def reindex_cells(old: U32, rows: U64, new: U32, shift: np.uint64) -> None:
     """Every row of index ``old`` into the (empty) index ``new``."""
     for c in range(old.shape[0]):
         r = old[c]
@@ -137,13 +146,13 @@ def reindex_cells(old: Any, rows: Any, new: Any, shift: Any) -> None:
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def as_u64(keys: Sequence[int] | npt.NDArray[Any], unsigned: bool = False) -> U64:
+def as_u64(keys: Ints, unsigned: bool = False) -> U64:
     """kvcm keys (signed 64-bit ints, or any ints mod 2**64) as a ``uint64`` array; tried first
     as ``unsigned`` says they are (engine block hashes are; kvcm keys are signed): a failed
     conversion costs as much as a good one."""
     if isinstance(keys, np.ndarray):
         if keys.dtype == np.uint64:
-            return keys
+            return keys.view(np.uint64)
         if keys.dtype == np.int64:
             return keys.view(np.uint64)
         return keys.astype(np.uint64)
@@ -178,7 +187,7 @@ def new_index(level: int) -> U32:
     return np.full(cells_at(level), EMPTY, dtype=np.uint32)
 
 
-def grown(arr: npt.NDArray[Any], used: int, capacity: int) -> npt.NDArray[Any]:
+def grown(arr: npt.NDArray[_S], used: int, capacity: int) -> npt.NDArray[_S]:
     """``arr``'s first ``used`` rows in a new array of ``capacity`` rows; the rest is left
     unwritten (untouched pages of a large array are not resident)."""
     out = np.empty(capacity, dtype=arr.dtype)

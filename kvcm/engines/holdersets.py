@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from kvcm.engines.flat import I64, NIL, U32, U64, grown, home, jit
+from kvcm.engines.flat import I64, NIL, U32, U64, Cell, grown, home, jit
 
 # --- HolderSets kernels: the transition cache and batch holds/releases ------------------------------
 # A transition is "set ``src`` with slot ``s`` added (or removed)" -> set ``dst``, keyed
@@ -18,13 +17,16 @@ from kvcm.engines.flat import I64, NIL, U32, U64, grown, home, jit
 # matching at once, without finding and deleting them (a stale entry is overwritten in place
 # by the next miss on its key, or dropped when the cache is rebuilt).
 
-_TR_SHIFT = np.uint64(21)
-_ONE = np.uint64(1)
-_MISS = np.int64(-1)
+_TR_SHIFT: np.uint64 = np.uint64(21)
+_ONE: np.uint64 = np.uint64(1)
+_MISS: np.int64 = np.int64(-1)
+#: A batch kernel (:func:`_hs_hold`, :func:`_hs_release`): its arguments as ``HolderSets._batch``
+#: passes them; returns where it stopped.
+BatchKernel = Callable[[U32, I64, I64, I64, I64, U64, U32, U32, U32, np.uint64, int, I64, I64, I64], int]
 
 
 @jit
-def _tr_get(tkeys: Any, tvals: Any, tgens: Any, gen: Any, cells: Any, src: Any, code: Any) -> Any:
+def _tr_get(tkeys: U64, tvals: U32, tgens: U32, gen: U32, cells: np.uint64, src: Cell, code: np.uint64) -> np.int64:
     """The cached target of ``src`` stepped by ``code``, or -1 (absent or stale)."""
     key = (np.uint64(src) << _TR_SHIFT) | code
     n = tkeys.shape[0]
@@ -36,7 +38,8 @@ def _tr_get(tkeys: Any, tvals: Any, tgens: Any, gen: Any, cells: Any, src: Any, 
         if k == key:
             t = tvals[c]
             if tgens[c, 0] == gen[src] and tgens[c, 1] == gen[t]:
-                return np.int64(t)
+                found: np.int64 = np.int64(t)
+                return found
             return _MISS
         c += 1
         if c == n:
@@ -44,7 +47,7 @@ def _tr_get(tkeys: Any, tvals: Any, tgens: Any, gen: Any, cells: Any, src: Any, 
 
 
 @jit
-def _tr_put(tkeys: Any, tvals: Any, tgens: Any, gen: Any, cells: Any, src: Any, code: Any, dst: Any) -> Any:
+def _tr_put(tkeys: U64, tvals: U32, tgens: U32, gen: U32, cells: np.uint64, src: int, code: np.uint64, dst: int) -> int:
     """Cache ``src`` stepped by ``code`` -> ``dst`` at both ids' current generations; returns 1
     when a new cell was taken (0: an entry for the key was overwritten)."""
     key = (np.uint64(src) << _TR_SHIFT) | code
@@ -63,7 +66,9 @@ def _tr_put(tkeys: Any, tvals: Any, tgens: Any, gen: Any, cells: Any, src: Any, 
 
 
 @jit
-def _tr_rebuild(tkeys: Any, tvals: Any, tgens: Any, gen: Any, nkeys: Any, nvals: Any, ngens: Any, cells: Any) -> Any:
+def _tr_rebuild(
+    tkeys: U64, tvals: U32, tgens: U32, gen: U32, nkeys: U64, nvals: U32, ngens: U32, cells: np.uint64
+) -> int:
     """The live (not stale) entries into the empty new arrays; returns how many."""
     kept = 0
     for c in range(tkeys.shape[0]):
@@ -89,9 +94,9 @@ def _tr_rebuild(tkeys: Any, tvals: Any, tgens: Any, gen: Any, nkeys: Any, nvals:
 
 @jit
 def _hs_hold(
-    col: Any, rows: Any, slots: Any, refs: Any, counts: Any, tkeys: Any, tvals: Any, tgens: Any,
-    gen: Any, cells: Any, start: Any, dups: Any, zeros: Any, meta: Any,
-) -> Any:  # fmt: skip
+    col: U32, rows: I64, slots: I64, refs: I64, counts: I64, tkeys: U64, tvals: U32, tgens: U32,
+    gen: U32, cells: np.uint64, start: int, dups: I64, zeros: I64, meta: I64,
+) -> int:  # fmt: skip
     """One holding of key row ``rows[i]`` by slot ``slots[i]``, from ``start`` on, in order:
     the row's set id in ``col`` moves to the set with the slot added, references moving with
     it; a slot already in the set is a holding beyond the first (its index into ``dups``).
@@ -117,14 +122,14 @@ def _hs_hold(
                 zeros[meta[1]] = cur
                 meta[1] += 1
         counts[s] += 1
-    return rows.shape[0]
+    return len(rows)
 
 
 @jit
 def _hs_release(
-    col: Any, rows: Any, slots: Any, refs: Any, counts: Any, tkeys: Any, tvals: Any, tgens: Any,
-    gen: Any, cells: Any, start: Any, gone: Any, zeros: Any, meta: Any,
-) -> Any:  # fmt: skip
+    col: U32, rows: I64, slots: I64, refs: I64, counts: I64, tkeys: U64, tvals: U32, tgens: U32,
+    gen: U32, cells: np.uint64, start: int, gone: I64, zeros: I64, meta: I64,
+) -> int:  # fmt: skip
     """:func:`_hs_hold`'s reverse: slot ``slots[i]`` leaves the set of row ``rows[i]`` (negative
     rows and slots not in the set are skipped); a row left with the empty set goes to ``gone``.
     ``meta``: [gone, zeros] used."""
@@ -150,7 +155,7 @@ def _hs_release(
             zeros[meta[1]] = cur
             meta[1] += 1
         counts[s] -= 1
-    return rows.shape[0]
+    return len(rows)
 
 
 # --- HolderSets -------------------------------------------------------------------------------------
@@ -265,7 +270,7 @@ class HolderSets:
         set: nothing). Returns the rows left with the empty set."""
         return self._batch(_hs_release, True, col, rows, slots, counts)
 
-    def _batch(self, kernel: Callable[..., Any], removed: bool, col: U32, rows: I64, slots: I64, counts: I64) -> I64:
+    def _batch(self, kernel: BatchKernel, removed: bool, col: U32, rows: I64, slots: I64, counts: I64) -> I64:
         """Run ``kernel`` over the batch, computing each transition it misses; the sets left
         without a key are freed at the end. Returns the kernel's first output."""
         n = len(rows)

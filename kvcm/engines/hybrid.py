@@ -91,7 +91,11 @@ def noted(info: GroupInfo | None, kind: str | None, window: int | None, block_si
     return GroupInfo(info.kind if kind is None else kind, info.window if window is None else window, size)
 
 
-def group_record(group: int, info: GroupInfo) -> list[Any]:
+#: One group's entry of a reply's ``groups`` (``group_idx``, ``kind``, ``block_size``, ``window``,
+#: ``held_blocks``, ``reusable_blocks``).
+GroupDetail = dict[str, int | str | None]
+
+def group_record(group: int, info: GroupInfo) -> list[int | str | None]:
     return [group, info.kind, info.window, info.block_size]
 
 
@@ -225,9 +229,9 @@ def held_prefix(col: bytes, n: int) -> int:
     return n if miss < 0 else miss
 
 
-def detail(rule: Rule, block_size: int, held: int, reuse: int) -> dict[str, Any]:
+def detail(rule: Rule, block_size: int, held: int, reuse: int) -> GroupDetail:
     """One group's entry of a reply's ``groups``."""
-    out: dict[str, Any] = {"group_idx": rule.group, "kind": rule.info.kind, "block_size": rule.k * block_size}
+    out: GroupDetail = {"group_idx": rule.group, "kind": rule.info.kind, "block_size": rule.k * block_size}
     if rule.info.kind in WINDOW_KINDS:
         out["window"] = rule.info.window
     out["held_blocks"] = held
@@ -235,12 +239,12 @@ def detail(rule: Rule, block_size: int, held: int, reuse: int) -> dict[str, Any]
     return out
 
 
-def unsupported_detail(groups: Mapping[int, GroupInfo]) -> list[dict[str, Any]]:
+def unsupported_detail(groups: Mapping[int, GroupInfo]) -> list[GroupDetail]:
     """The groups of a source kvcm does not reason about, as the reply names them."""
     out = []
     for group in sorted(groups):
         info = groups[group]
-        entry: dict[str, Any] = {"group_idx": group, "kind": info.kind, "block_size": info.block_size}
+        entry: GroupDetail = {"group_idx": group, "kind": info.kind, "block_size": info.block_size}
         if info.window is not None:
             entry["window"] = info.window
         out.append(entry)
@@ -252,7 +256,7 @@ class Answer(NamedTuple):
     groups' detail (on its best medium), and why it holds nothing when kvcm cannot tell."""
 
     media: dict[str, int]
-    groups: list[dict[str, Any]]
+    groups: list[GroupDetail]
     unsupported: str | None
 
 

@@ -3,11 +3,7 @@ while it lives (:mod:`kvcm.engines.flat` has the layout)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import numpy as np
-import numpy.typing as npt
 
 from kvcm.engines.flat import (
     AUX,
@@ -24,6 +20,7 @@ from kvcm.engines.flat import (
     USED,
     Bools,
     Indexed,
+    Ints,
     as_u64,
     cells_at,
     delete_cell,
@@ -39,7 +36,7 @@ from kvcm.engines.flat import (
 
 
 @jit
-def _kt_lookup(index: Any, keys: Any, sets: Any, shift: Any, query: Any, out: Any) -> None:
+def _kt_lookup(index: U32, keys: U64, sets: U32, shift: np.uint64, query: U64, out: U32) -> None:
     for i in range(query.shape[0]):
         c = find(index, keys, query[i], shift)
         if c >= 0:
@@ -49,7 +46,7 @@ def _kt_lookup(index: Any, keys: Any, sets: Any, shift: Any, query: Any, out: An
 
 
 @jit
-def _kt_stretches(index: Any, keys: Any, sets: Any, shift: Any, query: Any, starts: Any, ids: Any) -> Any:
+def _kt_stretches(index: U32, keys: U64, sets: U32, shift: np.uint64, query: U64, starts: I64, ids: U32) -> int:
     """The query's keys' set ids as stretches of one id: ``starts[j]`` is where stretch ``j``
     begins and ``ids[j]`` its id (0 for keys not held); returns how many stretches."""
     n = 0
@@ -67,9 +64,9 @@ def _kt_stretches(index: Any, keys: Any, sets: Any, shift: Any, query: Any, star
 
 @jit
 def _kt_locate(
-    index: Any, keys: Any, sets: Any, pos: Any, meta: Any, shift: Any, limit: Any,
-    query: Any, out: Any, start: Any, insert: Any,
-) -> Any:  # fmt: skip
+    index: U32, keys: U64, sets: U32, pos: U32, meta: I64, shift: np.uint64, limit: int,
+    query: U64, out: I64, start: int, insert: bool,
+) -> int:  # fmt: skip
     """Rows of ``query[start:]`` into ``out`` (-1 when absent and not ``insert``); a new key
     gets a row (free chain first) with set 0 and no position. Returns where it stopped:
     ``query.shape[0]``, or earlier when the index is full (``limit`` live entries) or rows ran
@@ -101,11 +98,11 @@ def _kt_locate(
         index[-c - 1] = r
         meta[SIZE] += 1
         out[i] = r
-    return query.shape[0]
+    return len(query)
 
 
 @jit
-def _kt_drop(index: Any, keys: Any, sets: Any, meta: Any, shift: Any, rows: Any) -> Any:
+def _kt_drop(index: U32, keys: U64, sets: U32, meta: I64, shift: np.uint64, rows: I64) -> int:
     """Delete the rows in ``rows`` whose set is 0 (nobody holds their key); a freed row joins the
     free chain (its key cell holds the next free row). A row named twice is freed once: the
     second time its (chain) value does not lead back to it. Returns the rows freed."""
@@ -129,7 +126,7 @@ def _kt_drop(index: Any, keys: Any, sets: Any, meta: Any, shift: Any, rows: Any)
 
 
 @jit
-def _kt_setpos(pos: Any, rows: Any, qpos: Any, mismatch: Any) -> None:
+def _kt_setpos(pos: U32, rows: I64, qpos: U32, mismatch: Bools) -> None:
     """Keep-first positions, in order: a row without a position takes ``qpos[i]``; a row with
     another position keeps it and ``mismatch[i]`` is set (a row named twice in one batch with
     two positions: the first wins)."""
@@ -178,21 +175,21 @@ class KeyTable(Indexed):
         self.sets: U32 = np.empty(capacity, dtype=np.uint32)
         self.pos: U32 = np.empty(capacity, dtype=np.uint32)
 
-    def lookup_many(self, keys: Sequence[int] | npt.NDArray[Any]) -> U32:
+    def lookup_many(self, keys: Ints) -> U32:
         """The holder-set id of each key; 0 (the empty set) for a key nobody holds."""
         q = as_u64(keys)
         out = np.empty(len(q), dtype=np.uint32)
         _kt_lookup(self.index, self.keys, self.sets, self.shift, q, out)
         return out
 
-    def stretches(self, keys: Sequence[int] | npt.NDArray[Any]) -> tuple[list[int], list[int]]:
+    def stretches(self, keys: Ints) -> tuple[list[int], list[int]]:
         """The keys' set ids as stretches of one id: where each begins, and its id."""
         q = as_u64(keys)
         starts, ids = np.empty(len(q), dtype=np.int64), np.empty(len(q), dtype=np.uint32)
         n = _kt_stretches(self.index, self.keys, self.sets, self.shift, q, starts, ids)
         return starts[:n].tolist(), ids[:n].tolist()
 
-    def locate_many(self, keys: Sequence[int] | npt.NDArray[Any], insert: bool) -> I64:
+    def locate_many(self, keys: Ints, insert: bool) -> I64:
         """The row of each key; a missing key gets a new row with set 0 and no position when
         ``insert``, else -1. A key named twice gets the same row twice."""
         q = as_u64(keys)
@@ -216,14 +213,14 @@ class KeyTable(Indexed):
                 self.pos = grown(self.pos, used, cap)
 
     def insert_many(
-        self, keys: Sequence[int] | npt.NDArray[Any], pos: Sequence[int] | npt.NDArray[Any]
+        self, keys: Ints, pos: Ints
     ) -> tuple[I64, Bools]:
         """:meth:`locate_many` with ``insert`` and each key's position (:meth:`set_pos`): the
         rows, and per key whether it already had another position (kept)."""
         rows = self.locate_many(keys, insert=True)
         return rows, self.set_pos(rows, pos)
 
-    def set_pos(self, rows: I64, pos: Sequence[int] | npt.NDArray[Any]) -> Bools:
+    def set_pos(self, rows: I64, pos: Ints) -> Bools:
         """Give the keys of ``rows`` (live rows) their positions, keeping the first: a row that
         has another position keeps it and is flagged (returned ``True``)."""
         q = _as_pos(pos)
@@ -239,7 +236,7 @@ class KeyTable(Indexed):
         out[out == int(NO_POS)] = -1
         return out
 
-    def pos_many(self, keys: Sequence[int] | npt.NDArray[Any]) -> I64:
+    def pos_many(self, keys: Ints) -> I64:
         """The position of each key; -1 for a key absent or without a position."""
         rows = self.locate_many(keys, insert=False)
         out = np.full(len(rows), -1, dtype=np.int64)
@@ -254,7 +251,7 @@ class KeyTable(Indexed):
             self._maybe_shrink()
         return freed
 
-    def remove_many(self, keys: Sequence[int] | npt.NDArray[Any]) -> int:
+    def remove_many(self, keys: Ints) -> int:
         """Delete ``keys`` whatever their set (the caller releases their set references)."""
         rows = self.locate_many(keys, insert=False)
         rows = rows[rows >= 0]
@@ -298,7 +295,7 @@ class KeyTable(Indexed):
         return int(self.index.nbytes + int(self.meta[USED]) * (8 + 4 + 4))
 
 
-def _as_pos(pos: Sequence[int] | npt.NDArray[Any]) -> U32:
+def _as_pos(pos: Ints) -> U32:
     """Positions as ``uint32``; outside ``0 .. MAX_POS`` is refused."""
     arr = np.asarray(pos)
     if arr.dtype == np.uint32:

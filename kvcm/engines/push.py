@@ -70,7 +70,6 @@ import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import msgspec
 
@@ -85,6 +84,7 @@ from kvcm.engines.sources import SourceSpec, push_spec
 from kvcm.engines.subscriber import EventSubscriber
 from kvcm.errors import AccessDenied, Code, Conflict, InvalidArgument, NotFound, error
 from kvcm.proto.kv_events import BlockRemoved, BlockStored, DecodedBatch, Event, EventDecodeError, decode_batch
+from kvcm.proto.wire import Encodable
 
 OPS = ("register", "heartbeat", "payloads", "events", "snapshot", "down")
 #: Batches pooled for one turn's hashing at most (beyond, reports hash on their own).
@@ -189,7 +189,7 @@ class PushIngest:
             self._hashed = self.index.precompute(self._pool) if len(self._pool) > 1 else {}
         return self._hashed
 
-    def report(self, r: Report, reporter: Reporter | None = None) -> dict[str, Any]:
+    def report(self, r: Report, reporter: Reporter | None = None) -> dict[str, Encodable]:
         """Handle one report; ``reporter`` is its caller with auth on (a new source's owner)."""
         try:
             return self._report(r, reporter)
@@ -205,7 +205,7 @@ class PushIngest:
             if not self._pending:
                 self._new_pool()
 
-    def _report(self, r: Report, reporter: Reporter | None) -> dict[str, Any]:
+    def _report(self, r: Report, reporter: Reporter | None) -> dict[str, Encodable]:
         if r.op == "register":
             return self._register(r, reporter)
         state = self.index.get(r.source_id)
@@ -236,7 +236,7 @@ class PushIngest:
 
     # --- registration -----------------------------------------------------------------------------
 
-    def _register(self, r: Report, reporter: Reporter | None) -> dict[str, Any]:
+    def _register(self, r: Report, reporter: Reporter | None) -> dict[str, Encodable]:
         if r.instance_id is None:
             raise InvalidArgument("report_events: op register needs instance_id")
         spec = push_spec(r.source_id, r.instance_id, dp_rank=r.dp_rank, pod=r.pod, medium=r.medium,
@@ -302,7 +302,7 @@ class PushIngest:
                         f"push source {spec.source_id[:200]!r} is at generation {spec.generation}: a report of "
                         f"generation {generation} comes from a replaced engine and is refused")  # fmt: skip
 
-    def _down(self, state: SourceState) -> dict[str, Any]:
+    def _down(self, state: SourceState) -> dict[str, Encodable]:
         source_id = state.spec.source_id
         self.subscriber.remove(source_id)
         self.index.remove_source(source_id)
@@ -384,7 +384,7 @@ class PushIngest:
         for kind, n in outcome.errors.items():
             self.subscriber.count_error(conn, kind, n)
 
-    def _reply(self, spec: SourceSpec, conn: SourceConn, outcome: _Outcome) -> dict[str, Any]:
+    def _reply(self, spec: SourceSpec, conn: SourceConn, outcome: _Outcome) -> dict[str, Encodable]:
         state, _ = self.subscriber.freshness(spec.source_id) or ("live", 0.0)
         return {
             "source_id": spec.source_id, "generation": spec.generation, "state": state,

@@ -33,6 +33,7 @@ from kvcm.engines.entries import SourceMatch, SourceState
 from kvcm.engines.index import EngineIndex, Run
 from kvcm.engines.metrics import EventMetrics
 from kvcm.engines.push import PushIngest, Report, Reporter
+from kvcm.engines.queries import EngineLocation
 from kvcm.engines.scoring import (
     ENTRY,
     STORAGE,
@@ -50,6 +51,7 @@ from kvcm.engines.scoring import (
 )
 from kvcm.engines.sources import (
     SourceSpec,
+    StaticSource,
     SubscriberSettings,
     build_spec,
     static_specs,
@@ -57,6 +59,7 @@ from kvcm.engines.sources import (
 from kvcm.engines.speculative import SpeculativeEntries, with_speculative
 from kvcm.engines.subscriber import EventSubscriber
 from kvcm.errors import Code, InvalidArgument, NotFound, error
+from kvcm.proto.wire import Encodable
 
 #: The main store's database of event-source definitions (see ``EngineService(shared=...)``).
 DEFINITIONS = "source_defs"
@@ -76,7 +79,7 @@ _FRESHNESS = _ENCODER.encode("freshness")
 _STORAGE = _ENCODER.encode(STORAGE)
 
 
-def _unknown_parent(errors: Mapping[str, int], report_mode: str) -> dict[str, Any]:
+def _unknown_parent(errors: Mapping[str, int], report_mode: str) -> dict[str, Encodable]:
     """``unknown_parent`` (stores skipped since start-up because kvcm never saw their parent
     block) and, when there are any, what to make of them."""
     n = errors.get("unknown_parent", 0)
@@ -109,7 +112,7 @@ class EngineService:
         instance_lookup: Callable[[str], int],
         settings: SubscriberSettings | None = None,
         registry: CollectorRegistry | None = None,
-        static_sources: Sequence[Any] = (),
+        static_sources: Sequence[StaticSource] = (),
         shared: MetaStore | None = None,
     ) -> None:
         """:param shared: the main metadata store, where the sources added by RPC are defined
@@ -166,7 +169,7 @@ class EngineService:
 
     # --- sources --------------------------------------------------------------------------------
 
-    def add_source(self, params: dict[str, Any]) -> dict[str, Any]:
+    def add_source(self, params: dict[str, Any]) -> dict[str, Encodable]:
         """Validate, persist and start following a source. Re-adding an identical spec is a no-op."""
         spec = build_spec({k: v for k, v in params.items() if v is not None}, self.settings)
         self.instance_lookup(spec.instance_id)  # raises NotFound for an unknown instance
@@ -208,13 +211,13 @@ class EngineService:
                         f"{self.settings.reserved_admin_sources} of events.max_sources={self.settings.max_sources} "
                         f"are kept for admins (events.reserved_admin_sources)")
 
-    def report_events(self, report: Report, reporter: Reporter | None = None) -> dict[str, Any]:
+    def report_events(self, report: Report, reporter: Reporter | None = None) -> dict[str, Encodable]:
         """``report_events``: a push source registers, heartbeats, reports or goes down
         (:mod:`kvcm.engines.push`); ``reporter`` is the caller with auth on (None: auth off).
         Push sources are this node's own: never shared definitions."""
         return self.push.report(report, reporter)
 
-    def remove_source(self, source_id: str) -> dict[str, Any]:
+    def remove_source(self, source_id: str) -> dict[str, Encodable]:
         """Stop following a source and drop exactly its blocks and metrics."""
         state = self.index.remove_source(source_id)
         self.subscriber.remove(source_id)
@@ -268,7 +271,7 @@ class EngineService:
 
     def list_sources(
         self, instance_id: str | None = None, visible: Callable[[str], bool] | None = None
-    ) -> dict[str, Any]:
+    ) -> dict[str, Encodable]:
         """Every source, or those of ``instance_id``; ``visible(instance_id)`` (tenancy) hides
         the sources of the instances it refuses, as if they did not exist."""
         snap = self.subscriber.snapshot()
@@ -280,7 +283,7 @@ class EngineService:
         ]
         return {"sources": out}
 
-    def _describe(self, state: SourceState, conn: dict[str, Any]) -> dict[str, Any]:
+    def _describe(self, state: SourceState, conn: dict[str, Any]) -> dict[str, Encodable]:
         spec = state.spec
         held = self.index.blocks_held(spec.source_id)
         for medium, n in held.items():
@@ -357,7 +360,7 @@ class EngineService:
         token_ids: Sequence[int] | None = None,
         block_keys: Sequence[int] | None = None,
         **options: Any,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Encodable]:
         """``match_engines`` as a map (:meth:`match_packed`'s options)."""
         reply: dict[str, Any] = msgspec.msgpack.decode(self.match_packed(instance_id, token_ids, block_keys, **options))
         return reply
@@ -451,7 +454,7 @@ class EngineService:
         fast-path answer (:meth:`EngineIndex.ranked`), None if a source needs merging."""
         ranked = None if runs is None else list(chain.from_iterable(run[0] for run in runs[0]))
         in_order = ranked is not None
-        explained: dict[str, dict[str, Any]] = {}  # hybrid sources: their groups' detail
+        explained: dict[str, dict[str, Encodable]] = {}  # hybrid sources: their groups' detail
         if ranked is None:  # a source with several media or groups: merge per source first
             found = self.index.match(instance_id, keys, lora_name=lora_name, media=media, group_idx=group_idx,
                                      exclude=left_out)  # fmt: skip
@@ -491,7 +494,7 @@ class EngineService:
     # --- speculative entries ----------------------------------------------------------------------
 
     def note_routed(self, instance_id: str, source_id: str, token_ids: Sequence[int] | None,
-                    block_keys: Sequence[int] | None, ttl_s: float, lora_name: str | None = None) -> dict[str, Any]:
+                    block_keys: Sequence[int] | None, ttl_s: float, lora_name: str | None = None) -> dict[str, Encodable]:
         """A router sent this prompt to ``source_id``: count its blocks for that source until
         the engine's event confirms them or ``ttl_s`` ends (:mod:`kvcm.engines.speculative`).
         A prompt shorter than one block has nothing to count: nothing is noted (``num_blocks`` 0).
@@ -508,11 +511,11 @@ class EngineService:
         self.speculative.note(instance_id, source_id, keys, ttl_s, lora_name)
         return {"instance_id": instance_id, "source_id": source_id, "num_blocks": len(keys), "ttl_s": ttl_s}
 
-    def engine_locations(self, instance_id: str, keys: Sequence[int], lora_name: str | None = None) -> list[list[dict[str, Any]]]:
+    def engine_locations(self, instance_id: str, keys: Sequence[int], lora_name: str | None = None) -> list[list[EngineLocation]]:
         """Per key, the engines holding it: for ``get_cache_location(include_engines=true)``."""
         return self.index.locations(instance_id, keys, lora_name=lora_name)
 
 
-def _explanation(m: SourceMatch) -> dict[str, Any]:
+def _explanation(m: SourceMatch) -> dict[str, Encodable]:
     """A hybrid source's entry fields that say why its prefix is what it is."""
     return {"groups": m.groups} if m.unsupported is None else {"groups": m.groups, "unsupported": m.unsupported}

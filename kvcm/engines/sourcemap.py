@@ -3,15 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import numpy as np
-import numpy.typing as npt
 
 from kvcm.engines.flat import (
     AUX,
     EMPTY,
+    I64,
     MAX_ROWS,
     SHRINK_LEVELS,
     SIZE,
@@ -20,6 +17,7 @@ from kvcm.engines.flat import (
     USED,
     Bools,
     Indexed,
+    Ints,
     as_u64,
     cells_at,
     delete_cell,
@@ -37,9 +35,9 @@ from kvcm.engines.flat import (
 
 @jit
 def _sm_insert(
-    index: Any, hashes: Any, vals: Any, meta: Any, shift: Any, limit: Any,
-    qh: Any, qv: Any, had: Any, old: Any, start: Any,
-) -> Any:  # fmt: skip
+    index: U32, hashes: U64, vals: U32, meta: I64, shift: np.uint64, limit: int,
+    qh: U64, qv: U32, had: Bools, old: U32, start: int,
+) -> int:  # fmt: skip
     """Append ``(qh[i], qv[i])`` from ``start`` on, in order; a hash already present has its
     row abandoned (``had``, its value in ``old``) and the new row takes its cell: it becomes the
     newest. Stops early (returns where) when rows or the index are full."""
@@ -59,11 +57,11 @@ def _sm_insert(
             had[i] = False
             index[-c - 1] = r
             meta[SIZE] += 1
-    return qh.shape[0]
+    return len(qh)
 
 
 @jit
-def _sm_get(index: Any, hashes: Any, vals: Any, shift: Any, qh: Any, found: Any, out: Any) -> None:
+def _sm_get(index: U32, hashes: U64, vals: U32, shift: np.uint64, qh: U64, found: Bools, out: U32) -> None:
     for i in range(qh.shape[0]):
         c = find(index, hashes, qh[i], shift)
         found[i] = c >= 0
@@ -74,7 +72,7 @@ def _sm_get(index: Any, hashes: Any, vals: Any, shift: Any, qh: Any, found: Any,
 
 
 @jit
-def _sm_any(index: Any, hashes: Any, shift: Any, qh: Any) -> Any:
+def _sm_any(index: U32, hashes: U64, shift: np.uint64, qh: U64) -> bool:
     for i in range(qh.shape[0]):  # noqa: SIM110 (numba compiles no generator into any())
         if find(index, hashes, qh[i], shift) >= 0:
             return True
@@ -82,7 +80,7 @@ def _sm_any(index: Any, hashes: Any, shift: Any, qh: Any) -> Any:
 
 
 @jit
-def _sm_remove(index: Any, hashes: Any, vals: Any, meta: Any, shift: Any, qh: Any, found: Any, out: Any) -> None:
+def _sm_remove(index: U32, hashes: U64, vals: U32, meta: I64, shift: np.uint64, qh: U64, found: Bools, out: U32) -> None:
     """Remove ``qh`` (in order: a hash named twice is found once); its row is abandoned."""
     for i in range(qh.shape[0]):
         c = find(index, hashes, qh[i], shift)
@@ -97,7 +95,7 @@ def _sm_remove(index: Any, hashes: Any, vals: Any, meta: Any, shift: Any, qh: An
 
 
 @jit
-def _sm_oldest(index: Any, hashes: Any, vals: Any, meta: Any, shift: Any, n: Any, out_h: Any, out_v: Any) -> Any:
+def _sm_oldest(index: U32, hashes: U64, vals: U32, meta: I64, shift: np.uint64, n: int, out_h: U64, out_v: U32) -> int:
     """Remove up to ``n`` live rows from the eviction head on, oldest first; returns how many. A
     row is live when its hash's cell points back at it (an abandoned row's hash leads elsewhere
     or nowhere), so liveness costs no memory."""
@@ -117,7 +115,7 @@ def _sm_oldest(index: Any, hashes: Any, vals: Any, meta: Any, shift: Any, n: Any
 
 
 @jit
-def _sm_live(index: Any, used: Any) -> Any:
+def _sm_live(index: U32, used: int) -> Bools:
     live = np.zeros(used, dtype=np.bool_)
     for c in range(index.shape[0]):
         r = index[c]
@@ -127,7 +125,7 @@ def _sm_live(index: Any, used: Any) -> Any:
 
 
 @jit
-def _sm_pack(live: Any, hashes: Any, vals: Any, new_hashes: Any, new_vals: Any, new_index: Any, shift: Any) -> Any:
+def _sm_pack(live: Bools, hashes: U64, vals: U32, new_hashes: U64, new_vals: U32, new_index: U32, shift: np.uint64) -> int:
     """Copy the live rows, in order, to the front of the new arrays (which may be the old ones:
     rows only move down) and index them; returns how many."""
     w = 0
@@ -165,7 +163,7 @@ class SourceMap(Indexed):
         self.rows: U32 = np.empty(max(8, capacity), dtype=np.uint32)
 
     def insert_many(
-        self, hashes: Sequence[int] | npt.NDArray[Any], rows: Sequence[int] | npt.NDArray[Any]
+        self, hashes: Ints, rows: Ints
     ) -> tuple[Bools, U32]:
         """Map each hash to its KeyTable row, in order, each becoming the newest (a hash present
         already is updated and moved to the end, as a full re-report makes a block the newest).
@@ -187,7 +185,7 @@ class SourceMap(Indexed):
         self._maybe_compact()
         return had, old
 
-    def get_many(self, hashes: Sequence[int] | npt.NDArray[Any]) -> tuple[Bools, U32]:
+    def get_many(self, hashes: Ints) -> tuple[Bools, U32]:
         """Per hash: whether present, and its row (0 where not)."""
         qh = as_u64(hashes, unsigned=True)
         found = np.empty(len(qh), dtype=np.bool_)
@@ -195,11 +193,11 @@ class SourceMap(Indexed):
         _sm_get(self.index, self.hashes, self.rows, self.shift, qh, found, out)
         return found, out
 
-    def any_of(self, hashes: Sequence[int] | npt.NDArray[Any]) -> bool:
+    def any_of(self, hashes: Ints) -> bool:
         """Whether any of ``hashes`` is present."""
         return bool(len(self)) and bool(_sm_any(self.index, self.hashes, self.shift, as_u64(hashes, unsigned=True)))
 
-    def remove_many(self, hashes: Sequence[int] | npt.NDArray[Any]) -> tuple[Bools, U32]:
+    def remove_many(self, hashes: Ints) -> tuple[Bools, U32]:
         """Remove the hashes; per hash whether it was present, and its row (0 where not)."""
         qh = as_u64(hashes, unsigned=True)
         found = np.empty(len(qh), dtype=np.bool_)
@@ -275,7 +273,7 @@ class SourceMap(Indexed):
         return int(self.index.nbytes + int(self.meta[USED]) * (8 + 4))
 
 
-def _as_rows(rows: Sequence[int] | npt.NDArray[Any]) -> U32:
+def _as_rows(rows: Ints) -> U32:
     """KeyTable rows as ``uint32``; a negative row (not found) is refused."""
     arr = np.asarray(rows)
     if arr.dtype == np.uint32:

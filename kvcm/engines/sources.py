@@ -15,10 +15,11 @@ import dataclasses
 import ipaddress
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcm.config import ConfigError
+from kvcm.config import ConfigError, EventsConfig
 from kvcm.engines.hybrid import INCREMENTAL, REPORT_MODES
 from kvcm.engines.scoring import DEFAULT_TIER_WEIGHTS
 from kvcm.errors import InvalidArgument
@@ -28,6 +29,9 @@ _SCHEMES = ("tcp://", "ipc://", "inproc://")
 PUSH = "push"
 _ID = re.compile(r"^[A-Za-z0-9._:@/\-\[\]]{1,200}$")
 
+
+#: A static source from the ``[events]`` config: a JSON object, or its dict (as ``add_event_source``).
+StaticSource = str | Mapping[str, object]
 
 @dataclass(frozen=True)
 class SubscriberSettings:
@@ -58,7 +62,7 @@ class SubscriberSettings:
     push_budget_ms_per_s: float = 200.0  # report work one account (auth off: one source) may cost per second
 
     @classmethod
-    def from_config(cls, cfg: Any) -> SubscriberSettings:
+    def from_config(cls, cfg: EventsConfig) -> SubscriberSettings:
         """Build from ``kvcm.config.EventsConfig`` (fields it lacks keep their defaults)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{n: getattr(cfg, n) for n in names if hasattr(cfg, n)})
@@ -176,7 +180,7 @@ def build_spec(params: dict[str, Any], settings: SubscriberSettings) -> SourceSp
     )
 
 
-def check_report_mode(value: Any) -> str:
+def check_report_mode(value: object) -> str:
     """A source's ``report_mode``, checked strictly (a typo must not count re-reports as holdings)."""
     if not isinstance(value, str) or value not in REPORT_MODES:
         raise InvalidArgument(f"report_mode must be one of {list(REPORT_MODES)} (vLLM's kv_cache_report_mode of the "
@@ -273,7 +277,7 @@ def push_spec(
 _MEDIUM = re.compile(r"^[A-Za-z0-9_\-]{1,32}$")
 
 
-def static_specs(entries: tuple[str, ...] | list[Any], settings: SubscriberSettings) -> list[SourceSpec]:
+def static_specs(entries: Sequence[StaticSource], settings: SubscriberSettings) -> list[SourceSpec]:
     """Static sources from the ``[events]`` config: JSON objects (or dicts) as ``add_event_source``.
 
     :raises ConfigError: naming ``events.sources[i]`` (a config mistake stops start-up)."""
