@@ -22,10 +22,10 @@ import msgspec
 #: What :func:`unpack` can hand back: msgpack's types with maps keyed by strings (the decoders
 #: run with ``strict_map_key``; kvcm's maps are keyed by field names). Read it by narrowing
 #: (``isinstance``) or by converting it into a Struct; it never needs ``Any``.
-Decoded: TypeAlias = "None | bool | int | float | str | bytes | list[Decoded] | dict[str, Decoded]"
+Decoded: TypeAlias = "bool | int | float | str | bytes | list[Decoded] | dict[str, Decoded] | None"
 #: What a reply or request may be built from: the same values, in read-only (covariant) containers,
 #: so a ``list[int]`` or a ``dict[str, str]`` is accepted as it is.
-Encodable: TypeAlias = "None | bool | int | float | str | bytes | Sequence[Encodable] | Mapping[str, Encodable]"
+Encodable: TypeAlias = "bool | int | float | str | bytes | Sequence[Encodable] | Mapping[str, Encodable] | None"
 #: A decoded map (a request's params, a reply's result map).
 DecodedMap: TypeAlias = dict[str, Decoded]
 #: A map a reply or request is built from.
