@@ -18,6 +18,7 @@ default to ``None``. ``msgspec.to_builtins(result)`` gives the plain map back.
 
 from __future__ import annotations
 
+import types
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -327,14 +328,15 @@ class Head(msgspec.Struct, array_like=True):
     msgid: int
 
 
-_DECODERS: dict[Any, msgspec.msgpack.Decoder[Envelope[Any]]] = {}
+_DECODERS: dict[object, msgspec.msgpack.Decoder[Envelope[Any]]] = {}
 
 
-def decoder(result: Any) -> msgspec.msgpack.Decoder[Envelope[Any]]:
-    """The cached decoder of responses whose result is ``result`` (a type)."""
+def decoder(result: type[T]) -> msgspec.msgpack.Decoder[Envelope[T]]:
+    """The cached decoder of responses whose result is ``result`` (a type; ``object`` for any)."""
     dec = _DECODERS.get(result)
     if dec is None:
-        dec = _DECODERS[result] = msgspec.msgpack.Decoder(Envelope[result], ext_hook=refuse_ext)
+        # Envelope[result], built as a value (msgspec reads it as the same generic type)
+        dec = _DECODERS[result] = msgspec.msgpack.Decoder(types.GenericAlias(Envelope, (result,)), ext_hook=refuse_ext)
     return dec
 
 
