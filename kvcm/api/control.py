@@ -1,8 +1,7 @@
 """Control-plane RPCs: storages, instance groups, instances, accounts, snapshots, health.
 
-Request schemas use Tair's proto field names; every request may carry ``trace_id`` and ``auth``;
-an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.proto.schema`). Replies are plain maps; lists keep Tair's (singular) field names
-(``storage``, ``instance_group``, ``instance_info``, ``accounts``).
+The requests are :mod:`kvcm.proto.requests.control`'s. Replies are plain maps; lists keep
+Tair's (singular) field names (``storage``, ``instance_group``, ``instance_info``, ``accounts``).
 """
 
 from __future__ import annotations

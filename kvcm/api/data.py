@@ -5,11 +5,8 @@ read blocks kvcm handed out: they stop being served), ``pin_cache`` and ``unpin_
 pins: keys kept whatever the eviction policy says, :mod:`kvcm.cache.pins`); docs/rpc.md has an
 example of each.
 
-Request schemas use Tair's proto field names; every request may carry ``trace_id`` and ``auth``;
-an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.proto.schema`). Enum values are
-lower-case names (``"prefix_match"``); Tair's spellings (``"QT_PREFIX_MATCH"``,
-``"TS_REMOVE_ALL_CACHE"``) are accepted too. A bool mask may be sent as ``{"bool_masks": [..]}``
-or in proto-JSON form ``{"bool_masks": {"values": [..]}}`` (no other key).
+The requests (and how masks and Tair's enum spellings are sent) are
+:mod:`kvcm.proto.requests.data`'s.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ instance's block size, or ready ``block_keys``), how many leading blocks does ea
 hold, per medium, scored by tier and the caller's loads, best first, grouped by pod too
 (docs/routers.md).
 
-Request schemas accept ``trace_id`` and ``auth`` and refuse unknown fields (INVALID_ARGUMENT
-naming the field); replies are plain maps.
+The requests are :mod:`kvcm.proto.requests.engines`'s; replies are plain maps.
 """
 
 from __future__ import annotations

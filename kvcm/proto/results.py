@@ -54,7 +54,7 @@ class CacheLocations(msgspec.Struct, gc=False):
     key otherwise); ``engine_locations`` only with ``include_engines``."""
 
     locations: list[Location]
-    engine_locations: list[Any] | None = None
+    engine_locations: list[object] | None = None
 
 
 class CacheLocationLen(msgspec.Struct, gc=False):
@@ -78,7 +78,7 @@ class BlockMeta(msgspec.Struct, gc=False):
     updated: float | None = None
     parent: int | None = None
     location_count: int | None = None
-    all: list[dict[str, Any]] | None = None
+    all: list[dict[str, object]] | None = None
 
 
 class CacheMeta(msgspec.Struct, gc=False):
@@ -305,7 +305,7 @@ class Health(msgspec.Struct, gc=False):
     uptime_s: float
     counts: dict[str, int]
     storages: dict[str, StorageHealth]
-    node: dict[str, Any] = {}
+    node: dict[str, object] = {}
 
 
 #: Open-ended admin replies (storages, groups, accounts, snapshots, metrics...).
@@ -317,7 +317,7 @@ class Envelope(msgspec.Struct, Generic[T], array_like=True, gc=False):
 
     kind: int
     msgid: int
-    error: dict[str, Any] | None
+    error: dict[str, object] | None
     result: T | None
 
 
