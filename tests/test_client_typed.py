@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib.machinery
+import importlib.util
 import inspect
+import pathlib
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +20,7 @@ import zmq
 
 from kvcm.client import IDEMPOTENT_METHODS, METHODS, Client
 from kvcm.errors import Code, Conflict, InvalidArgument, NotFound, ServerError, Unavailable
+from kvcm.proto.methods import METHODS as TABLE
 from kvcm.proto.results import (
     CacheLocationLen,
     CacheLocations,
@@ -35,6 +40,7 @@ from kvcm.proto.results import (
 )
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPECS = [{"name": "tp0", "size": 1024}, {"name": "tp1", "size": 1024}]
 
 #: Every RPC of the server when this client was written; a typed method each.
@@ -118,6 +124,66 @@ def test_every_request_field_is_a_typed_parameter(server: Any) -> None:
         def whoami(self, *, timeout: float | None = None) -> Any: ...  # type: ignore[override]
 
     assert surface_gaps(methods, Short) == ["whoami: no parameter for field 'trace_id'"]
+
+
+def test_the_method_table_is_the_servers(server: Any) -> None:
+    """The protocol's method table names exactly the server's methods, each with the request its
+    handler decodes (the server's may add room for its own bookkeeping, never a field), and a
+    client retries only what the server declares safe to retry."""
+    served = server.app.dispatcher.methods
+    assert sorted(TABLE) == sorted(served)
+    for name, rpc in TABLE.items():
+        request = served[name].request
+        assert issubclass(request, rpc.request) and request.__struct_fields__ == rpc.request.__struct_fields__, name
+        assert served[name].idempotent or not rpc.idempotent, name
+    assert set(METHODS) == set(TABLE) and {n for n, rpc in TABLE.items() if rpc.idempotent} == IDEMPOTENT_METHODS
+
+
+def load_generator() -> Any:
+    """scripts/gen_client as a module."""
+    loader = importlib.machinery.SourceFileLoader("gen_client", str(ROOT / "scripts" / "gen_client"))
+    spec = importlib.util.spec_from_loader("gen_client", loader)
+    assert spec is not None
+    gen = importlib.util.module_from_spec(spec)
+    loader.exec_module(gen)
+    return gen
+
+
+def test_a_field_added_to_a_request_is_a_parameter_of_both_clients() -> None:
+    """Adding a field to a request Struct is all it takes: the generator makes it a keyword
+    parameter of the sync and the asyncio method (None: not sent), and the method sends it."""
+    gen = load_generator()
+    rpc = TABLE["remove_event_source"]
+
+    class Wider(rpc.request, kw_only=True):
+        keep_blocks: bool = False
+
+    table = {**TABLE, "remove_event_source": rpc._replace(request=Wider)}
+    sent: list[dict[str, object]] = []
+    for asynchronous, base in ((False, "ClientMethods"), (True, "AsyncClientMethods")):
+        namespace: dict[str, Any] = {}
+        exec(compile(gen.render(table, asynchronous), "<generated>", "exec"), namespace)
+        methods = namespace[base]
+        param = inspect.signature(methods.remove_event_source).parameters["keep_blocks"]
+        assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is None
+        assert param.annotation == "bool | None"
+        assert "keep_blocks" not in inspect.signature(methods.whoami).parameters
+
+        class Probe(methods):
+            def _typed(self, method: str, reply: Any, timeout: Any, **params: object) -> Any:
+                sent.append(params)
+                return params
+
+        class AsyncProbe(methods):
+            async def _typed(self, method: str, reply: Any, timeout: Any, **params: object) -> Any:
+                sent.append(params)
+                return params
+
+        if asynchronous:
+            asyncio.run(AsyncProbe().remove_event_source(source_id="s", keep_blocks=True))
+        else:
+            Probe().remove_event_source(source_id="s", keep_blocks=True)
+    assert sent == [{"source_id": "s", "keep_blocks": True, "trace_id": None}] * 2
 
 
 def test_instances_typed(kv: Client) -> None:

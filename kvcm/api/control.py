@@ -1,30 +1,45 @@
 """Control-plane RPCs: storages, instance groups, instances, accounts, snapshots, health.
 
-Request schemas use Tair's proto field names; every request may carry ``trace_id`` and ``auth``;
-an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.proto.schema`). Replies are plain maps; lists keep Tair's (singular) field names
-(``storage``, ``instance_group``, ``instance_info``, ``accounts``).
+The requests are :mod:`kvcm.proto.requests.control`'s. Replies are plain maps; lists keep
+Tair's (singular) field names (``storage``, ``instance_group``, ``instance_info``, ``accounts``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import msgspec
 
 from kvcm.control.records import (
     OPTIONAL_IDENTITY_FIELDS,
+    Account,
     Instance,
-    InstanceGroup,
-    LocationSpecGroup,
-    LocationSpecInfo,
-    ModelDeployment,
     Storage,
     to_wire,
 )
 from kvcm.control.registry import Registry
 from kvcm.errors import InvalidArgument
+from kvcm.proto.requests import control
+from kvcm.proto.requests.control import (
+    AddAccountRequest,
+    AddStorageRequest,
+    CreateInstanceGroupRequest,
+    Empty,
+    GroupNameRequest,
+    InstanceIdRequest,
+    ListInstanceInfoRequest,
+    LoadConfigSnapshotRequest,
+    ModelDeployment,
+    RegisterInstanceRequest,
+    StorageNameRequest,
+    StorageSpecsRequest,
+    UpdateAccountRequest,
+    UpdateInstanceGroupRequest,
+    UpdateStorageRequest,
+    UserNameRequest,
+)
 from kvcm.proto.schema import RequestBase
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Method
@@ -36,148 +51,68 @@ def _given(value: T | msgspec.UnsetType, default: Callable[[], T]) -> T:
     return default() if value is msgspec.UNSET else value
 
 
-# msgspec.Struct named again only so that linters see a Struct (its defaults are copied, not shared).
-class _Request(RequestBase, msgspec.Struct, kw_only=True):
-    pass
-
-
-class Empty(_Request):
-    pass
-
-
-class AddStorageRequest(_Request):
-    storage: Storage
-    # Take over a directory that is not empty and carries no ownership marker of this kvcm
-    # (files kvcm did not name are still never swept or deleted).
-    adopt_directory: bool = False
-
-
-class UpdateStorageRequest(_Request):
-    storage: Storage
-    force_update: bool = False  # accepted for Tair compatibility; updates are always in place
-
-
-class StorageNameRequest(_Request):
-    storage_unique_name: str
-
-
-class CreateInstanceGroupRequest(_Request):
-    instance_group: InstanceGroup
-
-
-class UpdateInstanceGroupRequest(_Request):
-    instance_group: dict[str, Any]  # partial: the fields given replace the stored ones
-    current_version: int | None = None
-    expected_version: int | None = None  # alias of current_version
-
-
-class GroupNameRequest(_Request):
-    name: str
-
-
-class RegisterInstanceRequest(_Request):
-    instance_group: str
-    instance_id: str
-    block_size: int
-    # Left out: attach to the registered instance whatever its value; a new instance takes the
-    # default (no specs = a router-only instance, engine tier only).
-    location_spec_infos: list[LocationSpecInfo] | msgspec.UnsetType = msgspec.UNSET
-    model_deployment: ModelDeployment | msgspec.UnsetType = msgspec.UNSET
-    location_spec_groups: list[LocationSpecGroup] | msgspec.UnsetType = msgspec.UNSET
-
-
-class InstanceIdRequest(_Request):
-    instance_id: str
-    instance_group: str = ""  # accepted and ignored, as in Tair
-
-
-class StorageSpecsRequest(_Request):
-    instance_id: str
-
-
-class ListInstanceInfoRequest(_Request):
-    instance_group_name: str = ""  # "" = all groups
-
-
-class AddAccountRequest(_Request):
-    user_name: str
-    password: str
-    role: str = "user"
-    groups: list[str] = []  # instance groups the account may use; none by default, ["*"] = all
-
-
-class UpdateAccountRequest(_Request):
-    user_name: str
-    password: str | None = None
-    role: str | None = None
-    groups: list[str] | None = None  # replaces the account's groups when given
-
-
-class UserNameRequest(_Request):
-    user_name: str
-
-
-class LoadConfigSnapshotRequest(_Request):
-    config_snapshot: dict[str, Any] | str  # a gen_config_snapshot map, or its JSON text
+def _record(storage: control.Storage) -> Storage:
+    """The request's storage as the registry's record (the same fields)."""
+    return Storage(**msgspec.structs.asdict(storage))
 
 
 class _Handlers:
     """Thin adapters from request Structs to :class:`Registry` calls and reply maps."""
 
     def __init__(
-        self, registry: Registry, info: Callable[[], dict[str, Any]], auth: Authenticator | None = None
+        self, registry: Registry, info: Callable[[], Mapping[str, object]], auth: Authenticator | None = None
     ) -> None:
         self.registry = registry
         self.info = info
         self.auth = auth
         self.started = time.time()
 
-    def _caller(self, req: Any) -> str | None:
+    def _caller(self, req: RequestBase) -> str | None:
         """The calling account when auth is on: guards refuse to let it lock itself out."""
         return None if self.auth is None else self.auth.caller(req)
 
     # storages
-    def add_storage(self, req: AddStorageRequest) -> dict[str, Any]:
-        return {"storage": to_wire(self.registry.add_storage(req.storage, adopt=req.adopt_directory))}
+    def add_storage(self, req: AddStorageRequest) -> dict[str, object]:
+        return {"storage": to_wire(self.registry.add_storage(_record(req.storage), adopt=req.adopt_directory))}
 
-    def update_storage(self, req: UpdateStorageRequest) -> dict[str, Any]:
-        return {"storage": to_wire(self.registry.update_storage(req.storage))}
+    def update_storage(self, req: UpdateStorageRequest) -> dict[str, object]:
+        return {"storage": to_wire(self.registry.update_storage(_record(req.storage)))}
 
-    def enable_storage(self, req: StorageNameRequest) -> dict[str, Any]:
+    def enable_storage(self, req: StorageNameRequest) -> dict[str, object]:
         return {"storage": to_wire(self.registry.set_storage_enabled(req.storage_unique_name, True))}
 
-    def disable_storage(self, req: StorageNameRequest) -> dict[str, Any]:
+    def disable_storage(self, req: StorageNameRequest) -> dict[str, object]:
         return {"storage": to_wire(self.registry.set_storage_enabled(req.storage_unique_name, False))}
 
-    def remove_storage(self, req: StorageNameRequest) -> dict[str, Any]:
+    def remove_storage(self, req: StorageNameRequest) -> dict[str, object]:
         self.registry.remove_storage(req.storage_unique_name)
         return {}
 
-    def list_storage(self, req: Empty) -> dict[str, Any]:
+    def list_storage(self, req: Empty) -> dict[str, object]:
         return {"storage": [to_wire(s) for s in self.registry.list_storages()]}
 
     # instance groups
-    def create_instance_group(self, req: CreateInstanceGroupRequest) -> dict[str, Any]:
+    def create_instance_group(self, req: CreateInstanceGroupRequest) -> dict[str, object]:
         return {"instance_group": to_wire(self.registry.create_group(req.instance_group))}
 
-    def update_instance_group(self, req: UpdateInstanceGroupRequest) -> dict[str, Any]:
+    def update_instance_group(self, req: UpdateInstanceGroupRequest) -> dict[str, object]:
         version = req.current_version if req.current_version is not None else req.expected_version
         if version is None:
             raise InvalidArgument("current_version: required (the version you read; see get_instance_group)")
         return {"instance_group": to_wire(self.registry.update_group(req.instance_group, version))}
 
-    def remove_instance_group(self, req: GroupNameRequest) -> dict[str, Any]:
+    def remove_instance_group(self, req: GroupNameRequest) -> dict[str, object]:
         self.registry.remove_group(req.name)
         return {}
 
-    def get_instance_group(self, req: GroupNameRequest) -> dict[str, Any]:
+    def get_instance_group(self, req: GroupNameRequest) -> dict[str, object]:
         return {"instance_group": to_wire(self.registry.get_group(req.name))}
 
-    def list_instance_groups(self, req: Empty) -> dict[str, Any]:
+    def list_instance_groups(self, req: Empty) -> dict[str, object]:
         return {"instance_group": [to_wire(g) for g in self.registry.list_groups()]}
 
     # instances
-    def register_instance(self, req: RegisterInstanceRequest) -> dict[str, Any]:
+    def register_instance(self, req: RegisterInstanceRequest) -> dict[str, object]:
         given = frozenset(name for name in OPTIONAL_IDENTITY_FIELDS if getattr(req, name) is not msgspec.UNSET)
         instance = Instance(
             instance_id=req.instance_id,
@@ -188,15 +123,15 @@ class _Handlers:
             model_deployment=_given(req.model_deployment, ModelDeployment),
         )
         done = self.registry.register_instance(instance, given)
-        # Any data-plane user registers: its storage specs are the client-visible fields only,
+        # Every data-plane user registers: its storage specs are the client-visible fields only,
         # as get_storage_specs shows them (a connection URL may embed credentials).
-        return {"storage_configs": [_visible(to_wire(s)) for s in done.storages], "created": done.created}
+        return {"storage_configs": [_visible(s) for s in done.storages], "created": done.created}
 
-    def get_instance_info(self, req: InstanceIdRequest) -> dict[str, Any]:
+    def get_instance_info(self, req: InstanceIdRequest) -> dict[str, object]:
         instance = self.registry.get_instance(req.instance_id)
         return {"instance_group": instance.instance_group, "instance_info": to_wire(instance)}
 
-    def get_storage_specs(self, req: StorageSpecsRequest) -> dict[str, Any]:
+    def get_storage_specs(self, req: StorageSpecsRequest) -> dict[str, object]:
         """The client-visible part of the storages the instance may use (its group's candidates,
         in order): what :mod:`kvcm.blocks` needs to turn a URI into bytes, and nothing else."""
         instance = self.registry.get_instance(req.instance_id)
@@ -204,43 +139,43 @@ class _Handlers:
         known = {s.global_unique_name: s for s in self.registry.list_storages()}
         return {"storages": [client_storage(known[name]) for name in names if name in known]}
 
-    def list_instance_info(self, req: ListInstanceInfoRequest) -> dict[str, Any]:
+    def list_instance_info(self, req: ListInstanceInfoRequest) -> dict[str, object]:
         instances = self.registry.list_instances(req.instance_group_name)
         visible = None if self.auth is None else self.auth.visible(req)
         if visible is not None:  # a non-admin sees the instances of its own groups only
             instances = [i for i in instances if visible(i.instance_id)]
         return {"instance_info": [to_wire(i) for i in instances]}
 
-    def remove_instance(self, req: InstanceIdRequest) -> dict[str, Any]:
+    def remove_instance(self, req: InstanceIdRequest) -> dict[str, object]:
         self.registry.remove_instance(req.instance_id)
         return {}
 
     # accounts
-    def add_account(self, req: AddAccountRequest) -> dict[str, Any]:
+    def add_account(self, req: AddAccountRequest) -> dict[str, object]:
         return {"account": _account(self.registry.add_account(req.user_name, req.password, req.role, req.groups))}
 
-    def update_account(self, req: UpdateAccountRequest) -> dict[str, Any]:
+    def update_account(self, req: UpdateAccountRequest) -> dict[str, object]:
         account = self.registry.update_account(
             req.user_name, req.password, req.role, req.groups, caller=self._caller(req)
         )
         return {"account": _account(account)}
 
-    def delete_account(self, req: UserNameRequest) -> dict[str, Any]:
+    def delete_account(self, req: UserNameRequest) -> dict[str, object]:
         self.registry.delete_account(req.user_name, caller=self._caller(req))
         return {}
 
-    def list_account(self, req: Empty) -> dict[str, Any]:
+    def list_account(self, req: Empty) -> dict[str, object]:
         return {"accounts": [_account(a) for a in self.registry.list_accounts()]}
 
     # snapshots
-    def gen_config_snapshot(self, req: Empty) -> dict[str, Any]:
+    def gen_config_snapshot(self, req: Empty) -> dict[str, object]:
         return {"config_snapshot": self.registry.gen_config_snapshot()}
 
-    def load_config_snapshot(self, req: LoadConfigSnapshotRequest) -> dict[str, Any]:
+    def load_config_snapshot(self, req: LoadConfigSnapshotRequest) -> dict[str, object]:
         return {"loaded": self.registry.load_config_snapshot(req.config_snapshot, caller=self._caller(req))}
 
     # health
-    def check_health(self, req: Empty) -> dict[str, Any]:
+    def check_health(self, req: Empty) -> dict[str, object]:
         storages = self.registry.list_storages()
         return {
             "status": "ok",
@@ -252,11 +187,11 @@ class _Handlers:
             "node": self.info(),
         }
 
-    def get_manager_cluster_info(self, req: Empty) -> dict[str, Any]:
+    def get_manager_cluster_info(self, req: Empty) -> dict[str, object]:
         return cluster_info(self.info(), self.started)
 
 
-def cluster_info(info: dict[str, Any], started: float) -> dict[str, Any]:
+def cluster_info(info: Mapping[str, object], started: float) -> dict[str, object]:
     """``get_manager_cluster_info`` from a node's facts. With the leader lease, ``info["ha"]``
     holds the lease's view (``is_leader``, ``leader_node_id``, ``leader_endpoint``, ``epoch``,
     ``lease_expires_at``); without it this node is the only one and leads forever."""
@@ -310,22 +245,24 @@ CLIENT_SPEC_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def client_storage(storage: Storage) -> dict[str, Any]:
+def client_storage(storage: Storage) -> dict[str, object]:
     """One storage as ``get_storage_specs`` shows it: name, type and the whitelisted spec fields."""
-    fields = CLIENT_SPEC_FIELDS.get(storage.storage_type, ())
-    spec = {key: storage.storage_spec[key] for key in fields if key in storage.storage_spec}
     return {"global_unique_name": storage.global_unique_name, "storage_type": storage.storage_type,
-            "storage_spec": spec}
+            "storage_spec": _visible_spec(storage)}
 
 
-def _visible(storage: dict[str, Any]) -> dict[str, Any]:
+def _visible_spec(storage: Storage) -> dict[str, object]:
+    """The storage's spec cut to :data:`CLIENT_SPEC_FIELDS`."""
+    fields = CLIENT_SPEC_FIELDS.get(storage.storage_type, ())
+    return {key: storage.storage_spec[key] for key in fields if key in storage.storage_spec}
+
+
+def _visible(storage: Storage) -> dict[str, object]:
     """A storage's wire form with its spec cut to :data:`CLIENT_SPEC_FIELDS`."""
-    fields = CLIENT_SPEC_FIELDS.get(storage["storage_type"], ())
-    spec = storage.get("storage_spec") or {}
-    return {**storage, "storage_spec": {key: spec[key] for key in fields if key in spec}}
+    return {**to_wire(storage), "storage_spec": _visible_spec(storage)}
 
 
-def _account(account: Any) -> dict[str, Any]:
+def _account(account: Account) -> dict[str, object]:
     """Never the hash: an account on the wire is its name, role and instance groups."""
     return {"user_name": account.user_name, "role": account.role, "groups": list(account.groups)}
 
@@ -361,7 +298,7 @@ _TABLE: tuple[tuple[str, type, bool, bool, bool], ...] = (
 
 def methods(
     registry: Registry,
-    info: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+    info: Mapping[str, object] | Callable[[], Mapping[str, object]] | None = None,
     auth: Authenticator | None = None,
 ) -> list[Method]:
     """Every control-plane method. ``info``: facts about this node (e.g. ``node_id``, ``endpoint``,
@@ -380,9 +317,9 @@ def methods(
     ]
 
 
-def _storage_health(storage: Any, reasons: dict[str, str]) -> dict[str, Any]:
+def _storage_health(storage: Storage, reasons: dict[str, str]) -> dict[str, object]:
     """``enabled``/``available`` of one storage, and why it is unavailable when it is."""
-    out: dict[str, Any] = {"enabled": storage.enabled, "available": storage.available}
+    out: dict[str, object] = {"enabled": storage.enabled, "available": storage.available}
     reason = reasons.get(storage.global_unique_name)
     if not storage.available:
         out["unavailable_reason"] = reason or "unavailable at the last probe"

@@ -5,19 +5,14 @@ read blocks kvcm handed out: they stop being served), ``pin_cache`` and ``unpin_
 pins: keys kept whatever the eviction policy says, :mod:`kvcm.cache.pins`); docs/rpc.md has an
 example of each.
 
-Request schemas use Tair's proto field names; every request may carry ``trace_id`` and ``auth``;
-an unknown field, at any depth, is INVALID_ARGUMENT (:mod:`kvcm.proto.schema`). Enum values are
-lower-case names (``"prefix_match"``); Tair's spellings (``"QT_PREFIX_MATCH"``,
-``"TS_REMOVE_ALL_CACHE"``) are accepted too. A bool mask may be sent as ``{"bool_masks": [..]}``
-or in proto-JSON form ``{"bool_masks": {"values": [..]}}`` (no other key).
+The requests (and how masks and Tair's enum spellings are sent) are
+:mod:`kvcm.proto.requests.data`'s.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any
-
-import msgspec
+from collections.abc import Mapping
 
 from kvcm.api.costs import (
     REPLY_BYTES_PER_SPEC,
@@ -34,123 +29,34 @@ from kvcm.cache.masks import BlockMask
 from kvcm.engines.service import EngineService
 from kvcm.errors import InvalidArgument
 from kvcm.proto import wire
-from kvcm.proto.extra_keys import CacheSalt, ExtraKeys, LoraName, MmFeatures, check_request, request_extras
-from kvcm.proto.schema import KEYS_CEILING, Flags, Int64, Keys, RequestBase, Tokens
+from kvcm.proto.extra_keys import check_request, request_extras
+from kvcm.proto.requests.data import (
+    BoolMasks,
+    FinishWriteCacheRequest,
+    GetCacheLocationLenRequest,
+    GetCacheLocationRequest,
+    GetCacheMetaRequest,
+    KeysRequest,
+    PinCacheRequest,
+    RemoveCacheRequest,
+    ReportLostRequest,
+    SentLocation,
+    StartWriteCacheRequest,
+    TrimCacheRequest,
+    UnpinCacheRequest,
+    WireMask,
+)
 from kvcm.proto.uris import parse_block_uri
+from kvcm.proto.wire import Raw
 from kvcm.rpc.dispatch import Estimate, Method
-
-InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-
-
-class BoolMasks(msgspec.Struct, forbid_unknown_fields=True):
-    """Tair's proto-JSON form of a bool mask, ``{"values": [..]}``."""
-
-    values: Flags = []
-
-
-class WireMask(msgspec.Struct, forbid_unknown_fields=True):
-    offset: int | None = None
-    bool_masks: Flags | BoolMasks | None = None
-
-    def to_mask(self) -> BlockMask:
-        values = self.bool_masks
-        return BlockMask(self.offset, values.values if isinstance(values, BoolMasks) else values)
 
 
 def _mask(mask: WireMask | None) -> BlockMask | None:
-    return None if mask is None else mask.to_mask()
-
-
-# msgspec.Struct named again only so that linters see a Struct (its defaults are copied, not shared).
-class _Request(RequestBase, msgspec.Struct, kw_only=True):
-    instance_id: InstanceId
-
-
-class _Keys(_Request, kw_only=True):
-    block_keys: Keys = []
-    token_ids: Tokens = []
-    # A prompt's extra keys (docs/engines.md#keys-block-sizes-namespaces), mixed into the keys of
-    # its token_ids: per block as vLLM sends them, or what vLLM's rule derives them from.
-    # lora_name also names the adapter whose engine blocks include_engines lists.
-    extra_keys: ExtraKeys | None = None
-    mm_features: MmFeatures | None = None
-    lora_name: LoraName | None = None
-    cache_salt: CacheSalt | None = None
-
-
-class GetCacheLocationRequest(_Keys, kw_only=True):
-    query_type: str
-    block_mask: WireMask | None = None
-    sw_size: int = 0
-    location_spec_names: list[str] = []
-    include_engines: bool = False  # add "engine_locations": per key, the engines holding it
-
-
-class GetCacheLocationLenRequest(_Keys, kw_only=True):
-    """``get_cache_location``'s lookup fields (engine holders have no count of their own)."""
-
-    query_type: str
-    block_mask: WireMask | None = None
-    sw_size: int = 0
-    location_spec_names: list[str] = []
-
-
-class GetCacheMetaRequest(_Keys, kw_only=True):
-    block_mask: WireMask | None = None
-    detail_level: int = 0
-
-
-class StartWriteCacheRequest(_Keys, kw_only=True):
-    location_spec_group_names: list[str] = []
-    write_timeout_seconds: float = 0.0  # 0 = the server's cache.write_timeout_seconds
-
-
-class SentLocationSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    name: Annotated[str, msgspec.Meta(max_length=256)] = ""
-    uri: Annotated[str, msgspec.Meta(max_length=4096)] = ""
-
-
-class SentLocation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A location a Tair client echoes back on finish: the shape kvcm handed out."""
-
-    type: Annotated[str, msgspec.Meta(max_length=64)] = ""
-    spec_size: int = 0
-    location_specs: Annotated[list[SentLocationSpec], msgspec.Meta(max_length=256)] = []
-
-
-class FinishWriteCacheRequest(_Request, kw_only=True):
-    write_session_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-    success_blocks: WireMask | None = None
-    # Accepted and not used, as in Tair (the session knows its locations), but held to the
-    # shape kvcm hands out: a URI of another scheme is a client bug worth an error, not silence.
-    locations: Annotated[list[SentLocation], msgspec.Meta(max_length=KEYS_CEILING)] = []
-
-
-class RemoveCacheRequest(_Keys, kw_only=True):
-    block_mask: WireMask | None = None
-
-
-class ReportLostRequest(_Keys, kw_only=True):
-    block_mask: WireMask | None = None
-
-
-class TrimCacheRequest(_Request, kw_only=True):
-    strategy: str
-    begin_timestamp: int = 0  # wall-clock microseconds (Tair's __lru_time__ unit)
-    end_timestamp: int = 0
-
-
-#: A pin request's keys: at least one (an empty pin is a mistake, never "pin nothing").
-PinKeys = Annotated[list[Int64], msgspec.Meta(min_length=1, max_length=KEYS_CEILING)]
-
-
-class PinCacheRequest(_Request, kw_only=True):
-    block_keys: PinKeys
-    ttl_seconds: Annotated[float, msgspec.Meta(gt=0)]  # at most cache.max_pin_ttl_s
-
-
-class UnpinCacheRequest(_Request, kw_only=True):
-    block_keys: PinKeys
+    """A request's mask as the data plane takes it (a proto-JSON ``{"values": [..]}`` unwrapped)."""
+    if mask is None:
+        return None
+    values = mask.bool_masks
+    return BlockMask(mask.offset, values.values if isinstance(values, BoolMasks) else values)
 
 
 @functools.lru_cache(maxsize=256)  # on every request; the handful of spellings repeat
@@ -169,7 +75,7 @@ class CacheApi:
         self.m = manager
         self.engines = engines
 
-    def get_cache_location(self, r: GetCacheLocationRequest) -> Any:
+    def get_cache_location(self, r: GetCacheLocationRequest) -> Raw | dict[str, object]:
         reply = self.m.get_cache_location(r.instance_id, _enum(r.query_type, "qt_"), r.block_keys, r.token_ids,
                                           _mask(r.block_mask), r.sw_size, r.location_spec_names)
         if not r.include_engines:
@@ -177,7 +83,7 @@ class CacheApi:
         if self.engines is None:
             raise InvalidArgument("include_engines: the engine tier is disabled on this server")
         # Rare path: decode the spliced reply once to add the engine holders of each key.
-        result = wire.unpack(reply.data)
+        result: dict[str, object] = wire.unpack(reply.data)
         result["engine_locations"] = self.engines.engine_locations(r.instance_id, self._keys(r), r.lora_name)
         return result
 
@@ -186,33 +92,33 @@ class CacheApi:
                                               _mask(r.block_mask), r.sw_size, r.location_spec_names)
         return {"cache_location_len": count}
 
-    def get_cache_meta(self, r: GetCacheMetaRequest) -> Any:
+    def get_cache_meta(self, r: GetCacheMetaRequest) -> Mapping[str, object]:
         return self.m.get_cache_meta(r.instance_id, r.block_keys, r.token_ids, _mask(r.block_mask), r.detail_level)
 
-    def start_write_cache(self, r: StartWriteCacheRequest) -> Any:
+    def start_write_cache(self, r: StartWriteCacheRequest) -> Raw:
         return self.m.start_write_cache(r.instance_id, r.block_keys, r.token_ids, r.location_spec_group_names,
                                         r.write_timeout_seconds)
 
-    def finish_write_cache(self, r: FinishWriteCacheRequest) -> Any:
+    def finish_write_cache(self, r: FinishWriteCacheRequest) -> Mapping[str, object]:
         _check_sent_uris(r.locations)
         return self.m.finish_write_cache(r.instance_id, r.write_session_id, _mask(r.success_blocks))
 
-    def remove_cache(self, r: RemoveCacheRequest) -> Any:
+    def remove_cache(self, r: RemoveCacheRequest) -> Mapping[str, object]:
         return self.m.remove_cache(r.instance_id, r.block_keys, r.token_ids, _mask(r.block_mask))
 
-    def report_lost(self, r: ReportLostRequest) -> Any:
+    def report_lost(self, r: ReportLostRequest) -> Mapping[str, object]:
         return self.m.report_lost(r.instance_id, r.block_keys, r.token_ids, _mask(r.block_mask))
 
-    def trim_cache(self, r: TrimCacheRequest) -> Any:
+    def trim_cache(self, r: TrimCacheRequest) -> Mapping[str, object]:
         return self.m.trim_cache(r.instance_id, _enum(r.strategy, "ts_"), r.begin_timestamp, r.end_timestamp)
 
-    def pin_cache(self, r: PinCacheRequest) -> Any:
+    def pin_cache(self, r: PinCacheRequest) -> Mapping[str, object]:
         return self.m.pin_cache(r.instance_id, r.block_keys, r.ttl_seconds)
 
-    def unpin_cache(self, r: UnpinCacheRequest) -> Any:
+    def unpin_cache(self, r: UnpinCacheRequest) -> Mapping[str, object]:
         return self.m.unpin_cache(r.instance_id, r.block_keys)
 
-    def _keys(self, r: _Keys) -> list[int]:
+    def _keys(self, r: KeysRequest) -> list[int]:
         return derive_keys(r.block_keys, r.token_ids, self.m.instance(r.instance_id).block_size)
 
 
@@ -232,7 +138,7 @@ class CacheCosts:
         self.m = manager
         self.engines = engines
 
-    def tokens(self, r: _Keys) -> TokenWork | None:
+    def tokens(self, r: KeysRequest) -> TokenWork | None:
         check_request(bool(r.token_ids) and not r.block_keys, r.extra_keys, r.mm_features, r.cache_salt)
         if r.block_keys or not r.token_ids:
             return None
@@ -245,7 +151,7 @@ class CacheCosts:
                                 mm_features=r.mm_features, lora_name=r.lora_name, cache_salt=r.cache_salt)
         return TokenWork(r.token_ids, block_size, done, extras)
 
-    def _per_key(self, r: _Keys, per_key: float, reply: bool = True) -> Estimate:
+    def _per_key(self, r: KeysRequest, per_key: float, reply: bool = True) -> Estimate:
         keys = len(r.block_keys)
         reply_bytes = keys * len(self.m.instance(r.instance_id).specs) * REPLY_BYTES_PER_SPEC if reply and keys else 0
         return Estimate(keys * per_key, reply_bytes, per_key, keys)

@@ -6,134 +6,50 @@ instance's block size, or ready ``block_keys``), how many leading blocks does ea
 hold, per medium, scored by tier and the caller's loads, best first, grouped by pod too
 (docs/routers.md).
 
-Request schemas accept ``trace_id`` and ``auth`` and refuse unknown fields (INVALID_ARGUMENT
-naming the field); replies are plain maps.
+The requests are :mod:`kvcm.proto.requests.engines`'s; replies are plain maps.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from operator import attrgetter
-from typing import Annotated, Any, Literal
+from typing import TypeVar
 
 import msgspec
 
 from kvcm.api.costs import US_PER_KEY, US_PER_MATCH_OPTION
 from kvcm.api.token_keys import TokenWork, hash_tokens
 from kvcm.cache.manager import CacheManager
-from kvcm.engines.index import KEYED, MAX_LABEL
+from kvcm.engines.index import KEYED
 from kvcm.engines.push import Report, Reporter
-from kvcm.engines.scoring import BLOCKS, MAX_LOAD, SCORE, SOURCE, pod_summary
+from kvcm.engines.scoring import BLOCKS, SCORE, SOURCE, pod_summary
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SourceSpec
 from kvcm.errors import Code, InvalidArgument, error
-from kvcm.proto.extra_keys import MAX_BLOCK_BYTES, CacheSalt, ExtraKeys, MmFeatures, check_request, request_extras
+from kvcm.proto.extra_keys import MAX_BLOCK_BYTES, check_request, request_extras
 from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, count_events
-from kvcm.proto.schema import KEYS_CEILING, Keys, RequestBase, Tokens
+from kvcm.proto.requests import engines as requests
+from kvcm.proto.requests.engines import (
+    AddEvent,
+    AddEventSourceRequest,
+    ClearEvent,
+    GetHostCacheStateRequest,
+    ListEventSourcesRequest,
+    MatchEnginesRequest,
+    NoteRoutedRequest,
+    Payload,
+    RemoveEvent,
+    RemoveEventSourceRequest,
+)
+from kvcm.proto.schema import RequestBase
 from kvcm.proto.wire import Raw
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Estimate, Method
 
-#: ``loads``: source id -> load, each checked while decoding (a router sends a hundred per call),
-#: at most one per source events.max_sources allows at its most. NaN fails the bounds too.
-Loads = Annotated[
-    dict[Annotated[str, msgspec.Meta(max_length=200)], Annotated[float, msgspec.Meta(ge=0.0, le=MAX_LOAD)]],
-    msgspec.Meta(max_length=16000),
-]
-#: A medium name as queries give it (the engine index holds none longer).
-Medium = Annotated[str, msgspec.Meta(max_length=MAX_LABEL)]
-#: ``media`` filters: a handful of names, bounded so that no filter costs more than its keys.
-MAX_MEDIA = 64
-Media = Annotated[list[Medium], msgspec.Meta(max_length=MAX_MEDIA)]
-#: An adapter name as queries give it.
-LoraName = Annotated[str, msgspec.Meta(max_length=MAX_LABEL)]
-#: vLLM's ``kv_cache_report_mode``: ``full`` also re-reports reused prefixes (docs/engines.md).
-ReportMode = Literal["incremental", "full"]
-
-
-# msgspec.Struct named again only so that linters see a Struct (its defaults are copied, not shared).
-class _Request(RequestBase, msgspec.Struct, kw_only=True):
-    pass
-
-
-class AddEventSourceRequest(_Request):
-    source_id: str
-    instance_id: str
-    endpoint: str | None = None  # PUB endpoint as given (tcp://, ipc://, inproc://)
-    replay_endpoint: str | None = None  # replay ROUTER; absent = no replay (endpoint form)
-    host: str | None = None  # instead of endpoint: tcp://host:port+dp_rank (IPv4, IPv6, DNS)
-    port: int | None = None  # default events.pub_port (5557)
-    replay_port: int | None = None  # default events.replay_port (5558)
-    replay: bool = True  # host form only: false = no replay ROUTER
-    topic: str = ""
-    dp_rank: int = 0
-    pod: str | None = None  # the pod this DP rank belongs to (match_engines groups by it); absent = source_id
-    report_mode: ReportMode | None = None  # vLLM's kv_cache_report_mode of the engine's requests; absent = incremental
-    replay_timeout_s: float | None = None
-    backoff_initial_s: float | None = None
-    backoff_max_s: float | None = None
-    poll_ms: int | None = None
-
-
-class RemoveEventSourceRequest(_Request):
-    source_id: str
-
-
-class ListEventSourcesRequest(_Request):
-    instance_id: str | None = None
-
-
-class MatchEnginesRequest(_Request):
-    instance_id: str
-    token_ids: Tokens = []
-    block_keys: Keys = []
-    lora_name: LoraName | None = None  # the adapter's namespace; enters the keys of token_ids too
-    extra_keys: ExtraKeys | None = None  # per block, as vLLM sends them (docs/engines.md#keys-block-sizes-namespaces)
-    mm_features: MmFeatures | None = None  # or what vLLM's rule derives them from
-    cache_salt: CacheSalt | None = None
-    media: Media | None = None  # e.g. ["GPU"]; absent = every medium
-    medium: Medium | None = None  # shorthand for media=[medium]
-    group_idx: int | None = None  # absent = full-attention-like groups
-    limit: int = 0  # 0 = every source with a match
-    include_stale: bool = False  # also match sources not heard for events.stale_after_s
-    top_k: int = 0  # the same as limit (the name routers use); give one of them
-    loads: Loads | None = None  # source_id -> load, subtracted from its score (docs/routers.md)
-    include_storage: bool = False  # add the storage tier's prefix as the pseudo-source "storage"
-
-
-class NoteRoutedRequest(_Request):
-    instance_id: str
-    source_id: str
-    token_ids: Tokens = []
-    block_keys: Keys = []
-    lora_name: LoraName | None = None  # the adapter the prompt runs with (matches of that adapter count it)
-    extra_keys: ExtraKeys | None = None
-    mm_features: MmFeatures | None = None
-    cache_salt: CacheSalt | None = None
-    ttl_s: float = 2.0  # at most events.speculative_max_ttl_s
-
-
-class GetHostCacheStateRequest(_Request):
-    """Tair KVCM's GetHostCacheState, answered from match_engines (docs/routers.md)."""
-
-    instance_id: str
-    block_cache_keys: Keys = []  # Tair's name of block_keys
-    block_keys: Keys = []
-    token_ids: Tokens = []
-    lora_name: LoraName | None = None
-    extra_keys: ExtraKeys | None = None
-    mm_features: MmFeatures | None = None
-    cache_salt: CacheSalt | None = None
-    query_type: str | int = "prefix_match"  # prefix matching only: "prefix_match", "QT_PREFIX_MATCH" or 2
-    medium: Media | None = None  # Tair's media filter; absent or empty = every medium
-    p2p_host_count: int = 0  # Tair's P2P peer count: accepted, kvcm does not plan P2P fetches
-    top_k: int = 0  # 0 = every host
-    loads: Loads | None = None
-    include_stale: bool = False
-    include_storage: bool = True
-
+T = TypeVar("T")
+A = TypeVar("A")
 
 #: RequestBase's fields: the dispatcher's business, never part of a source's definition.
 _COMMON = frozenset(RequestBase.__struct_fields__)
@@ -147,14 +63,14 @@ class _Handlers:
         self.auth = auth
         self.cache = cache
 
-    def add_event_source(self, req: AddEventSourceRequest) -> dict[str, Any]:
+    def add_event_source(self, req: AddEventSourceRequest) -> Mapping[str, object]:
         params = {f: getattr(req, f) for f in req.__struct_fields__ if f not in _COMMON}
         return self.service.add_source(params)
 
-    def remove_event_source(self, req: RemoveEventSourceRequest) -> dict[str, Any]:
+    def remove_event_source(self, req: RemoveEventSourceRequest) -> Mapping[str, object]:
         return self.service.remove_source(req.source_id)
 
-    def list_event_sources(self, req: ListEventSourcesRequest) -> dict[str, Any]:
+    def list_event_sources(self, req: ListEventSourcesRequest) -> Mapping[str, object]:
         # A non-admin sees the sources (endpoints included) of its own groups' instances only.
         visible = None if self.auth is None else self.auth.visible(req)
         return self.service.list_sources(req.instance_id, visible)
@@ -231,11 +147,11 @@ class _Handlers:
             raise InvalidArgument("include_storage: this server has no storage tier to ask")
         return cache.get_cache_location_len(instance_id, "prefix_match", keys, None, None) if keys else 0
 
-    def note_routed(self, req: NoteRoutedRequest) -> dict[str, Any]:
+    def note_routed(self, req: NoteRoutedRequest) -> Mapping[str, object]:
         return self.service.note_routed(req.instance_id, req.source_id, req.token_ids, req.block_keys, req.ttl_s,
                                         req.lora_name)  # fmt: skip
 
-    def get_host_cache_state(self, req: GetHostCacheStateRequest) -> dict[str, Any]:
+    def get_host_cache_state(self, req: GetHostCacheStateRequest) -> dict[str, object]:
         """Tair's per-host answer from the same ranking: ``local`` is the pod's own prefix,
         ``p2p_1_total_match`` the longest prefix held anywhere (any engine, or kvcm's storage
         tier) and ``p2p_1_fetch`` the blocks the pod would fetch to reach it."""
@@ -264,7 +180,7 @@ class _Handlers:
                 "storage": stored, "hosts": hosts[:limit] if limit else hosts}  # fmt: skip
 
 
-def _host(pod: str, local: int, shared: int, score: float, best: str, ranks: list[str]) -> dict[str, Any]:
+def _host(pod: str, local: int, shared: int, score: float, best: str, ranks: list[str]) -> dict[str, object]:
     return {"host_ip_port": pod, "local": local, "p2p_1_fetch": max(0, shared - local),
             "p2p_1_total_match": max(shared, local), "score": score, "best_source": best, "sources": ranks}  # fmt: skip
 
@@ -312,89 +228,17 @@ def _options_us(media: list[str] | None, loads: dict[str, float] | None) -> floa
 
 # --- report_events (push sources: kvcm/engines/push.py) ------------------------------------------
 
-#: An engine block hash: an int (unsigned 64-bit, or SGLang's signed int64) or up to 64 bytes.
-#: (msgpack itself bounds ints to that range; msgspec cannot express a bound past int64.)
-Hash = int | Annotated[bytes, msgspec.Meta(max_length=64)]
-Hashes = Annotated[list[Hash], msgspec.Meta(max_length=KEYS_CEILING)]
-Name = Annotated[str, msgspec.Meta(max_length=200)]
-Seq = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
-#: A batch's time (seconds): finite, and never a date no clock gives (NaN fails the bounds too).
-Ts = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
 _UNSET = msgspec.UNSET
 _ENCODE = msgspec.msgpack.Encoder().encode
-#: Bounds of one report: what one turn's budget can apply (docs/engines.md#push-ingestion).
-MAX_REPORT_EVENTS = 4096
-MAX_REPORT_PAYLOADS = 1024
+#: Bounds of one report's decoded work: what one turn's budget can apply (docs/engines.md#push-ingestion).
 MAX_REPORT_BLOCKS = 65536
 MAX_REPORT_TOKENS = 1 << 20
 
 
-class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
-
-
-class AddEvent(_Strict, tag="add", tag_field="type"):
-    """``BlockStored``: consecutive full blocks, each the parent of the next."""
-
-    block_hashes: Hashes
-    parent_block_hash: Hash | None = None
-    token_ids: Tokens = []
-    block_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
-    medium: Annotated[str, msgspec.Meta(max_length=32)] | None = None  # absent = the source's medium
-    lora_name: Name | None = None
-    group_idx: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
-    kv_cache_spec_kind: Annotated[str, msgspec.Meta(max_length=64)] | None = None
-    #: a sliding-window group's window in tokens (vLLM's ``kv_cache_spec_sliding_window``)
-    kv_cache_spec_sliding_window: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)] | None = None
-    #: per block, its extra keys as vLLM's BlockStored carries them (kvcm.proto.extra_keys)
-    extra_keys: ExtraKeys | None = None
-    #: block_hashes are kvcm block keys, held as they are (no token_ids, no parent); a batch of
-    #: keyed events only may come without seq (unsequenced: applied in arrival order)
-    keyed: bool = False
-
-
-class RemoveEvent(_Strict, tag="remove", tag_field="type"):
-    """``BlockRemoved``: one holding of each block, on one medium."""
-
-    block_hashes: Hashes
-    medium: Annotated[str, msgspec.Meta(max_length=32)] | None = None
-    group_idx: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None
-    keyed: bool = False  # of keyed adds' blocks (removed alike: by hash, which is the key)
-
-
-class ClearEvent(_Strict, tag="clear", tag_field="type"):
-    """``AllBlocksCleared``."""
-
-
-class Payload(_Strict):
-    """One vLLM ``KVEventBatch`` as the engine encoded it: ``payload`` (msgpack bin) or
-    ``payload_b64`` (base64 text, for JSON over HTTP)."""
-
-    seq: Seq
-    # UNSET, not None: an explicit null is refused like any value of the wrong type
-    payload: bytes | msgspec.UnsetType = _UNSET
-    payload_b64: str | msgspec.UnsetType = _UNSET
-
-
-class ReportEventsRequest(_Request, dict=True):  # dict: the handler keeps its Report on it
-    """The optional fields are UNSET when absent: an explicit null is a wrong type (refused,
-    naming the field), never read as 0, "" or "now"."""
-
-    source_id: Name
-    op: Literal["register", "heartbeat", "payloads", "events", "snapshot", "down"]
-    generation: Seq = 0
-    # register
-    instance_id: str | msgspec.UnsetType = _UNSET
-    dp_rank: Annotated[int, msgspec.Meta(ge=0, lt=4096)] | msgspec.UnsetType = _UNSET
-    pod: Name | msgspec.UnsetType = _UNSET
-    medium: Annotated[str, msgspec.Meta(max_length=32)] | msgspec.UnsetType = _UNSET
-    report_mode: ReportMode | msgspec.UnsetType = _UNSET
-    # events, snapshot
-    seq: Seq | msgspec.UnsetType = _UNSET
-    ts: Ts | msgspec.UnsetType = _UNSET
-    events: Annotated[list[AddEvent | RemoveEvent | ClearEvent], msgspec.Meta(max_length=MAX_REPORT_EVENTS)] = []
-    # payloads
-    payloads: Annotated[list[Payload], msgspec.Meta(max_length=MAX_REPORT_PAYLOADS)] = []
+class ReportEventsRequest(requests.ReportEventsRequest, dict=True):
+    """:class:`kvcm.proto.requests.engines.ReportEventsRequest` as the server decodes it: with room
+    for what the hooks work out once per request (its :class:`~kvcm.engines.push.Report`, and
+    what it was charged when first costed: a carried report is costed again and paid once)."""
 
 
 #: The fields each op takes besides source_id, op and generation (any other one given is refused).
@@ -406,11 +250,12 @@ _OP_FIELDS = {
     "snapshot": frozenset({"seq", "ts", "events"}),
     "down": frozenset(),
 }
-_OP_DEFAULTS: dict[str, Any] = {"instance_id": _UNSET, "dp_rank": _UNSET, "pod": _UNSET, "medium": _UNSET,
+_OP_DEFAULTS: dict[str, object] = {"instance_id": _UNSET, "dp_rank": _UNSET, "pod": _UNSET, "medium": _UNSET,
                                 "report_mode": _UNSET, "seq": _UNSET, "ts": _UNSET, "events": [], "payloads": []}  # fmt: skip
 
 
-def _not_taken(taken: frozenset[str]) -> tuple[Callable[[Any], tuple[Any, ...]], tuple[Any, ...], tuple[str, ...]]:
+def _not_taken(taken: frozenset[str]) -> tuple[Callable[[ReportEventsRequest], tuple[object, ...]], tuple[object, ...],
+                                              tuple[str, ...]]:
     """A getter of the fields an op does not take, their defaults, and their names. Every op
     leaves out at least two fields, so the getter returns a tuple."""
     names = tuple(n for n in _OP_DEFAULTS if n not in taken)
@@ -459,9 +304,9 @@ def report(req: ReportEventsRequest) -> Report:
     )  # fmt: skip
 
 
-def _given(value: Any, absent: Any) -> Any:
+def _given(value: T | msgspec.UnsetType, absent: A) -> T | A:
     """A request field's value, or what its absence means."""
-    return absent if value is _UNSET else value
+    return absent if isinstance(value, msgspec.UnsetType) else value
 
 
 def _work(r: Report) -> tuple[int, int, int]:
@@ -581,7 +426,7 @@ class _Reports:
         engine-store transaction, before any of the turn's replies (``Method.settle``)."""
         self.service.index.flush()
 
-    def report_events(self, req: ReportEventsRequest) -> dict[str, Any]:
+    def report_events(self, req: ReportEventsRequest) -> Mapping[str, object]:
         made = self.prepared(req)
         principal = None if self.auth is None else self.auth.principal(req)
         if self.auth is None or principal is None:

@@ -8,28 +8,18 @@ node runs with the lease)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
-
-import msgspec
+from typing import TYPE_CHECKING
 
 from kvcm.errors import Code, error
-from kvcm.proto.schema import RequestBase
+from kvcm.proto.requests.admin import (
+    GetLeaderElectorConfigRequest,
+    LeaderDemoteRequest,
+    UpdateLeaderElectorConfigRequest,
+)
 from kvcm.rpc.dispatch import Method
 
 if TYPE_CHECKING:  # a node without HA has no lease: it need not import redis-py at all
     from kvcm.ha.lease import Lease
-
-
-class LeaderDemoteRequest(RequestBase, kw_only=True):
-    pass
-
-
-class GetLeaderElectorConfigRequest(RequestBase, kw_only=True):
-    pass
-
-
-class UpdateLeaderElectorConfigRequest(RequestBase, kw_only=True):
-    campaign_delay_time_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)]
 
 
 class _Elector:
@@ -37,7 +27,7 @@ class _Elector:
         self.lease = lease
         self.delay_ms = campaign_delay_ms  # kept here without a lease
 
-    def leader_demote(self, req: LeaderDemoteRequest) -> dict[str, Any]:
+    def leader_demote(self, req: LeaderDemoteRequest) -> dict[str, object]:
         if self.lease is None:
             raise error(Code.UNSUPPORTED, "leader_demote: this node runs without the leader lease (ha.enabled "
                                           "is off), so it is the only node and has no one to hand over to")
@@ -46,16 +36,16 @@ class _Elector:
         # The lease thread gives the lease up at its next round (within ha.renew_ms).
         return {"demoted": True, "node_id": self.lease.node_id, "campaign_delay_time_ms": self.lease.campaign_delay_ms}
 
-    def get_leader_elector_config(self, req: GetLeaderElectorConfigRequest) -> dict[str, Any]:
+    def get_leader_elector_config(self, req: GetLeaderElectorConfigRequest) -> dict[str, object]:
         return self._config()
 
-    def update_leader_elector_config(self, req: UpdateLeaderElectorConfigRequest) -> dict[str, Any]:
+    def update_leader_elector_config(self, req: UpdateLeaderElectorConfigRequest) -> dict[str, object]:
         self.delay_ms = req.campaign_delay_time_ms
         if self.lease is not None:
             self.lease.campaign_delay_ms = req.campaign_delay_time_ms
         return self._config()
 
-    def _config(self) -> dict[str, Any]:
+    def _config(self) -> dict[str, object]:
         lease = self.lease
         if lease is None:
             return {"campaign_delay_time_ms": self.delay_ms, "ha": False}

@@ -8,34 +8,14 @@ caller) tells the caller's account, role, groups and how it authenticated.
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvcm.control.records import Token, now_ms
 from kvcm.control.registry import Registry
-from kvcm.proto.schema import RequestBase
+from kvcm.proto.requests.admin import AddTokenRequest, ListTokensRequest, RevokeTokenRequest, WhoamiRequest
 from kvcm.rpc.auth import Authenticator
 from kvcm.rpc.dispatch import Method
 
 
-class AddTokenRequest(RequestBase, kw_only=True):
-    user_name: str
-    name: str = ""  # a label for people, e.g. "ci-runner"
-    ttl_seconds: float = 0.0  # 0 = never expires
-
-
-class RevokeTokenRequest(RequestBase, kw_only=True):
-    token_id: str
-
-
-class ListTokensRequest(RequestBase, kw_only=True):
-    user_name: str = ""  # "" = every account's tokens
-
-
-class WhoamiRequest(RequestBase, kw_only=True):
-    pass
-
-
-def describe_token(token: Token, now: int) -> dict[str, Any]:
+def describe_token(token: Token, now: int) -> dict[str, object]:
     """A token on the wire: never the token, never its digest."""
     return {
         "token_id": token.token_id,
@@ -52,19 +32,19 @@ class _Handlers:
         self.registry = registry
         self.auth = auth
 
-    def add_token(self, req: AddTokenRequest) -> dict[str, Any]:
+    def add_token(self, req: AddTokenRequest) -> dict[str, object]:
         token, record = self.registry.add_token(req.user_name, req.name, req.ttl_seconds)
         return {"token": token, **describe_token(record, record.create_time)}
 
-    def revoke_token(self, req: RevokeTokenRequest) -> dict[str, Any]:
+    def revoke_token(self, req: RevokeTokenRequest) -> dict[str, object]:
         record = self.registry.revoke_token(req.token_id)
         return {"token_id": record.token_id, "user_name": record.user_name}
 
-    def list_tokens(self, req: ListTokensRequest) -> dict[str, Any]:
+    def list_tokens(self, req: ListTokensRequest) -> dict[str, object]:
         now = now_ms()
         return {"tokens": [describe_token(t, now) for t in self.registry.list_tokens(req.user_name)]}
 
-    def whoami(self, req: WhoamiRequest) -> dict[str, Any]:
+    def whoami(self, req: WhoamiRequest) -> dict[str, object]:
         principal = self.auth.principal(req)
         if principal is None:
             return {"auth_enabled": False, "user_name": "", "role": "admin", "groups": ["*"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 
 from kvcm.backends.metastore.base import ReadTxn, WriteTxn
@@ -15,7 +17,6 @@ from kvcm.control.records import (
 from kvcm.control.registry_core import GROUP, RegistryCore, merge, names_of
 from kvcm.errors import Code, Conflict, InvalidArgument
 from kvcm.proto import schema
-from kvcm.proto.wire import DecodedMap
 
 #: Group fields the server owns: an update never takes them from the caller.
 _GROUP_SERVER_FIELDS = ("version", "create_time", "update_time")
@@ -39,7 +40,7 @@ class GroupRegistry(RegistryCore):
         self._groups.put(txn, group, self._changed)
         return group
 
-    def update_group(self, changes: DecodedMap, current_version: int) -> InstanceGroup:
+    def update_group(self, changes: Mapping[str, object], current_version: int) -> InstanceGroup:
         """Merge ``changes`` (a partial group map with its ``name``) into the group if its version
         is still ``current_version``; the stored version becomes ``current_version + 1``.
 

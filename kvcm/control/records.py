@@ -34,11 +34,21 @@ from kvcm.backends.migrations import REGISTRY_SNAPSHOT
 from kvcm.backends.storage.registry import STORAGE_BACKENDS, normalize_spec
 from kvcm.control.passwords import CONTROL_CHARS, check_password_hash
 from kvcm.errors import InvalidArgument
-from kvcm.proto import results, schema
+from kvcm.proto import schema
+from kvcm.proto.requests import control
 from kvcm.proto.wire import DecodedMap
 
 T = TypeVar("T")
 C = TypeVar("C")  # a checked record
+
+# The shapes requests carry are the records stored: one declaration each, in kvcm.proto.
+InstanceGroup = control.InstanceGroup
+Quota = control.Quota
+QuotaConfig = control.QuotaConfig
+ReclaimStrategy = control.ReclaimStrategy
+LocationSpecInfo = control.LocationSpecInfo
+LocationSpecGroup = control.LocationSpecGroup
+ModelDeployment = control.ModelDeployment
 
 #: Storage types (those of the storage backends), and the Tair spellings accepted on input for them.
 STORAGE_TYPES: tuple[str, ...] = tuple(STORAGE_BACKENDS)
@@ -67,7 +77,7 @@ def now_ms() -> int:
 # -- storages ------------------------------------------------------------------------------------
 
 
-class Storage(results.StorageConfig, forbid_unknown_fields=True):
+class Storage(control.Storage):
     """One data store kvcm hands out URIs on, strict (the fields are the reply's,
     :class:`kvcm.proto.results.StorageConfig`). ``enabled`` is the admin switch, ``available``
     the health probe's verdict; a storage takes writes only when both are true.
@@ -99,38 +109,6 @@ def check_storage(storage: Storage, data_dir: str | None = None) -> Storage:
 
 
 # -- instance groups -----------------------------------------------------------------------------
-
-
-class QuotaConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    storage_type: str
-    capacity: int = 0  # bytes; 0 = unlimited
-
-
-class Quota(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    capacity: int = 0  # total bytes of the group; 0 = unlimited
-    quota_config: list[QuotaConfig] = []
-
-
-class ReclaimStrategy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    reclaim_policy: str = "lru"
-    used_percentage: float = 0.9  # reclaim when usage / quota passes this watermark
-    delay_before_delete_ms: int = 1000  # grace between "deleting" and freeing the data
-    ttl_seconds: int = 0  # > 0: blocks written this long ago are reclaimed (reads do not extend it)
-
-
-class InstanceGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Quota owner of a set of instances. ``version`` is bumped on every update (CAS)."""
-
-    name: str
-    storage_candidates: list[str]
-    global_quota_group_name: str = ""
-    max_instance_count: int = 0  # 0 = unlimited
-    quota: Quota = msgspec.field(default_factory=Quota)
-    reclaim_strategy: ReclaimStrategy = msgspec.field(default_factory=ReclaimStrategy)
-    user_data: str = ""
-    version: int = 1
-    create_time: int = 0
-    update_time: int = 0
 
 
 def check_group(group: InstanceGroup) -> InstanceGroup:
@@ -181,19 +159,6 @@ def _check_reclaim(strategy: ReclaimStrategy) -> None:
 
 
 # -- instances -----------------------------------------------------------------------------------
-
-
-class LocationSpecInfo(results.SpecInfo, forbid_unknown_fields=True):
-    """A location spec (bytes of one shard for one block), strict: as stored and as requests send it."""
-
-
-class LocationSpecGroup(results.SpecGroup, forbid_unknown_fields=True):
-    """Named specs written together, strict."""
-
-
-class ModelDeployment(results.ModelDeployment, forbid_unknown_fields=True, omit_defaults=False):
-    """A deployment, strict and with every field written (``user_data`` is opaque: not part of
-    the identity of a deployment)."""
 
 
 class Instance(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

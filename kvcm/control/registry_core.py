@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
@@ -22,7 +22,6 @@ from kvcm.control.records import (
     encode,
 )
 from kvcm.errors import Code, Conflict, NotFound, error
-from kvcm.proto.wire import DecodedMap
 
 log = logging.getLogger("kvcm.control.registry")
 
@@ -91,7 +90,7 @@ class Table(Generic[R]):
         txn.on_commit(lambda: changed(self.kind, name, None))
 
 
-def merge(base: DecodedMap, changes: DecodedMap) -> DecodedMap:
+def merge(base: Mapping[str, object], changes: Mapping[str, object]) -> dict[str, object]:
     """Nested maps merge key by key; anything else (lists included) is replaced."""
     out = dict(base)
     for key, value in changes.items():

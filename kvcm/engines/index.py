@@ -23,11 +23,12 @@ from collections import Counter
 
 from kvcm.engines.applying import KEYED, EventApplier
 from kvcm.engines.entries import SOURCES_DB, EngineBlock, SourceState, delete_blocks
-from kvcm.engines.indexstate import MAX_GROUPS, MAX_LABEL, MAX_SLOTS, Run, RunMemo
+from kvcm.engines.indexstate import MAX_GROUPS, MAX_SLOTS, Run, RunMemo
 from kvcm.engines.persistence import IndexPersistence
 from kvcm.engines.queries import IndexQueries
 from kvcm.engines.sources import SourceSpec
 from kvcm.errors import Conflict, NotFound
+from kvcm.proto.requests.engines import MAX_LABEL
 
 __all__ = ["KEYED", "MAX_GROUPS", "MAX_LABEL", "MAX_SLOTS", "EngineIndex", "Run", "RunMemo"]
 

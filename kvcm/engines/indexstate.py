@@ -25,6 +25,7 @@ from kvcm.engines.hybrid import FULL
 from kvcm.engines.scoring import Fragment
 from kvcm.engines.sources import SubscriberSettings
 from kvcm.engines.table import MAIN_KINDS, HolderTable, Slot
+from kvcm.proto.requests.engines import MAX_LABEL  # the request schema bounds what the index keys by
 
 if TYPE_CHECKING:
     from kvcm.engines.keytable import KeyTable
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
 MAX_SLOTS = 64
 #: KV-cache groups one source may name (vLLM's hybrid models have a few).
 MAX_GROUPS = 64
-#: Characters of a medium or adapter name at most (they key slots and tables).
-MAX_LABEL = 256
 #: One run of a match: the sources holding exactly the same number of the query's keys, in
 #: source id order, as fragments, as their joined ``sources`` and ``pods`` entries, and how many.
 Run = tuple[list[Fragment], bytes, bytes, int]

@@ -37,7 +37,6 @@ DEFAULT_TIER_WEIGHTS: str = EventsConfig.tier_weights
 
 #: Bounds of one weight and of one load: beyond them a value is a mistake, not a setting.
 MAX_WEIGHT = 1_000.0
-MAX_LOAD = 1e12
 
 #: The pseudo-source of kvcm's own storage tier in a reply (``include_storage``).
 STORAGE = "storage"

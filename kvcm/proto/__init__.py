@@ -6,6 +6,9 @@ A client author, a port to another language or a compatibility tester reads this
   errors, the raw reply encodings) and their size caps;
 - :mod:`kvcm.proto.schema`: the strict decoding every request goes through (field types,
   bounds, the caps on fields that scale work);
+- :mod:`kvcm.proto.requests`: the request of every RPC, one ``msgspec.Struct`` each, by area;
+- :mod:`kvcm.proto.methods`: the method table (each method's request, reply and retry rule),
+  which the clients' typed methods are generated from;
 - :mod:`kvcm.proto.results`: the typed replies the client SDK decodes into;
 - :mod:`kvcm.proto.uris`: the storage URIs kvcm hands out, their codec and typed decoder;
 - :mod:`kvcm.proto.kv_events`: vLLM's KV-cache event wire format, both ways;

@@ -18,6 +18,7 @@ default to ``None``. ``msgspec.to_builtins(result)`` gives the plain map back.
 
 from __future__ import annotations
 
+import types
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -53,7 +54,7 @@ class CacheLocations(msgspec.Struct, gc=False):
     key otherwise); ``engine_locations`` only with ``include_engines``."""
 
     locations: list[Location]
-    engine_locations: list[Any] | None = None
+    engine_locations: list[object] | None = None
 
 
 class CacheLocationLen(msgspec.Struct, gc=False):
@@ -77,7 +78,7 @@ class BlockMeta(msgspec.Struct, gc=False):
     updated: float | None = None
     parent: int | None = None
     location_count: int | None = None
-    all: list[dict[str, Any]] | None = None
+    all: list[dict[str, object]] | None = None
 
 
 class CacheMeta(msgspec.Struct, gc=False):
@@ -304,7 +305,7 @@ class Health(msgspec.Struct, gc=False):
     uptime_s: float
     counts: dict[str, int]
     storages: dict[str, StorageHealth]
-    node: dict[str, Any] = {}
+    node: dict[str, object] = {}
 
 
 #: Open-ended admin replies (storages, groups, accounts, snapshots, metrics...).
@@ -316,7 +317,7 @@ class Envelope(msgspec.Struct, Generic[T], array_like=True, gc=False):
 
     kind: int
     msgid: int
-    error: dict[str, Any] | None
+    error: dict[str, object] | None
     result: T | None
 
 
@@ -327,14 +328,15 @@ class Head(msgspec.Struct, array_like=True):
     msgid: int
 
 
-_DECODERS: dict[Any, msgspec.msgpack.Decoder[Envelope[Any]]] = {}
+_DECODERS: dict[object, msgspec.msgpack.Decoder[Envelope[Any]]] = {}
 
 
-def decoder(result: Any) -> msgspec.msgpack.Decoder[Envelope[Any]]:
-    """The cached decoder of responses whose result is ``result`` (a type)."""
+def decoder(result: type[T]) -> msgspec.msgpack.Decoder[Envelope[T]]:
+    """The cached decoder of responses whose result is ``result`` (a type; ``object`` for any)."""
     dec = _DECODERS.get(result)
     if dec is None:
-        dec = _DECODERS[result] = msgspec.msgpack.Decoder(Envelope[result], ext_hook=refuse_ext)
+        # Envelope[result], built as a value (msgspec reads it as the same generic type)
+        dec = _DECODERS[result] = msgspec.msgpack.Decoder(types.GenericAlias(Envelope, (result,)), ext_hook=refuse_ext)
     return dec
 
 

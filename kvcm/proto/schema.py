@@ -18,7 +18,7 @@ import difflib
 import functools
 import re
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 import msgspec.inspect as mi
@@ -156,7 +156,7 @@ def suggest(name: str, candidates: Iterable[str]) -> str | None:
     return close[0] if close else None
 
 
-def check_partial(data: Any, kind: type, where: str) -> None:
+def check_partial(data: object, kind: type, where: str) -> None:
     """Refuse any key of the partial map ``data``, at any depth, that is not a field of ``kind``
     (nested Structs, lists of them and maps of them are followed); values are left to the full
     conversion that follows the merge. Raises InvalidArgument naming the path under ``where``."""
@@ -244,7 +244,7 @@ def _item_type(info: mi.Type, index: str) -> mi.Type | None:
     return None
 
 
-def _check_value(value: Any, info: mi.Type, path: str) -> None:
+def _check_value(value: object, info: mi.Type, path: str) -> None:
     if isinstance(value, dict):
         structs = _structs(info)
         if structs:
@@ -261,7 +261,7 @@ def _check_value(value: Any, info: mi.Type, path: str) -> None:
                 _check_value(item, inner, f"{path}[{i}]")
 
 
-def _check_map(data: dict[Any, Any], structs: list[mi.StructType], path: str) -> None:
+def _check_map(data: dict[object, object], structs: list[mi.StructType], path: str) -> None:
     fields = {f.encode_name: f for s in structs for f in s.fields}
     for key, value in data.items():
         if not isinstance(key, str):
@@ -272,7 +272,7 @@ def _check_map(data: dict[Any, Any], structs: list[mi.StructType], path: str) ->
         _check_value(value, field.type, f"{path}.{key}" if path else key)
 
 
-def _quote(value: Any) -> str:
+def _quote(value: object) -> str:
     """A piece of user input fit for a message: short, and plain or repr'd."""
     if isinstance(value, str) and _PLAIN.fullmatch(value):
         return value
