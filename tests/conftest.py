@@ -9,7 +9,7 @@ import sys
 import uuid
 
 import pytest
-from helpers import TIME_FACTOR
+from tests.helpers import TIME_FACTOR
 
 from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.testing import default_overrides

@@ -13,7 +13,7 @@ whose ``newer`` says they read it as it is. The stores keep their codecs; they a
 :meth:`Format.refusal` about the version they found and run the steps listed here.
 
 Changing a format: bump ``current``, add the old version to ``past`` with its fate (and its step
-when it is an upgrade), add a test to ``tests/test_migrations.py`` that writes the old version for
+when it is an upgrade), add a test to ``tests/backends/test_migrations.py`` that writes the old version for
 real and opens it, and a row to the table in ``docs/operations.md``.
 """
 

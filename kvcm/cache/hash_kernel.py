@@ -15,7 +15,7 @@ Importing this module imports numba (about half a second) and :func:`load` compi
 cached on disk by numba where the package directory is writable, so only a server configured for
 it pays that, once, at start-up. Loading is process-wide: from then on every hash of whole
 blocks of a long enough token list takes the kernel (:func:`kvcm.cache.keys.set_native`). The
-kernel gives the same bits as the Python forms (``tests/test_hash_kernel.py`` compares them on
+kernel gives the same bits as the Python forms (``tests/cache/test_hash_kernel.py`` compares them on
 random and edge inputs); token ids outside ``0 .. 2**32 - 1`` (no vocabulary has them), or
 anything but ints, make it decline, and Python hashes that list.
 """

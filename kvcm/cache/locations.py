@@ -88,7 +88,7 @@ class BuiltCache(Generic[V]):
     # What one entry costs beyond its key's and value's contents, so the budget bounds real
     # memory: two bytes headers (33 each), the (value, size) tuple (56), the size int (32) and
     # the dict's slot, up to about 100 B just after the dict grew. Measured with tracemalloc
-    # (tests/test_memory_bounds.py): a full cache then holds at most its capacity.
+    # (tests/cache/test_memory_bounds.py): a full cache then holds at most its capacity.
     ENTRY = 224
 
     def __init__(self, capacity: int) -> None:

@@ -5,7 +5,7 @@ replay's end marker, a reconnect, the passing of time — and returns the decisi
 owner (:mod:`kvcm.engines.subscriber`) carries out, in order: apply a batch, count a duplicate
 or a gap, drop every block of the source, ask for a replay, re-create the replay channel. It
 reads no clock (``now`` comes with every input) and touches no socket, so the rules are tested
-by feeding it (``tests/test_engine_sequencer.py``), as h11 separates HTTP from sockets.
+by feeding it (``tests/engines/test_engine_sequencer.py``), as h11 separates HTTP from sockets.
 
 The rules, against ``last_seq`` (the last seq applied or queued for applying):
 

@@ -17,5 +17,5 @@ A client author, a port to another language or a compatibility tester reads this
 - :mod:`kvcm.proto.tair`: Tair KVCM's proto3-JSON shapes, both ways.
 
 Modules here import only third-party codecs (msgspec, msgpack), :mod:`kvcm.errors` and each
-other (``tests/test_layers.py`` enforces it).
+other (``tests/docs/test_layers.py`` enforces it).
 """

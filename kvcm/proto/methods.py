@@ -3,7 +3,7 @@
 The server's handlers (``kvcm/api/``) serve these requests; the clients' typed methods are
 generated from this table and the request Structs' fields (``scripts/gen_client`` writes
 :mod:`kvcm.client_methods` and :mod:`kvcm.aio_methods`), so a field added to a request is a
-client parameter with no other edit. ``tests/test_client_typed.py`` holds the table equal to
+client parameter with no other edit. ``tests/client/test_client_typed.py`` holds the table equal to
 the server's.
 
 ``idempotent``: a client may resend the request after a timeout without changing the outcome

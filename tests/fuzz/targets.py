@@ -15,7 +15,7 @@
   else may raise.
 
 The same functions serve ``scripts/fuzz`` (coverage-guided, with atheris) and
-``tests/test_fuzz.py`` (replays the seed corpus and every saved crash in the default suite), so
+``tests/fuzz/test_fuzz.py`` (replays the seed corpus and every saved crash in the default suite), so
 a crash found once stays a regression test. Nothing here needs atheris.
 """
 
