@@ -9,12 +9,12 @@ import sys
 import uuid
 
 import pytest
-from tests.helpers import TIME_FACTOR
 
 from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.testing import default_overrides
 from kvcm.testing.redis_server import NoRedisServer, find_server
 from kvcm.testing.redis_server import RedisServer as _RedisServer
+from tests.helpers import TIME_FACTOR
 
 
 def _redis_binary():

@@ -11,12 +11,12 @@ import tempfile
 from collections import Counter
 
 import pytest
-from tests.block_bytes import container_files, read_problems, storage_roots, write_session
-from tests.helpers import add_group, register, remove_shm, shm_prefix, start, wait_for
 
 from kvcm.backends.storage.file import FileStorage
 from kvcm.cache.consistency import Recorded, compare_storage
 from kvcm.testing import serve_in_thread, start_subprocess, stop_subprocess
+from tests.block_bytes import container_files, read_problems, storage_roots, write_session
+from tests.helpers import add_group, register, remove_shm, shm_prefix, start, wait_for
 
 QUIET = {"cache": {"session_check_ms": 50, "delete_poll_ms": 20}, "reclaim": {"enabled": False}}
 SPECS = [{"name": "tp0", "size": 1024}, {"name": "tp1", "size": 1024}]

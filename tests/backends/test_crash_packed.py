@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-from tests.block_bytes import container_files, read_problems, served, storage_roots, write_session
-from tests.helpers import add_group, register, start, wait_for
 
 from kvcm.client import Client
 from kvcm.errors import KvcmError
 from kvcm.testing import serve_in_thread, start_subprocess, stop_subprocess
+from tests.block_bytes import container_files, read_problems, served, storage_roots, write_session
+from tests.helpers import add_group, register, start, wait_for
 
 FAST = ["--set", "cache.session_check_ms=50", "--set", "cache.delete_poll_ms=20"]
 QUIET = {"cache": {"session_check_ms": 50, "delete_poll_ms": 20}, "reclaim": {"enabled": False}}

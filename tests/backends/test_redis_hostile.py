@@ -17,9 +17,6 @@ import uuid
 
 import pytest
 import redis
-from tests.helpers import locate, register, write
-from tests.node.test_ha import LEASE_MS, RENEW_MS, Pair, wait_until
-from tests.backends.test_redis_outage import _http_port, _probe, _refusal, _role
 
 from kvcm.backends.metastore.redis import RECORD_FILE, RedisStore, StoreLost
 from kvcm.config import Config, load
@@ -29,6 +26,9 @@ from kvcm.ha.lease import Lease
 from kvcm.node.ha import HaNode
 from kvcm.node.stores import open_store, redis_password
 from kvcm.testing import RunningServer, start_subprocess, stop_subprocess
+from tests.backends.test_redis_outage import _http_port, _probe, _refusal, _role
+from tests.helpers import locate, register, write
+from tests.node.test_ha import LEASE_MS, RENEW_MS, Pair, wait_until
 
 NO_CONFIG = ("--user", "kvcm", "on", "nopass", "~*", "&*", "+@all", "-config")  # a managed Redis: no CONFIG
 NO_CONFIG_NO_INFO = (*NO_CONFIG, "-info")

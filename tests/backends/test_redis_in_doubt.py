@@ -11,10 +11,10 @@ import threading
 import uuid
 
 import pytest
-from tests.helpers import hard_close
 
 from kvcm.backends.metastore.redis import InDoubt, RedisStore
 from kvcm.errors import Code, Unavailable
+from tests.helpers import hard_close
 
 
 class CuttingProxy:

@@ -14,12 +14,12 @@ import urllib.request
 import uuid
 
 import pytest
-from tests.helpers import register
-from tests.node.test_ha import LEASE_MS, RENEW_MS, TIME_FACTOR, Load, _found_all, _readyz, check_offline, wait_until
 
 from kvcm import Client
 from kvcm.errors import Code, KvcmError, Unavailable
 from kvcm.testing import RunningServer, start_subprocess, stop_subprocess
+from tests.helpers import register
+from tests.node.test_ha import LEASE_MS, RENEW_MS, TIME_FACTOR, Load, _found_all, _readyz, check_offline, wait_until
 
 # Well under the client's default 5 s: an answer within this is kvcm's own, not a timeout.
 FAST_S = 2.0 * TIME_FACTOR

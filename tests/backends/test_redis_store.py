@@ -11,13 +11,13 @@ import uuid
 
 import pytest
 import redis
-from tests.helpers import TIME_FACTOR, finish, hard_close, register, start, wait_for
 from redis.crc import key_slot
 
 from kvcm.backends.metastore import u64
 from kvcm.backends.metastore.redis import Fenced, NotReplicated, RedisStore, redact
 from kvcm.errors import Code, KvcmError, ServerError, Unavailable
 from kvcm.testing import start_subprocess, stop_subprocess
+from tests.helpers import TIME_FACTOR, finish, hard_close, register, start, wait_for
 
 
 def _prefix() -> str:

@@ -27,11 +27,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tests.helpers import TIME_FACTOR, add_file_storage, add_group, register, start, wait_for, write
 
 from kvcm import Client
 from kvcm.errors import Code, KvcmError
 from kvcm.testing import serve_in_thread
+from tests.helpers import TIME_FACTOR, add_file_storage, add_group, register, start, wait_for, write
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 

@@ -9,13 +9,13 @@ import threading
 import time
 
 import pytest
-from tests.helpers import wait_for
 
 from kvcm.backends.storage.base import StorageBackend
 from kvcm.backends.storage.registry import STORAGE_BACKENDS, StorageHealth, normalize_spec, open_backend, parse_uri
 from kvcm.backends.storage.slots import slot_runs
 from kvcm.errors import InvalidArgument
 from kvcm.proto.uris import format_uri
+from tests.helpers import wait_for
 
 
 def test_registry_and_unknown_type(tmp_path):

@@ -11,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+from kvcm.testing import serve_in_subprocess
 from tests.helpers import (
     add_file_storage,
     add_group,
@@ -19,8 +21,6 @@ from tests.helpers import (
     shm_prefix,
     wait_for,
 )
-
-from kvcm.testing import serve_in_subprocess
 
 CLIENT = r"""
 import hashlib, json, os, sys

@@ -20,7 +20,6 @@ import tempfile
 from typing import Any, ClassVar
 
 import pytest
-from tests.helpers import add_group, register, uris, wait_for
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
@@ -29,6 +28,7 @@ from kvcm.client import Client
 from kvcm.errors import NotFound
 from kvcm.node.app import App
 from kvcm.testing import _wait_ready, make_test_config
+from tests.helpers import add_group, register, uris, wait_for
 
 KEYS = st.lists(st.integers(1, 10), min_size=1, max_size=5)
 WRITING, SERVING, DELETING = "writing", "serving", "deleting"

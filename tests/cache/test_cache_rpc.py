@@ -8,6 +8,11 @@ import json
 import time
 
 import pytest
+
+from kvcm.cache.keys import token_ids_to_block_keys
+from kvcm.cache.listeners import CacheListener
+from kvcm.errors import KvcmError
+from kvcm.testing import serve_in_thread
 from tests.helpers import (
     TIME_FACTOR,
     add_group,
@@ -20,11 +25,6 @@ from tests.helpers import (
     wait_for,
     write,
 )
-
-from kvcm.cache.keys import token_ids_to_block_keys
-from kvcm.cache.listeners import CacheListener
-from kvcm.errors import KvcmError
-from kvcm.testing import serve_in_thread
 
 pytestmark = pytest.mark.both_stores
 

@@ -8,6 +8,8 @@ import json
 import msgpack
 import pytest
 import zmq
+
+from kvcm.testing import serve_in_thread
 from tests.helpers import (
     add_file_storage,
     add_group,
@@ -22,8 +24,6 @@ from tests.helpers import (
     wait_for,
     write,
 )
-
-from kvcm.testing import serve_in_thread
 
 pytestmark = pytest.mark.both_stores
 

@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tests.helpers import add_group, finish, locate, register, start, wait_for
 
 from kvcm.backends.storage.file import resolve_file_uri
 from kvcm.backends.storage.shm import resolve_shm_uri
 from kvcm.errors import Code, KvcmError
 from kvcm.testing import serve_in_thread
+from tests.helpers import add_group, finish, locate, register, start, wait_for
 
 pytestmark = pytest.mark.both_stores
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import msgpack
 import pytest
-from tests.helpers import add_file_storage, add_group, register, write
 
 from kvcm.backends.metastore import i64
 from kvcm.cache.deleter import DB as DELETES
@@ -21,6 +20,7 @@ from kvcm.cache.meta_index import DB as BLOCKS
 from kvcm.cache.meta_index import namespace
 from kvcm.cache.record_codec import decode
 from kvcm.testing import RunningServer, serve_in_thread
+from tests.helpers import add_file_storage, add_group, register, write
 
 BLOCK = 2048  # two specs of 1024 bytes (helpers.SPECS)
 GRACE_S = 60  # the group's delay: the deleter runs only when a test says so (run_once(now=...))

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tests.helpers import register
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +22,7 @@ from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SourceSpec
 from kvcm.proto.kv_events import BlockStored, DecodedBatch, encode_batch
 from kvcm.testing import make_test_config, serve_in_thread
+from tests.helpers import register
 
 M64 = (1 << 64) - 1
 

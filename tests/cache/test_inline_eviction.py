@@ -12,6 +12,14 @@ from typing import Any
 
 import msgpack
 import pytest
+
+from kvcm.cache.deleter import DB as DELETES
+from kvcm.cache.deleter import pending_bytes
+from kvcm.cache.masks import BlockMask
+from kvcm.cache.room import Room, Victim
+from kvcm.config import ConfigError, ReclaimConfig
+from kvcm.errors import CapacityError, KvcmError
+from kvcm.testing import RunningServer, make_test_config, serve_in_thread
 from tests.helpers import (
     add_group,
     add_shm_storage,
@@ -26,14 +34,6 @@ from tests.helpers import (
     write,
 )
 from tests.helpers import uris as loc_uris
-
-from kvcm.cache.deleter import DB as DELETES
-from kvcm.cache.deleter import pending_bytes
-from kvcm.cache.masks import BlockMask
-from kvcm.cache.room import Room, Victim
-from kvcm.config import ConfigError, ReclaimConfig
-from kvcm.errors import CapacityError, KvcmError
-from kvcm.testing import RunningServer, make_test_config, serve_in_thread
 
 pytestmark = pytest.mark.both_stores
 

@@ -9,11 +9,11 @@ import os
 import tracemalloc
 
 import pytest
-from tests.helpers import Clock
 
 from kvcm.backends.metastore import MemoryStore
 from kvcm.cache.locations import BuiltCache
 from kvcm.cache.sessions import Sessions
+from tests.helpers import Clock
 
 
 @pytest.mark.heavy

@@ -13,7 +13,6 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from tests.helpers import TIME_FACTOR, error_code, locate, register, wait_for, write
 
 from kvcm.backends.metastore.base import from_i64, from_u64, i64, u64
 from kvcm.backends.metastore.memory import MemoryStore
@@ -28,6 +27,7 @@ from kvcm.optimizer.trace import Record
 from kvcm.optimizer.trace_readers import dump_schema, read_trace
 from kvcm.proto import wire
 from kvcm.testing import make_test_config, serve_in_thread
+from tests.helpers import TIME_FACTOR, error_code, locate, register, wait_for, write
 
 pytestmark = pytest.mark.both_stores
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from tests.helpers import add_group, error_code, finish, register, start, wait_for, write
 from prometheus_client import generate_latest
 
 from kvcm.config import ConfigError
 from kvcm.errors import KvcmError
 from kvcm.testing import make_test_config, serve_in_thread
+from tests.helpers import add_group, error_code, finish, register, start, wait_for, write
 
 pytestmark = pytest.mark.both_stores
 

@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tests.helpers import add_file_storage, add_group, add_shm_storage, remove_shm, shm_prefix, wait_for
 
 from kvcm import blocks
 from kvcm.blocks import BlockIO, StorageSpec, UnknownStorage, Unsupported
 from kvcm.client import Client
 from kvcm.errors import Code, InvalidArgument, KvcmError
 from kvcm.testing import RunningServer, serve_in_thread
+from tests.helpers import add_file_storage, add_group, add_shm_storage, remove_shm, shm_prefix, wait_for
 
 SIZE = 64 << 10  # one spec per block, 64 KiB
 SPECS = [{"name": "tp0", "size": SIZE}]

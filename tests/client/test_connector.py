@@ -8,11 +8,11 @@ import os
 from typing import Any
 
 import pytest
-from tests.helpers import add_file_storage, add_group, add_shm_storage, remove_shm, shm_prefix, wait_for
 
 from kvcm.connector import Connector, Report, Ticket
 from kvcm.errors import InvalidArgument
 from kvcm.testing import start_subprocess, stop_subprocess
+from tests.helpers import add_file_storage, add_group, add_shm_storage, remove_shm, shm_prefix, wait_for
 
 BLOCK = 16  # tokens per block
 PROMPT = list(range(1000, 1100))  # 100 tokens: 6 whole blocks, 4 tokens left over

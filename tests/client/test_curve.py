@@ -85,7 +85,7 @@ def _curve(keys: Keys, allowed: bool = True, **extra) -> dict:
     server = {"curve_secret_key_file": keys.server_secret}
     if allowed:
         server["curve_allowed_clients_dir"] = keys.allowed_dir
-        # With auth off, an allow-list and the side port refuse to start (tests/http/test_http_hostile2.py).
+        # With auth off, an allow-list and the side port refuse to start (tests/sideport/test_http_hostile2.py).
         extra.setdefault("http", {"enabled": False})
     return {"server": server, **extra}
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from tests.helpers import remove_shm, shm_prefix
 
 from kvcm.api.control import CLIENT_SPEC_FIELDS
 from kvcm.backends.storage import registry
@@ -20,6 +19,7 @@ from kvcm.backends.storage.specs import SpecReader
 from kvcm.client import IDEMPOTENT_METHODS, METHODS, Client
 from kvcm.errors import Code, KvcmError
 from kvcm.testing import RunningServer, serve_in_thread
+from tests.helpers import remove_shm, shm_prefix
 
 ADMIN_PW = "specs-Admin-pw"
 SERVER_ON = {"auth": {"enabled": True, "admin_user": "admin", "admin_password": ADMIN_PW}}

@@ -10,13 +10,13 @@ from typing import Any
 
 import msgspec
 import pytest
-from tests.helpers import register
 
 from kvcm.client import Client
 from kvcm.control.records import Account, check_snapshot, parse_snapshot
 from kvcm.control.registry import Registry
 from kvcm.errors import Code, InvalidArgument, KvcmError
 from kvcm.testing import RunningServer, serve_in_thread
+from tests.helpers import register
 
 pytestmark = pytest.mark.both_stores
 

@@ -21,13 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.block_bytes import read_problems, storage_roots, write_session
-from tests.conftest import _redis_binary
-from tests.helpers import TIME_FACTOR
-from tests.docs.test_docs import blocks
 
 from kvcm.client import Client
 from kvcm.errors import KvcmError
+from tests.block_bytes import read_problems, storage_roots, write_session
+from tests.conftest import _redis_binary
+from tests.docs.test_docs import blocks
+from tests.helpers import TIME_FACTOR
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "deployment.md"

@@ -20,10 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.helpers import free_port
 
 from kvcm.client import IDEMPOTENT_METHODS, METHODS
 from kvcm.testing import serve_in_thread
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_LINES = 9  # "kvcm serving on ..." and eight "  name value" lines

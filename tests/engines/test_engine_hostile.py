@@ -18,13 +18,13 @@ from typing import Any
 import msgpack
 import msgspec
 import pytest
-from tests.helpers import wait_for
 from prometheus_client import generate_latest
 
 from kvcm import Client
 from kvcm.errors import Code, KvcmError
 from kvcm.proto.kv_events import BlockStored, EventDecodeError, count_events, decode_batch, encode_batch
 from kvcm.testing import FakeEnginePublisher, RunningServer, serve_in_thread
+from tests.helpers import wait_for
 
 BS = 4
 TOKENS = list(range(100, 100 + 8 * BS))  # 8 blocks

@@ -17,7 +17,6 @@ import msgspec
 import pytest
 import zmq
 from prometheus_client import generate_latest
-from tests.engines.test_engine_subscriber import pump
 
 from kvcm.backends.metastore import MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys
@@ -27,6 +26,7 @@ from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SubscriberSettings
 from kvcm.errors import NotFound
 from kvcm.testing.fake_engine import FakeEnginePublisher
+from tests.engines.test_engine_subscriber import pump
 
 BS = 16
 TOKENS = list(range(1, 8 * BS + 1))

@@ -11,7 +11,6 @@ import time
 import msgpack
 import pytest
 import zmq
-from tests.helpers import TIME_FACTOR, wait_until
 
 from kvcm.api.engines import AddEventSourceRequest, MatchEnginesRequest, methods
 from kvcm.backends.metastore import MemoryStore
@@ -24,6 +23,7 @@ from kvcm.proto.kv_events import BlockRemoved, BlockStored, decode_batch
 from kvcm.publish.eventlog import EventLog
 from kvcm.publish.publisher import EventPublisher
 from kvcm.testing.fake_engine import FakeEnginePublisher
+from tests.helpers import TIME_FACTOR, wait_until
 
 FAST = SubscriberSettings(backoff_initial_s=0.05, backoff_max_s=0.2, replay_timeout_s=0.5, poll_ms=20)
 TOKENS = list(range(1000, 1000 + 16 * 8))

@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.helpers import TIME_FACTOR, register, wait_for
 
 from kvcm.cache.keys import token_ids_to_block_keys
 from kvcm.engines.scoring import parse_weights
 from kvcm.errors import InvalidArgument, NotFound
 from kvcm.proto.results import EngineMatches, HostCacheState, Routed
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
+from tests.helpers import TIME_FACTOR, register, wait_for
 
 BLOCK = 4
 TOKENS = list(range(100, 132))  # 8 full blocks

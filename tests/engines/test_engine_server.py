@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tests.helpers import wait_for
 
 from kvcm.errors import NotFound
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
+from tests.helpers import wait_for
 
 BLOCK = 4
 

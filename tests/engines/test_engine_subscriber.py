@@ -10,7 +10,6 @@ import time
 
 import pytest
 import zmq
-from tests.helpers import TIME_FACTOR, wait_for
 
 from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys
@@ -19,6 +18,7 @@ from kvcm.engines.sources import SubscriberSettings
 from kvcm.errors import NotFound
 from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from kvcm.testing.fake_engine import FakeEnginePublisher
+from tests.helpers import TIME_FACTOR, wait_for
 
 BS = 16
 TOKENS = list(range(1, 16 * BS + 1))  # 16 blocks

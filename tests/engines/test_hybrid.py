@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.helpers import wait_for
 
 from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys
@@ -33,6 +32,7 @@ from kvcm.errors import Code, KvcmError
 from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
 from kvcm.proto.results import EngineMatches
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 B = 16  # the instance's block size

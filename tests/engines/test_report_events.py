@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from tests.helpers import wait_for
 
 from kvcm import Client
 from kvcm.errors import Code, KvcmError
 from kvcm.proto.kv_events import BlockRemoved, BlockStored, encode_batch
 from kvcm.testing import FakeEnginePublisher, RunningServer, serve_in_thread
+from tests.helpers import wait_for
 
 BS = 4
 TOKENS = list(range(100, 100 + 8 * BS))  # 8 blocks

@@ -11,7 +11,6 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from tests.helpers import register, wait_for
 
 from kvcm.backends.metastore import LmdbStore, MemoryStore
 from kvcm.cache.keys import token_ids_to_block_keys
@@ -21,6 +20,7 @@ from kvcm.engines.sources import SourceSpec, SubscriberSettings, build_spec, sta
 from kvcm.errors import Conflict, InvalidArgument
 from kvcm.proto.kv_events import BlockRemoved, BlockStored, DecodedBatch
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
+from tests.helpers import register, wait_for
 
 B = 16
 _RNG = random.Random(3)

@@ -7,11 +7,11 @@ import json
 import time
 
 import zmq
-from tests.helpers import TIME_FACTOR, wait_for
 
 from kvcm.optimizer.trace_readers import read_trace
 from kvcm.proto.kv_events import decode_batch
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
+from tests.helpers import TIME_FACTOR, wait_for
 
 BLOCK = 4
 INSTANCE = {"instance_group": "default", "instance_id": "llm", "block_size": BLOCK,

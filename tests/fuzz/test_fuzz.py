@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tests.fuzz import targets
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/

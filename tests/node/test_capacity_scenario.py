@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tests.block_bytes import read_problems, served, storage_roots, write_session
-from tests.helpers import wait_for
 
 from kvcm.errors import KvcmError
 from kvcm.testing import RunningServer, start_subprocess, stop_subprocess
+from tests.block_bytes import read_problems, served, storage_roots, write_session
+from tests.helpers import wait_for
 
 SPEC = 1024  # one spec per block: a block is SPEC bytes
 QUOTA_BLOCKS = 20

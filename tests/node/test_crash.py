@@ -15,10 +15,10 @@ import threading
 import time
 
 import pytest
-from tests.helpers import add_group, finish, register, start, wait_for
 
 from kvcm.errors import CapacityError, KvcmError
 from kvcm.testing import serve_in_thread, start_subprocess, stop_subprocess
+from tests.helpers import add_group, finish, register, start, wait_for
 
 FAST = ["--set", "cache.session_check_ms=50", "--set", "cache.delete_poll_ms=20"]
 

@@ -9,10 +9,10 @@ import subprocess
 import time
 
 import pytest
-from tests.helpers import add_file_storage, add_group, locate, register, write
 
 from kvcm.errors import KvcmError, Unavailable
 from kvcm.testing import serve_in_subprocess, serve_in_thread
+from tests.helpers import add_file_storage, add_group, locate, register, write
 
 
 def test_paused_server_times_out_calls_then_serves_again():

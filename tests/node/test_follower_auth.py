@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tests.node.test_ha import Pair, _raw_call
 
 from kvcm import Client
 from kvcm.errors import Code
+from tests.node.test_ha import Pair, _raw_call
 
 ADMIN_PW = "follower-Admin-pw"
 SPECS = [{"name": "tp0", "size": 1024}]

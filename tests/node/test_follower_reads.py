@@ -7,11 +7,11 @@ import shutil
 import tempfile
 
 import pytest
-from tests.helpers import add_file_storage, add_group, register, write
-from tests.node.test_ha import Pair, _raw_call
 
 from kvcm import Client
 from kvcm.errors import Code, KvcmError
+from tests.helpers import add_file_storage, add_group, register, write
+from tests.node.test_ha import Pair, _raw_call
 
 
 def _follower(p: Pair) -> tuple[str, str]:
@@ -142,9 +142,8 @@ def test_every_node_follows_the_event_sources_defined_once(pair):
     """A source added through the leader is defined in the shared store: the follower
     subscribes to it too and keeps its own engine index, so a router may ask either node; a
     source removed through the leader is dropped by both."""
-    from tests.helpers import wait_for
-
     from kvcm.testing import FakeEnginePublisher
+    from tests.helpers import wait_for
 
     leader, follower = _follower(pair)
     tokens = list(range(100, 116))

@@ -21,13 +21,13 @@ from contextlib import contextmanager
 import msgpack
 import pytest
 import zmq
-from tests.helpers import TIME_FACTOR, register
-from tests.helpers import wait_until as _poll
 
 from kvcm import Client
 from kvcm.config import ConfigError, load
 from kvcm.errors import Code, KvcmError
 from kvcm.testing import start_subprocess, stop_subprocess
+from tests.helpers import TIME_FACTOR, register
+from tests.helpers import wait_until as _poll
 
 LEASE_MS, RENEW_MS = 1500, 500
 

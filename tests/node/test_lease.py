@@ -13,11 +13,11 @@ import uuid
 
 import pytest
 import redis
-from tests.helpers import TIME_FACTOR, wait_until
 
 from kvcm.backends.metastore.redis import Fenced, RedisStore
 from kvcm.errors import Code
 from kvcm.ha.lease import VALID_SHARE, Lease, not_leader, parse_holder
+from tests.helpers import TIME_FACTOR, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -8,6 +8,13 @@ import platform
 import urllib.request
 
 import pytest
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvcm.errors import KvcmError
+from kvcm.reclaimer.state import ReclaimMetrics
+from kvcm.testing import serve_in_thread
+from kvcm.version import __version__
 from tests.helpers import (
     add_file_storage,
     add_group,
@@ -18,13 +25,6 @@ from tests.helpers import (
     wait_for,
     write,
 )
-from prometheus_client import REGISTRY, CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
-
-from kvcm.errors import KvcmError
-from kvcm.reclaimer.state import ReclaimMetrics
-from kvcm.testing import serve_in_thread
-from kvcm.version import __version__
 
 FAST = {"cache": {"session_check_ms": 50, "delete_poll_ms": 20, "storage_health_interval_s": 0.05},
         "reclaim": {"interval_s": 0.05}}

@@ -12,8 +12,6 @@ import tempfile
 import time
 
 import pytest
-from tests.block_bytes import read_problems, storage_roots, write_session
-from tests.helpers import TIME_FACTOR
 
 from kvcm.client import Client
 from kvcm.errors import NotFound
@@ -25,6 +23,8 @@ from kvcm.testing import (
     start_subprocess,
     stop_subprocess,
 )
+from tests.block_bytes import read_problems, storage_roots, write_session
+from tests.helpers import TIME_FACTOR
 
 pytestmark = pytest.mark.both_stores
 

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from tests.block_bytes import read_problems, storage_roots, write_session
-from tests.helpers import TIME_FACTOR
 
 from kvcm.backends.metastore import LmdbStore
 from kvcm.client import Client
 from kvcm.errors import KvcmError
 from kvcm.lockfile import drop_unclaimed, lock_holder, pass_lock_file, wait_lock_file
 from kvcm.testing import TEST_ALLOWED_ROOTS, start_subprocess, stop_subprocess
+from tests.block_bytes import read_problems, storage_roots, write_session
+from tests.helpers import TIME_FACTOR
 
 KEYS = list(range(1, 33))
 OPEN_KEYS = list(range(100, 108))  # a write session still open when the first server dies

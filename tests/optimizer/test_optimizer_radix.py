@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tests import stress_radix
 
 from kvcm.optimizer.radix import RadixTree
+from tests import stress_radix
 
 
 def _shape(tree: RadixTree) -> list[tuple[list[int], list[int]]]:

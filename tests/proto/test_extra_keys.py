@@ -11,7 +11,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from tests.helpers import wait_for
 
 from kvcm import Client
 from kvcm.cache.keys import ChainHasher, derive_keys, mix, token_ids_to_block_keys
@@ -30,6 +29,7 @@ from kvcm.proto.extra_keys import (
 )
 from kvcm.proto.kv_events import BlockStored, encode_batch
 from kvcm.testing import FakeEnginePublisher, RunningServer, serve_in_thread
+from tests.helpers import wait_for
 
 # --- vLLM's rule: golden vectors derived by hand ----------------------------------------------------
 #

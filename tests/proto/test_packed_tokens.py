@@ -13,7 +13,6 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from tests.helpers import register
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,6 +34,7 @@ from kvcm.proto.kv_events import (
     encode_batch,
 )
 from kvcm.testing import FakeEnginePublisher, serve_in_thread
+from tests.helpers import register
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ import msgpack
 import msgspec
 import pytest
 import zmq
-from tests.helpers import register, start, write
 
 from kvcm.errors import InvalidArgument, KvcmError
 from kvcm.proto import schema, wire
 from kvcm.testing import serve_in_thread
+from tests.helpers import register, start, write
 
 pytestmark = pytest.mark.both_stores
 

@@ -245,10 +245,9 @@ def test_a_removed_key_written_again_reuses_its_slot() -> None:
 
 
 def test_reclaim_compact_lru_off_keeps_the_ordered_dict_lru():
-    from tests.reclaimer.test_reclaimer import FakeManager
-
     from kvcm.config import ReclaimConfig
     from kvcm.reclaimer import Reclaimer
+    from tests.reclaimer.test_reclaimer import FakeManager
 
     assert type(build_policy("lru", compact=False)) is LRU
     mgr = FakeManager(groups={"g": ["i"]})

@@ -530,11 +530,10 @@ def test_live_reclaim_under_quota_below_watermark_and_reads_stay_valid():
     import threading
     import time
 
-    from tests.helpers import wait_for
-
     from kvcm.cache.deleter import pending_bytes
     from kvcm.cache.usage import Usage
     from kvcm.testing import serve_in_thread
+    from tests.helpers import wait_for
 
     quota = QUOTA_BLOCKS * BLOCK
     overrides = {"reclaim": {"interval_s": INTERVAL, "hysteresis": 0.05}, "cache": {"delete_poll_ms": 20}}
@@ -626,9 +625,8 @@ def _sample_value(app, name: str) -> float:
 
 
 def test_live_policy_change_applies_without_restart():
-    from tests.helpers import wait_for
-
     from kvcm.testing import serve_in_thread
+    from tests.helpers import wait_for
 
     with serve_in_thread(overrides={"reclaim": {"interval_s": INTERVAL}}) as srv:
         app = srv.app

@@ -11,10 +11,10 @@ import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from tests.reclaimer.test_reclaimer import FakeManager, keys_of
 
 from kvcm.config import ReclaimConfig
 from kvcm.reclaimer import Limits, Reclaimer
+from tests.reclaimer.test_reclaimer import FakeManager, keys_of
 
 LIM = {"g": Limits(quota=1000, used_percentage=0.85)}  # >= 850 of 1000: evict down to <= 800
 ROOMY = {"g": Limits(quota=100_000, used_percentage=0.85)}  # the same group before its quota shrank

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import zmq
-from tests.helpers import Clock, wait_for
 
 from kvcm.errors import Code, KvcmError
 from kvcm.proto import wire
 from kvcm.rpc.tarpit import MAX_HELD, MIN_BYTES, Tarpit
 from kvcm.testing import serve_in_thread
+from tests.helpers import Clock, wait_for
 
 INSTANCE = {"instance_group": "default", "instance_id": "llm", "block_size": 16}
 BIG_MEDIA = {"instance_id": "llm", "block_keys": [1], "media": [f"m{i}" for i in range(20_000)]}  # ~130 KB

@@ -11,9 +11,9 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from tests.helpers import register, wait_for
 
 from kvcm.testing import serve_in_subprocess
+from tests.helpers import register, wait_for
 
 
 def _request(msgid: int, method: str, params: dict[str, Any]) -> bytes:

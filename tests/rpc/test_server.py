@@ -10,7 +10,6 @@ import msgpack
 import msgspec
 import pytest
 import zmq
-from tests.helpers import TIME_FACTOR, wait_for
 
 from kvcm.backends.metastore import MemoryStore
 from kvcm.client import Client
@@ -18,6 +17,7 @@ from kvcm.errors import Code, InvalidArgument, KvcmError, NotFound, Unavailable
 from kvcm.proto import wire
 from kvcm.rpc.dispatch import Dispatcher, Method
 from kvcm.rpc.server import Server, Timer
+from tests.helpers import TIME_FACTOR, wait_for
 
 
 class Put(msgspec.Struct):

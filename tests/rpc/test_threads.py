@@ -6,10 +6,9 @@ from __future__ import annotations
 import logging
 import time
 
-from tests.helpers import wait_for
-
 import kvcm.threads
 from kvcm.threads import LoopThread
+from tests.helpers import wait_for
 
 
 def test_the_same_failure_is_logged_once_then_counted(caplog, monkeypatch):

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import pytest
 import requests
-from tests.helpers import TIME_FACTOR, free_port, wait_until
 
 from kvcm import Client
 from kvcm.blocks import BlockIO
 from kvcm.errors import KvcmError
 from kvcm.testing import RunningServer, serve_in_subprocess, start_subprocess, stop_subprocess
+from tests.helpers import TIME_FACTOR, free_port, wait_until
 
 BLOCK = 4  # tokens per block
 SPEC_BYTES = 256

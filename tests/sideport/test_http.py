@@ -10,11 +10,11 @@ import urllib.request
 import msgpack
 import pytest
 import zmq
-from tests.helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcm.errors import InvalidArgument
 from kvcm.testing import serve_in_thread
+from tests.helpers import wait_for
 
 
 def _get(port: int, path: str) -> tuple[int, bytes]:

@@ -224,7 +224,7 @@ def test_error_statuses_by_name_with_http_200(tair):
 def test_server_not_leader_and_the_follower_s_leader_endpoint():
     """A follower's SERVER_NOT_LEADER keeps its name; its getClusterInfo names the leader at the
     leader's RPC host and the HTTP port the leader reports (the two-node run is in
-    tests/http/test_tair_manager_client.py)."""
+    tests/sideport/test_tair_manager_client.py)."""
     exc = Unavailable("node n2 is not the leader", Code.SERVER_NOT_LEADER)
     assert translate.failure(exc, "t")["header"]["status"]["code"] == "SERVER_NOT_LEADER"
     info = {"leader": False, "self_node_id": "n2", "leader_node_id": "n1",

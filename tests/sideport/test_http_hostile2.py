@@ -19,14 +19,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from tests.helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
-from tests.http.test_http_hostile import Reply, _read_reply, closed_within, refused
 
 from kvcm.errors import StartRefused
 from kvcm.rpc.curve import create_certificates
 from kvcm.tair.uris import CallerRoots
 from kvcm.testing import RunningServer, make_test_config, serve_in_thread
+from tests.helpers import wait_for
+from tests.sideport.test_http_hostile import Reply, _read_reply, closed_within, refused
 
 ADMIN_PW = "Hostile2-admin-passw0rd"
 ADMIN = {"user": "admin", "password": ADMIN_PW}

@@ -14,12 +14,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from tests.helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcm.errors import Code
 from kvcm.http.guards import Authorities, http_status, split_authority
 from kvcm.testing import RunningServer, serve_in_thread
+from tests.helpers import wait_for
 
 FAST = {"http": {"read_timeout_s": 2.0, "idle_timeout_s": 1.0}}
 SLACK = 4.0  # seconds past a deadline a cut may take on a loaded 2-core box
