@@ -37,6 +37,73 @@ TRIM_STRATEGIES = ("remove_all_cache", "remove_all_meta", "timestamp")
 Doomed = dict[str, list[bytes]]  # storage -> addresses of copies dropped in a transaction, not yet freed
 
 
+class _Marking:
+    """What one :func:`mark_deleting` call marks: the read-modify-write callbacks over its
+    records, and the copies, keys and bytes they marked."""
+
+    __slots__ = ("dead", "freed", "gone", "marked", "marked_keys", "now", "only", "serving_only", "storage_type")
+
+    def __init__(self, now: float, serving_only: bool, storage_type: str | None,
+                 only: Callable[[int, Location], bool] | None, marked_keys: list[int] | None) -> None:
+        self.now = now
+        self.serving_only = serving_only
+        self.storage_type = storage_type
+        self.only = only
+        self.marked_keys = marked_keys
+        self.marked: list[tuple[int, Location]] = []
+        self.gone: list[int] = []  # keys with no serving copy left
+        self.dead: dict[int, int] = {}  # key -> copies, for records every copy of which this call marked
+        self.freed = [0, 0]  # serving bytes, writing bytes
+
+    def _picked(self, key: int, loc: Location) -> bool:
+        if loc.status == Status.DELETING or (self.serving_only and loc.status != Status.SERVING):
+            return False
+        if self.storage_type is not None and loc.type != self.storage_type:
+            return False
+        return self.only is None or self.only(key, loc)
+
+    def modify(self, _: int, key: int, record: Record | None) -> Any:
+        if record is None:
+            return KEEP
+        marked = self.marked
+        had = any(x.status == Status.SERVING for x in record.locs)
+        before = len(marked)
+        for loc in record.locs:
+            if not self._picked(key, loc):
+                continue
+            if loc.status == Status.SERVING:
+                self.freed[0] += loc.nbytes
+            elif loc.status == Status.WRITING:
+                self.freed[1] += loc.nbytes
+            loc.status = Status.DELETING
+            marked.append((key, loc))
+        if had and not any(x.status == Status.SERVING for x in record.locs):
+            self.gone.append(key)
+        if not marked or marked[-1][0] != key:
+            return KEEP
+        record.updated = self.now
+        if len(marked) - before == len(record.locs):
+            self.dead[key] = len(record.locs)  # the deleter may then drop it without decoding it
+        if self.marked_keys is not None:
+            self.marked_keys.append(key)
+        return record
+
+    def sole(self, _: int, key: int, value: bytes) -> tuple[bytes, int | None] | None:
+        """The common eviction victim, a record of one serving copy, without decoding it
+        (the same result as :meth:`modify`)."""
+        hit = mark_sole(value, self.now)
+        if hit is None or (self.storage_type is not None and hit[1].type != self.storage_type):
+            return None
+        loc = hit[1]
+        self.freed[0] += loc.nbytes
+        self.marked.append((key, loc))
+        self.gone.append(key)
+        self.dead[key] = 1
+        if self.marked_keys is not None:
+            self.marked_keys.append(key)
+        return hit[0], hit[2]
+
+
 def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, keys: Sequence[int], delay: float,
                   serving_only: bool = False, storage_type: str | None = None,
                   only: Callable[[int, Location], bool] | None = None,
@@ -47,67 +114,20 @@ def mark_deleting(s: CacheState, txn: WriteTxn, instance_id: str, group: str, ke
     ``serving_only`` (eviction) never touches ``writing`` copies; ``only(key, location)``
     picks the copies to mark (lost ones); ``marked_keys`` gets each key with a copy marked."""
     now = s.clock()
-    marked: list[tuple[int, Location]] = []
-    gone: list[int] = []
-    dead: dict[int, int] = {}  # key -> copies, for records every copy of which this call marked
-    freed = [0, 0]  # serving bytes, writing bytes
-
-    def modify(_: int, key: int, record: Record | None) -> Any:
-        if record is None:
-            return KEEP
-        had = any(x.status == Status.SERVING for x in record.locs)
-        before = len(marked)
-        for loc in record.locs:
-            if loc.status == Status.DELETING or (serving_only and loc.status != Status.SERVING):
-                continue
-            if storage_type is not None and loc.type != storage_type:
-                continue
-            if only is not None and not only(key, loc):
-                continue
-            if loc.status == Status.SERVING:
-                freed[0] += loc.nbytes
-            elif loc.status == Status.WRITING:
-                freed[1] += loc.nbytes
-            loc.status = Status.DELETING
-            marked.append((key, loc))
-        if had and not any(x.status == Status.SERVING for x in record.locs):
-            gone.append(key)
-        if not marked or marked[-1][0] != key:
-            return KEEP
-        record.updated = now
-        if len(marked) - before == len(record.locs):
-            dead[key] = len(record.locs)  # the deleter may then drop it without decoding it
-        if marked_keys is not None:
-            marked_keys.append(key)
-        return record
-
-    def sole(_: int, key: int, value: bytes) -> tuple[bytes, int | None] | None:
-        """The common eviction victim, a record of one serving copy, without decoding it
-        (the same result as ``modify``)."""
-        hit = mark_sole(value, now)
-        if hit is None or (storage_type is not None and hit[1].type != storage_type):
-            return None
-        loc = hit[1]
-        freed[0] += loc.nbytes
-        marked.append((key, loc))
-        gone.append(key)
-        dead[key] = 1
-        if marked_keys is not None:
-            marked_keys.append(key)
-        return hit[0], hit[2]
-
+    m = _Marking(now, serving_only, storage_type, only, marked_keys)
     values: dict[int, bytes] = {}
-    s.index.read_modify_write(txn, namespace(instance_id), list(dict.fromkeys(keys)), modify, values,
-                              raw=sole if only is None else None)
+    s.index.read_modify_write(txn, namespace(instance_id), list(dict.fromkeys(keys)), m.modify, values,
+                              raw=m.sole if only is None else None)
     freeing: dict[FreeKey, int] = defaultdict(int)
-    schedule_many(txn, now + delay, group, instance_id, marked, {k: (values[k], n) for k, n in dead.items()})
-    for _, loc in marked:
+    schedule_many(txn, now + delay, group, instance_id, m.marked, {k: (values[k], n) for k, n in m.dead.items()})
+    for _, loc in m.marked:
         freeing[(group, loc.type)] += loc.nbytes
     s.being_freed.add(txn, freeing)
-    s.inflight.release(txn, instance_id, 0, freed[1])
+    s.inflight.release(txn, instance_id, 0, m.freed[1])
+    gone = m.gone
     if gone:
         txn.on_commit(lambda: s.listeners.removed(instance_id, gone))
-    return len(marked), freed[0]
+    return len(m.marked), m.freed[0]
 
 
 def evict_inline(s: CacheState, txn: WriteTxn, group: str, victims: Sequence[Victim], marked: list[Victim],

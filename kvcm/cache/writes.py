@@ -409,6 +409,23 @@ def _release(s: CacheState, storage: str, uris: Sequence[str | list[str]]) -> No
         backend.release(flat)
 
 
+def _new_locations(target: Target, specs: list[tuple[tuple[str, int], ...]], uris: list[list[str]],
+                   reused: list[bytes | None], addrs: list[bytes], now: float) -> tuple[list[bytes], list[Location]]:
+    """The wire form and the ``writing`` location of each new block (``specs[j]``, at
+    ``uris[j]``, addressed ``addrs[j]``)."""
+    wires, locs = [], []
+    for j, block_specs in enumerate(specs):
+        if reused[j] is not None:  # the victim's own wire: the same URIs, most likely cached
+            wire = wire_of(addrs[j])
+        else:
+            wire = pack_wire(target.type, [(name, uri) for (name, _), uri in zip(block_specs, uris[j])])
+            remember(addrs[j], wire)  # the finish and the first lookups need it again
+        wires.append(wire)
+        locs.append(Location("", Status.WRITING, target.storage, target.type, sum(s for _, s in block_specs),
+                             now, 0.0, "", addrs[j]))
+    return wires, locs
+
+
 def _record_new(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int], new: list[int],
                 fresh: list[bool], specs: list[tuple[tuple[str, int], ...]], target: Target, uris: list[list[str]],
                 reused: list[bytes | None], timeout: float, usage: dict[Key, list[int]]) -> tuple[Session, list[bytes]]:
@@ -423,17 +440,7 @@ def _record_new(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int
     sid = new_session_id()
     new_keys = [keys[i] for i in new]
     addrs = _new_addresses(target, [specs[i] for i in new], uris, reused)
-    wires, locs = [], []
-    for j, i in enumerate(new):
-        block_specs = specs[i]
-        if reused[j] is not None:  # the victim's own wire: the same URIs, most likely cached
-            wire = wire_of(addrs[j])
-        else:
-            wire = pack_wire(target.type, [(name, uri) for (name, _), uri in zip(block_specs, uris[j])])
-            remember(addrs[j], wire)  # the finish and the first lookups need it again
-        wires.append(wire)
-        locs.append(Location("", Status.WRITING, target.storage, target.type, sum(s for _, s in block_specs),
-                             now, 0.0, "", addrs[j]))
+    wires, locs = _new_locations(target, [specs[i] for i in new], uris, reused, addrs, now)
     persist(txn, s.store, addrs)
 
     def add(j: int, key: int, record: Record | None) -> Record:
