@@ -350,43 +350,43 @@ class ClientMethods:
         """The sources (of one instance, when given); ``{"sources": [...]}``."""
         return self._typed("list_event_sources", AdminReply, timeout, instance_id=instance_id, trace_id=trace_id)
 
-    def match_engines(self, *, instance_id: str, token_ids: Sequence[int] | None = None,
-                      block_keys: Sequence[int] | None = None, lora_name: str | None = None,
-                      extra_keys: Sequence[Encodable] | None = None,
-                      mm_features: Sequence[MmFeature | EncodableMap] | None = None, cache_salt: str | None = None,
-                      media: Sequence[str] | None = None, medium: str | None = None, group_idx: int | None = None,
-                      limit: int | None = None, include_stale: bool | None = None, top_k: int | None = None,
-                      loads: Mapping[str, float] | None = None, include_storage: bool | None = None,
-                      trace_id: str | None = None, timeout: float | None = None) -> EngineMatches:
+    def match_engines(self, *, instance_id: str, block_keys: Sequence[int] | None = None,
+                      token_ids: Sequence[int] | None = None, extra_keys: Sequence[Encodable] | None = None,
+                      mm_features: Sequence[MmFeature | EncodableMap] | None = None, lora_name: str | None = None,
+                      cache_salt: str | None = None, media: Sequence[str] | None = None, medium: str | None = None,
+                      group_idx: int | None = None, limit: int | None = None, include_stale: bool | None = None,
+                      top_k: int | None = None, loads: Mapping[str, float] | None = None,
+                      include_storage: bool | None = None, trace_id: str | None = None,
+                      timeout: float | None = None) -> EngineMatches:
         """Per engine source and pod, the longest prefix of the query it holds, scored, best first
         (sources not heard for ``events.stale_after_s`` left out unless ``include_stale``;
         ``include_storage`` adds kvcm's own storage tier as ``storage``). The prompt's extra keys
         (an image, a salt) as vLLM sends them per block (``extra_keys``), or ``mm_features``,
         ``lora_name`` and ``cache_salt``, enter the keys of ``token_ids``."""
         return self._typed("match_engines", EngineMatches, timeout, instance_id=instance_id,
-                           token_ids=_sendable(token_ids), block_keys=_sendable(block_keys), lora_name=lora_name,
-                           extra_keys=_sendable(extra_keys), mm_features=_sendable(mm_features),
+                           block_keys=_sendable(block_keys), token_ids=_sendable(token_ids),
+                           extra_keys=_sendable(extra_keys), mm_features=_sendable(mm_features), lora_name=lora_name,
                            cache_salt=cache_salt, media=_sendable(media), medium=medium, group_idx=group_idx,
                            limit=limit, include_stale=include_stale, top_k=top_k, loads=_sendable(loads),
                            include_storage=include_storage, trace_id=trace_id)
 
-    def note_routed(self, *, instance_id: str, source_id: str, token_ids: Sequence[int] | None = None,
-                    block_keys: Sequence[int] | None = None, lora_name: str | None = None,
-                    extra_keys: Sequence[Encodable] | None = None,
-                    mm_features: Sequence[MmFeature | EncodableMap] | None = None, cache_salt: str | None = None,
-                    ttl_s: float | None = None, trace_id: str | None = None, timeout: float | None = None) -> Routed:
+    def note_routed(self, *, instance_id: str, source_id: str, block_keys: Sequence[int] | None = None,
+                    token_ids: Sequence[int] | None = None, extra_keys: Sequence[Encodable] | None = None,
+                    mm_features: Sequence[MmFeature | EncodableMap] | None = None, lora_name: str | None = None,
+                    cache_salt: str | None = None, ttl_s: float | None = None, trace_id: str | None = None,
+                    timeout: float | None = None) -> Routed:
         """The router sent this prompt to ``source_id``: count its blocks there, ``speculative``,
         until the engine's event confirms them or ``ttl_s`` ends."""
         return self._typed("note_routed", Routed, timeout, instance_id=instance_id, source_id=source_id,
-                           token_ids=_sendable(token_ids), block_keys=_sendable(block_keys), lora_name=lora_name,
-                           extra_keys=_sendable(extra_keys), mm_features=_sendable(mm_features),
+                           block_keys=_sendable(block_keys), token_ids=_sendable(token_ids),
+                           extra_keys=_sendable(extra_keys), mm_features=_sendable(mm_features), lora_name=lora_name,
                            cache_salt=cache_salt, ttl_s=ttl_s, trace_id=trace_id)
 
-    def get_host_cache_state(self, *, instance_id: str, block_cache_keys: Sequence[int] | None = None,
-                             block_keys: Sequence[int] | None = None, token_ids: Sequence[int] | None = None,
-                             lora_name: str | None = None, extra_keys: Sequence[Encodable] | None = None,
+    def get_host_cache_state(self, *, instance_id: str, block_keys: Sequence[int] | None = None,
+                             token_ids: Sequence[int] | None = None, extra_keys: Sequence[Encodable] | None = None,
                              mm_features: Sequence[MmFeature | EncodableMap] | None = None,
-                             cache_salt: str | None = None, query_type: str | int | None = None,
+                             lora_name: str | None = None, cache_salt: str | None = None,
+                             block_cache_keys: Sequence[int] | None = None, query_type: str | int | None = None,
                              medium: Sequence[str] | None = None, p2p_host_count: int | None = None,
                              top_k: int | None = None, loads: Mapping[str, float] | None = None,
                              include_stale: bool | None = None, include_storage: bool | None = None,
@@ -394,9 +394,9 @@ class ClientMethods:
         """Tair KVCM's ``GetHostCacheState``: per host (pod), local and global prefix hits
         (``query_type``: prefix matching only; ``p2p_host_count``: accepted, not used)."""
         return self._typed("get_host_cache_state", HostCacheState, timeout, instance_id=instance_id,
-                           block_cache_keys=_sendable(block_cache_keys), block_keys=_sendable(block_keys),
-                           token_ids=_sendable(token_ids), lora_name=lora_name, extra_keys=_sendable(extra_keys),
-                           mm_features=_sendable(mm_features), cache_salt=cache_salt, query_type=query_type,
+                           block_keys=_sendable(block_keys), token_ids=_sendable(token_ids),
+                           extra_keys=_sendable(extra_keys), mm_features=_sendable(mm_features), lora_name=lora_name,
+                           cache_salt=cache_salt, block_cache_keys=_sendable(block_cache_keys), query_type=query_type,
                            medium=_sendable(medium), p2p_host_count=p2p_host_count, top_k=top_k,
                            loads=_sendable(loads), include_stale=include_stale, include_storage=include_storage,
                            trace_id=trace_id)

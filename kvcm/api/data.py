@@ -21,7 +21,7 @@ from kvcm.api.costs import (
     US_PER_KEY,
     US_PER_SLOT,
 )
-from kvcm.api.token_keys import TokenWork, hash_tokens
+from kvcm.api.token_keys import TokenWork, hash_tokens, prompt_work
 from kvcm.backends.storage.base import SlotStorage
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.manager import CacheManager
@@ -29,7 +29,6 @@ from kvcm.cache.masks import BlockMask
 from kvcm.engines.service import EngineService
 from kvcm.errors import InvalidArgument
 from kvcm.proto import wire
-from kvcm.proto.extra_keys import check_request, request_extras
 from kvcm.proto.requests.data import (
     BoolMasks,
     FinishWriteCacheRequest,
@@ -139,17 +138,7 @@ class CacheCosts:
         self.engines = engines
 
     def tokens(self, r: KeysRequest) -> TokenWork | None:
-        check_request(bool(r.token_ids) and not r.block_keys, r.extra_keys, r.mm_features, r.cache_salt)
-        if r.block_keys or not r.token_ids:
-            return None
-        block_size = self.m.instance(r.instance_id).block_size
-
-        def done(keys: list[int]) -> None:
-            r.block_keys = keys
-
-        extras = request_extras(tokens=len(r.token_ids), block_size=block_size, extra_keys=r.extra_keys,
-                                mm_features=r.mm_features, lora_name=r.lora_name, cache_salt=r.cache_salt)
-        return TokenWork(r.token_ids, block_size, done, extras)
+        return prompt_work(r, bool(r.block_keys), lambda: self.m.instance(r.instance_id).block_size)
 
     def _per_key(self, r: KeysRequest, per_key: float, reply: bool = True) -> Estimate:
         keys = len(r.block_keys)

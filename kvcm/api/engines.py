@@ -20,7 +20,7 @@ from typing import TypeVar
 import msgspec
 
 from kvcm.api.costs import US_PER_KEY, US_PER_MATCH_OPTION
-from kvcm.api.token_keys import TokenWork, hash_tokens
+from kvcm.api.token_keys import TokenWork, hash_tokens, prompt_work
 from kvcm.cache.manager import CacheManager
 from kvcm.engines.index import KEYED
 from kvcm.engines.push import Report, Reporter
@@ -28,7 +28,7 @@ from kvcm.engines.scoring import BLOCKS, SCORE, SOURCE, pod_summary
 from kvcm.engines.service import EngineService
 from kvcm.engines.sources import SourceSpec
 from kvcm.errors import Code, InvalidArgument, error
-from kvcm.proto.extra_keys import MAX_BLOCK_BYTES, check_request, request_extras
+from kvcm.proto.extra_keys import MAX_BLOCK_BYTES
 from kvcm.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, count_events
 from kvcm.proto.requests import engines as requests
 from kvcm.proto.requests.engines import (
@@ -77,18 +77,8 @@ class _Handlers:
 
     def match_tokens(self, req: MatchEnginesRequest | NoteRoutedRequest | GetHostCacheStateRequest) -> TokenWork | None:
         """Keys of a token query, derived by the dispatcher a slice at a time before the match."""
-        given = req.block_keys or getattr(req, "block_cache_keys", None)
-        check_request(bool(req.token_ids) and not given, req.extra_keys, req.mm_features, req.cache_salt)
-        if given or not req.token_ids:
-            return None
-
-        def done(keys: list[int]) -> None:
-            req.block_keys = keys
-
-        block_size = self.service.instance_lookup(req.instance_id)
-        extras = request_extras(tokens=len(req.token_ids), block_size=block_size, extra_keys=req.extra_keys,
-                                mm_features=req.mm_features, lora_name=req.lora_name, cache_salt=req.cache_salt)
-        return TokenWork(req.token_ids, block_size, done, extras)
+        given = bool(req.block_keys) or bool(getattr(req, "block_cache_keys", None))
+        return prompt_work(req, given, lambda: self.service.instance_lookup(req.instance_id))
 
     def match_cost(self, req: MatchEnginesRequest) -> Estimate:
         # with include_storage, the storage tier's prefix too (its locations, counted by type)

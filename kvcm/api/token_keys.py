@@ -16,7 +16,8 @@ from typing import TypeVar
 
 from kvcm.cache.keys import ChainHasher
 from kvcm.errors import Code, error
-from kvcm.proto.extra_keys import BlockExtras
+from kvcm.proto.extra_keys import BlockExtras, check_request, request_extras
+from kvcm.proto.requests.prompt import PromptRequest
 from kvcm.rpc.dispatch import Admission, Preparation, Prepare
 
 #: Tokens hashed per slice before the clock is looked at again (about 0.3 ms).
@@ -80,3 +81,22 @@ def hash_tokens(tokens_of: Callable[[R], TokenWork | None]) -> Prepare[R]:
         return _Hashing(work)
 
     return prepare
+
+
+def prompt_work(request: PromptRequest, given: bool, block_size: Callable[[], int]) -> TokenWork | None:
+    """What to hash for a request naming its blocks by a prompt (None: it gave keys, ``given``, or
+    no tokens); the keys go to its ``block_keys``. Extra keys sent without ``token_ids`` are
+    refused here (they would be left out silently). ``block_size()``: the instance's, looked up
+    only when there is something to hash."""
+    r = request
+    check_request(bool(r.token_ids) and not given, r.extra_keys, r.mm_features, r.cache_salt)
+    if given or not r.token_ids:
+        return None
+    size = block_size()
+
+    def done(keys: list[int]) -> None:
+        r.block_keys = keys
+
+    extras = request_extras(tokens=len(r.token_ids), block_size=size, extra_keys=r.extra_keys,
+                            mm_features=r.mm_features, lora_name=r.lora_name, cache_salt=r.cache_salt)
+    return TokenWork(r.token_ids, size, done, extras)

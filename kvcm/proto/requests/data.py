@@ -15,8 +15,8 @@ from typing import Annotated
 
 import msgspec
 
-from kvcm.proto.extra_keys import CacheSalt, ExtraKeys, LoraName, MmFeatures
-from kvcm.proto.schema import KEYS_CEILING, Flags, Int64, Keys, RequestBase, Tokens
+from kvcm.proto.requests.prompt import PromptRequest
+from kvcm.proto.schema import KEYS_CEILING, Flags, Int64, RequestBase
 
 __all__ = [
     "BoolMasks", "FinishWriteCacheRequest", "GetCacheLocationLenRequest", "GetCacheLocationRequest",
@@ -46,19 +46,10 @@ class _Request(RequestBase, msgspec.Struct, kw_only=True):
     instance_id: InstanceId
 
 
-class KeysRequest(_Request, kw_only=True):
-    """A request naming blocks by ``block_keys``, or by a prompt's ``token_ids`` (hashed by the
-    server with the instance's block size)."""
+class KeysRequest(PromptRequest, msgspec.Struct, kw_only=True):
+    """A data-plane request naming blocks by ``block_keys`` or a prompt (:class:`PromptRequest`)."""
 
-    block_keys: Keys = []
-    token_ids: Tokens = []
-    # A prompt's extra keys (docs/engines.md#keys-block-sizes-namespaces), mixed into the keys of
-    # its token_ids: per block as vLLM sends them, or what vLLM's rule derives them from.
-    # lora_name also names the adapter whose engine blocks include_engines lists.
-    extra_keys: ExtraKeys | None = None
-    mm_features: MmFeatures | None = None
-    lora_name: LoraName | None = None
-    cache_salt: CacheSalt | None = None
+    instance_id: InstanceId
 
 
 class GetCacheLocationRequest(KeysRequest, kw_only=True):

@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kvcm.proto.extra_keys import CacheSalt, ExtraKeys, MmFeatures
+from kvcm.proto.extra_keys import ExtraKeys
+from kvcm.proto.requests.prompt import PromptRequest
 from kvcm.proto.schema import KEYS_CEILING, Keys, RequestBase, Tokens
 
 __all__ = [
@@ -76,14 +77,8 @@ class ListEventSourcesRequest(_Request):
     instance_id: str | None = None
 
 
-class MatchEnginesRequest(_Request):
+class MatchEnginesRequest(PromptRequest, msgspec.Struct, kw_only=True):
     instance_id: str
-    token_ids: Tokens = []
-    block_keys: Keys = []
-    lora_name: LoraName | None = None  # the adapter's namespace; enters the keys of token_ids too
-    extra_keys: ExtraKeys | None = None  # per block, as vLLM sends them (docs/engines.md#keys-block-sizes-namespaces)
-    mm_features: MmFeatures | None = None  # or what vLLM's rule derives them from
-    cache_salt: CacheSalt | None = None
     media: Media | None = None  # e.g. ["GPU"]; absent = every medium
     medium: Medium | None = None  # shorthand for media=[medium]
     group_idx: int | None = None  # absent = full-attention-like groups
@@ -94,29 +89,17 @@ class MatchEnginesRequest(_Request):
     include_storage: bool = False  # add the storage tier's prefix as the pseudo-source "storage"
 
 
-class NoteRoutedRequest(_Request):
+class NoteRoutedRequest(PromptRequest, msgspec.Struct, kw_only=True):
     instance_id: str
     source_id: str
-    token_ids: Tokens = []
-    block_keys: Keys = []
-    lora_name: LoraName | None = None  # the adapter the prompt runs with (matches of that adapter count it)
-    extra_keys: ExtraKeys | None = None
-    mm_features: MmFeatures | None = None
-    cache_salt: CacheSalt | None = None
     ttl_s: float = 2.0  # at most events.speculative_max_ttl_s
 
 
-class GetHostCacheStateRequest(_Request):
+class GetHostCacheStateRequest(PromptRequest, msgspec.Struct, kw_only=True):
     """Tair KVCM's GetHostCacheState, answered from match_engines (docs/routers.md)."""
 
     instance_id: str
     block_cache_keys: Keys = []  # Tair's name of block_keys
-    block_keys: Keys = []
-    token_ids: Tokens = []
-    lora_name: LoraName | None = None
-    extra_keys: ExtraKeys | None = None
-    mm_features: MmFeatures | None = None
-    cache_salt: CacheSalt | None = None
     query_type: str | int = "prefix_match"  # prefix matching only: "prefix_match", "QT_PREFIX_MATCH" or 2
     medium: Media | None = None  # Tair's media filter; absent or empty = every medium
     p2p_host_count: int = 0  # Tair's P2P peer count: accepted, kvcm does not plan P2P fetches
