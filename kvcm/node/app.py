@@ -23,12 +23,14 @@ import lmdb
 import msgspec
 import zmq
 
+from kvcm.api.leader import ELECTOR_METHODS, LocalElector
 from kvcm.backends.metastore import MetaStore
 from kvcm.backends.metastore.base import GrowableStore, SharedStore
 from kvcm.config import Config
 from kvcm.errors import KvcmError, StartRefused, Unavailable
 from kvcm.http import SideHttp, SidePort, refuse_unguarded
 from kvcm.metrics import Metrics
+from kvcm.node.follower import READS
 from kvcm.node.kernel import load_hash_kernel
 from kvcm.node.refusals import http_bind_failed, refuse_taken_ports, rpc_in_use, store_error
 from kvcm.node.stores import open_engine_store, open_redis, open_store
@@ -38,9 +40,6 @@ from kvcm.rpc.dispatch import Dispatcher, Limits, Method
 from kvcm.rpc.server import AddressInUse, Server, Timer
 from kvcm.threads import LoopThread
 from kvcm.version import __version__
-
-from kvcm.api.leader import ELECTOR_METHODS, LocalElector
-from kvcm.node.follower import READS
 
 if TYPE_CHECKING:  # the lease needs redis-py, an optional extra; the rest is imported where built
     from kvcm.cache.manager import CacheManager
