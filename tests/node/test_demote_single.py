@@ -118,3 +118,21 @@ def test_tair_leader_demote_on_a_single_node(server):
     wait_until(lambda: tair.call("checkHealth", {})["is_leader"], timeout=delay_s + 5,
                what="the node did not lead again")
     tair.call("startWriteCache", {**write_body, "block_keys": ["2"]})
+
+
+def test_background_work_pauses_while_demoted(server):
+    """A follower runs no background work: a write session that times out during the delay is
+    expired only once the node leads again (the sweep runs every cache.session_check_ms)."""
+    sessions = server.app.cache.sessions
+    delay_s = 3.0 * TIME_FACTOR
+    with Client(server.endpoint) as c:
+        register(c)
+        c.call("update_leader_elector_config", {"campaign_delay_time_ms": int(delay_s * 1000)})
+        start(c, [9], write_timeout_seconds=0.3)
+        demoted_at = time.monotonic()
+        c.call("leader_demote", {})
+        time.sleep(1.0)  # past the session's timeout, several sweeps
+        assert len(sessions) == 1
+        assert time.monotonic() - demoted_at < delay_s, "the check did not run inside the delay"
+        wait_until(lambda: len(sessions) == 0, timeout=delay_s + 5, what="the session never expired")
+        assert time.monotonic() - demoted_at >= delay_s - 0.05
