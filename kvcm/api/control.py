@@ -177,14 +177,16 @@ class _Handlers:
     # health
     def check_health(self, req: Empty) -> dict[str, object]:
         storages = self.registry.list_storages()
+        node = self.info()
+        ha = node.get("ha")  # the role, when this node may not lead (the lease, or a demote)
         return {
             "status": "ok",
             "is_health": True,
-            "is_leader": True,
+            "is_leader": bool(ha.get("is_leader")) if isinstance(ha, dict) else True,
             "uptime_s": round(time.time() - self.started, 3),
             "counts": self.registry.counts(),  # read from the store: proves it answers
             "storages": {s.global_unique_name: _storage_health(s, self.registry.unavailable_reasons) for s in storages},
-            "node": self.info(),
+            "node": node,
         }
 
     def get_manager_cluster_info(self, req: Empty) -> dict[str, object]:

@@ -23,12 +23,14 @@ import lmdb
 import msgspec
 import zmq
 
+from kvcm.api.leader import ELECTOR_METHODS, LocalElector
 from kvcm.backends.metastore import MetaStore
 from kvcm.backends.metastore.base import GrowableStore, SharedStore
 from kvcm.config import Config
 from kvcm.errors import KvcmError, StartRefused, Unavailable
 from kvcm.http import SideHttp, SidePort, refuse_unguarded
 from kvcm.metrics import Metrics
+from kvcm.node.follower import READS
 from kvcm.node.kernel import load_hash_kernel
 from kvcm.node.refusals import http_bind_failed, refuse_taken_ports, rpc_in_use, store_error
 from kvcm.node.stores import open_engine_store, open_redis, open_store
@@ -103,6 +105,8 @@ class App:
         self.http: SideHttp | None = None
         self._stopped = False
         self._serve_thread: threading.Thread | None = None
+        # Without the lease the node leads except for the campaign delay after a leader_demote.
+        self.elector = LocalElector(config.ha.campaign_delay_ms) if self.lease is None else None
         self.store = self._open_store()
         try:
             with ExitStack() as undo:  # a failed build closes every socket, thread, lock and store it opened
@@ -145,7 +149,7 @@ class App:
             group_commit=cfg.group_commit,
             access_log=cfg.access_log,
             grow=self.store.grow if isinstance(self.store, GrowableStore) else None,
-            gate=self._gate if self.lease is not None or isinstance(self.store, SharedStore) else None,
+            gate=self._gate,  # any node may be demoted (leader_demote), so every one has a role to check
         )
 
     def _build_server(self) -> Server:
@@ -237,7 +241,7 @@ class App:
         return (registry_api.methods(self.registry, self.info, self.authorize)
                 + auth_api.methods(self.registry, self.authorize)
                 + system_api.methods(self.metrics, self.info)
-                + leader_api.methods(self.lease, self.config.ha.campaign_delay_ms))
+                + leader_api.methods(self.lease, self.config.ha.campaign_delay_ms, self.elector))
 
     def _build_engine_service(self, data_dir: str | None, undo: ExitStack) -> EngineService:
         """The engine tier: event subscriber and engine index, in a store of its own."""
@@ -348,20 +352,20 @@ class App:
         return reclaimer
 
     def _leading(self, fn: Callable[[], object]) -> Callable[[], object]:
-        """``fn`` as a background step that does nothing once the lease is no longer valid (the
-        leader stage is being stopped; its commits would be fenced anyway)."""
-        lease = self.lease
-        if lease is None:
-            return fn
-
+        """``fn`` as a background step that does nothing while this node does not lead: the lease
+        is no longer valid (the leader stage is being stopped; its commits would be fenced
+        anyway), or a node without the lease is in its campaign delay after a demote."""
         def step() -> object:
             return fn() if self.leading() else None
         return step
 
     def leading(self) -> bool:
-        """This App's term is the lease's current, valid term (always true without a lease)."""
+        """This App's term is the lease's current, valid term; without a lease, the node is not
+        in its campaign delay after a demote."""
         lease = self.lease
-        return lease is None or (lease.is_leader() and lease.epoch == self.term)
+        if lease is None:
+            return self.elector is None or self.elector.is_leader()
+        return lease.is_leader() and lease.epoch == self.term
 
     def _gate(self, method: Method | None) -> KvcmError | None:
         """A Redis store that lost this deployment's data refuses everything (no read answered
@@ -370,9 +374,16 @@ class App:
         return refused if refused is not None else self._leader_gate(method)
 
     def _leader_gate(self, method: Method | None) -> KvcmError | None:
-        lease = self.lease
-        if lease is None or self.leading() or (method is not None and method.name in ROLE_FREE):
+        if self.leading() or (method is not None and method.name in ROLE_FREE):
             return None
+        lease = self.lease
+        if lease is None:
+            # Demoted, alone: answered as a follower would (reads and the elector's own methods;
+            # leader_demote answers SERVER_NOT_LEADER itself), the rest refused naming no leader.
+            elector = self.elector
+            if elector is None or (method is not None and (method.name in READS or method.name in ELECTOR_METHODS)):
+                return None
+            return elector.refusal()
         from kvcm.ha.lease import not_leader
 
         return not_leader(lease.known_holder(), lease.node_id)
@@ -381,12 +392,17 @@ class App:
         return "leader" if self.lease is not None and self.leading() else "follower"
 
     def info(self) -> dict[str, Encodable]:
-        """Facts about this node for check_health / get_manager_cluster_info."""
+        """Facts about this node for check_health / get_manager_cluster_info (``ha``: the role,
+        under the lease, or while a node without it is demoted)."""
         facts = self._facts()
         if self.lease is not None:
             from kvcm.ha.lease import lease_facts
 
             facts.update(node_id=self.lease.node_id, ha=lease_facts(self.lease))
+        elif self.elector is not None:
+            demoted = self.elector.facts()
+            if demoted is not None:
+                facts["ha"] = demoted
         return facts
 
     def _facts(self) -> dict[str, Encodable]:
