@@ -88,7 +88,13 @@ def remove_cache_in(body: DecodedMap) -> dict[str, Encodable]:
     return _mask(_keys(body), body, "block_mask")
 
 
+#: Tair's TrimCacheRequest times are int32 wall-clock seconds (an int32 holds no finer unit of
+#: today); kvcm's ``trim_cache`` reads microseconds.
+MICROS_PER_SECOND = 1_000_000
+
+
 def trim_cache_in(body: DecodedMap) -> dict[str, Encodable]:
+    """Tair's trim: ``begin_timestamp`` / ``end_timestamp`` in seconds, as kvcm's microseconds."""
     out: dict[str, Encodable] = {"instance_id": s.text(body.get("instance_id"), "instance_id")}
     strategy = s.TRIM_STRATEGY.to_kvcm(body.get("strategy"), "strategy")
     if strategy is None:
@@ -96,7 +102,7 @@ def trim_cache_in(body: DecodedMap) -> dict[str, Encodable]:
     out["strategy"] = strategy
     for key in ("begin_timestamp", "end_timestamp"):
         if body.get(key) is not None:
-            out[key] = s.int64(body[key], key)
+            out[key] = s.int32(body[key], key) * MICROS_PER_SECOND
     return out
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError
 from kvcm.proto import tair as s
+from kvcm.proto.tair import shapes
 from kvcm.proto.wire import Decoded, DecodedMap, Encodable
 from kvcm.tair import replies as rep
 from kvcm.tair import requests as req
@@ -158,14 +159,18 @@ SURFACES: dict[str, tuple[dict[str, tuple[frozenset[str], Rpc]], ...]] = {
 # -- serving one call -----------------------------------------------------------------------------
 
 
-def header(code: str, message: str, trace_id: str) -> dict[str, Encodable]:
-    return {"status": {"code": code, "message": message}, "request_id": f"{trace_id}_{int(time.time() * 1e6)}"}
+def header(code: str, message: str, trace_id: str, service: str = "admin") -> dict[str, Encodable]:
+    """A Tair response header, every field printed (MetaService's has ``tracer_result`` too)."""
+    return shapes.header(service, code, message, f"{trace_id}_{int(time.time() * 1e6)}")
 
 
-def failure(exc: KvcmError, trace_id: str, codes: Mapping[Code, str] | None = None) -> dict[str, Encodable]:
+def failure(exc: KvcmError, trace_id: str, codes: Mapping[Code, str] | None = None, rpc: str = "",
+            service: str = "admin") -> dict[str, Encodable]:
+    """The reply of a failed call: its header, and the fields of ``rpc``'s response message (if it
+    is a Tair RPC of ``service``) at their defaults, as Tair prints an error."""
     code = (codes or {}).get(exc.code) or TAIR_CODES.get(exc.code, "INTERNAL_ERROR")
     message = exc.message if code == exc.code.name else f"{exc.code.name}: {exc.message}"
-    return {"header": header(code, message, trace_id)}
+    return shapes.reply(service, rpc, header(code, message, trace_id, service), {})
 
 
 def refused(exc: KvcmError, body: Mapping[str, object]) -> dict[str, Encodable]:
@@ -174,27 +179,39 @@ def refused(exc: KvcmError, body: Mapping[str, object]) -> dict[str, Encodable]:
     return failure(exc, trace_id if isinstance(trace_id, str) else "")
 
 
+def _service(name: str, surface: str) -> str:
+    """The service whose response message a call on this listener answers with."""
+    for table in SURFACES[surface]:
+        if name in table:
+            return "meta" if table is META else "admin"
+    return "meta" if name in shapes.META_REPLIES and surface != "admin" else "admin"
+
+
 def serve(name: str, body: DecodedMap, surface: str, ctx: Context,
           forward: Forward) -> tuple[int, dict[str, Encodable]]:
-    """(HTTP status, Tair reply) of one call; logical errors are 200 with their Tair code."""
+    """(HTTP status, Tair reply) of one call; logical errors are 200 with their Tair code. Every
+    reply, success or error, carries its response message's fields (:mod:`kvcm.proto.tair.shapes`)."""
     trace_id = body.get("trace_id")
     trace_id = trace_id if isinstance(trace_id, str) else ""
+    service = _service(name, surface)
     entry = next((table[name] for table in SURFACES[surface] if name in table), None)
     if entry is None:  # an RPC kvcm lacks is a logical answer; a name not served here is a 404
-        return (200 if name in UNSUPPORTED else 404), failure(_not_here(name, surface), trace_id)
+        return (200 if name in UNSUPPORTED else 404), failure(_not_here(name, surface), trace_id, rpc=name,
+                                                              service=service)
     fields, rpc = entry
     try:
         reply = _call(rpc, fields, body, trace_id, ctx, forward)
+        return 200, shapes.reply(service, name, header("OK", "", trace_id, service), reply)
     except InvalidArgument as exc:
         if exc.code is Code.INVALID_ARGUMENT and not exc.message.startswith(rpc.kvcm + ":"):
             exc = InvalidArgument(f"{name}: {exc.message}")  # a translator's own check names the Tair RPC
-        return 200, failure(exc, trace_id, rpc.codes)
+        return 200, failure(exc, trace_id, rpc.codes, name, service)
     except KvcmError as exc:
-        return 200, failure(exc, trace_id, rpc.codes)
+        return 200, failure(exc, trace_id, rpc.codes, name, service)
     except Exception as exc:  # every call gets a Tair answer, whatever failed
         log.exception("tair: %s failed", name)
-        return 200, failure(ServerError(f"internal error: {type(exc).__name__}"), trace_id)
-    return 200, {"header": header("OK", "", trace_id), **reply}
+        return 200, failure(ServerError(f"internal error: {type(exc).__name__}"), trace_id, rpc=name,
+                            service=service)
 
 
 def _call(rpc: Rpc, fields: frozenset[str], body: DecodedMap, trace_id: str, ctx: Context,

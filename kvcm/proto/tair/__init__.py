@@ -14,7 +14,8 @@ request strictly. One module per concept: :mod:`~kvcm.proto.tair.fields` (scalar
 :mod:`~kvcm.proto.tair.enums`, :mod:`~kvcm.proto.tair.locations` (masks, locations),
 :mod:`~kvcm.proto.tair.storages`, :mod:`~kvcm.proto.tair.groups`,
 :mod:`~kvcm.proto.tair.instances`, :mod:`~kvcm.proto.tair.events` (``ReportEvent``); their
-names are all here too.
+names are all here too. :mod:`~kvcm.proto.tair.shapes` is the table of Tair's response messages
+every reply is filled from (every field, on success and on error).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from kvcm.proto.tair.fields import (
     text,
     texts,
 )
+from kvcm.proto.tair.shapes import fill
 from kvcm.proto.wire import Decoded, DecodedMap, Encodable
 
 _SPEC_INFO = frozenset({"name", "size"})
@@ -61,16 +62,20 @@ def deployment_in(value: Decoded, where: str) -> dict[str, Encodable]:
 
 
 def instance_out(info: DecodedMap) -> dict[str, Encodable]:
-    return {
+    """kvcm's instance info as Tair's InstanceInfo, every field printed. ``default_query_type`` is
+    Tair's zero value: kvcm keeps none (a lookup names its query type)."""
+    deployment = as_map(info.get("model_deployment") or {})
+    tair_deployment = {name: deployment[name] for name in _DEPLOYMENT if name in deployment}
+    return fill("InstanceInfo", {
         "quota_group_name": info.get("quota_group_name", ""),
         "instance_group_name": info["instance_group_name"],
         "instance_id": info["instance_id"],
         "block_size": info["block_size"],
         "location_spec_infos": [{"name": s["name"], "size": out64(s["size"])} for s in as_maps(info["location_spec_infos"])],
-        "model_deployment": dict(as_map(info.get("model_deployment") or {})),
+        "model_deployment": fill("ModelDeployment", tair_deployment),
         "location_spec_groups": [{"name": g["name"], "spec_names": list(as_list(g["spec_names"]))}
                                  for g in as_maps(info.get("location_spec_groups") or [])],
-    }
+    })
 
 
 def endpoint_parts(endpoint: str) -> tuple[str, int]:
