@@ -12,8 +12,8 @@ HOST_DOWN alone followed by a fresh registration). Replies are checked against
 reports is checked where a router looks for it: ``getHostCacheState`` and kvcm's own
 ``match_engines``.
 
-The tests marked ``xfail(strict=True)`` are calls Tair answers OK and kvcm does not yet (each
-says why); strict, so the day kvcm answers them the marker has to go.
+The last tests are calls one kvcm op cannot answer (kvcm/tair/events.py runs several): an
+idempotent host down, kinds mixed in one call, a call without events.
 """
 
 from __future__ import annotations
@@ -311,15 +311,10 @@ def test_a_body_that_is_not_a_json_object_is_http_400(client):
         assert (resp.status_code, resp.json()) == (400, {}), (data, resp.text)
 
 
-# -- what Tair answers OK and kvcm does not yet -------------------------------------------------
-#
-# Each of these needs a Tair call to become more than one kvcm op, or an absent push source to be
-# no error for op down: kvcm/tair/translate.py forwards exactly one kvcm RPC per Tair call.
+# -- calls Tair answers OK that take several kvcm ops -------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="kvcm answers NODE_NOT_REGISTERED for the down of a host it does not "
-                                       "know; Tair's HOST_DOWN is idempotent and needs no registration")
-def test_host_down_is_idempotent_and_needs_no_registration(client):
+def test_host_down_is_idempotent_and_needs_no_registration(client, server):
     """Tair's test 09, and the subscriber's cold start with a host reset: it sends HOST_DOWN
     before it registers (``HOST_DOWN identifies the node by instance/host and does not require
     NODE_REGISTER``)."""
@@ -328,10 +323,11 @@ def test_host_down_is_idempotent_and_needs_no_registration(client):
     client.report(instance_id, host, [host_down()], trace_id="t09b")
     client.report(instance_id, host, [host_down()], trace_id="t09c")
     client.report(instance_id, "10.0.0.9:1", [host_down()])  # never registered
+    assert _source_ids(server, instance_id) == set()
+    client.report(instance_id, host, [node_register(["mem"])])  # and back
+    assert client.local(instance_id, [1]) == {host: 0}
 
 
-@pytest.mark.xfail(strict=True, reason="kvcm applies one kind of report per call; Tair takes an add and a "
-                                       "heartbeat in one call")
 def test_a_batch_of_an_add_and_a_heartbeat_is_one_call(client):
     """Tair's test 11."""
     host = "192.168.1.230:8080"
@@ -340,9 +336,31 @@ def test_a_batch_of_an_add_and_a_heartbeat_is_one_call(client):
     assert client.local(instance_id, [9030]) == {host: 1}
 
 
-@pytest.mark.xfail(strict=True, reason="kvcm refuses a report without events; Tair answers OK and does nothing")
-def test_an_empty_batch_is_a_no_op(client):
+def test_an_empty_batch_is_a_no_op(client, server):
     """Tair's test 12."""
     host = "192.168.1.200:8080"
     instance_id = _registered(client, host, ["mem"])
-    client.report(instance_id, host, [], trace_id="t12")
+    before = client.hosts(instance_id, [1])
+    reply = client.report(instance_id, host, [], trace_id="t12")
+    assert (reply["snapshot_required"], client.hosts(instance_id, [1])) == (False, before)
+    client.report(instance_id, "10.0.0.9:2", [])  # nor does it register anyone
+    assert _source_ids(server, instance_id) == {f"tair/{instance_id}/L2/{host}"}
+
+
+def test_kinds_in_one_call_apply_in_tair_s_order_whatever_their_order(client, server):
+    """Registrations first, the blocks in order, a host down last: an add before its host's
+    register is taken, and a down before an add drops the add too."""
+    instance_id = _instance(client)
+    host, other = "10.0.2.1:80", "10.0.2.2:80"
+    client.report(instance_id, host, [block_add(1, "mem"), heartbeat(), node_register(["mem"]),
+                                      block_add(2, "mem"), block_delete(1, "mem"), block_add(3, "mem")])
+    assert client.local(instance_id, [2, 3]) == {host: 2}
+    assert client.local(instance_id, [1]) == {host: 0}
+    client.report(instance_id, other, [node_register(["mem"]), block_snapshot([
+        {"block_key": "2", "medium": "mem"}]), block_add(3, "mem")])
+    assert client.local(instance_id, [2, 3]) == {host: 2, other: 2}
+    client.report(instance_id, other, [host_down(), block_add(4, "mem")])
+    assert _source_ids(server, instance_id) == {f"tair/{instance_id}/L2/{host}"}
+    # an add for a host not registered fails the whole call, heartbeat and all
+    client.report(instance_id, other, [heartbeat(), block_add(4, "mem")], "NODE_NOT_REGISTERED")
+    assert _source_ids(server, instance_id) == {f"tair/{instance_id}/L2/{host}"}
