@@ -24,6 +24,7 @@ from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError
 from kvcm.proto import tair as s
 from kvcm.proto.tair import shapes
 from kvcm.proto.wire import Decoded, DecodedMap, Encodable
+from kvcm.tair import events as ev
 from kvcm.tair import replies as rep
 from kvcm.tair import requests as req
 from kvcm.tair.replies import Context as Context  # re-exported: the listener makes one per call
@@ -66,6 +67,8 @@ class Rpc:
     request: Callable[[DecodedMap], dict[str, Encodable]]  # Tair body (header-less) -> kvcm params
     reply: Callable[[Decoded, Context], dict[str, Encodable]]  # kvcm result -> Tair reply fields
     codes: Mapping[Code, str] = field(default_factory=dict)  # this RPC's own Tair codes, over TAIR_CODES
+    # a call that takes several kvcm calls (reportEvent's items): (forward, translated params) -> result
+    run: Callable[[Forward, dict[str, Encodable]], Decoded] | None = None
 
 
 #: ``(kvcm method, params) -> result``: the call, forwarded as any ``/api`` call is.
@@ -101,7 +104,8 @@ META: dict[str, tuple[frozenset[str], Rpc]] = {
     "getClusterInfo": (_body("instance_id"), Rpc("get_manager_cluster_info", req.nothing_in, rep.cluster)),
     # a source that is not registered (or another tenant's) is Tair's NODE_NOT_REGISTERED
     "reportEvent": (_body("instance_id host_ip_port events storage_type"),
-                    Rpc("report_events", req.report_event_in, rep.reported, {Code.NOT_FOUND: "NODE_NOT_REGISTERED"})),
+                    Rpc("report_events", ev.report_event_in, rep.reported, {Code.NOT_FOUND: "NODE_NOT_REGISTERED"},
+                        ev.run)),
     "getHostCacheState": (_body("instance_id query_type block_cache_keys medium p2p_host_count"),
                           Rpc("get_host_cache_state", req.host_cache_state_in, rep.host_state)),
 }
@@ -228,7 +232,7 @@ def _call(rpc: Rpc, fields: frozenset[str], body: DecodedMap, trace_id: str, ctx
     uris = ctx.roots.of(auth).translator(_fetcher(forward, params))
     if "locations" in params:  # finishWriteCache's, checked by its translator: kvcm's URIs now
         params["locations"] = _locations_in(s.messages(request.get("locations"), "locations"), uris)
-    result = forward(rpc.kvcm, params)
+    result = forward(rpc.kvcm, params) if rpc.run is None else rpc.run(forward, params)
     if rpc.kvcm in _STORAGE_CHANGES:
         ctx.roots.clear()
     ctx.uris = uris
