@@ -314,6 +314,7 @@ STEP_TESTS = {
     (ENGINE_INDEX.name, 1): test_engine_index_v1_is_loaded_and_moves_to_the_log_on_the_next_rewrite,
     (ENGINE_INDEX.name, "newer"): test_a_past_version_marked_refuse_names_found_expected_and_what_to_do,
     (STORAGE_MARKER.name, 1): test_storage_marker_v1_unsigned_is_taken_and_signed_on_open,
+    (STORAGE_MARKER.name, 2): test_storage_marker_v2_gains_the_host_and_its_signature_at_the_owners_open,
     (STORAGE_MARKER.name, "newer"): test_storage_marker_newer_is_read_for_the_fields_this_kvcm_knows,
     (RECLAIM_SNAPSHOT.name, "newer"): test_reclaim_snapshot_of_another_version_is_set_aside_and_rebuilt,
     (REGISTRY_SNAPSHOT.name, "newer"): test_registry_snapshot_newer_is_refused_older_read,
