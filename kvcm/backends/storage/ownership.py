@@ -21,6 +21,9 @@ brings:
 * a marker of another storage or another data dir → refused, unless ``adopt`` (keep the old
   files, untouched, under the new marker) or ``discard`` (the caller may then delete the
   containers named with the old storage id: provably kvcm's).
+* a marker of a data dir provably gone from this host (:func:`owner_gone`, proven through the
+  host key of :mod:`~kvcm.backends.storage.host`) → taken over whatever the owner says: logged,
+  counted, the old ids kept as ``adopted`` (or, on ``discard``, their containers deleted).
 
 A marker is plain JSON anyone able to write the directory could forge, and the data dir's id it
 names is no secret. So kvcm signs each marker it writes (an HMAC over its fields and its own
