@@ -125,6 +125,30 @@ def _config_parser(sub: Subcommands) -> None:
     _add_config_args(show)
 
 
+def _storage_parser(sub: Subcommands) -> None:
+    p = sub.add_parser("storage", help="storage root tools")
+    ssub = p.add_subparsers(dest="storage_cmd", required=True)
+    release = ssub.add_parser("release", help="remove the ownership marker of a root whose data dir is gone "
+                              "(its block files are not touched)")
+    release.add_argument("root", help="a file storage's root_path, or a shm storage's shm_dir/prefix")
+    release.add_argument("--force", action="store_true",
+                         help="also a marker nothing proves (an earlier kvcm's), if the data dir it names does not "
+                              "exist on this host")
+    release.set_defaults(run=cmd_storage_release)
+
+
+def cmd_storage_release(args: argparse.Namespace) -> int:
+    from kvcm.backends.storage.release import release
+    from kvcm.errors import KvcmError
+
+    try:
+        print(release(args.root, force=args.force))
+    except (KvcmError, OSError) as exc:
+        print(f"kvcm storage release: {getattr(exc, 'message', None) or exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcm", description="KV-cache metadata manager for LLM inference")
     parser.add_argument("--version", action="version", version=f"kvcm {_version()}")
@@ -132,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _call_parser(sub)
     _config_parser(sub)
+    _storage_parser(sub)
     _plugin_parsers(sub)
     return parser
 

@@ -167,9 +167,12 @@ ENGINE_INDEX = Format(
 STORAGE_MARKER = Format(
     "storage ownership marker",
     "JSON .kvcm-storage in a file root, <prefix>kvcm-storage for shm (field kvcm_marker)",
-    current=2,
+    current=3,
     past=(Past(1, "unsigned", Fate.UPGRADE,
-               "taken as kvcm's when it names the storage and data dir the metadata records; signed at the open"),),
+               "taken as kvcm's when it names the storage and data dir the metadata records; signed at the open"),
+          Past(2, "signed with the data dir's key only; no host", Fate.UPGRADE,
+               "its owner signs it again at its next open, adding the host and the host key's signature; until "
+               "then its root is never taken over (release it with kvcm storage release)")),
     newer=Fate.READ,
 )
 

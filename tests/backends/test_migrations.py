@@ -4,6 +4,8 @@ checks that every version listed has its test and that docs/operations.md lists 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import pathlib
@@ -28,6 +30,7 @@ from kvcm.backends.migrations import (
     Format,
     Past,
 )
+from kvcm.backends.storage.host import machine_id
 from kvcm.backends.storage.ownership import Owner, claim, marker_key, read_marker
 from kvcm.cache import record_codec
 from kvcm.cache.record_codec import Record, Status, new_location
@@ -213,7 +216,7 @@ def test_storage_marker_v1_unsigned_is_taken_and_signed_on_open(tmp_path):
     assert claim(path, owner, "disk", str(root), 0) is None
     with open(path) as f:
         body = json.load(f)
-    assert body["kvcm_marker"] == STORAGE_MARKER.current == 2 and body["mac"]
+    assert body["kvcm_marker"] == STORAGE_MARKER.current == 3 and body["mac"] and body["host"]
     marker = read_marker(path, owner.key)
     assert marker is not None and marker.authentic
 
@@ -221,10 +224,29 @@ def test_storage_marker_v1_unsigned_is_taken_and_signed_on_open(tmp_path):
 def test_storage_marker_newer_is_read_for_the_fields_this_kvcm_knows(tmp_path):
     path = str(tmp_path / ".kvcm-storage")
     with open(path, "w") as f:
-        json.dump({"kvcm_marker": 3, "storage_id": "0000abcd", "storage": "disk", "data_dir_id": "dd-1",
+        json.dump({"kvcm_marker": 4, "storage_id": "0000abcd", "storage": "disk", "data_dir_id": "dd-1",
                    "future": True}, f)
     marker = read_marker(path)
-    assert marker is not None and marker.storage_id == "0000abcd" and STORAGE_MARKER.fate(3) is Fate.READ
+    assert marker is not None and marker.storage_id == "0000abcd" and STORAGE_MARKER.fate(4) is Fate.READ
+
+
+def test_storage_marker_v2_gains_the_host_and_its_signature_at_the_owners_open(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCM_STATE_DIR", str(tmp_path / "state"))
+    root = tmp_path / "root"
+    root.mkdir()
+    path = str(root / ".kvcm-storage")
+    owner = _owner(tmp_path)
+    body = {"kvcm_marker": 2, "storage_id": "0000abcd", "storage": "disk", "data_dir_id": "dd-1",
+            "data_dir": owner.data_dir, "adopted": []}
+    signed = json.dumps({**body, "path": path}, sort_keys=True).encode()  # as version 2 signed it
+    body["mac"] = hmac.new(owner.key, signed, hashlib.sha256).hexdigest()
+    with open(path, "w") as f:
+        json.dump(body, f)
+    old = read_marker(path, owner.key)
+    assert old is not None and old.authentic and not old.host_signed and STORAGE_MARKER.fate(2) is Fate.UPGRADE
+    assert claim(path, owner, "disk", str(root), 0) is None
+    new = read_marker(path, owner.key)
+    assert new is not None and new.authentic and new.host_signed and new.host == machine_id()
 
 
 # -- the reclaimer's snapshot -----------------------------------------------------------------------
@@ -292,6 +314,7 @@ STEP_TESTS = {
     (ENGINE_INDEX.name, 1): test_engine_index_v1_is_loaded_and_moves_to_the_log_on_the_next_rewrite,
     (ENGINE_INDEX.name, "newer"): test_a_past_version_marked_refuse_names_found_expected_and_what_to_do,
     (STORAGE_MARKER.name, 1): test_storage_marker_v1_unsigned_is_taken_and_signed_on_open,
+    (STORAGE_MARKER.name, 2): test_storage_marker_v2_gains_the_host_and_its_signature_at_the_owners_open,
     (STORAGE_MARKER.name, "newer"): test_storage_marker_newer_is_read_for_the_fields_this_kvcm_knows,
     (RECLAIM_SNAPSHOT.name, "newer"): test_reclaim_snapshot_of_another_version_is_set_aside_and_rebuilt,
     (REGISTRY_SNAPSHOT.name, "newer"): test_registry_snapshot_newer_is_refused_older_read,

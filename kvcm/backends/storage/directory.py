@@ -173,7 +173,7 @@ class DirectoryStorage(ABC):
         previous = claim(self.path_of(self._marker_name()), self.owner, self.name, where, data)
         self.previous_owner = previous
         if previous is not None and self.owner.on_foreign == "discard":
-            if previous.authentic:
+            if previous.authentic or previous.takeover:  # signed by this data dir, or by this host's kvcm
                 self._discard(previous.ids())
             else:  # anyone can write a marker: only a signed one vouches for what kvcm named
                 log.warning("storage %s: the marker found in %s is not signed by this data dir; nothing discarded",

@@ -21,6 +21,9 @@ brings:
 * a marker of another storage or another data dir → refused, unless ``adopt`` (keep the old
   files, untouched, under the new marker) or ``discard`` (the caller may then delete the
   containers named with the old storage id: provably kvcm's).
+* a marker of a data dir provably gone from this host (:func:`owner_gone`, proven through the
+  host key of :mod:`~kvcm.backends.storage.host`) → taken over whatever the owner says: logged,
+  counted, the old ids kept as ``adopted`` (or, on ``discard``, their containers deleted).
 
 A marker is plain JSON anyone able to write the directory could forge, and the data dir's id it
 names is no secret. So kvcm signs each marker it writes (an HMAC over its fields and its own
@@ -38,17 +41,21 @@ The sweep only ever removes names carrying the storage's own id (see the backend
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
+import logging
 import os
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvcm.backends.migrations import STORAGE_MARKER
+from kvcm.backends.storage.host import TAKEOVERS, host_key, load_key, machine_id
 from kvcm.backends.storage.safe_files import create_unique, open_regular
 from kvcm.errors import InvalidArgument
+
+log = logging.getLogger("kvcm.backends.storage")
 
 MARKER_VERSION = STORAGE_MARKER.current
 #: The data dir's secret that signs markers (hex text, mode 0600, created once).
@@ -76,8 +83,16 @@ class Marker:
     # Ids of earlier owners whose containers were adopted (kept, unindexed): still provably
     # kvcm's, so a later ``discard`` may delete them.
     adopted: tuple[str, ...] = ()
+    host: str = ""  # the machine id of the host whose kvcm wrote it ("": before hosts were recorded)
     # Its signature verified under the reader's data dir key: kvcm of this data dir wrote it.
     authentic: bool = field(default=False, compare=False)
+    # Its host signature verified under this host's key: a kvcm on this host wrote it, so its
+    # host and data dir are kvcm's word (the data dir's own key may be gone with it).
+    host_signed: bool = field(default=False, compare=False)
+    mac: str = field(default="", compare=False, repr=False)  # the data dir signature as read
+    signed: bytes = field(default=b"", compare=False, repr=False)  # what both signatures cover
+    # Why its owner is proven gone, when this open took the root over from it.
+    takeover: str = field(default="", compare=False)
 
     def ids(self) -> set[str]:
         """Every storage id whose containers this marker vouches for."""
@@ -85,7 +100,13 @@ class Marker:
 
     def describe(self) -> str:
         where = f" at {self.data_dir}" if self.data_dir else ""
-        return f"storage {self.storage!r} (id {self.storage_id}) of kvcm data dir {self.data_dir_id}{where}"
+        host = f" on host {self.host}" if self.host else ""
+        return f"storage {self.storage!r} (id {self.storage_id}) of kvcm data dir {self.data_dir_id}{where}{host}"
+
+    def signed_with(self, key: bytes) -> bool:
+        """Whether the data dir signature verifies under ``key`` (another data dir's key)."""
+        return bool(key and self.mac and hmac.compare_digest(
+            self.mac.encode(), hmac.new(key, self.signed, hashlib.sha256).hexdigest().encode()))
 
 
 @dataclass(frozen=True)
@@ -126,52 +147,23 @@ def standalone_owner(storage_type: str, name: str) -> Owner:
 
 
 def marker_key(data_dir: str, create: bool = True) -> bytes:
-    """The data dir's marker key, made on first use when ``create`` (b"" when there is none).
-    Made under a random name and linked into place, so a crash never leaves a half key and two
-    makers agree on one."""
-    path = os.path.join(data_dir, KEY_FILE)
-    key = _read_key(path)
-    if key or not create:
-        return key
-    os.makedirs(data_dir, 0o700, exist_ok=True)
-    tmp, fd = create_unique(f"{path}.tmp.")
-    try:
-        try:
-            os.write(fd, secrets.token_hex(32).encode() + b"\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        with contextlib.suppress(FileExistsError):  # another maker won: its key counts
-            os.link(tmp, path)
-    finally:
-        os.unlink(tmp)
-    return _read_key(path)
+    """The data dir's marker key, made on first use when ``create`` (b"" when there is none)."""
+    return load_key(data_dir, KEY_FILE, create)
 
 
-def _read_key(path: str) -> bytes:
-    try:
-        fd = open_regular(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return b""
-    try:
-        text = os.read(fd, 256).strip()
-    finally:
-        os.close(fd)
-    try:
-        key = bytes.fromhex(text.decode("ascii"))
-    except ValueError:
-        key = b""
-    if len(key) < 16:
-        raise OSError(f"the marker key {path} is not one kvcm wrote; move it away (kvcm makes a new one)")
-    return key
-
-
-def _signature(key: bytes, body: Mapping[str, object], path: str) -> str:
-    """The HMAC of a marker's fields and of where it lies, so a signed marker copied elsewhere
-    proves nothing there."""
+def _signed(body: Mapping[str, object], path: str) -> bytes:
+    """What a marker's signatures cover: its fields and where it lies, so a signed marker copied
+    elsewhere proves nothing there."""
     where = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-    signed = json.dumps({**body, "path": where}, sort_keys=True).encode()
+    return json.dumps({**body, "path": where}, sort_keys=True).encode()
+
+
+def _signature(key: bytes, signed: bytes) -> str:
     return hmac.new(key, signed, hashlib.sha256).hexdigest()
+
+
+def _verifies(key: bytes, mac: object, signed: bytes) -> bool:
+    return bool(key) and isinstance(mac, str) and hmac.compare_digest(mac.encode(), _signature(key, signed).encode())
 
 
 def read_marker(path: str, key: bytes = b"") -> Marker | None:
@@ -195,13 +187,14 @@ def read_marker(path: str, key: bytes = b"") -> Marker | None:
             raise TypeError("not a map")
         adopted = tuple(str(i) for i in data.get("adopted", ()))
         marker = Marker(str(data["storage_id"]), str(data.get("storage", "")), str(data["data_dir_id"]),
-                        str(data.get("data_dir", "")), adopted)
+                        str(data.get("data_dir", "")), adopted, str(data.get("host", "")))
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise ForeignDirectory(f"the ownership marker {path} is not one kvcm wrote; move it away to go on") from None
-    mac = data.pop("mac", None)
-    authentic = bool(key) and isinstance(mac, str) and hmac.compare_digest(
-        mac.encode(), _signature(key, data, path).encode())
-    return Marker(marker.storage_id, marker.storage, marker.data_dir_id, marker.data_dir, adopted, authentic)
+    mac, host_mac = data.pop("mac", None), data.pop("host_mac", None)
+    signed = _signed(data, path)
+    return dataclasses.replace(marker, authentic=_verifies(key, mac, signed),
+                               host_signed=_verifies(host_key(create=False), host_mac, signed),
+                               mac=mac if isinstance(mac, str) else "", signed=signed)
 
 
 def write_marker(path: str, marker: Marker, key: bytes = b"") -> None:
@@ -209,9 +202,12 @@ def write_marker(path: str, marker: Marker, key: bytes = b"") -> None:
     one or the new one, never half), private (0600) and through a new file of a random name."""
     body: dict[str, object] = {"kvcm_marker": MARKER_VERSION, "storage_id": marker.storage_id, "storage": marker.storage,
                             "data_dir_id": marker.data_dir_id, "data_dir": marker.data_dir,
-                            "adopted": list(marker.adopted)}
+                            "adopted": list(marker.adopted), "host": marker.host or machine_id()}
+    signed, host = _signed(body, path), host_key()
     if key:
-        body["mac"] = _signature(key, body, path)
+        body["mac"] = _signature(key, signed)
+    if host:
+        body["host_mac"] = _signature(host, signed)
     tmp, fd = create_unique(f"{path}.tmp.")
     try:
         os.write(fd, json.dumps(body, sort_keys=True).encode() + b"\n")
@@ -229,20 +225,21 @@ def write_marker(path: str, marker: Marker, key: bytes = b"") -> None:
 #: What an operator can do about a directory kvcm did not create (one line, both places it meets it).
 _REMEDY = ("give the storage another directory, or take this one over with add_storage's adopt_directory: true "
            "(at start-up: kvcm serve --adopt-orphans); its files are kept, and kvcm never deletes files it did not name")
+MARKER_SUFFIX = "kvcm-storage"  # a shm marker is ``<prefix>kvcm-storage``; a file root's ``.kvcm-storage``
 
 
 def claim(path: str, owner: Owner, storage: str, where: str, files: int) -> Marker | None:
     """Check (and write if needed) the marker at ``path`` for ``owner``; see the module docstring.
 
     ``files``: how many entries of interest the directory holds besides kvcm's own control
-    files. Returns the *previous* foreign marker when ``owner`` adopts or discards one (the
-    caller deletes that id's containers on ``discard``, only if it is ``authentic``), else
-    None. Raises ForeignDirectory."""
+    files. Returns the *previous* foreign marker when ``owner`` adopts, discards or takes over
+    one (the caller deletes that id's containers on ``discard``, only if it is ``authentic`` or
+    a ``takeover``), else None. Raises ForeignDirectory."""
     found = read_marker(path, owner.key)
     if found is not None and owner.vouches(found) and owner.owns(found):
         if found.storage_id != owner.storage_id:  # a stale marker of this data dir
             write_marker(path, owner.marker(storage, _kept(found)), owner.key)
-        elif not found.authentic:  # an earlier kvcm's or another node's: signed with this key now
+        elif not found.authentic or (not found.host_signed and host_key()):  # re-signed with this data dir's keys
             write_marker(path, owner.marker(storage), owner.key)
         return None
     if found is None:
@@ -252,19 +249,60 @@ def claim(path: str, owner: Owner, storage: str, where: str, files: int) -> Mark
                 f"kvcm refuses to manage a directory it did not create: {_REMEDY}",
                 None, files,
             )
-    elif owner.on_foreign == "refuse":
-        raise ForeignDirectory(_foreign(where, found, owner), found, files)
+    else:
+        gone = owner_gone(found, owner)
+        if gone:
+            found = dataclasses.replace(found, takeover=gone)
+            TAKEOVERS.add()
+            log.warning("%s: taking the root over from %s: %s; its containers are %s", where, found.describe(), gone,
+                        "deleted" if owner.on_foreign == "discard" else "kept, unindexed")
+        elif owner.on_foreign == "refuse":
+            raise ForeignDirectory(_foreign(where, found, owner, path), found, files)
     # Only a signed marker's ids are provably kvcm's: a forged one's are never kept.
-    kept = _kept(found) if found is not None and found.authentic and owner.on_foreign == "adopt" else ()
+    proven = found is not None and (found.authentic or bool(found.takeover))
+    kept = _kept(found) if found is not None and proven and owner.on_foreign != "discard" else ()
     write_marker(path, owner.marker(storage, kept), owner.key)
     return found
 
 
-def _foreign(where: str, found: Marker, owner: Owner) -> str:
+def owner_gone(found: Marker, owner: Owner) -> str:
+    """Why the data dir that wrote ``found`` provably no longer lives ("" unless proven). Proof
+    needs this host's signature on the marker (so its host and data dir path are kvcm's word),
+    this host named, and at that path either nothing, or this very data dir under another id,
+    or a data dir whose key does not verify the marker (another data dir lives there now)."""
+    if not found.host_signed or found.host != machine_id() or found.data_dir_id == owner.data_dir_id:
+        return ""
+    where = found.data_dir
+    if not where or not os.path.isabs(where):
+        return ""
+    if not os.path.lexists(where):
+        return f"its data dir {where} no longer exists on this host"
+    if owner.data_dir and owner.data_dir_id and os.path.realpath(where) == os.path.realpath(owner.data_dir):
+        return f"its data dir {where} now holds data dir {owner.data_dir_id}"
+    try:
+        key = marker_key(where, create=False)
+    except OSError:  # unreadable (another user's) or not kvcm's: nothing proven
+        return ""
+    if key and not found.signed_with(key):
+        return f"its data dir {where} now holds another data dir (its key does not sign the marker)"
+    return ""
+
+
+def release_target(path: str) -> str:
+    """What ``kvcm storage release`` takes for the marker at ``path``: a file root's directory,
+    or a shm prefix as a path (``/dev/shm/<prefix>``)."""
+    if os.path.basename(path) == FILE_MARKER:
+        return os.path.dirname(path)
+    return path[: -len(MARKER_SUFFIX)] if path.endswith(MARKER_SUFFIX) else path
+
+
+def _foreign(where: str, found: Marker, owner: Owner, path: str) -> str:
+    release = (f"; if that data dir is gone for good, release the root with `kvcm storage release "
+               f"{release_target(path)}` (run as kvcm's user on the host that wrote the marker)")
     if found.data_dir_id == owner.data_dir_id and not owner.vouches(found):
         return (f"{where} carries an ownership marker naming {found.describe()} that kvcm cannot authenticate "
-                f"(it is not signed with this data dir's key); nothing there was touched: {_REMEDY}")
-    return f"{where} belongs to {found.describe()}; nothing there was touched: {_REMEDY}"
+                f"(it is not signed with this data dir's key); nothing there was touched: {_REMEDY}{release}")
+    return f"{where} belongs to {found.describe()}; nothing there was touched: {_REMEDY}{release}"
 
 
 def _kept(marker: Marker) -> tuple[str, ...]:
@@ -283,7 +321,7 @@ class Leftover:
 #: Where the default ``file`` storage lives, under the data dir.
 DEFAULT_ROOT = "blocks"
 FILE_MARKER = ".kvcm-storage"
-SHM_MARKER_SUFFIX = "kvcm-storage"
+SHM_MARKER_SUFFIX = MARKER_SUFFIX
 
 
 def leftovers(data_dir: str, shm_dir: str = "/dev/shm") -> list[Leftover]:
