@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import pytest
@@ -15,6 +16,11 @@ from kvcm.testing import default_overrides
 from kvcm.testing.redis_server import NoRedisServer, find_server
 from kvcm.testing.redis_server import RedisServer as _RedisServer
 from tests.helpers import TIME_FACTOR
+
+# The host key that signs storage markers (kvcm.backends.storage.host) lives outside every data
+# dir, by default under the user's home: the suite keeps its own (servers it starts inherit it),
+# so a run leaves nothing in the home directory.
+os.environ.setdefault("KVCM_STATE_DIR", tempfile.mkdtemp(prefix="kvcm-test-state-"))
 
 
 def _redis_binary():
