@@ -333,7 +333,7 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
     layer: dict[str, dict[str, str]] = {}
     sections = _sections()
     for name, value in environ.items():
-        if not name.startswith("KVCM_") or name.startswith("KVCM_TEST_") or name in CLIENT_ENV:
+        if not name.startswith("KVCM_") or name.startswith(("KVCM_TEST_", "KVCM_STATE_DIR")) or name in CLIENT_ENV:
             continue
         rest = name[5:].lower()
         section = next((s for s in sections if rest.startswith(s + "_")), None)
