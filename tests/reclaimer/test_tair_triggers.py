@@ -141,6 +141,21 @@ def test_max_block_count_evicts_in_line_when_the_group_reclaims(server: RunningS
         assert server.app.cache.usage("g")["keys"] == 4
 
 
+def test_the_reclaimer_keeps_the_block_count_under_its_share(server: RunningServer) -> None:
+    with server.client() as c:
+        c.call("create_instance_group", {"instance_group": {
+            "name": "g", "storage_candidates": ["default-file"], "max_block_count": 8,
+            "reclaim_strategy": {"used_percentage": 0.5, "delay_before_delete_ms": 0}}})
+        register(c, "a", group="g")
+        for key in range(1, 4):
+            write(c, [key], "a")
+        time.sleep(4 * OVERRIDES["reclaim"]["interval_s"])  # 3 of 8 copies: under the 4-copy mark
+        assert present(server, "a", [1, 2, 3]) == [1, 2, 3]
+        write(c, [4], "a")  # 4 of 8 reached: down to 0.45 * 8, 3 copies, the oldest going
+        wait_until(lambda: present(server, "a", [1, 2, 3, 4]) == [2, 3, 4], timeout=5 * TIME_FACTOR,
+                   what="the block-count mark did not trigger reclaim")
+
+
 def test_used_size_triggers_reclaim_at_its_byte_watermark(server: RunningServer, tair: Tair) -> None:
     group = tair_group("bytes", used_percentage=3.2, used_size=4 * SPEC, capacity=0, file_capacity=0)
     group["quota"] = {"capacity": 0}
