@@ -95,7 +95,7 @@ _FOREIGN: dict[str, dict[str, str]] = {
     },
     "ReclaimStrategy": {
         "trigger_strategy": (
-            "Tair's layout; kvcm's are {at}used_percentage and {at}used_bytes (trigger_strategy.used_size)"
+            "Tair's layout; kvcm's is {at}used_percentage, with trigger_strategy.used_size as {at}used_bytes"
         ),
         "used_size": "kvcm's name is {at}used_bytes (the watermark in bytes)",
         "max_key_count": "kvcm's is instance_group.max_block_count",
