@@ -121,6 +121,9 @@ def test_sixteen_keys_then_the_seventeenth_refused_until_a_lower_watermark_recla
     time.sleep(2)  # Tair's test: "2 sec is enough to make sure the reclaiming happen"
     tair.write("ti", 16)
     assert present(server, "ti", [16]) == [16]
+    hostile = {**tair_group("bad", 0.5), "cache_config": {"meta_indexer_config": "16"}}
+    reply = tair.call("createInstanceGroup", {"instance_group": hostile}, code="INVALID_ARGUMENT")
+    assert "meta_indexer_config: expected an object" in reply["header"]["status"]["message"]
 
 
 def test_max_block_count_evicts_in_line_when_the_group_reclaims(server: RunningServer) -> None:

@@ -49,9 +49,11 @@ def group_in(value: Decoded, where: str) -> dict[str, Encodable]:
     cache = message(group.get("cache_config"), path(where, "cache_config"), _CACHE_CONFIG)
     if cache.get("reclaim_strategy") is not None:
         out["reclaim_strategy"] = _reclaim_in(cache["reclaim_strategy"], path(where, "cache_config.reclaim_strategy"))
-    indexer = cache.get("meta_indexer_config")
-    if isinstance(indexer, dict):  # the indexer's other settings (backend, shards, cache) are Tair's own
-        out["max_block_count"] = int64(indexer.get("max_key_count"), path(where, "cache_config.meta_indexer_config.max_key_count"))
+    indexer, at = cache.get("meta_indexer_config"), path(where, "cache_config.meta_indexer_config")
+    if indexer is not None and not isinstance(indexer, dict):
+        raise InvalidArgument(f"{at}: expected an object")
+    if indexer is not None:  # the indexer's other settings (backend, shards, cache) are Tair's own
+        out["max_block_count"] = int64(indexer.get("max_key_count"), path(at, "max_key_count"))
     _check_unused(group, cache, where)
     return out
 
@@ -126,7 +128,8 @@ def group_out(group: DecodedMap) -> dict[str, Encodable]:
 def _strategy_out(reclaim: DecodedMap) -> dict[str, Encodable]:
     strategy: dict[str, Encodable] = {
         "reclaim_policy": RECLAIM_POLICY.out(reclaim.get("reclaim_policy", "")),
-        "trigger_strategy": {"used_size": out64(reclaim.get("used_bytes")), "used_percentage": reclaim.get("used_percentage", 0.0)},
+        "trigger_strategy": {"used_size": out64(reclaim.get("used_bytes")),
+                             "used_percentage": reclaim.get("used_percentage", 0.0)},
         "delay_before_delete_ms": reclaim.get("delay_before_delete_ms", 0),
     }
     if reclaim.get("ttl_seconds"):
