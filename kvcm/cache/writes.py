@@ -36,6 +36,7 @@ from typing import Any
 
 from kvcm.backends.metastore.base import WriteTxn, i64
 from kvcm.backends.storage.base import SlotStorage, StorageBackend
+from kvcm.cache.blockcount import bound_blocks, evicts_inline
 from kvcm.cache.deleter import schedule
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.locations import address, addresses, is_compact, pack_wire, persist, remember, skeleton_of, wire_uris
@@ -162,9 +163,11 @@ def _allocate(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int],
     and per block the address of the victim's slots it took over (None: allocated);
     ``keys``: every key of the request (never evicted to make room for it); ``usage`` gets the
     usage deltas of the copies dropped to make room (the caller adds them to the usage book)."""
-    group = s.group_view(inst.group)
+    group, own = s.group_view(inst.group), frozenset((inst.instance_id, k) for k in keys)
+    record = s.registry.get_group(inst.group)
+    bound_blocks(s, txn, record, len(specs), own, usage)
     spare: Doomed = {}  # copies the in-line eviction dropped: their slots may take the new blocks
-    targets = _targets(s, txn, group, needed, frozenset((inst.instance_id, k) for k in keys), spare, usage)
+    targets = _targets(s, txn, group, needed, own, spare, usage, evicts_inline(record))
     last: CapacityError | None = None
     for attempt in range(2):
         for target in targets:
@@ -181,7 +184,8 @@ def _allocate(s: CacheState, txn: WriteTxn, inst: InstanceView, keys: list[int],
 
 
 def _targets(s: CacheState, txn: WriteTxn, group: GroupView, needed: int,
-             spare: frozenset[tuple[str, int]], doomed: Doomed, usage: dict[Key, list[int]]) -> list[Target]:
+             spare: frozenset[tuple[str, int]], doomed: Doomed, usage: dict[Key, list[int]], inline: bool
+             ) -> list[Target]:
     """:func:`write_targets` under the group's quotas, making room in-line when they are met
     and a room maker is set (:mod:`kvcm.cache.room`); ``doomed`` gets the copies it dropped,
     ``usage`` their usage deltas."""
@@ -200,8 +204,9 @@ def _targets(s: CacheState, txn: WriteTxn, group: GroupView, needed: int,
                 raise
             return exc
 
-    maker = s.room_maker
-    why = "no room maker (in-line eviction off): the reclaimer's next round frees space"
+    maker = s.room_maker if inline else None
+    why = ("off for this group (used_percentage above 1 and no used_bytes: never reclaimed by share)" if not inline
+           else "no room maker (in-line eviction off): the reclaimer's next round frees space")
     if maker is not None:
         eviction = _InlineEviction(s, txn, maker, group, needed, used_total, used_by_type, spare, doomed, usage)
         needs = eviction.missing()

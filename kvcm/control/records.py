@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import re
 import secrets
 import time
@@ -121,6 +122,8 @@ def check_group(group: InstanceGroup) -> InstanceGroup:
         check_name(name, f"instance_group.storage_candidates[{i}]")
     if group.max_instance_count < 0:
         raise InvalidArgument("instance_group.max_instance_count: must not be negative")
+    if group.max_block_count < 0:
+        raise InvalidArgument("instance_group.max_block_count: must not be negative (0 = unlimited)")
     _check_quota(group.quota)
     _check_reclaim(group.reclaim_strategy)
     return group
@@ -150,8 +153,11 @@ def _check_reclaim(strategy: ReclaimStrategy) -> None:
         raise InvalidArgument(
             f"{where}.reclaim_policy: {strategy.reclaim_policy!r} is not one of {', '.join(RECLAIM_POLICIES)}"
         )
-    if not 0 < strategy.used_percentage <= 1:
-        raise InvalidArgument(f"{where}.used_percentage: must be in (0, 1], got {strategy.used_percentage}")
+    # > 1 is allowed: Tair's way of saying "never by share" (the quota bounds usage at 1).
+    if not 0 < strategy.used_percentage < math.inf:
+        raise InvalidArgument(f"{where}.used_percentage: must be a positive number, got {strategy.used_percentage}")
+    if strategy.used_bytes < 0:
+        raise InvalidArgument(f"{where}.used_bytes: must not be negative (0 = no byte watermark)")
     if strategy.delay_before_delete_ms < 0:
         raise InvalidArgument(f"{where}.delay_before_delete_ms: must not be negative")
     if strategy.ttl_seconds < 0 or (strategy.reclaim_policy == "ttl" and strategy.ttl_seconds == 0):

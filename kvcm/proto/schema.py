@@ -84,19 +84,21 @@ _FOREIGN: dict[str, dict[str, str]] = {
     "InstanceGroup": {
         "cache_config": (
             "Tair's layout; kvcm's is {at}reclaim_strategy, with trigger_strategy.used_percentage as "
-            "{at}reclaim_strategy.used_percentage; data_storage_strategy and meta_indexer_config have no kvcm setting"
+            "{at}reclaim_strategy.used_percentage (used_size as {at}reclaim_strategy.used_bytes) and "
+            "meta_indexer_config.max_key_count as {at}max_block_count; data_storage_strategy has no kvcm setting"
         ),
         "data_storage_strategy": _TAIR_REPLACES + "writes go to the first usable storage of {at}storage_candidates",
         "cache_prefer_strategy": _TAIR_REPLACES + "writes go to the first usable storage of {at}storage_candidates",
-        "meta_indexer_config": _TAIR_REPLACES + "metadata lives in the server's store (the store.* settings)",
+        "meta_indexer_config": "Tair's layout; kvcm's bound on indexed blocks is {at}max_block_count "
+        "(the metadata lives in the server's store, the store.* settings)",
         "extra_info": "not a kvcm field; opaque text goes in {at}user_data",
     },
     "ReclaimStrategy": {
         "trigger_strategy": (
-            "Tair's layout; kvcm's is {at}used_percentage (trigger_strategy.used_size has no kvcm equivalent: "
-            "the watermark is a share of the group's quota)"
+            "Tair's layout; kvcm's is {at}used_percentage, with trigger_strategy.used_size as {at}used_bytes"
         ),
-        "used_size": "no kvcm setting: the watermark is {at}used_percentage of the group's quota",
+        "used_size": "kvcm's name is {at}used_bytes (the watermark in bytes)",
+        "max_key_count": "kvcm's is instance_group.max_block_count",
         "trigger_period_seconds": _TAIR_REPLACES + "the reclaimer runs every reclaim.interval_s (server setting)",
         "reclaim_step_size": _TAIR_REPLACES + "a round stops below the watermark minus reclaim.hysteresis, "
         "at most reclaim.max_victims_per_round blocks (server settings)",

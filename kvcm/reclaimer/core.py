@@ -11,7 +11,9 @@ Every ``reclaim.interval_s`` :meth:`Reclaimer.run_once` does, in order:
    batched here, so a read hit costs the request path one ``deque.append``, not a write.
 3. **TTL sweep** — blocks written ``ttl_seconds`` ago or more are reclaimed whatever the usage.
 4. **watermark** — per group and storage type, when ``usage >= quota * used_percentage``, pick
-   victims with the group's policy until ``usage <= quota * (used_percentage - hysteresis)``.
+   victims with the group's policy until ``usage <= quota * (used_percentage - hysteresis)``;
+   likewise when usage reaches ``used_bytes`` (down to ``used_bytes * (1 - hysteresis)``),
+   whichever mark asks more.
    A per-type quota frees bytes of that type; the group quota's excess is shared across types in
    proportion to their usage. Victims go to ``manager.evict``, which marks only ``serving``
    locations ``deleting`` (never ``writing`` ones) and hands them to the deleter after the group's
@@ -508,7 +510,8 @@ class Reclaimer(CacheListener):
         """Bytes to free per storage type so the group and each type end under their floors."""
         by_type, total = plan.usage_less_inflight(state, usage, net)
         self.metrics.record(state, usage, by_type)
-        return plan.needs(state, by_type, total, self._config.hysteresis)
+        sample = (int(usage.get("bytes", 0)), int(usage.get("keys", 0)))
+        return plan.needs(state, by_type, total, self._config.hysteresis, sample)
 
     # -- execution ------------------------------------------------------------------------------
 

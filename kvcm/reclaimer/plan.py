@@ -35,13 +35,18 @@ def usage_less_inflight(state: GroupState, usage: Mapping[str, Any],
     return by_type, int(usage.get("bytes", 0)) - sum(state.inflight_bytes(t) for t in state.inflight)
 
 
-def needs(state: GroupState, by_type: Mapping[str, int], total: int, hysteresis: float) -> dict[str, int]:
+def needs(state: GroupState, by_type: Mapping[str, int], total: int, hysteresis: float,
+          sample: tuple[int, int] = (0, 0)) -> dict[str, int]:
     """Bytes to free per storage type so the group (``total`` bytes used) and each type
-    (``by_type``) end under their floors."""
+    (``by_type``) end under their floors; ``sample``: ``(bytes, copies)`` of the usage sample,
+    for the block-count mark."""
     lim = state.limits
     high, low = lim.used_percentage, max(0.0, lim.used_percentage - hysteresis)
     out = {t: excess(by_type.get(t, 0), q, high, low) for t, q in lim.type_quotas.items()}
-    extra = excess(total, lim.quota, high, low) - sum(out.values())
+    # The byte watermark is a quota of its own reached at 100%: whichever mark asks more wins.
+    group = max(excess(total, lim.quota, high, low), excess(total, lim.used_bytes, 1.0, 1.0 - hysteresis),
+                block_excess(lim.max_blocks, sample, total, high, low))
+    extra = group - sum(out.values())
     if extra > 0:
         # only types with serving blocks can give anything back
         rest = {t: max(0, u - out.get(t, 0)) for t, u in by_type.items() if t in state.policies}
@@ -58,6 +63,17 @@ def excess(used: int, quota: int, high: float, low: float) -> int:
         return 0
     target = min(math.floor(low_mark), math.ceil(high_mark) - 1)
     return max(0, used - max(target, 0))
+
+
+def block_excess(max_blocks: int, sample: tuple[int, int], total: int, high: float, low: float) -> int:
+    """Bytes to free for the block-count mark (``max_blocks * used_percentage``), at the sample's
+    mean copy size: copies on their way out (``sample`` bytes beyond ``total``) are not counted."""
+    nbytes, copies = sample
+    if max_blocks <= 0 or nbytes <= 0 or copies <= 0:
+        return 0
+    mean = nbytes / copies
+    live = copies - round(max(0, nbytes - total) / mean)
+    return math.ceil(excess(live, max_blocks, high, low) * mean)
 
 
 def shares(total: int, weights: Mapping[str, int]) -> dict[str, int]:

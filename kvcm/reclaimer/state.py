@@ -53,12 +53,16 @@ class Limits:
     """What the reclaimer needs of one instance group; read fresh every tick.
 
     ``quota``/``type_quotas`` are bytes, ``<= 0`` meaning unlimited. ``used_percentage`` is the
-    watermark as a fraction of quota. ``ttl_seconds > 0`` enables the TTL sweep whatever the
+    watermark as a fraction of quota (above 1: never), ``used_bytes > 0`` a second one in bytes
+    (whichever is reached first triggers); ``max_blocks > 0`` bounds the group's block copies,
+    ``used_percentage`` of it being a third mark. ``ttl_seconds > 0`` enables the TTL sweep whatever the
     policy (with policy ``ttl`` it is that policy's TTL). ``sample_size=None`` uses the config's.
     """
 
     policy: str = "lru"
     used_percentage: float = 0.9
+    used_bytes: int = 0
+    max_blocks: int = 0
     delay_before_delete_ms: int = 0
     ttl_seconds: float = 0.0
     quota: int = 0
@@ -80,6 +84,8 @@ def limits_of(group: InstanceGroup) -> Limits:
     return Limits(
         policy=strategy.reclaim_policy,
         used_percentage=strategy.used_percentage,
+        used_bytes=strategy.used_bytes,
+        max_blocks=group.max_block_count,
         delay_before_delete_ms=strategy.delay_before_delete_ms,
         ttl_seconds=float(strategy.ttl_seconds),
         quota=quota.capacity,

@@ -42,7 +42,10 @@ class Quota(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ReclaimStrategy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reclaim_policy: str = "lru"
-    used_percentage: float = 0.9  # reclaim when usage / quota passes this watermark
+    # Reclaim when usage / quota reaches this share (any positive value: above 1 it never fires,
+    # Tair's "never trigger by share"), or when usage reaches used_bytes, whichever comes first.
+    used_percentage: float = 0.9
+    used_bytes: int = 0  # absolute watermark in bytes (Tair's trigger_strategy.used_size); 0 = none
     delay_before_delete_ms: int = 1000  # grace between "deleting" and freeing the data
     ttl_seconds: int = 0  # > 0: blocks written this long ago are reclaimed (reads do not extend it)
 
@@ -54,6 +57,8 @@ class InstanceGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     storage_candidates: list[str]
     global_quota_group_name: str = ""
     max_instance_count: int = 0  # 0 = unlimited
+    # Most block copies the group indexes (Tair's meta_indexer_config.max_key_count); 0 = unlimited.
+    max_block_count: int = 0
     quota: Quota = msgspec.field(default_factory=Quota)
     reclaim_strategy: ReclaimStrategy = msgspec.field(default_factory=ReclaimStrategy)
     user_data: str = ""

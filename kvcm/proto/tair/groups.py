@@ -49,6 +49,11 @@ def group_in(value: Decoded, where: str) -> dict[str, Encodable]:
     cache = message(group.get("cache_config"), path(where, "cache_config"), _CACHE_CONFIG)
     if cache.get("reclaim_strategy") is not None:
         out["reclaim_strategy"] = _reclaim_in(cache["reclaim_strategy"], path(where, "cache_config.reclaim_strategy"))
+    indexer, at = cache.get("meta_indexer_config"), path(where, "cache_config.meta_indexer_config")
+    if indexer is not None and not isinstance(indexer, dict):
+        raise InvalidArgument(f"{at}: expected an object")
+    if indexer is not None:  # the indexer's other settings (backend, shards, cache) are Tair's own
+        out["max_block_count"] = int64(indexer.get("max_key_count"), path(at, "max_key_count"))
     _check_unused(group, cache, where)
     return out
 
@@ -81,17 +86,16 @@ def _quota_in(value: Decoded, where: str) -> dict[str, Encodable]:
 
 def _reclaim_in(value: Decoded, where: str) -> dict[str, Encodable]:
     """Tair's reclaim strategy: the policy, the watermark (``trigger_strategy.used_percentage``)
-    and the delete delay map to kvcm's; the schedule knobs (period, step) are the server's in kvcm
-    and accepted unused; a watermark in bytes (``used_size``) has no kvcm equivalent."""
+    (and ``used_size``, kvcm's ``used_bytes``) and the delete delay map to kvcm's; the schedule
+    knobs (period, step) are the server's in kvcm and accepted unused."""
     reclaim = message(value, where, _RECLAIM)
     out: dict[str, Encodable] = {}
     policy = RECLAIM_POLICY.to_kvcm(reclaim.get("reclaim_policy"), path(where, "reclaim_policy"))
     if policy is not None:
         out["reclaim_policy"] = policy
     trigger = message(reclaim.get("trigger_strategy"), path(where, "trigger_strategy"), _TRIGGER)
-    if int64(trigger.get("used_size"), path(where, "trigger_strategy.used_size")):
-        raise InvalidArgument(f"{where}.trigger_strategy.used_size: kvcm's watermark is a share of the quota; "
-                              "use used_percentage")
+    if "used_size" in trigger:
+        out["used_bytes"] = int64(trigger["used_size"], path(where, "trigger_strategy.used_size"))
     percentage = double(trigger.get("used_percentage"), path(where, "trigger_strategy.used_percentage"))
     if percentage:
         out["used_percentage"] = percentage
@@ -114,7 +118,8 @@ def group_out(group: DecodedMap) -> dict[str, Encodable]:
         "quota": {"capacity": out64(quota.get("capacity")),
                   "quota_config": [{"storage_type": STORAGE_TYPE.out(q["storage_type"]), "capacity": out64(q["capacity"])}
                                    for q in as_maps(quota.get("quota_config") or [])]},
-        "cache_config": {"reclaim_strategy": _strategy_out(as_map(group.get("reclaim_strategy") or {}))},
+        "cache_config": {"reclaim_strategy": _strategy_out(as_map(group.get("reclaim_strategy") or {})),
+                         "meta_indexer_config": {"max_key_count": out64(group.get("max_block_count"))}},
         "user_data": group.get("user_data", ""),
         "version": out64(group.get("version")),
     }
@@ -123,7 +128,8 @@ def group_out(group: DecodedMap) -> dict[str, Encodable]:
 def _strategy_out(reclaim: DecodedMap) -> dict[str, Encodable]:
     strategy: dict[str, Encodable] = {
         "reclaim_policy": RECLAIM_POLICY.out(reclaim.get("reclaim_policy", "")),
-        "trigger_strategy": {"used_size": "0", "used_percentage": reclaim.get("used_percentage", 0.0)},
+        "trigger_strategy": {"used_size": out64(reclaim.get("used_bytes")),
+                             "used_percentage": reclaim.get("used_percentage", 0.0)},
         "delay_before_delete_ms": reclaim.get("delay_before_delete_ms", 0),
     }
     if reclaim.get("ttl_seconds"):
