@@ -7,8 +7,6 @@ strictly. :mod:`kvcm.tair.translate` pairs them with their kvcm method and reply
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from kvcm.errors import InvalidArgument
 from kvcm.proto import tair as s
 from kvcm.proto.wire import DecodedMap, Encodable
@@ -180,60 +178,10 @@ def load_snapshot_in(body: DecodedMap) -> dict[str, Encodable]:
     return {"config_snapshot": s.text(body.get("config_snapshot"), "config_snapshot")}
 
 
-#: kvcm's bound on a source id, which a reporter's identity becomes.
-_MAX_SOURCE_ID = 200
-
-
 def reporter_source_id(instance_id: str, storage_type: str, host_ip_port: str) -> str:
     """The kvcm push source of a Tair reporter: Tair names one by instance, declared storage type
     and host, so two storage types of one host are two sources (of one pod, the host)."""
     return f"tair/{instance_id}/{s.REPORTER_STORAGE[storage_type]}/{host_ip_port}"
-
-
-def report_event_in(body: DecodedMap) -> dict[str, Encodable]:
-    """Tair's ReportEvent as one ``report_events`` report of the reporter's push source. Its
-    items must make one kvcm op: registers (merged), heartbeats (merged), adds and deletes (one
-    unsequenced batch, in order), one snapshot, or host downs (merged)."""
-    instance_id = s.text(body.get("instance_id"), "instance_id")
-    host = s.text(body.get("host_ip_port"), "host_ip_port")
-    if not host:
-        raise InvalidArgument("host_ip_port: required (the reporter's host, its pod in kvcm)")
-    storage = s.STORAGE_TYPE.parse(body.get("storage_type"), "storage_type")
-    if storage not in s.REPORTER_STORAGE:
-        raise InvalidArgument(f"storage_type: {storage} is not an event-report storage type "
-                              f"({' or '.join(s.REPORTER_STORAGE)})")
-    source_id = reporter_source_id(instance_id, storage, host)
-    if len(source_id) > _MAX_SOURCE_ID:
-        raise InvalidArgument(f"host_ip_port: instance_id and host_ip_port together are too long "
-                              f"(kvcm's source id {source_id[:40]!r}... exceeds {_MAX_SOURCE_ID} characters)")
-    items = [s.event_in(raw, f"events[{i}]") for i, raw in enumerate(s.messages(body.get("events"), "events"))]
-    if not items:
-        raise InvalidArgument("events: required (at least one event)")
-    for i, item in enumerate(items):
-        if item.op != items[0].op:
-            raise InvalidArgument(f"events[{i}].event_type: {item.name} cannot share a call with {items[0].name} "
-                                  f"(kvcm applies one kind of report per call: send them apart)")
-        if item.op == "snapshot" and i:
-            raise InvalidArgument(f"events[{i}]: one EVENT_BLOCK_SNAPSHOT per call")
-    out: dict[str, Encodable] = {"source_id": source_id, "op": items[0].op}
-    if items[0].op == "register":
-        out.update(instance_id=instance_id, pod=host)
-    elif items[0].op in ("events", "snapshot"):
-        out["events"] = _batched(block for item in items for block in item.blocks)
-    return out
-
-
-def _batched(blocks: Iterable[tuple[str, str, int]]) -> list[dict[str, Encodable]]:
-    """kvcm events of Tair's blocks, in order: a run of one kind on one medium is one event
-    (keyed adds have no chain to keep, so a run holds any keys)."""
-    runs: list[tuple[str, str, list[int]]] = []
-    for kind, medium, key in blocks:
-        if runs and runs[-1][0] == kind and runs[-1][1] == medium:
-            runs[-1][2].append(key)
-        else:
-            runs.append((kind, medium, [key]))
-    return [{"type": "add" if kind == "add" else "remove", "keyed": True, "medium": medium, "block_hashes": keys}
-            for kind, medium, keys in runs]
 
 
 def host_cache_state_in(body: DecodedMap) -> dict[str, Encodable]:
