@@ -8,6 +8,7 @@ server's default applies. ``timeout`` is per attempt, as in ``call()``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Literal, TypeVar
 
@@ -46,11 +47,12 @@ from kvcm.proto.wire import Encodable, EncodableMap
 T = TypeVar("T")
 
 
-class AsyncClientMethods:
+class AsyncClientMethods(ABC):
     """The typed methods of :class:`kvcm.aio.Client`, over its ``_typed`` call."""
 
+    @abstractmethod
     async def _typed(self, method: str, reply: type[T], timeout: float | None, **params: object) -> T:
-        raise NotImplementedError
+        """Send ``method`` with ``params`` and decode its reply as ``reply`` (the client's)."""
 
     async def add_storage(self, *, storage: StorageConfig | EncodableMap, adopt_directory: bool | None = None,
                           trace_id: str | None = None, timeout: float | None = None) -> AdminReply:

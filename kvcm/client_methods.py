@@ -8,6 +8,7 @@ server's default applies. ``timeout`` is per attempt, as in ``call()``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Literal, TypeVar
 
@@ -54,11 +55,12 @@ def _sendable(value: object) -> object:
     return list(value) if isinstance(value, Sequence) else value
 
 
-class ClientMethods:
+class ClientMethods(ABC):
     """The typed methods of :class:`kvcm.Client`, over its ``_typed`` call."""
 
+    @abstractmethod
     def _typed(self, method: str, reply: type[T], timeout: float | None, **params: object) -> T:
-        raise NotImplementedError
+        """Send ``method`` with ``params`` and decode its reply as ``reply`` (the client's)."""
 
     def add_storage(self, *, storage: StorageConfig | EncodableMap, adopt_directory: bool | None = None,
                     trace_id: str | None = None, timeout: float | None = None) -> AdminReply:

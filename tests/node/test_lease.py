@@ -161,7 +161,7 @@ def test_release_on_stop_lets_the_other_take_over_at_once(client, prefix):
 
 
 _HOLDER = textwrap.dedent("""
-    import sys, redis
+    import sys, time, redis
     from kvcm.ha.lease import Lease
     from kvcm.backends.metastore.redis import RedisStore, Fenced
     url, prefix, data = sys.argv[1:4]
@@ -170,7 +170,7 @@ _HOLDER = textwrap.dedent("""
     lease = Lease(client, prefix, "paused", "ipc:///tmp/paused", lease_ms=600, renew_ms=100,
                   fence=lambda e: setattr(store, "fencing_token", e)).start()
     while not lease.is_leader():
-        pass
+        time.sleep(0.005)  # not a busy loop: it would take a core from the lease's own thread
     print("leader", lease.epoch, flush=True)
     sys.stdin.readline()  # resumed: the test asks for a commit
     leader = lease.is_leader()
