@@ -21,6 +21,19 @@ Rules from py-lmdb and lmdb.h this module enforces:
 * an environment must not be used across ``fork()`` (lmdb.h: "Use an MDB_env* in the process
   which opened it, without fork()ing"); py-lmdb does not stop a child, so a store refuses every
   transaction in a forked child with a clear error.
+
+Followers (:meth:`LmdbStore.follow`): other processes on the host may read the environment live
+while the one writer (the leader, holding ``kvcm.lock``) writes it; LMDB keeps a reader table in
+``lock.mdb`` for them. A follower opens the environment read-only (``lock.mdb`` still has to be
+writable: the reader table lives there), takes no ``kvcm.lock``, creates nothing, runs no
+migration and refuses every write (``SERVER_NOT_LEADER``). Each read transaction sees the latest
+commit. Each commit of the writer counts one more version per database it wrote
+(:meth:`LmdbStore.versions`, see :mod:`~kvcm.backends.metastore.lmdb_txn`), so a follower knows
+cheaply what changed. When the writer grows the map past a follower's mapping, the follower's next
+transaction fails with MDB_MAP_RESIZED: it maps the new size (no transaction of its process may be
+live then, so it waits at :class:`_Gate`) and begins again. lmdb.h forbids opening one environment
+twice in one process (closing either drops the other's locks), so a process may not follow a
+data dir it already has open.
 """
 
 from __future__ import annotations
@@ -30,20 +43,34 @@ import os
 import random
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import lmdb
 
 from kvcm.backends.metastore.base import DATABASES, merge_savepoint, run_aborts
-from kvcm.backends.metastore.lmdb_txn import LmdbReadTxn, LmdbWriteTxn, key_range, translate_error
-from kvcm.backends.migrations import upgrade_lmdb_layout
+from kvcm.backends.metastore.lmdb_txn import (
+    LmdbReadTxn,
+    LmdbWriteTxn,
+    RefusingWriteTxn,
+    Touched,
+    bump_versions,
+    key_range,
+    read_versions,
+    translate_error,
+)
+from kvcm.backends.migrations import METASTORE, upgrade_lmdb_layout
 from kvcm.errors import Code, ServerError, Unavailable
 from kvcm.lockfile import LockBusy, drop_lock_file, hold_lock_file
 
 log = logging.getLogger("kvcm.backends.metastore")
 
 _GROW_AT = 0.75  # grow the map once it is this full, before a write fails
+
+# The meta key kvcm.control.registry keeps the store's schema version under (METASTORE's format).
+_SCHEMA_KEY = b"registry.schema"
+
+_NOT_INITIALISED = "no leader has initialised the store yet"
 
 
 class DataDirLocked(Unavailable):
@@ -97,10 +124,11 @@ class _Group:
     on it, e.g. after MDB_MAP_FULL) or a failed rollback; the group can only abort, and it raises
     this error at its end so nothing of it is acknowledged."""
 
-    __slots__ = ("aborts", "broken", "callbacks", "implicit", "txn")
+    __slots__ = ("aborts", "broken", "callbacks", "implicit", "touched", "txn")
 
     def __init__(self, implicit: bool = False) -> None:
         self.txn: lmdb.Transaction | None = None
+        self.touched: Touched = {}  # the databases its savepoints wrote: their versions move at commit
         self.callbacks: list[Callable[[], None]] = []
         self.aborts: list[Callable[[], None]] = []  # of committed savepoints: run if the txn never commits
         self.broken: Exception | None = None
@@ -160,8 +188,16 @@ class LmdbStore:
         self.path: str | None = path
         os.makedirs(path, exist_ok=True)
         self._lock_path = self._lock_dir(path) if lock_dir else None
+        try:
+            _refuse_open_twice(os.path.join(path, "meta"))  # a follower of it in this process
+        except Unavailable:
+            self._drop_lock()
+            raise
         self.map_size_max = max(map_size, map_size_max)
         self.sync = sync
+        # Set (to the refusal's message) on a follower: it reads the leader's data and must
+        # never write, whatever code path tries.
+        self.read_only = ""
         self._env = lmdb.open(
             os.path.join(path, "meta"),
             map_size=map_size,
@@ -171,15 +207,64 @@ class LmdbStore:
             max_readers=max_readers,
             subdir=True,
         )
+        self._attach({name: self._env.open_db(name.encode()) for name in DATABASES})
+        upgrade_lmdb_layout(self._env, self._dbs)  # the layout steps of kvcm.backends.migrations
+
+    def _attach(self, dbs: dict[str, lmdb._Database]) -> None:
+        """The state every store keeps beside its open environment."""
         self.stale_readers_cleared = 0
         self._clear_stale_readers()  # slots left by killed readers of a previous run
-        self._dbs = {name: self._env.open_db(name.encode()) for name in DATABASES}
-        upgrade_lmdb_layout(self._env, self._dbs)  # the layout steps of kvcm.backends.migrations
+        self._dbs = dbs
+        self._meta = dbs["meta"]
         self._gate = _Gate()
         self._local = _ThreadState()
         self._closed = False
         self._forked = False  # set in a child process after fork(): see _mark_forked
         _open_stores.add(self)
+
+    @classmethod
+    def follow(cls, path: str, max_readers: int = 126,
+               reason: str = "this node is a follower: the leader writes the metadata store") -> LmdbStore:
+        """A read-only store of the environment under data dir ``path`` that another process
+        (the leader) writes; every write raises ``Unavailable(reason, SERVER_NOT_LEADER)``.
+
+        :raises Unavailable: ``SERVICE_NOT_READY`` when no leader has made the environment or
+            every database yet, its schema version is not the one this kvcm writes (a follower
+            runs no migration), or this process already has the data dir open."""
+        store = cls.__new__(cls)
+        store.path, store._lock_path, store.sync, store.read_only = path, None, False, reason
+        env_dir = os.path.join(path, "meta")
+        _refuse_open_twice(env_dir)
+        if not os.path.isfile(os.path.join(env_dir, "data.mdb")):
+            raise Unavailable(f"metadata store {path!r}: {_NOT_INITIALISED} (no meta/data.mdb)",
+                              Code.SERVICE_NOT_READY)
+        try:
+            # map_size 0: the size the writer last set; max_readers counts only if this
+            # process makes lock.mdb (else the writer's size of the reader table holds).
+            env = lmdb.open(env_dir, readonly=True, create=False, map_size=0, max_dbs=len(DATABASES) + 8,
+                            max_readers=max_readers, subdir=True)
+        except lmdb.Error as exc:
+            raise Unavailable(f"metadata store {path!r}: cannot open it to follow ({exc}); "
+                              f"{_NOT_INITIALISED}?", Code.SERVICE_NOT_READY) from None
+        try:
+            store._env = env
+            store.map_size_max = int(env.info()["map_size"])  # the writer's to grow
+            store._attach(_follower_dbs(env, path))
+            _check_schema(store, path)
+        except lmdb.Error as exc:  # e.g. the writer grew the map while the databases were opened
+            store._abandon()
+            raise Unavailable(f"metadata store {path!r}: cannot open it to follow ({exc}); try again",
+                              Code.SERVICE_NOT_READY) from None
+        except BaseException:
+            store._abandon()
+            raise
+        return store
+
+    def _abandon(self) -> None:
+        """Close a follower whose opening failed."""
+        _open_stores.discard(self)
+        self._closed = True
+        self._env.close()
 
     def _lock_dir(self, path: str) -> str:
         """Hold ``kvcm.lock`` (see :mod:`kvcm.lockfile`: a clean close removes it again)."""
@@ -227,7 +312,7 @@ class LmdbStore:
                 run_aborts(group.aborts)
                 raise group.broken
             try:
-                self._commit_top(group.txn)
+                self._commit_top(group.txn, group.touched)
             except BaseException:
                 run_aborts(group.aborts)  # a failed commit made nothing durable
                 raise
@@ -254,7 +339,10 @@ class LmdbStore:
         # A savepoint (see LmdbWriteTxn), not an LMDB child transaction. The only savepoint of a
         # group opened by this very write() needs no undo log: its rollback aborts the group.
         lone = group.implicit and not stack
-        child = LmdbWriteTxn(group.txn, self._dbs, [], None if lone else {})
+        if self.read_only:
+            child: LmdbWriteTxn = RefusingWriteTxn(group.txn, self._dbs, self.read_only)
+        else:
+            child = LmdbWriteTxn(group.txn, self._dbs, [], None if lone else {}, group.touched)
         stack.append(child)
         try:
             yield child
@@ -277,6 +365,13 @@ class LmdbStore:
         merge_savepoint(child, stack, group)
 
     def _begin_top(self) -> lmdb.Transaction:
+        if self.read_only:  # a follower's group reads through its RefusingWriteTxn blocks
+            self._enter()
+            try:
+                return self._begin_read()
+            except BaseException:
+                self._leave()
+                raise
         self._maybe_grow()
         self._enter()
         try:
@@ -285,16 +380,22 @@ class LmdbStore:
             self._leave()
             raise translate_error(exc) from None
 
-    def _commit_top(self, txn: lmdb.Transaction) -> None:
+    def _commit_top(self, txn: lmdb.Transaction, touched: Touched) -> None:
         try:
+            if touched:
+                bump_versions(txn, self._meta, touched)
             txn.commit()  # with sync on, LMDB fsyncs inside commit()
         except lmdb.Error as exc:
+            txn.abort()  # a no-op after a failed commit(); a failed bump leaves the txn live
             raise translate_error(exc) from None
         finally:
             self._leave()
 
     def _begin_read(self) -> lmdb.Transaction:
         try:
+            return self._env.begin(buffers=False)
+        except lmdb.MapResizedError:
+            self._adopt_map_size()
             return self._env.begin(buffers=False)
         except lmdb.ReadersFullError:
             # Every reader slot taken: often by processes that died holding one (a killed
@@ -303,6 +404,28 @@ class LmdbStore:
                 raise Unavailable("metadata store: every LMDB reader slot is in use; raise store.max_readers",
                                   Code.SERVICE_NOT_READY) from None
             return self._env.begin(buffers=False)
+
+    def _adopt_map_size(self) -> None:
+        """Map the size another process (the writer) grew the map to. The mapping may change
+        only while this process has no live transaction: this thread gives up its place at the
+        gate and waits for the others' to end. A thread that holds another transaction cannot
+        (it would wait on itself): its request fails, to be tried again."""
+        if self._local.held != 1:
+            raise Unavailable("metadata store: the leader grew the LMDB map while this request held a "
+                              "transaction; try again", Code.SERVICE_NOT_READY)
+        self._leave()
+        try:
+            with self._gate.exclusive():
+                self._env.set_mapsize(0)  # 0: the size the writer set (lmdb.h, mdb_env_set_mapsize)
+        finally:
+            self._enter()
+
+    def versions(self, dbs: Sequence[str]) -> tuple[int, ...]:
+        """How many commits wrote each of ``dbs`` so far (0 = never), read in one transaction: a
+        reader that cached something of a database knows it is stale when its number moved.
+        A savepoint rolled back inside a committed group does not count."""
+        with self.read() as view:
+            return read_versions(view, dbs)
 
     def _clear_stale_readers(self) -> int:
         cleared = int(self._env.reader_check())
@@ -342,6 +465,8 @@ class LmdbStore:
         """Double the map now (up to ``map_size_max``), e.g. after a transaction found it full
         while it was less than ``_GROW_AT`` used. False: at the limit, or this thread holds a
         transaction (waiting for every transaction to end would then wait on itself)."""
+        if self.read_only:
+            return False  # the writer grows the map; a follower adopts it (_adopt_map_size)
         size = int(self._env.info()["map_size"])
         return size < self.map_size_max and self._grow_from(size)
 
@@ -397,12 +522,52 @@ class LmdbStore:
         self._closed = True
         with self._gate.exclusive():
             self._env.close()
+        self._drop_lock()
+
+    def _drop_lock(self) -> None:
+        """Give up ``kvcm.lock`` (a follower holds none)."""
         if self._lock_path is not None:
             drop_lock_file(self._lock_path)
             self._lock_path = None
 
 
 _open_stores: weakref.WeakSet[LmdbStore] = weakref.WeakSet()
+
+
+def _refuse_open_twice(env_dir: str) -> None:
+    real = os.path.realpath(env_dir)
+    for store in list(_open_stores):
+        if not store._closed and store.path is not None \
+                and os.path.realpath(os.path.join(store.path, "meta")) == real:
+            raise Unavailable(f"metadata store {env_dir!r} is already open in this process; LMDB forbids "
+                              "opening it twice in one process", Code.SERVICE_NOT_READY)
+
+
+def _follower_dbs(env: lmdb.Environment, path: str) -> dict[str, lmdb._Database]:
+    """Open every database without creating any (a read transaction: the env is read-only)."""
+    dbs = {}
+    for name in DATABASES:
+        try:
+            dbs[name] = env.open_db(name.encode(), create=False)
+        except lmdb.NotFoundError:
+            raise Unavailable(f"metadata store {path!r}: {_NOT_INITIALISED} (no database {name!r})",
+                              Code.SERVICE_NOT_READY) from None
+    return dbs
+
+
+def _check_schema(store: LmdbStore, path: str) -> None:
+    """The schema version must be the one this kvcm writes: a follower runs no upgrade, the
+    leader (of this kvcm version) does, and a newer one is not read."""
+    with store.read() as view:
+        found = view.get("meta", _SCHEMA_KEY)
+    if found is None:
+        raise Unavailable(f"metadata store {path!r}: {_NOT_INITIALISED} (no schema version; this kvcm "
+                          f"reads version {METASTORE.current})", Code.SERVICE_NOT_READY)
+    if found != METASTORE.marker:
+        shown = found.decode("ascii", "replace")
+        raise Unavailable(f"metadata store {path!r}: schema version {shown} found, this kvcm reads version "
+                          f"{METASTORE.current}; a follower runs no migration: let a leader of this kvcm "
+                          "version open it first, or run the kvcm version that wrote it", Code.SERVICE_NOT_READY)
 
 
 def _mark_forked() -> None:

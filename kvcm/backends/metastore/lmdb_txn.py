@@ -1,6 +1,11 @@
 """Transactions of :class:`~kvcm.backends.metastore.lmdb.LmdbStore`: the read view, the savepoint
-(undo log) a ``write()`` block gets inside its group's one LMDB write transaction, and the
-mapping of LMDB errors to kvcm's.
+(undo log) a ``write()`` block gets inside its group's one LMDB write transaction, a follower's
+refusing one, the per-database versions a commit counts, and the mapping of LMDB errors to kvcm's.
+
+Versions: each top-level commit adds one to the counter of every database it wrote, so another
+process reading the same environment (a follower) learns what changed from one read of a few
+keys. The counters live in the ``meta`` database under ``version/<database name>`` (no other
+``meta`` key starts so), each an 8-byte big-endian count; 0 (absent) = never written.
 """
 
 from __future__ import annotations
@@ -10,8 +15,15 @@ from typing import cast
 
 import lmdb
 
-from kvcm.backends.metastore.base import bad_key, key_fits
-from kvcm.errors import Code, ServerError, StoreFull
+from kvcm.backends.metastore.base import DATABASES, bad_key, from_u64, key_fits, u64
+from kvcm.errors import Code, ServerError, StoreFull, Unavailable
+
+#: The ``meta`` key of each database's version counter.
+VERSION_KEYS: dict[str, bytes] = {name: b"version/" + name.encode() for name in DATABASES}
+
+#: The databases a group wrote, in the order first written: a dict used as an ordered set, so a
+#: rolled-back savepoint can forget the ones only it wrote by cutting the tail.
+Touched = dict[str, None]
 
 
 def translate_error(exc: lmdb.Error) -> Exception:
@@ -75,9 +87,12 @@ class LmdbWriteTxn(LmdbReadTxn):
     the savepoint began, recorded on its first change — which a rollback writes back. ``undo``
     is None when nothing needs it (the only savepoint of a group this block created: rollback is
     the abort of the whole transaction).
+
+    ``touched`` is shared by every savepoint of the group (see :data:`Touched`); ``mark`` is how
+    many databases it held when this savepoint began.
     """
 
-    __slots__ = ("aborts", "callbacks", "undo")
+    __slots__ = ("aborts", "callbacks", "mark", "touched", "undo")
 
     def __init__(
         self,
@@ -85,14 +100,18 @@ class LmdbWriteTxn(LmdbReadTxn):
         dbs: dict[str, lmdb._Database],
         callbacks: list[Callable[[], None]],
         undo: dict[tuple[str, bytes], bytes | None] | None,
+        touched: Touched,
     ) -> None:
         super().__init__(txn, dbs)
         self.callbacks = callbacks
         self.aborts: list[Callable[[], None]] = []
         self.undo = undo
+        self.touched = touched
+        self.mark = len(touched)
 
     def put(self, db: str, key: bytes, value: bytes) -> None:
         handle = self._dbs[db]
+        self.touched[db] = None
         undo = self.undo
         if undo is not None:
             slot = (db, key)
@@ -102,6 +121,7 @@ class LmdbWriteTxn(LmdbReadTxn):
 
     def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
         txn, handle, undo = self._txn, self._dbs[db], self.undo
+        self.touched[db] = None
         put = txn.put
         if undo is None:
             with txn.cursor(db=handle) as cursor:
@@ -118,6 +138,7 @@ class LmdbWriteTxn(LmdbReadTxn):
         if not key_fits(key):
             return False  # no record has that key
         handle = self._dbs[db]
+        self.touched[db] = None  # counted even when nothing was there: a needless bump is harmless
         undo = self.undo
         if undo is not None:
             slot = (db, key)
@@ -132,11 +153,13 @@ class LmdbWriteTxn(LmdbReadTxn):
         return sum(1 for k in keys if self.delete(db, k))
 
     def drop(self, db: str) -> None:
+        handle = self._dbs[db]
+        self.touched[db] = None
         undo = self.undo
         if undo is not None:
             for key, value in list(self.scan(db)):
                 undo.setdefault((db, key), value)
-        self._txn.drop(self._dbs[db], delete=False)
+        self._txn.drop(handle, delete=False)
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         self.callbacks.append(fn)
@@ -153,7 +176,8 @@ class LmdbWriteTxn(LmdbReadTxn):
                 undo.setdefault((db, key), value)
 
     def rollback(self) -> None:
-        """Write back every value this savepoint changed (its undo log)."""
+        """Write back every value this savepoint changed (its undo log); the databases only it
+        wrote no longer count as written."""
         txn, dbs = self._txn, self._dbs
         assert self.undo is not None
         for (db, key), old in self.undo.items():
@@ -161,6 +185,50 @@ class LmdbWriteTxn(LmdbReadTxn):
                 txn.delete(key, db=dbs[db])
             else:
                 txn.put(key, old, db=dbs[db])
+        touched = self.touched
+        for db in list(touched)[self.mark:]:
+            del touched[db]
+
+
+class RefusingWriteTxn(LmdbWriteTxn):
+    """A follower's ``write()`` block, over a read transaction of the leader's data: it reads
+    (a caller may look before it writes, and write nothing) and refuses every change."""
+
+    __slots__ = ("refusal",)
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], refusal: str) -> None:
+        super().__init__(txn, dbs, [], {}, {})
+        self.refusal = refusal
+
+    def _refuse(self) -> Unavailable:
+        return Unavailable(self.refusal, Code.SERVER_NOT_LEADER)
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        raise self._refuse()
+
+    def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
+        raise self._refuse()
+
+    def delete(self, db: str, key: bytes) -> bool:
+        raise self._refuse()
+
+    def drop(self, db: str) -> None:
+        raise self._refuse()
+
+
+def bump_versions(txn: lmdb.Transaction, meta: lmdb._Database, touched: Iterable[str]) -> None:
+    """Count one more version of each database in ``touched``, inside the commit's transaction."""
+    get, put = txn.get, txn.put
+    for name in touched:
+        key = VERSION_KEYS[name]
+        old = cast("bytes | None", get(key, db=meta))
+        put(key, u64(1 if old is None else from_u64(old) + 1), db=meta)
+
+
+def read_versions(view: LmdbReadTxn, dbs: Iterable[str]) -> tuple[int, ...]:
+    """The version of each of ``dbs`` in this view (0 = never written)."""
+    got = view.get_many("meta", [VERSION_KEYS[name] for name in dbs])
+    return tuple(0 if raw is None else from_u64(raw) for raw in got)
 
 
 def key_range(view: LmdbReadTxn, db: str, prefix: bytes) -> tuple[bytes, bytes]:
