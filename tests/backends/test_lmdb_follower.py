@@ -290,11 +290,11 @@ def test_follower_before_the_env_exists(tmp_path):
         LmdbStore.follow(str(path))
     assert exc.value.code == Code.SERVICE_NOT_READY
     assert not path.exists()  # it created nothing
-    path.mkdir()
-    with pytest.raises(Unavailable, match="no leader has initialised the store yet") as exc:
+    (path / "meta").mkdir(parents=True)
+    with pytest.raises(Unavailable, match=r"no leader has initialised the store yet \(no meta/data.mdb\)") as exc:
         LmdbStore.follow(str(path))
     assert exc.value.code == Code.SERVICE_NOT_READY
-    assert os.listdir(path) == []
+    assert os.listdir(path / "meta") == []  # not even lock.mdb
 
 
 def test_follower_before_a_database_exists(tmp_path):
@@ -344,11 +344,11 @@ def test_writer_and_follower_in_one_process(tmp_path, writer):
         with own.read() as view:
             assert view.get("blocks", b"theirs") is None and view.get("blocks", b"mine") == b"1"
         assert own.versions(["blocks"]) == (1,) and follower.versions(["blocks"]) == (1,)
-        # lmdb.h: one environment is never opened twice in one process
-        with pytest.raises(Unavailable, match="already open in this process"):
-            LmdbStore.follow(str(tmp_path / "own"))
-        with pytest.raises(Unavailable, match="already open in this process"):
-            LmdbStore.follow(str(tmp_path / "data"))
+        # lmdb.h: one environment is never opened twice in one process (py-lmdb refuses it)
+        for path in ("own", "data"):
+            with pytest.raises(Unavailable, match="already open in this process") as exc:
+                LmdbStore.follow(str(tmp_path / path))
+            assert exc.value.code == Code.SERVICE_NOT_READY
         own.close()
         writer.do("put blocks later 1")
         with follower.read() as view:
@@ -368,6 +368,17 @@ def test_writer_keeps_its_lock_while_followers_come_and_go(tmp_path, writer):
     with pytest.raises(DataDirLocked):
         LmdbStore(str(data))
     writer.do("put blocks a 1")  # and the writer writes on
+
+
+def test_no_writer_of_a_data_dir_this_process_follows(tmp_path):
+    data = tmp_path / "data"
+    Writer(str(data)).stop()
+    follower = LmdbStore.follow(str(data))
+    with pytest.raises(lmdb.Error, match="already open in this process"):
+        LmdbStore(str(data))
+    follower.close()
+    LmdbStore(str(data)).close()  # the refused writer did not keep kvcm.lock
+    assert not (data / "kvcm.lock").exists()
 
 
 def test_follower_clears_reader_slots_of_dead_followers(tmp_path, writer):

@@ -32,8 +32,8 @@ commit. Each commit of the writer counts one more version per database it wrote
 cheaply what changed. When the writer grows the map past a follower's mapping, the follower's next
 transaction fails with MDB_MAP_RESIZED: it maps the new size (no transaction of its process may be
 live then, so it waits at :class:`_Gate`) and begins again. lmdb.h forbids opening one environment
-twice in one process (closing either drops the other's locks), so a process may not follow a
-data dir it already has open.
+twice in one process (closing either drops the other's locks); py-lmdb refuses it ("already open
+in this process"), so a process cannot follow a data dir it writes, nor write one it follows.
 """
 
 from __future__ import annotations
@@ -188,25 +188,24 @@ class LmdbStore:
         self.path: str | None = path
         os.makedirs(path, exist_ok=True)
         self._lock_path = self._lock_dir(path) if lock_dir else None
-        try:
-            _refuse_open_twice(os.path.join(path, "meta"))  # a follower of it in this process
-        except Unavailable:
-            self._drop_lock()
-            raise
         self.map_size_max = max(map_size, map_size_max)
         self.sync = sync
         # Set (to the refusal's message) on a follower: it reads the leader's data and must
         # never write, whatever code path tries.
         self.read_only = ""
-        self._env = lmdb.open(
-            os.path.join(path, "meta"),
-            map_size=map_size,
-            max_dbs=len(DATABASES) + 8,
-            sync=sync,
-            metasync=sync,
-            max_readers=max_readers,
-            subdir=True,
-        )
+        try:
+            self._env = lmdb.open(
+                os.path.join(path, "meta"),
+                map_size=map_size,
+                max_dbs=len(DATABASES) + 8,
+                sync=sync,
+                metasync=sync,
+                max_readers=max_readers,
+                subdir=True,
+            )
+        except BaseException:  # e.g. this process follows it (py-lmdb: "already open in this process")
+            self._drop_lock()
+            raise
         self._attach({name: self._env.open_db(name.encode()) for name in DATABASES})
         upgrade_lmdb_layout(self._env, self._dbs)  # the layout steps of kvcm.backends.migrations
 
@@ -230,11 +229,10 @@ class LmdbStore:
 
         :raises Unavailable: ``SERVICE_NOT_READY`` when no leader has made the environment or
             every database yet, its schema version is not the one this kvcm writes (a follower
-            runs no migration), or this process already has the data dir open."""
+            runs no migration), or this process already has it open."""
         store = cls.__new__(cls)
         store.path, store._lock_path, store.sync, store.read_only = path, None, False, reason
         env_dir = os.path.join(path, "meta")
-        _refuse_open_twice(env_dir)
         if not os.path.isfile(os.path.join(env_dir, "data.mdb")):
             raise Unavailable(f"metadata store {path!r}: {_NOT_INITIALISED} (no meta/data.mdb)",
                               Code.SERVICE_NOT_READY)
@@ -532,15 +530,6 @@ class LmdbStore:
 
 
 _open_stores: weakref.WeakSet[LmdbStore] = weakref.WeakSet()
-
-
-def _refuse_open_twice(env_dir: str) -> None:
-    real = os.path.realpath(env_dir)
-    for store in list(_open_stores):
-        if not store._closed and store.path is not None \
-                and os.path.realpath(os.path.join(store.path, "meta")) == real:
-            raise Unavailable(f"metadata store {env_dir!r} is already open in this process; LMDB forbids "
-                              "opening it twice in one process", Code.SERVICE_NOT_READY)
 
 
 def _follower_dbs(env: lmdb.Environment, path: str) -> dict[str, lmdb._Database]:

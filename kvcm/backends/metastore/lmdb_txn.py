@@ -10,6 +10,7 @@ keys. The counters live in the ``meta`` database under ``version/<database name>
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Iterable, Iterator
 from typing import cast
 
@@ -20,6 +21,8 @@ from kvcm.errors import Code, ServerError, StoreFull, Unavailable
 
 #: The ``meta`` key of each database's version counter.
 VERSION_KEYS: dict[str, bytes] = {name: b"version/" + name.encode() for name in DATABASES}
+_COUNT = struct.Struct(">Q")  # a version counter's value, as base.u64 packs it
+_FIRST = u64(1)
 
 #: The databases a group wrote, in the order first written: a dict used as an ordered set, so a
 #: rolled-back savepoint can forget the ones only it wrote by cutting the tail.
@@ -217,12 +220,13 @@ class RefusingWriteTxn(LmdbWriteTxn):
 
 
 def bump_versions(txn: lmdb.Transaction, meta: lmdb._Database, touched: Iterable[str]) -> None:
-    """Count one more version of each database in ``touched``, inside the commit's transaction."""
-    get, put = txn.get, txn.put
+    """Count one more version of each database in ``touched``, inside the commit's transaction.
+    (On every commit's path: the struct is used directly, not through u64/from_u64.)"""
+    get, put, pack, unpack = txn.get, txn.put, _COUNT.pack, _COUNT.unpack
     for name in touched:
         key = VERSION_KEYS[name]
-        old = cast("bytes | None", get(key, db=meta))
-        put(key, u64(1 if old is None else from_u64(old) + 1), db=meta)
+        old = get(key, db=meta)
+        put(key, pack(unpack(old)[0] + 1) if old is not None else _FIRST, db=meta)
 
 
 def read_versions(view: LmdbReadTxn, dbs: Iterable[str]) -> tuple[int, ...]:
