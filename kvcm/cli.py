@@ -40,8 +40,9 @@ def _serve_parser(sub: Subcommands) -> None:
     p.add_argument("--http-port", type=int, help="side HTTP port for /metrics, /livez, /readyz (0 = any)")
     p.add_argument("--memory", action="store_true", help="keep metadata in memory only (nothing persisted)")
     p.add_argument("--standby", action="store_true", default=None,
-                   help="if another kvcm holds the data dir, wait (binding nothing) and take over the moment it "
-                        "stops or dies (server.standby; LMDB only, with Redis see ha.enabled)")
+                   help="one of several nodes sharing this host's data dir: the first leads, the others follow "
+                        "(answering reads) and take over when it stops or dies (server.standby: ha.enabled with "
+                        "ha.coordination = file://DATA_DIR)")
     orphans = p.add_mutually_exclusive_group()
     orphans.add_argument("--adopt-orphans", dest="orphans", action="store_const", const="adopt", default="refuse",
                          help="storages hold blocks of lost metadata: keep the files (unindexed) and start")
@@ -199,7 +200,7 @@ GIL_SWITCH_S = 0.0005
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvcm.node.app import App
-    from kvcm.node.ha import HaNode
+    from kvcm.node.ha import HaNode, with_standby
 
     config = effective_config(args)
     logging.basicConfig(level=config.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -207,66 +208,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # a busy one holds it up to the switch interval (5 ms by default) before the loop gets it,
     # which is what one client's load (an HTTP flood, a replay) would add to everyone's latency.
     sys.setswitchinterval(GIL_SWITCH_S)
-    stop = threading.Event()  # a stop asked for before the app exists (standing by, building)
+    stop = threading.Event()  # a stop asked for before the app exists (while it is being built)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    lock = _stand_by(config, stop) if config.server.standby else None
-    try:
-        if stop.is_set():
-            return 0
-        app = (HaNode if config.ha.enabled else App)(config, orphans=args.orphans)
-    finally:
-        if lock is not None:
-            _drop_unclaimed(lock)
+    config = with_standby(config)
+    app = (HaNode if config.ha.enabled else App)(config, orphans=args.orphans)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: app.request_stop())
     if stop.is_set():  # asked while the app was being built: it stops before serving
         app.request_stop()
     app.run(started=lambda: print("\n".join(app.startup_block(args.config)), flush=True))
     return 0
-
-
-def _stand_by(config: Config, stop: threading.Event) -> str | None:
-    """``--standby``: wait, binding nothing, until this process holds the data dir's lock (at
-    once if nobody does; else the moment its holder stops or dies), then pass the lock on to
-    the store the app opens, so no third process can take it in between. Returns the lock
-    file, or None if ``stop`` was set first."""
-    from kvcm.lockfile import pass_lock_file, wait_lock_file
-
-    data_dir = os.path.abspath(config.store.data_dir)
-    os.makedirs(data_dir, exist_ok=True)
-    lock = os.path.join(data_dir, "kvcm.lock")
-
-    def busy(pid: int | None) -> None:
-        holder = f"pid {pid}" if pid is not None else "another process"
-        log.warning("standing by for data dir %s (held by %s); taking over %s when it stops", data_dir, holder,
-                    config.server.endpoint)
-
-    if not wait_lock_file(lock, "the standby", f"data dir {data_dir!r}", stop, on_busy=busy):
-        log.info("standby stopped before taking over; it never served")
-        return None
-    pass_lock_file(lock)
-    _wait_ports_free(config, stop)
-    return lock
-
-
-def _wait_ports_free(config: Config, stop: threading.Event, timeout: float = 5.0) -> None:
-    """A holder that stopped cleanly closed its ports just before it let go of the lock, and a
-    dead one's are closed by the kernel in the same sweep as its lock: wait a moment for them
-    (a port still taken past ``timeout`` refuses the start as usual)."""
-    from kvcm.node.refusals import http_port_in_use
-    from kvcm.rpc.server import endpoint_in_use
-
-    deadline = time.monotonic() + timeout
-    while not stop.is_set() and time.monotonic() < deadline and (
-            endpoint_in_use(config.server.endpoint) or (config.http.enabled and http_port_in_use(config.http))):
-        stop.wait(0.01)
-
-
-def _drop_unclaimed(lock: str) -> None:
-    from kvcm.lockfile import drop_unclaimed
-
-    drop_unclaimed(lock)
 
 
 def cmd_call(args: argparse.Namespace) -> int:

@@ -55,7 +55,7 @@ class ServerConfig:
     live_after_s: float = 10.0  # /livez fails once the RPC loop has not turned for this long
     sndhwm: int = 10000  # per-peer reply queue; a peer over it loses replies (counted)
     access_log: bool = False  # one log line per request at INFO
-    standby: bool = False  # another kvcm holds the data dir: wait, bind nothing, take over when it stops or dies
+    standby: bool = False  # shorthand: ha.enabled on one host, ha.coordination = file://<store.data_dir>
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,8 @@ class LogConfig:
 
 @dataclass(frozen=True)
 class HaConfig:
-    enabled: bool = False  # the leader lease on the Redis store (needs store.backend = "redis")
+    enabled: bool = False  # one leader, the others follow (on the Redis store, or see coordination)
+    coordination: str = ""  # "" = elect on the Redis store; "file:///dir" = a lock file, one host, shared LMDB data dir
     node_id: str = ""  # this node's name in the lease; required when enabled, unique per node
     advertise_endpoint: str = ""  # the RPC endpoint clients are sent to when this node leads ("" = server.endpoint)
     lease_ms: int = 3000  # a leader that does not renew within this is replaced
@@ -388,13 +389,12 @@ _HOST_ENTRY = re.compile(r"(?:[a-z0-9_.-]{1,253}|\[[0-9a-f:.]{2,45}\])(?::[0-9]{
 def validate(config: Config) -> None:
     """Cross-field and range checks; raise ConfigError naming the key."""
     for section in (_store_server_checks, _http_checks, _cache_reclaim_checks, _auth_checks, _events_checks,
-                    _misc_checks):
+                    _misc_checks, _ha_checks):
         for ok, message in section(config):
             if not ok:
                 raise ConfigError(message)
     _check_redis(config.store)
     _check_curve(config)
-    _check_ha(config)
 
 
 def _store_server_checks(config: Config) -> list[tuple[bool, str]]:
@@ -508,12 +508,14 @@ def _misc_checks(config: Config) -> list[tuple[bool, str]]:
 _NODE_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
-def _check_ha(config: Config) -> None:
+def _ha_checks(config: Config) -> list[tuple[bool, str]]:
+    """The leader election."""
     ha = config.ha
-    checks = [
-        (not config.server.standby or (config.store.backend == "lmdb" and not ha.enabled),
-         'server.standby (--standby) is a hot standby on one host\'s LMDB data dir; with store.backend = "redis" '
-         "use ha.enabled instead (docs/ha.md)"),
+    return [
+        (not config.server.standby or config.store.backend == "lmdb", 'server.standby (--standby) shares one host\'s '
+         'LMDB data dir; with store.backend = "redis" use ha.enabled (docs/ha.md)'),
+        (not ha.coordination or (ha.coordination.startswith("file:///") and ha.coordination.isprintable()),
+         'ha.coordination must be "" (the Redis store) or file:///dir'),
         (100 <= ha.lease_ms <= 600_000, "ha.lease_ms must be in 100..600000"),
         (ha.renew_ms > 0 and 2 * ha.renew_ms < ha.lease_ms, "ha.renew_ms must be positive and below ha.lease_ms / 2"),
         (0 <= ha.campaign_delay_ms <= 3_600_000, "ha.campaign_delay_ms must be in 0..3600000"),
@@ -521,11 +523,9 @@ def _check_ha(config: Config) -> None:
         (not ha.advertise_endpoint or ha.advertise_endpoint.startswith(("tcp://", "ipc://")),
          "ha.advertise_endpoint must be a tcp:// or ipc:// endpoint"),
         (not ha.enabled or bool(ha.node_id), "ha.node_id is required when ha.enabled"),
-        (not ha.enabled or config.store.backend == "redis", 'ha.enabled requires store.backend = "redis"'),
+        (not ha.enabled or config.store.backend == ("lmdb" if ha.coordination else "redis"),
+         'ha.enabled requires store.backend = "redis", or "lmdb" with ha.coordination = "file:///dir"'),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
 
 
 _REDIS_PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")

@@ -3,8 +3,8 @@
 A storage directory, an shm prefix and a data dir each belong to one kvcm at a time: an
 exclusive ``flock`` on a lock file says so, and a clean stop unlinks the file while still holding
 the lock, so no lock file outlives its owner and none can be taken over half-released. The file
-names the holder's pid, for the messages of whoever finds it taken; a standby waits for the lock
-(:func:`wait_lock_file`) and passes it on to the store it opens (:func:`pass_lock_file`).
+names the holder's pid, for the messages of whoever finds it taken (a node following the leader
+holds it only once it leads: :mod:`kvcm.ha.filelease`).
 
 A lock file may sit in a directory other local users write (an shm prefix's lock in
 ``/dev/shm``): it is created private (0600), never opened through a symlink, never blocked on
@@ -20,7 +20,6 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Callable
 
 from kvcm.errors import Conflict
 
@@ -43,9 +42,6 @@ _PLANTED = {errno.ELOOP, errno.EISDIR, errno.ENXIO}
 _held: dict[str, tuple[int, str, int, int]] = {}
 _held_guard = threading.Lock()
 
-# The owner of a lock passed on (see pass_lock_file): the next owner to take it gets it.
-_PASSING = "\0passing"
-
 
 def hold_lock_file(path: str, owner: str, what: str) -> None:
     """Take an exclusive ``flock`` on ``path`` for ``owner`` (a storage, a data dir), so no two
@@ -62,9 +58,6 @@ def hold_lock_file(path: str, owner: str, what: str) -> None:
     with _held_guard:
         if path in _held and _held[path][3] == os.getpid():
             fd, holder, count, pid = _held[path]
-            if holder == _PASSING:
-                _held[path] = (fd, owner, 1, pid)
-                return
             if holder != owner:
                 raise LockBusy(f"{what} is already used by {holder} in this process")
             _held[path] = (fd, holder, count + 1, pid)
@@ -117,8 +110,7 @@ def _open_lock(path: str, what: str) -> int:
 
 
 def _write_pid(fd: int) -> None:
-    """Say who holds the lock, for whoever finds it taken (a standby names the process it
-    waits for); the lock, not this text, is what counts."""
+    """Say who holds the lock, for whoever finds it taken; the lock, not this text, is what counts."""
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -141,44 +133,17 @@ def lock_holder(path: str) -> int | None:
     return int(text) if text.strip().isdigit() else None
 
 
-def wait_lock_file(path: str, owner: str, what: str, stop: threading.Event,
-                   on_busy: Callable[[int | None], None] | None = None, poll_s: float = 0.05) -> bool:
-    """Take the lock on ``path`` for ``owner`` as soon as its holder lets go (it stops, or dies:
-    the kernel drops a dead process's flock); True once held, False if ``stop`` is set first.
-
-    Polled, not a blocking ``flock``: the holder's clean stop unlinks the file, so the lock to
-    take may be on a new file by then (:func:`hold_lock_file` checks), and a poll can be given
-    up the moment ``stop`` is set. ``on_busy(pid)`` runs once, the first time the lock is found
-    taken, with the holder's pid if the file names one."""
-    told = False
-    while not stop.is_set():
-        try:
-            hold_lock_file(path, owner, what)
-            return True
-        except LockBusy:
-            if not told and on_busy is not None:
-                on_busy(lock_holder(path))
-            told = True
-        stop.wait(poll_s)
-    return False
-
-
-def pass_lock_file(path: str) -> None:
-    """The lock held on ``path`` goes to the next owner in this process that takes it (the
-    store a standby opens once it holds the data dir), without a moment where it is free for
-    another process; :func:`drop_unclaimed` frees it if nobody took it."""
+def still_held(path: str) -> bool:
+    """Whether this process holds the lock on the file ``path`` names now: a lock file someone
+    removed or replaced since it was taken is no lock any more."""
     with _held_guard:
-        fd, _, _, pid = _held[path]
-        _held[path] = (fd, _PASSING, 1, pid)
-
-
-def drop_unclaimed(path: str) -> None:
-    """Free a lock passed on with :func:`pass_lock_file` that no owner took (the start failed
-    before the store was opened)."""
-    with _held_guard:
-        unclaimed = path in _held and _held[path][1] == _PASSING
-    if unclaimed:
-        drop_lock_file(path)
+        entry = _held.get(path)
+    if entry is None or entry[3] != os.getpid():
+        return False
+    try:
+        return os.path.samestat(os.fstat(entry[0]), os.stat(path, follow_symlinks=False))
+    except OSError:
+        return False
 
 
 def drop_lock_file(path: str) -> None:

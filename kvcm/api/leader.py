@@ -23,7 +23,7 @@ from kvcm.proto.wire import Encodable
 from kvcm.rpc.dispatch import Method
 
 if TYPE_CHECKING:  # a node without HA has no lease: it need not import redis-py at all
-    from kvcm.ha.lease import Lease
+    from kvcm.ha.campaign import Campaign
 
 log = logging.getLogger("kvcm.ha")
 
@@ -73,7 +73,7 @@ class LocalElector:
 
 
 class _Elector:
-    def __init__(self, lease: Lease | None, local: LocalElector) -> None:
+    def __init__(self, lease: Campaign | None, local: LocalElector) -> None:
         self.lease = lease
         self.local = local  # used without a lease
 
@@ -104,7 +104,7 @@ class _Elector:
                 "lease_ms": lease.lease_ms, "renew_ms": lease.renew_ms}
 
 
-def methods(lease: Lease | None, campaign_delay_ms: int, local: LocalElector | None = None) -> list[Method]:
+def methods(lease: Campaign | None, campaign_delay_ms: int, local: LocalElector | None = None) -> list[Method]:
     """The elector methods of one node (each node answers for its own role; the change is not
     persisted: ``ha.campaign_delay_ms`` is the value after a restart). ``local``: the role of a
     node without the lease, shared with its request gate (one is made when not given)."""

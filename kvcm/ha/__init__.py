@@ -1,5 +1,2 @@
-"""High availability on the Redis store: the leader lease (:mod:`kvcm.ha.lease`)."""
-
-from kvcm.ha.lease import Holder, Lease
-
-__all__ = ["Holder", "Lease"]
+"""High availability: one node leads, the others follow (:mod:`kvcm.ha.campaign`), over a Redis
+key (:mod:`kvcm.ha.lease`) or a lock file on one host (:mod:`kvcm.ha.filelease`)."""

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # the lease needs redis-py, an optional extra; the rest is im
     from kvcm.cache.storage_pool import StoragePool
     from kvcm.control.registry import Registry
     from kvcm.engines.service import EngineService
-    from kvcm.ha.lease import Lease
+    from kvcm.ha.campaign import Campaign
     from kvcm.publish.eventlog import EventLog
     from kvcm.publish.publisher import EventPublisher
     from kvcm.reclaimer import Reclaimer
@@ -73,7 +73,7 @@ class App:
     dispatcher: Dispatcher
     server: Server
 
-    def __init__(self, config: Config, orphans: str = "refuse", lease: Lease | None = None,
+    def __init__(self, config: Config, orphans: str = "refuse", lease: Campaign | None = None,
                  side_port: SidePort | None = None) -> None:
         """``lease``: the leader lease this process holds (``ha.enabled``, from
         :class:`~kvcm.node.ha.HaNode`): commits carry its epoch, requests and background work run
@@ -117,9 +117,11 @@ class App:
             raise rpc_in_use(config.server.endpoint) from None
 
     def _open_store(self) -> MetaStore:
-        if self.lease is None:
+        if self.lease is None or self.lease.coordination != "redis":
+            # A lock-file lease leads the LMDB store of the shared data dir, whose own lock
+            # (held while it is open) keeps any second writer out.
             return open_store(self.config, self.orphans)
-        store = open_redis(self.config, self.orphans)  # ha.enabled requires the Redis backend
+        store = open_redis(self.config, self.orphans)
         # Before anything is loaded: any commit of a deposed leader after this is refused.
         store.fencing_token = self.lease.epoch
         return store
@@ -384,7 +386,7 @@ class App:
             if elector is None or (method is not None and (method.name in READS or method.name in ELECTOR_METHODS)):
                 return None
             return elector.refusal()
-        from kvcm.ha.lease import not_leader
+        from kvcm.ha.campaign import not_leader
 
         return not_leader(lease.known_holder(), lease.node_id)
 
@@ -396,7 +398,7 @@ class App:
         under the lease, or while a node without it is demoted)."""
         facts = self._facts()
         if self.lease is not None:
-            from kvcm.ha.lease import lease_facts
+            from kvcm.ha.campaign import lease_facts
 
             facts.update(node_id=self.lease.node_id, ha=lease_facts(self.lease))
         elif self.elector is not None:

@@ -1,16 +1,19 @@
 """A follower's serving stage (``ha.enabled``): reads from the shared store, refusals for the rest.
 
 A follower answers ``check_health`` and ``get_manager_cluster_info`` itself; with
-``ha.follower_reads`` (the default) it also answers the read RPCs (:data:`READS`) from the shared
-Redis store, so read load spreads over the nodes; everything else is ``SERVER_NOT_LEADER``
-naming the leader, which clients follow.
+``ha.follower_reads`` (the default) it also answers the read RPCs (:data:`READS`) from the store
+it shares with the leader (Redis, or on one host the LMDB environment of a shared data dir), so
+read load spreads over the nodes; everything else is ``SERVER_NOT_LEADER`` naming the leader,
+which clients follow.
 
 Freshness: at the start of each loop turn that brought requests (so before any of them runs)
-the follower asks Redis for the version of every database it mirrors in memory (one ``HMGET``; each leader commit counts one more version per database it
-touched): a changed registry is read again (and its observers told), new location skeletons are
-loaded, and a changed block database clears the search cache. So a read sent to a follower after
-the leader acknowledged a write sees that write. A read is several Redis round trips and not
-one snapshot: a commit landing between them may be seen in part, like a read made during it.
+the follower asks the store for the version of every database it mirrors in memory (each leader
+commit counts one more version per database it touched; one ``HMGET`` on Redis, one read
+transaction on LMDB): a changed registry is read again (and its observers told), new location
+skeletons are loaded, and a changed block database clears the search cache. So a read sent to a
+follower after the leader acknowledged a write sees that write. On Redis a read is several round
+trips and not one snapshot: a commit landing between them may be seen in part, like a read made
+during it.
 
 What a follower does not do: it writes nothing (its store refuses every commit), opens no
 storage backend (the leader owns the storages' directories and lock files), runs no background
@@ -26,9 +29,10 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvcm.backends.metastore import DataDirLocked
+from kvcm.backends.metastore.base import MetaStore
 from kvcm.config import Config
 from kvcm.errors import KvcmError, Unavailable
 from kvcm.http import SideHttp, SidePort
@@ -41,17 +45,25 @@ from kvcm.rpc.server import Server, Timer
 from kvcm.version import __version__
 
 if TYPE_CHECKING:
-    from kvcm.backends.metastore.redis import RedisStore
     from kvcm.engines.service import EngineService
-    from kvcm.ha.lease import Lease
+    from kvcm.ha.campaign import Campaign
 
 log = logging.getLogger("kvcm.follower")
 
 REFRESH_S = 1.0  # how often an idle follower looks for what the leader changed
+RETRY_READS_S = 2.0  # how long a follower stage without reads serves before it tries them again
 
 #: What a follower answers from the shared store (with ``ha.follower_reads``).
 READS = frozenset({"get_cache_location", "get_cache_location_len", "get_cache_meta", "get_instance_info", "get_storage_specs",
                    "match_engines", "get_host_cache_state", "list_event_sources"})
+
+class FollowedStore(MetaStore, Protocol):
+    """The leader's store as a follower reads it (Redis, or the LMDB of a shared data dir)."""
+
+    def versions(self, dbs: Sequence[str]) -> tuple[int, ...]:
+        """How many commits touched each of ``dbs`` so far: a changed number means stale caches."""
+        ...
+
 
 #: Facts about a node, as check_health / get_manager_cluster_info report them.
 Info = Callable[[], dict[str, Encodable]]
@@ -60,7 +72,10 @@ Info = Callable[[], dict[str, Encodable]]
 class FollowerReads:
     """The read side of the data plane over the shared store, kept fresh by its versions."""
 
-    def __init__(self, config: Config, store: RedisStore, data_dir: str, metrics: Metrics) -> None:
+    def __init__(self, config: Config, store: FollowedStore, data_dir: str, metrics: Metrics,
+                 engine_dir: str | None) -> None:
+        """``engine_dir``: where this node keeps its own engine index (None: in memory, when the
+        data dir is the leader's too)."""
         from kvcm.cache.locations import DB as SKELETONS
         from kvcm.cache.manager import CacheManager
         from kvcm.cache.meta_index import DB as BLOCKS_DB
@@ -77,7 +92,7 @@ class FollowerReads:
         with ExitStack() as undo:  # a failed build closes what it opened
             undo.callback(store.close)
             undo.callback(self.authorize.close)
-            self.engine_store = open_engine_store(config.store, config.events, data_dir or None)
+            self.engine_store = open_engine_store(config.store, config.events, engine_dir)
             undo.callback(self.engine_store.close)
             self.engines = self._build_engines(metrics)
             undo.callback(self.engines.stop)
@@ -197,7 +212,7 @@ class FollowerStage:
     its leader :class:`~kvcm.node.app.App` (and its caches) only once it holds the lease, so a
     leader's caches are never older than its term."""
 
-    def __init__(self, config: Config, lease: Lease, open_store: Callable[[], RedisStore],
+    def __init__(self, config: Config, lease: Campaign, open_store: Callable[[], FollowedStore],
                  side_port: SidePort | None = None) -> None:
         """``side_port``: the side HTTP port's listeners the node holds across its stages."""
         from kvcm.lockfile import drop_lock_file
@@ -211,13 +226,16 @@ class FollowerStage:
         self.curve: CurveServer | None = None
         self.http: SideHttp | None = None
         self._stale: KvcmError | None = None  # why this turn's reads cannot be fresh (Redis away)
-        self._lock = _hold_data_dir(config, f"the follower {id(self):x}")
+        # On Redis each node has a data dir of its own, held as usual; on a lock-file lease the
+        # data dir is the leader's, whose store holds it.
+        self._lock = _hold_data_dir(config, f"the follower {id(self):x}") if lease.coordination == "redis" else None
         with ExitStack() as undo:  # a failed build closes what it opened and lets the lock go
-            undo.callback(drop_lock_file, self._lock)
+            if self._lock is not None:
+                undo.callback(drop_lock_file, self._lock)
             self._wire(open_store, side_port, undo)
             undo.pop_all()
 
-    def _wire(self, open_store: Callable[[], RedisStore], side_port: SidePort | None, undo: ExitStack) -> None:
+    def _wire(self, open_store: Callable[[], FollowedStore], side_port: SidePort | None, undo: ExitStack) -> None:
         config = self.config
         if config.ha.follower_reads:
             self.reads = self._build_reads(open_store)
@@ -259,20 +277,30 @@ class FollowerStage:
 
     def _build_server(self) -> Server:
         cfg = self.config.server
-        # Between reads too: new event sources are followed without waiting for a reader.
-        timers = [] if self.reads is None else [Timer("follower-refresh", REFRESH_S, self._refresh_quietly)]
+        timers = self._timers()
         return Server(cfg.endpoint, _FreshTurns(self.dispatcher, self._refresh_turn),
                       metrics=self.metrics, timers=timers,
                       max_message_bytes=cfg.max_message_bytes, poll_ms=cfg.poll_ms,
                       context=self.curve.context if self.curve is not None else None,
                       socket_setup=self.curve.setup if self.curve is not None else None)
 
-    def _build_reads(self, open_store: Callable[[], RedisStore]) -> FollowerReads | None:
+    def _timers(self) -> list[Timer]:
+        if self.reads is not None:  # between reads too: new event sources are followed without a reader
+            return [Timer("follower-refresh", REFRESH_S, self._refresh_quietly)]
+        if not self.config.ha.follower_reads:
+            return []
+        # Reads could not start (no leader had made the store yet, or it was away): the stage ends
+        # after a while, so the node builds a new one that tries again.
+        return [Timer("follower-retry-reads", RETRY_READS_S, self.request_stop, due=time.monotonic() + RETRY_READS_S)]
+
+    def _build_reads(self, open_store: Callable[[], FollowedStore]) -> FollowerReads | None:
         """None when the shared store is not ready for reads yet (no leader ever initialised it,
         or Redis is away): the node still follows, and refuses reads too."""
         try:
             store = open_store()  # Redis away refuses the open (StartRefused): no reads this stage
-            return FollowerReads(self.config, store, os.path.abspath(self.config.store.data_dir), self.metrics)
+            data_dir = os.path.abspath(self.config.store.data_dir)
+            own = self.lease.coordination == "redis"
+            return FollowerReads(self.config, store, data_dir, self.metrics, data_dir if own else None)
         except (Unavailable, KvcmError) as exc:
             log.warning("node %s: follower reads off for this stage: %s", self.lease.node_id, exc)
             return None
@@ -295,7 +323,7 @@ class FollowerStage:
                 self._stale = exc
 
     def _gate(self, method: Method | None) -> KvcmError | None:
-        from kvcm.ha.lease import not_leader
+        from kvcm.ha.campaign import not_leader
 
         if method is None:
             return not_leader(self.lease.known_holder(), self.lease.node_id)
@@ -304,7 +332,7 @@ class FollowerStage:
         return None
 
     def info(self) -> dict[str, Encodable]:
-        from kvcm.ha.lease import lease_facts
+        from kvcm.ha.campaign import lease_facts
 
         return {"version": __version__, "endpoint": self.endpoint, "node_id": self.lease.node_id,
                 "http_port": self.http.port if self.http is not None else None, "host": socket.gethostname(),
@@ -338,7 +366,8 @@ class FollowerStage:
     def _drop_lock(self) -> None:
         from kvcm.lockfile import drop_lock_file
 
-        drop_lock_file(self._lock)
+        if self._lock is not None:
+            drop_lock_file(self._lock)
 
 
 __all__ = ["READS", "FollowerReads", "FollowerStage"]

@@ -1,14 +1,19 @@
-"""``kvcm serve`` with ``ha.enabled``: one node of a leader/follower group sharing a Redis store.
+"""``kvcm serve`` with ``ha.enabled``: one node of a leader/follower group sharing a store.
 
-The node holds the leader lease's campaign for its whole life and runs one stage at a time: a
+The group shares a Redis store and elects its leader there (:mod:`kvcm.ha.lease`), or, on one
+host, shares an LMDB data dir and elects its leader with a lock file (``ha.coordination``,
+:mod:`kvcm.ha.filelease`). The node holds the leader lease's campaign for its whole life and runs one stage at a time: a
 :class:`~kvcm.node.follower.FollowerStage` until the lease is won, then a full
 :class:`~kvcm.node.app.App` for the term, and a follower stage again once the lease is lost.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -18,12 +23,14 @@ from typing import TypeAlias
 from kvcm.backends.metastore import DataDirLocked
 from kvcm.config import Config
 from kvcm.errors import Unavailable
+from kvcm.ha.campaign import Campaign
+from kvcm.ha.floor import EpochFloor
 from kvcm.http import SidePort, refuse_unguarded
 from kvcm.node.app import App
-from kvcm.node.follower import FollowerStage
+from kvcm.node.follower import FollowedStore, FollowerStage
 from kvcm.node.kernel import load_hash_kernel
 from kvcm.node.refusals import http_bind_failed
-from kvcm.node.stores import open_redis, redis_password, require_redis_client
+from kvcm.node.stores import open_lmdb_follower, open_redis, redis_password, require_redis_client
 from kvcm.rpc.server import endpoint_in_use
 from kvcm.version import __version__
 
@@ -32,24 +39,51 @@ log = logging.getLogger("kvcm.app")
 Stage: TypeAlias = "App | FollowerStage"  # the one a node runs now
 
 
+def with_standby(config: Config) -> Config:
+    """``server.standby`` (``kvcm serve --standby``) as what it is shorthand for: ``ha.enabled``
+    on one host, electing the leader with a lock file in the data dir the nodes share
+    (``ha.coordination = file://<data_dir>``), with a node id of host and pid unless one is set."""
+    if not config.server.standby:
+        return config
+    ha = config.ha
+    host = re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname())[:40] or "node"
+    return config.replace(ha=dataclasses.replace(
+        ha, enabled=True, node_id=ha.node_id or f"{host}-{os.getpid()}",
+        coordination=ha.coordination or "file://" + os.path.abspath(config.store.data_dir)))
+
+
 class HaNode:
     """``kvcm serve`` with ``ha.enabled``: a follower stage until the lease is won, then a
     full :class:`App` for the term; back to a follower stage when the lease is lost. Each stage
     binds the same endpoints, so clients only see refusals and a reconnect."""
 
     def __init__(self, config: Config, orphans: str = "refuse") -> None:
-        require_redis_client(config)
         refuse_unguarded(config)
-        import redis
-
-        from kvcm.backends.metastore.redis import CONNECT_TIMEOUT_S
-        from kvcm.ha.floor import EpochFloor
-        from kvcm.ha.guard import check_node_start
-        from kvcm.ha.lease import Lease
-
         load_hash_kernel(config)  # the follower stage hashes the token_ids of the reads it serves
         self.config = config
         self.orphans = orphans
+        self.lease: Campaign
+        self._open_follower_store: Callable[[], FollowedStore]
+        if config.ha.coordination:
+            self.lease, self._open_follower_store = self._file_lease(config)
+        else:
+            self.lease, self._open_follower_store = self._redis_lease(config)
+        self.stage: Stage | None = None
+        self._stop = threading.Event()
+        self._stage_lock = threading.Lock()
+        self._announced = False
+        self._locked_since = 0.0  # monotonic: when the leader stage first found the data dir held
+        # Bound once for the node's life, so the side port never closes between stages.
+        self.side_port = self._bind_side_port() if config.http.enabled else None
+
+    def _redis_lease(self, config: Config) -> tuple[Campaign, Callable[[], FollowedStore]]:
+        require_redis_client(config)
+        import redis
+
+        from kvcm.backends.metastore.redis import CONNECT_TIMEOUT_S
+        from kvcm.ha.guard import check_node_start
+        from kvcm.ha.lease import Lease
+
         ha = config.ha
         # Replies within a renew interval: a Redis that hangs must not hold the renew thread past
         # the lease's deadline (is_leader() turns false by the clock regardless).
@@ -57,16 +91,20 @@ class HaNode:
                                       socket_timeout=ha.renew_ms / 1000.0,
                                       socket_connect_timeout=min(CONNECT_TIMEOUT_S, ha.renew_ms / 1000.0))
         check_node_start(client, config)  # a node that could never lead says so before binding anything
-        self.lease = Lease(client, config.store.redis_prefix, ha.node_id,
-                           ha.advertise_endpoint or config.server.endpoint, ha.lease_ms, ha.renew_ms,
-                           on_change=self._changed, campaign_delay_ms=ha.campaign_delay_ms,
-                           floor=EpochFloor.in_data_dir(os.path.abspath(config.store.data_dir)))
-        self.stage: Stage | None = None
-        self._stop = threading.Event()
-        self._stage_lock = threading.Lock()
-        self._announced = False
-        # Bound once for the node's life, so the side port never closes between stages.
-        self.side_port = self._bind_side_port() if config.http.enabled else None
+        lease = Lease(client, config.store.redis_prefix, ha.node_id, ha.advertise_endpoint or config.server.endpoint,
+                      ha.lease_ms, ha.renew_ms, on_change=self._changed, campaign_delay_ms=ha.campaign_delay_ms,
+                      floor=EpochFloor.in_data_dir(os.path.abspath(config.store.data_dir)))
+        return lease, partial(open_redis, config, follower=True)
+
+    def _file_lease(self, config: Config) -> tuple[Campaign, Callable[[], FollowedStore]]:
+        from kvcm.ha.filelease import FileLease, coordination_dir
+
+        ha = config.ha
+        data_dir = os.path.abspath(config.store.data_dir)
+        lease = FileLease(coordination_dir(ha.coordination), ha.node_id, ha.advertise_endpoint or config.server.endpoint,
+                          ha.lease_ms, ha.renew_ms, on_change=self._changed, campaign_delay_ms=ha.campaign_delay_ms,
+                          floor=EpochFloor.in_data_dir(data_dir))
+        return lease, partial(open_lmdb_follower, config)
 
     def _bind_side_port(self) -> SidePort:
         try:
@@ -108,23 +146,39 @@ class HaNode:
         try:
             stage = self._build_stage(leader)
         except DataDirLocked:
-            raise
+            if not leader or self.lease.coordination == "redis":
+                raise
+            self._wait_for_data_dir()
+            return
         except Unavailable as exc:  # Redis away while building the leader stage: follow, retry
             log.warning("node %s: cannot start the %s stage: %s", self.lease.node_id,
                         "leader" if leader else "follower", exc)
             self._stop.wait(self.lease.renew_ms / 1000.0)
             return
+        self._locked_since = 0.0
         with self._stage_lock:
             self.stage = stage
         if self._stop.is_set() or self.lease.is_leader() != leader or (isinstance(stage, App) and self.lease.epoch != stage.term):
             stage.request_stop()
         stage.run(started=self._announce(started))
 
+    def _wait_for_data_dir(self) -> None:
+        """A lock-file lease's new leader finds the data dir still held: the last leader's store
+        is closing (a demote hands the lease over first). It tries again shortly, and gives the
+        term up if the data dir stays held past ``lease_ms`` (a kvcm without the lease uses it)."""
+        now = time.monotonic()
+        self._locked_since = self._locked_since or now
+        if now - self._locked_since > self.lease.lease_ms / 1000.0:
+            log.error("node %s: the data dir %s stays held by another process; giving the leader term up",
+                      self.lease.node_id, os.path.abspath(self.config.store.data_dir))
+            self._locked_since = 0.0
+            self.lease.demote()
+        self._stop.wait(0.02)
+
     def _build_stage(self, leader: bool) -> Stage:
         if leader:
             return App(self.config, self.orphans, lease=self.lease, side_port=self.side_port)
-        return FollowerStage(self.config, self.lease, partial(open_redis, self.config, follower=True),
-                             side_port=self.side_port)
+        return FollowerStage(self.config, self.lease, self._open_follower_store, side_port=self.side_port)
 
     def _wait_endpoint_free(self, timeout: float = 5.0) -> None:
         """The last stage's sockets close in ZeroMQ's I/O thread, a moment after its stop: the
@@ -168,4 +222,4 @@ class HaNode:
             stage.request_stop()
 
 
-__all__ = ["HaNode"]
+__all__ = ["HaNode", "with_standby"]

@@ -53,6 +53,14 @@ def open_engine_store(store: StoreConfig, events: EventsConfig, data_dir: str | 
                      map_size_max=store.map_size_max)
 
 
+def open_lmdb_follower(config: Config) -> LmdbStore:
+    """A follower's view of the LMDB store of the data dir it shares with the leader
+    (``ha.coordination`` on one host): it reads what the leader commits and refuses every write.
+    Unavailable (SERVICE_NOT_READY) while no leader has created the store yet."""
+    return LmdbStore.follow(os.path.abspath(config.store.data_dir), max_readers=config.store.max_readers,
+                            reason=f"node {config.ha.node_id} is a follower: only the leader writes the store")
+
+
 def require_redis_client(config: Config) -> None:
     """The Redis store and the leader lease need redis-py, an optional extra: without it, say
     which extra to install instead of a ModuleNotFoundError from deep inside the start."""
@@ -137,5 +145,5 @@ def refuse_leftovers(data_dir: str, meta: str) -> None:
     )
 
 
-__all__ = ["open_engine_store", "open_redis", "open_store", "redis_password", "refuse_leftovers",
+__all__ = ["open_engine_store", "open_lmdb_follower", "open_redis", "open_store", "redis_password", "refuse_leftovers",
            "require_redis_client"]

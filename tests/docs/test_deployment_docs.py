@@ -131,22 +131,26 @@ def _write_blocks(endpoint: str | list[str]) -> None:
 
 
 def test_hot_standby_commands(root: Path, procs: Processes) -> None:
-    ports = _free_ports("6381", "6382")
+    ports = _free_ports("6381", "6382", "6391", "6392")
     first_cmd, second_cmd = _commands("test_hot_standby_commands", ports, root)
-    assert first_cmd == second_cmd and "--standby" in first_cmd  # the same command, twice
-    endpoint = f"tcp://127.0.0.1:{ports['6381']}"
+    assert "--standby" in first_cmd and "--standby" in second_cmd
+    endpoints = {"first": f"tcp://127.0.0.1:{ports['6381']}", "second": f"tcp://127.0.0.1:{ports['6391']}"}
     first = procs.start(first_cmd)
-    assert _answer(endpoint, "check_health", 30 * TIME_FACTOR)["node"]["pid"] == first.pid
-    _write_blocks(endpoint)
+    assert _answer(endpoints["first"], "check_health", 30 * TIME_FACTOR)["node"]["pid"] == first.pid
+    assert _leader(endpoints, 20 * TIME_FACTOR) == "first"
+    _write_blocks(endpoints["first"])
     second = procs.start(second_cmd)
-    _wait_log(procs, second, f"standing by for data dir {root} (held by pid {first.pid})")
+    health = _answer(endpoints["second"], "check_health", 30 * TIME_FACTOR)
+    assert health["is_leader"] is False and health["node"]["pid"] == second.pid  # bound and following
+    with Client(endpoints["second"]) as c:  # reads from the shared data dir
+        assert read_problems(c, "inst", KEYS, storage_roots(c)) == []
 
     first.send_signal(signal.SIGKILL)
     first.wait(20)
-    assert _answer(endpoint, "check_health", 10 * TIME_FACTOR)["node"]["pid"] == second.pid
-    with urllib.request.urlopen(f"http://127.0.0.1:{ports['6382']}/livez", timeout=5) as reply:
-        assert reply.status == 200  # the same HTTP port, now the standby's
-    with Client(endpoint) as c:
+    assert _leader({"second": endpoints["second"]}, 20 * TIME_FACTOR) == "second"
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports['6392']}/livez", timeout=5) as reply:
+        assert reply.status == 200
+    with Client(endpoints["second"]) as c:
         assert read_problems(c, "inst", KEYS, storage_roots(c)) == []
     second.terminate()
     assert second.wait(20) == 0, procs.log(second)
