@@ -94,9 +94,8 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class StorageConfig:
-    # Directories storages may live under (config file / env / flag only, never an RPC).
-    # Empty = the data dir, plus /dev/shm for shm storages; the data dir is always allowed.
-    allowed_roots: tuple[str, ...] = ()
+    allowed_roots: tuple[str, ...] = ()  # where storages may live (never set over RPC); empty = the data dir, plus /dev/shm for shm
+    orphans: str = "keep"  # a root taken over from a data dir proven gone: "keep" its containers unindexed, or "delete" them
 
 
 @dataclass(frozen=True)
@@ -496,11 +495,12 @@ def _events_checks(config: Config) -> list[tuple[bool, str]]:
 
 
 def _misc_checks(config: Config) -> list[tuple[bool, str]]:
-    """Kernel, storage roots, logging."""
+    """Kernel, storage roots and orphans, logging."""
     return [
         (config.server.hash_kernel in ("python", "numba"), "server.hash_kernel must be python or numba"),
         (all(os.path.isabs(r) and r.isprintable() for r in config.storage.allowed_roots),
          "storage.allowed_roots: each entry must be an absolute path without control characters"),
+        (config.storage.orphans in ("keep", "delete"), "storage.orphans must be keep or delete"),
         (config.log.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log.level must be DEBUG, INFO, WARNING or ERROR"),
     ]
 

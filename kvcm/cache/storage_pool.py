@@ -59,12 +59,15 @@ class StoragePool:
     """Backends of every registered storage; see the module docstring."""
 
     def __init__(self, registry: Registry, data_dir: str | None, opener: Opener | None = None,
-                 orphans: str = "refuse") -> None:
+                 orphans: str = "refuse", takeover_orphans: str = "keep") -> None:
         self.registry = registry
         self.data_dir = data_dir
         # At start-up only: what to do with a storage directory another data dir's marker names
         # (``kvcm serve --adopt-orphans`` / ``--discard-orphans``); later opens always refuse.
         self.orphans = orphans
+        # Every open (start-up and add_storage): the containers of a root's owner proven gone,
+        # once taken over, are kept unindexed ("keep") or deleted ("delete"): ``storage.orphans``.
+        self.takeover_orphans = takeover_orphans
         self.foreign: dict[str, ForeignDirectory] = {}  # storages refused at start-up, and why
         self._opener = opener or default_opener
         self._backends: dict[str, StorageBackend] = {}
@@ -105,7 +108,7 @@ class StoragePool:
         recorded = bool(storage.storage_id) and any(
             s.global_unique_name == name and s.storage_id == storage.storage_id for s in storages)
         return Owner(storage.storage_id, self.registry.data_dir_id, self.data_dir or "", on_foreign, taken,
-                     key=self._marker_key(), recorded=recorded)
+                     key=self._marker_key(), recorded=recorded, takeover_orphans=self.takeover_orphans)
 
     def _marker_key(self) -> bytes:
         if self._key is None:

@@ -26,6 +26,7 @@ import zmq
 from kvcm.api.leader import ELECTOR_METHODS, LocalElector
 from kvcm.backends.metastore import MetaStore
 from kvcm.backends.metastore.base import GrowableStore, SharedStore
+from kvcm.backends.storage.host import TAKEOVERS
 from kvcm.config import Config
 from kvcm.errors import KvcmError, StartRefused, Unavailable
 from kvcm.http import SideHttp, SidePort, refuse_unguarded
@@ -94,6 +95,7 @@ class App:
         self.config = config
         self.orphans = orphans
         self.metrics = Metrics()
+        self.metrics.registry.register(TAKEOVERS)  # process-wide: a takeover happens in a backend's open
         self.started_at = time.time()
         self.endpoint = config.server.endpoint  # the bound one once the server is built
         self.threads: list[LoopThread] = []
@@ -280,7 +282,7 @@ class App:
 
             self.event_log = EventLog(self.config.publisher.event_log)
             undo.callback(self.event_log.close)
-        self.storages = StoragePool(self.registry, data_dir, orphans=self.orphans)
+        self.storages = StoragePool(self.registry, data_dir, orphans=self.orphans, takeover_orphans=self.config.storage.orphans)
         undo.callback(self.storages.close)
         cache = CacheManager(self.store, self.registry, self.storages, cfg, index=self.config.store,
                              metrics_registry=self.metrics.registry)

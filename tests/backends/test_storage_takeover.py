@@ -12,24 +12,30 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvcm.backends.storage.file import FileStorage
 from kvcm.backends.storage.host import TAKEOVERS, machine_id
-from kvcm.backends.storage.ownership import Marker, Owner, marker_key, read_marker, write_marker
+from kvcm.backends.storage.ownership import ForeignDirectory, Marker, Owner, marker_key, read_marker, write_marker
+from kvcm.backends.storage.shm import ShmStorage
+from kvcm.config import ConfigError, load
 from kvcm.errors import Code, KvcmError
 from kvcm.testing import serve_in_thread
 from tests.helpers import add_group, finish, register, start
 
 QUIET = {"reclaim": {"enabled": False}, "cache": {"delete_poll_ms": 20, "session_check_ms": 50}}
+DELETE = {**QUIET, "storage": {"orphans": "delete"}}  # storage.orphans: a takeover deletes the dead owner's containers
 SPECS = [{"name": "tp0", "size": 4096}]
 Listing = Callable[[], dict[str, bytes]]
 
@@ -118,8 +124,9 @@ def test_root_of_a_deleted_data_dir_is_taken_over(tmp_path: Path, root: Root) ->
     count = TAKEOVERS.count
     second = str(tmp_path / "second")
     with serve_in_thread(data_dir=second, overrides=QUIET) as server, server.client() as c:
+        assert _takeovers_scraped(server.http_port) == count
         _use(c, root, [4, 5])
-        assert TAKEOVERS.count == count + 1
+        assert TAKEOVERS.count == count + 1 == _takeovers_scraped(server.http_port)
     new = read_marker(root.marker, marker_key(second, create=False))
     assert new is not None and new.authentic and new.data_dir == second and old.storage_id in new.adopted
     after = root.listing()
@@ -137,10 +144,11 @@ def test_root_of_this_data_dir_recreated_at_the_same_path_is_taken_over(tmp_path
     assert new is not None and new.authentic and new.data_dir_id != old.data_dir_id
 
 
-def _refused(tmp_path: Path, root: Root, *needles: str) -> None:
-    """add_storage from another data dir is refused and nothing in the root changes."""
+def _refused(tmp_path: Path, root: Root, *needles: str, overrides: dict[str, Any] = DELETE) -> None:
+    """add_storage from another data dir is refused and nothing in the root changes (by default
+    even under ``storage.orphans = "delete"``: it applies to proven takeovers only)."""
     before, count = root.listing(), TAKEOVERS.count
-    with serve_in_thread(data_dir=str(tmp_path / "second"), overrides=QUIET) as server, server.client() as c, \
+    with serve_in_thread(data_dir=str(tmp_path / "second"), overrides=overrides) as server, server.client() as c, \
             pytest.raises(KvcmError) as info:
         c.call("add_storage", {"storage": root.storage})
     assert info.value.code is Code.INVALID_ARGUMENT
@@ -149,10 +157,11 @@ def _refused(tmp_path: Path, root: Root, *needles: str) -> None:
     assert root.listing() == before and TAKEOVERS.count == count
 
 
-def test_root_of_a_live_data_dir_is_refused_and_untouched(tmp_path: Path, root: Root) -> None:
+@pytest.mark.parametrize("orphans", ["keep", "delete"])
+def test_root_of_a_live_data_dir_is_refused_and_untouched(tmp_path: Path, root: Root, orphans: str) -> None:
     _owned_root(tmp_path, root)
     _refused(tmp_path, root, "belongs to storage 'shared'", "nothing there was touched",
-             f"kvcm storage release {root.release}")
+             f"kvcm storage release {root.release}", overrides={**QUIET, "storage": {"orphans": orphans}})
 
 
 def test_root_whose_data_dir_path_holds_another_data_dir_is_taken_over(tmp_path: Path, root: Root) -> None:
@@ -214,6 +223,89 @@ def test_takeover_with_discard_deletes_only_the_dead_owners_containers(tmp_path:
     assert gone and all(name.startswith(f"s4096/{old.storage_id}-0") for name in gone)
     assert after["s4096/00000099.kv"] == b"not kvcm's"
     assert f"s4096/{old.storage_id}-notes.txt" in after
+
+
+def _takeovers_scraped(port: int | None) -> float:
+    """``kvcm_storage_takeovers_total`` as the side HTTP port's ``/metrics`` serves it."""
+    assert port is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "kvcm_storage_takeovers_total")
+
+
+def _container_of(name: str, storage_id: str) -> bool:
+    """Whether ``name`` (a listing key) is a container kvcm named with ``storage_id``:
+    ``s4096/<id>-<index>.kv`` in a file root, ``<prefix><id>-<index>`` in /dev/shm."""
+    return re.search(rf"(^s\d+/|\.){storage_id}-\d+(\.kv)?$", name) is not None
+
+
+def test_takeover_with_orphans_delete_deletes_exactly_the_dead_owners_containers(tmp_path: Path, root: Root) -> None:
+    first, old = _owned_root(tmp_path, root)
+    lookalike = f"s4096/{old.storage_id}-notes.txt" if root.storage["storage_type"] == "file" else f"{old.storage_id}-notes"
+    root.plant(lookalike, b"named like kvcm's, but no container name")
+    shutil.rmtree(first)
+    before = root.listing()
+    doomed = {name for name in before if _container_of(name, old.storage_id)}
+    assert doomed and len(before) - len(doomed) >= 3  # the marker and both planted files stay
+    count, second = TAKEOVERS.count, str(tmp_path / "second")
+    with serve_in_thread(data_dir=second, overrides=DELETE) as server, server.client() as c:
+        assert _takeovers_scraped(server.http_port) == count
+        _use(c, root, [4, 5])
+        assert _takeovers_scraped(server.http_port) == count + 1
+    new = read_marker(root.marker, marker_key(second, create=False))
+    assert new is not None and new.authentic and new.data_dir == second and new.adopted == ()
+    after = root.listing()
+    assert not doomed & set(after)  # every container of the dead owner is gone
+    untouched = {k: v for k, v in before.items() if k not in doomed and "kvcm-storage" not in k}
+    assert {k: v for k, v in after.items() if k in untouched} == untouched  # nothing else changed
+    assert any(_container_of(name, new.storage_id) for name in after)  # the new owner's own
+
+
+def test_takeover_keeps_the_dead_owners_containers_by_default_and_on_adopt(tmp_path: Path) -> None:
+    """The direct open, as ``add_storage`` does it: ``keep`` leaves them, and so does an explicit
+    ``adopt`` whatever the policy; ``delete`` removes them."""
+    root = _file_root(tmp_path)
+    first, old = _owned_root(tmp_path, root)
+    shutil.rmtree(first)
+    containers = {k: v for k, v in root.listing().items() if _container_of(k, old.storage_id)}
+    assert containers
+    cases = [("refuse", "keep", containers), ("adopt", "delete", containers), ("refuse", "delete", {})]
+    for n, (on_foreign, policy, left) in enumerate(cases):
+        data = str(tmp_path / f"data-{n}")
+        owner = Owner(f"abcdef0{n}", f"eeeeeee{n}", data, on_foreign, key=marker_key(data), takeover_orphans=policy)
+        backend = FileStorage("shared", root.storage["storage_spec"], data, owner)
+        backend.open()
+        backend.close()
+        assert backend.previous_owner is not None and backend.previous_owner.takeover
+        assert {k: v for k, v in root.listing().items() if _container_of(k, old.storage_id)} == left
+        # the next open must find its root taken over again: its data dir goes too
+        shutil.rmtree(data)
+
+
+def test_delete_policy_never_overrides_a_refusal(tmp_path: Path, root: Root) -> None:
+    """A live owner's root, opened directly with ``takeover_orphans="delete"``: refused as is."""
+    _owned_root(tmp_path, root)
+    before = root.listing()
+    data = str(tmp_path / "third")
+    owner = Owner("abcdef01", "eeeeeeee", data, key=marker_key(data), takeover_orphans="delete")
+    spec = root.storage["storage_spec"]
+    backend: FileStorage | ShmStorage
+    if root.storage["storage_type"] == "file":
+        backend = FileStorage("shared", spec, data, owner)
+    else:
+        backend = ShmStorage("shared", spec, data, owner)
+    with pytest.raises(ForeignDirectory):
+        backend.open()
+    assert root.listing() == before
+
+
+@pytest.mark.parametrize("value", ["discard", "", "Delete"])
+def test_a_bad_orphans_value_is_a_config_error(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"storage\.orphans"):
+        load(environ={}, overrides={"storage": {"orphans": value}})
+    assert load(environ={}, overrides={"storage": {"orphans": "delete"}}).storage.orphans == "delete"
+    assert load(environ={}).storage.orphans == "keep"
 
 
 def _release(target: str, *extra: str) -> subprocess.CompletedProcess[str]:

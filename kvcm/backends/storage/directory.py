@@ -172,7 +172,7 @@ class DirectoryStorage(ABC):
         data = sum(1 for entry in self._entries() if not self._is_control(entry))
         previous = claim(self.path_of(self._marker_name()), self.owner, self.name, where, data)
         self.previous_owner = previous
-        if previous is not None and self.owner.on_foreign == "discard":
+        if previous is not None and self.owner.discards(previous):
             if previous.authentic or previous.takeover:  # signed by this data dir, or by this host's kvcm
                 self._discard(previous.ids())
             else:  # anyone can write a marker: only a signed one vouches for what kvcm named

@@ -23,7 +23,8 @@ brings:
   containers named with the old storage id: provably kvcm's).
 * a marker of a data dir provably gone from this host (:func:`owner_gone`, proven through the
   host key of :mod:`~kvcm.backends.storage.host`) → taken over whatever the owner says: logged,
-  counted, the old ids kept as ``adopted`` (or, on ``discard``, their containers deleted).
+  counted, the old ids kept as ``adopted`` (or, on ``discard`` or ``Owner.takeover_orphans``
+  "delete", their containers deleted).
 
 A marker is plain JSON anyone able to write the directory could forge, and the data dir's id it
 names is no secret. So kvcm signs each marker it writes (an HMAC over its fields and its own
@@ -123,6 +124,10 @@ class Owner:
     key: bytes = field(default=b"", repr=False)  # the data dir's marker key (b"": none, markers unsigned)
     # The metadata already records this storage with ``storage_id`` (not a storage being added).
     recorded: bool = False
+    # On a takeover (owner proven gone): "keep" its containers unindexed, or "delete" them
+    # (``storage.orphans``). A live or unprovable owner is never affected: ``on_foreign`` rules;
+    # an explicit ``adopt`` keeps them and ``discard`` deletes them whatever this says.
+    takeover_orphans: str = "keep"
 
     def marker(self, storage: str, adopted: tuple[str, ...] = ()) -> Marker:
         return Marker(self.storage_id, storage, self.data_dir_id, self.data_dir, adopted)
@@ -131,6 +136,13 @@ class Owner:
         if marker.data_dir_id != self.data_dir_id:
             return False
         return marker.storage_id == self.storage_id or (bool(self.data_dir_id) and marker.storage_id not in self.taken)
+
+    def discards(self, previous: Marker) -> bool:
+        """Whether the containers ``previous`` vouches for are to be deleted: asked for
+        (``discard``), or a takeover under ``takeover_orphans == "delete"`` unless ``adopt`` was asked."""
+        if self.on_foreign != "refuse":
+            return self.on_foreign == "discard"
+        return bool(previous.takeover) and self.takeover_orphans == "delete"
 
     def vouches(self, marker: Marker) -> bool:
         """Whether ``marker`` is kvcm's word: signed with this data dir's key, or unsigned (an
@@ -233,8 +245,8 @@ def claim(path: str, owner: Owner, storage: str, where: str, files: int) -> Mark
 
     ``files``: how many entries of interest the directory holds besides kvcm's own control
     files. Returns the *previous* foreign marker when ``owner`` adopts, discards or takes over
-    one (the caller deletes that id's containers on ``discard``, only if it is ``authentic`` or
-    a ``takeover``), else None. Raises ForeignDirectory."""
+    one (the caller deletes that id's containers when ``owner.discards`` it, only if it is
+    ``authentic`` or a ``takeover``), else None. Raises ForeignDirectory."""
     found = read_marker(path, owner.key)
     if found is not None and owner.vouches(found) and owner.owns(found):
         if found.storage_id != owner.storage_id:  # a stale marker of this data dir
@@ -255,12 +267,12 @@ def claim(path: str, owner: Owner, storage: str, where: str, files: int) -> Mark
             found = dataclasses.replace(found, takeover=gone)
             TAKEOVERS.add()
             log.warning("%s: taking the root over from %s: %s; its containers are %s", where, found.describe(), gone,
-                        "deleted" if owner.on_foreign == "discard" else "kept, unindexed")
+                        "deleted" if owner.discards(found) else "kept, unindexed")
         elif owner.on_foreign == "refuse":
             raise ForeignDirectory(_foreign(where, found, owner, path), found, files)
     # Only a signed marker's ids are provably kvcm's: a forged one's are never kept.
     proven = found is not None and (found.authentic or bool(found.takeover))
-    kept = _kept(found) if found is not None and proven and owner.on_foreign != "discard" else ()
+    kept = _kept(found) if found is not None and proven and not owner.discards(found) else ()
     write_marker(path, owner.marker(storage, kept), owner.key)
     return found
 
