@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 import lmdb
@@ -241,13 +242,26 @@ def test_follower_follows_the_writer_growing_the_map(tmp_path, writer):
 
 def test_follower_holding_a_transaction_through_growth_is_told_to_retry(tmp_path, writer):
     follower = LmdbStore.follow(str(tmp_path / "data"))
-    try:
+    refused: list[Unavailable] = []
+
+    def nested() -> None:
         with follower.read() as old:
             writer.do("fill 48 65536")
             assert old.get("blocks", b"fill00000") is None  # its snapshot predates the fill
-            with pytest.raises(Unavailable, match="grew the LMDB map") as exc, follower.read():
-                pass
-            assert exc.value.code == Code.SERVICE_NOT_READY
+            try:
+                with follower.read():
+                    pass
+            except Unavailable as exc:
+                refused.append(exc)
+
+    # In a thread: a remap that waited for this thread's own transaction would hang, not fail.
+    thread = threading.Thread(target=nested, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the nested read waits for its own thread's transaction to end"
+    try:
+        assert len(refused) == 1 and "grew the LMDB map" in str(refused[0])
+        assert refused[0].code == Code.SERVICE_NOT_READY
         with follower.read() as view:  # nothing live any more: it maps the new size
             assert view.get("blocks", b"fill00047") == b"x" * 65536
     finally:
