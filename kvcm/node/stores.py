@@ -41,6 +41,7 @@ def open_store(config: Config, orphans: str = "refuse") -> MetaStore:
         map_size_max=config.store.map_size_max,
         sync=config.store.sync,
         max_readers=config.store.max_readers,
+        count_versions=bool(config.ha.enabled and config.ha.coordination),  # only followers read them
     )
 
 

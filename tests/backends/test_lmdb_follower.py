@@ -158,6 +158,19 @@ def test_versions_survive_reopening(tmp_path):
         again.close()
 
 
+def test_a_store_nobody_follows_counts_nothing(tmp_path):
+    """``count_versions=False`` (a kvcm without file coordination): commits write no version."""
+    store = LmdbStore(str(tmp_path / "w"), sync=False, count_versions=False)
+    try:
+        with store.write() as txn:
+            txn.put("groups", b"g", b"1")
+        assert store.versions(["groups", "meta"]) == (0, 0)
+        with store.read() as view:
+            assert view.get("groups", b"g") == b"1"
+    finally:
+        store.close()
+
+
 def test_rolled_back_savepoint_in_a_committed_group(store):
     before = _versions(store)
     with store.group():

@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -265,3 +267,55 @@ def test_a_coordination_dir_others_may_write_refuses_the_start(tmp_path, sock_di
             "--set", "ha.enabled=true", "--set", f"ha.coordination=file://{shared}", "--set", "ha.node_id=x"],
             ready_timeout=15)
     assert os.listdir(shared) == []
+
+
+LOCK_HOLDER = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from kvcm.lockfile import hold_lock_file
+hold_lock_file(sys.argv[1], "another kvcm", "data dir")
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_new_leader_waits_for_the_data_dir_and_gives_the_term_up_if_it_stays_held(tmp_path, sock_dir):
+    """The lease won, the data dir's own lock still held (the last leader's store closing, or a
+    kvcm without the lease): the node waits for it, gives its term up past lease_ms, and leads
+    once the lock is free."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    coord = tmp_path / "coord"
+    coord.mkdir(mode=0o700)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(data / "kvcm.lock"), root],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    endpoint = f"ipc://{sock_dir}/w"
+    log = tmp_path / "node.log"
+    node = None
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCM_") or k.startswith("KVCM_TEST_")}
+        with open(log, "wb") as out:
+            node = subprocess.Popen([sys.executable, "-m", "kvcm", "serve", "--endpoint", endpoint, "--data-dir",
+                                     str(data), "--http-port", "0", "--set", "ha.enabled=true",
+                                     "--set", f"ha.coordination=file://{coord}", "--set", "ha.node_id=w",
+                                     "--set", f"ha.lease_ms={LEASE_MS}", "--set", f"ha.renew_ms={RENEW_MS}",
+                                     "--set", "ha.campaign_delay_ms=300"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        wait_until(lambda: "giving the leader term up" in log.read_text(errors="replace"), what="the term given up")
+        assert node.poll() is None, log.read_text(errors="replace")
+        holder.communicate("go\n", timeout=20)  # the data dir is free now
+        wait_until(lambda: _health_or_none(endpoint) is not None and _health_or_none(endpoint)["is_leader"])
+    finally:
+        holder.kill()
+        if node is not None:
+            node.terminate()
+            assert node.wait(20) == 0, log.read_text(errors="replace")
+
+
+def _health_or_none(endpoint: str) -> dict | None:
+    try:
+        with Client(endpoint, timeout=0.5, retries=0) as c:
+            return c.call("check_health")
+    except KvcmError:
+        return None

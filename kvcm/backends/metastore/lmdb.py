@@ -27,7 +27,7 @@ while the one writer (the leader, holding ``kvcm.lock``) writes it; LMDB keeps a
 ``lock.mdb`` for them. A follower opens the environment read-only (``lock.mdb`` still has to be
 writable: the reader table lives there), takes no ``kvcm.lock``, creates nothing, runs no
 migration and refuses every write (``SERVER_NOT_LEADER``). Each read transaction sees the latest
-commit. Each commit of the writer counts one more version per database it wrote
+commit. Each commit of the writer (``count_versions``) counts one more version per database it wrote
 (:meth:`LmdbStore.versions`, see :mod:`~kvcm.backends.metastore.lmdb_txn`), so a follower knows
 cheaply what changed. When the writer grows the map past a follower's mapping, the follower's next
 transaction fails with MDB_MAP_RESIZED: it maps the new size (no transaction of its process may be
@@ -184,8 +184,12 @@ class LmdbStore:
         sync: bool = True,
         max_readers: int = 126,
         lock_dir: bool = True,
+        count_versions: bool = True,
     ) -> None:
+        """``count_versions``: count each commit's databases (:meth:`versions`) for followers
+        reading this environment; off where nobody follows, a commit then writes no ``meta`` page."""
         self.path: str | None = path
+        self.count_versions = count_versions
         os.makedirs(path, exist_ok=True)
         self._lock_path = self._lock_dir(path) if lock_dir else None
         self.map_size_max = max(map_size, map_size_max)
@@ -232,6 +236,7 @@ class LmdbStore:
             runs no migration), or this process already has it open."""
         store = cls.__new__(cls)
         store.path, store._lock_path, store.sync, store.read_only = path, None, False, reason
+        store.count_versions = False
         env_dir = os.path.join(path, "meta")
         if not os.path.isfile(os.path.join(env_dir, "data.mdb")):
             raise Unavailable(f"metadata store {path!r}: {_NOT_INITIALISED} (no meta/data.mdb)",
@@ -380,7 +385,7 @@ class LmdbStore:
 
     def _commit_top(self, txn: lmdb.Transaction, touched: Touched) -> None:
         try:
-            if touched:
+            if touched and self.count_versions:
                 bump_versions(txn, self._meta, touched)
             txn.commit()  # with sync on, LMDB fsyncs inside commit()
         except lmdb.Error as exc:
