@@ -215,6 +215,6 @@ def test_restart_keeps_the_triggers_and_the_bound(tmp_path: Any) -> None:
         assert srv.http_port is not None
         tair = Tair(srv.http_port)
         got = tair.call("getInstanceGroup", {"name": "g"})["instance_group"]["cache_config"]
-        assert got["meta_indexer_config"] == {"max_key_count": "16"}
+        assert got["meta_indexer_config"]["max_key_count"] == "16"
         assert got["reclaim_strategy"]["trigger_strategy"] == {"used_size": "12345", "used_percentage": 3.2}
         tair.session.close()

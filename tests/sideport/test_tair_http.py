@@ -312,6 +312,12 @@ def test_storages_of_every_type_both_ways(tair):
     assert listed[f"3fs-{tag}"]["threefs"]["key_count_per_file"] == 4
     assert listed[f"vcns-{tag}"]["storage_type"] == "ST_3FS"  # kvcm keeps one 3FS type
     assert listed[f"mc-{tag}"]["mooncake"]["master_service_entry"] == "10.0.0.9:50051"
+    # Every field of a spec member printed, those not given at their defaults.
+    assert set(listed[f"mc-{tag}"]["mooncake"]) == {"local_hostname", "metadata_connstring", "protocol",
+                                                    "rdma_device", "master_service_entry"}
+    assert listed[f"vcns-{tag}"]["threefs"]["cluster_name"] == ""
+    assert set(listed[f"vcns-{tag}"]["threefs"]) == {"cluster_name", "mountpoint", "root_dir", "key_count_per_file",
+                                                     "touch_file_when_create"}
     assert listed[f"pace-{tag}"]["tair_mem_pool"] == {"domain": "pace.example", "timeout": 200, "media_type": 2,
                                                        "service_discovery_url": ""}
     assert listed[f"ssd-{tag}"]["tair_mem_pool"]["media_type"] == 5
@@ -348,9 +354,11 @@ def test_instance_groups_with_tair_s_nested_cache_config(tair):
     got = tair.call("getInstanceGroup", {"name": name})["instance_group"]
     assert got["quota"] == {"capacity": str(1 << 40), "quota_config": [{"storage_type": "ST_NFS", "capacity": "1024"}]}
     assert got["max_instance_count"] == "10" and got["version"] == "1"
+    # Every field printed; the schedule's fields kvcm accepts and does not keep print their defaults.
     assert got["cache_config"]["reclaim_strategy"] == {
-        "reclaim_policy": "POLICY_LFU", "trigger_strategy": {"used_size": "0", "used_percentage": 0.8},
-        "delay_before_delete_ms": 500}
+        "storage_unique_name": "", "reclaim_policy": "POLICY_LFU",
+        "trigger_strategy": {"used_size": "0", "used_percentage": 0.8}, "trigger_period_seconds": 0,
+        "reclaim_step_size": 0, "reclaim_step_percentage": 0, "delay_before_delete_ms": 500}
     for policy, number in (("POLICY_TTL", 3), ("POLICY_LRU", 1)):
         version = tair.call("getInstanceGroup", {"name": name})["instance_group"]["version"]
         tair.call("updateInstanceGroup", {"current_version": version, "instance_group": {

@@ -18,6 +18,7 @@ from kvcm.proto.tair.fields import (
     text,
     texts,
 )
+from kvcm.proto.tair.shapes import fill
 from kvcm.proto.wire import Decoded, DecodedMap, Encodable
 
 _GROUP = frozenset({"name", "storage_candidates", "global_quota_group_name", "max_instance_count", "quota",
@@ -109,29 +110,35 @@ def _reclaim_in(value: Decoded, where: str) -> dict[str, Encodable]:
 
 
 def group_out(group: DecodedMap) -> dict[str, Encodable]:
+    """A kvcm instance group as Tair's InstanceGroup, every field printed (those kvcm does not keep
+    at their defaults; ``migration_config``, a message kvcm never sets, left out as Tair's
+    printer leaves out a message nobody set)."""
     quota = as_map(group.get("quota") or {})
-    return {
+    quota_configs: list[Encodable] = [
+        {"storage_type": STORAGE_TYPE.out(q["storage_type"]), "capacity": out64(q["capacity"])}
+        for q in as_maps(quota.get("quota_config") or [])]
+    cache = fill("CacheConfig", {
+        "reclaim_strategy": _strategy_out(as_map(group.get("reclaim_strategy") or {})),
+        "meta_indexer_config": fill("MetaIndexerConfig", {"max_key_count": out64(group.get("max_block_count"))})})
+    return fill("InstanceGroup", {
         "name": group["name"],
         "storage_candidates": list(as_list(group.get("storage_candidates") or [])),
         "global_quota_group_name": group.get("global_quota_group_name", ""),
         "max_instance_count": out64(group.get("max_instance_count")),
-        "quota": {"capacity": out64(quota.get("capacity")),
-                  "quota_config": [{"storage_type": STORAGE_TYPE.out(q["storage_type"]), "capacity": out64(q["capacity"])}
-                                   for q in as_maps(quota.get("quota_config") or [])]},
-        "cache_config": {"reclaim_strategy": _strategy_out(as_map(group.get("reclaim_strategy") or {})),
-                         "meta_indexer_config": {"max_key_count": out64(group.get("max_block_count"))}},
+        "quota": fill("InstanceGroupQuota", {"capacity": out64(quota.get("capacity")), "quota_config": quota_configs}),
+        "cache_config": cache,
         "user_data": group.get("user_data", ""),
         "version": out64(group.get("version")),
-    }
+    })
 
 
 def _strategy_out(reclaim: DecodedMap) -> dict[str, Encodable]:
-    strategy: dict[str, Encodable] = {
+    strategy = fill("CacheReclaimStrategy", {
         "reclaim_policy": RECLAIM_POLICY.out(reclaim.get("reclaim_policy", "")),
-        "trigger_strategy": {"used_size": out64(reclaim.get("used_bytes")),
-                             "used_percentage": reclaim.get("used_percentage", 0.0)},
+        "trigger_strategy": fill("TriggerStrategy", {"used_size": out64(reclaim.get("used_bytes")),
+                                                     "used_percentage": reclaim.get("used_percentage", 0.0)}),
         "delay_before_delete_ms": reclaim.get("delay_before_delete_ms", 0),
-    }
+    })
     if reclaim.get("ttl_seconds"):
         strategy["ttl_seconds"] = reclaim["ttl_seconds"]  # kvcm's extension: the TTL policy's age
     return strategy

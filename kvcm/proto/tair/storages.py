@@ -23,6 +23,7 @@ from kvcm.proto.tair.fields import (
     show,
     text,
 )
+from kvcm.proto.tair.shapes import fill
 from kvcm.proto.wire import Decoded, DecodedMap, Encodable
 
 #: kvcm storage type -> (the oneof member of Tair's StorageConfig, the Tair fields of its spec).
@@ -34,6 +35,9 @@ _SPECS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tairmempool": ("tair_mem_pool", ("domain", "timeout", "service_discovery_url", "media_type")),
     "shm": ("shm", ("shm_dir", "prefix", "segment_size", "capacity_bytes")),
 }
+#: Tair's spec message of each member kvcm prints (every field, defaults included).
+_SPEC_MESSAGES = {"nfs": "NfsStorageSpec", "threefs": "ThreeFSStorageSpec", "mooncake": "MooncakeStorageSpec",
+                  "tair_mem_pool": "TairMemPoolStorageSpec"}
 _MEMBERS = {member: kind for kind, (member, _) in _SPECS.items()} | {"vcnsthreefs": "3fs"}
 _NOT_KVCM = ("local", "dummy", "event_report")  # Tair members with no kvcm storage type
 _STORAGE = frozenset({"global_unique_name", "check_storage_available_when_open", "storage_type",
@@ -107,7 +111,8 @@ def storage_out(storage: DecodedMap) -> dict[str, Encodable]:
             tair_spec["media_type"] = _MEDIA_NUMBERS.get(media, 0) if isinstance(media, str) else 0
         if kind == "shm" and "capacity_bytes" in spec:
             tair_spec["capacity_bytes"] = out64(spec["capacity_bytes"])
-        out[member] = tair_spec
+        message = _SPEC_MESSAGES.get(member)
+        out[member] = fill(message, tair_spec) if message is not None else tair_spec  # shm is kvcm's own
     out["check_storage_available_when_open"] = bool(spec.get("check_storage_available_when_open", False))
     out["storage_type"] = STORAGE_TYPE.out(kind)
     return out
