@@ -222,7 +222,8 @@ class ClientMethods(ABC):
                            lora_name: str | None = None, cache_salt: str | None = None,
                            block_mask: Mask | EncodableMap | None = None, sw_size: int | None = None,
                            location_spec_names: Sequence[str] | None = None, include_engines: bool | None = None,
-                           trace_id: str | None = None, timeout: float | None = None) -> CacheLocations:
+                           reply_format: Literal["classic", "compact"] = "compact", trace_id: str | None = None,
+                           timeout: float | None = None) -> CacheLocations:
         """Locations of the blocks of ``block_keys`` or ``token_ids``: the matched prefix
         (``prefix_match``) or one entry per key (``batch_get``, ``reverse_roll_sw_match``)."""
         return self._typed("get_cache_location", CacheLocations, timeout, instance_id=instance_id,
@@ -230,7 +231,7 @@ class ClientMethods(ABC):
                            extra_keys=_sendable(extra_keys), mm_features=_sendable(mm_features), lora_name=lora_name,
                            cache_salt=cache_salt, block_mask=_sendable(block_mask), sw_size=sw_size,
                            location_spec_names=_sendable(location_spec_names), include_engines=include_engines,
-                           trace_id=trace_id)
+                           reply_format=reply_format, trace_id=trace_id)
 
     def get_cache_location_len(self, *, instance_id: str, query_type: str, block_keys: Sequence[int] | None = None,
                                token_ids: Sequence[int] | None = None, extra_keys: Sequence[Encodable] | None = None,

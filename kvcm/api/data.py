@@ -22,7 +22,7 @@ from kvcm.api.costs import (
     US_PER_SLOT,
 )
 from kvcm.api.token_keys import TokenWork, hash_tokens, prompt_work
-from kvcm.backends.storage.base import SlotStorage
+from kvcm.backends.storage.base import is_slot_storage
 from kvcm.cache.keys import derive_keys
 from kvcm.cache.manager import CacheManager
 from kvcm.cache.masks import BlockMask
@@ -76,7 +76,8 @@ class CacheApi:
 
     def get_cache_location(self, r: GetCacheLocationRequest) -> Raw | dict[str, object]:
         reply = self.m.get_cache_location(r.instance_id, _enum(r.query_type, "qt_"), r.block_keys, r.token_ids,
-                                          _mask(r.block_mask), r.sw_size, r.location_spec_names)
+                                          _mask(r.block_mask), r.sw_size, r.location_spec_names,
+                                          compact=r.reply_format == "compact")
         if not r.include_engines:
             return reply
         if self.engines is None:
@@ -169,7 +170,7 @@ class CacheCosts:
         container (a storage with one block per file creates a file for every slot)."""
         candidates = self.m.group_view(group).candidates
         backend = self.m.pool.get(candidates[0]) if candidates else None
-        slots = backend.slots_per_container(size) if isinstance(backend, SlotStorage) else 0
+        slots = backend.slots_per_container(size) if is_slot_storage(backend) else 0
         return US_PER_SLOT + (US_PER_CONTAINER / slots if slots > 0 else 0.0)
 
     def remove_cache(self, r: RemoveCacheRequest | ReportLostRequest) -> Estimate:

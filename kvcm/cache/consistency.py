@@ -24,8 +24,9 @@ from kvcm.backends.storage.base import Inventory
 from kvcm.cache.deleter import DB as DELETES
 from kvcm.cache.deleter import pending_bytes
 from kvcm.cache.locations import check as check_skeletons
+from kvcm.cache.locations import wire as location_wire
 from kvcm.cache.meta_index import DB as BLOCKS
-from kvcm.cache.record_codec import RUNS_DB, STATUS_NAMES, Status, decode, run_members
+from kvcm.cache.record_codec import RUNS_DB, STATUS_NAMES, Status, decode, run_entries, run_members
 from kvcm.cache.state import CacheState
 from kvcm.cache.usage import FreeKey, Key, Usage, tally
 
@@ -108,6 +109,8 @@ def check_runs(s: CacheState) -> None:
         for run_key, value in view.scan(RUNS_DB):
             storage, keys, wires = run_members(value)
             assert i64(keys[0]) == run_key[8:], "run stored under another key than its first block"
+            addrs = run_entries(value)  # format 3: each member's compact entry is its address
+            assert addrs is None or [location_wire(a) for a in addrs] == wires, f"run {run_key.hex()}: entries differ"
             for key, wire in zip(keys, wires):
                 raw = view.get(BLOCKS, run_key[:8] + i64(key))
                 assert raw is not None, f"run {run_key.hex()} names a missing block"

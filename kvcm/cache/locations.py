@@ -359,6 +359,15 @@ def _uris(skeleton: Skeleton, addr: bytes) -> list[str]:
     return out
 
 
+@lru_cache(maxsize=MAX_SKELETONS)
+def compact_row(head: bytes) -> bytes:
+    """A skeleton's packed row in a compact location reply (:mod:`kvcm.proto.locations`):
+    ``[id, type, names, fmts, counts, ref]``, from the 4-byte id a compact address starts with."""
+    s = skeleton_of(head)
+    return bytes(_packer.pack([int.from_bytes(head, "big"), s.type, list(s.names), list(s.fmts), list(s.counts),
+                               list(s.ref)]))
+
+
 def _str_header(n: int) -> bytes:
     """msgpack's header of an ``n``-byte string (as :func:`pack_wire`'s packer writes it)."""
     if n < 32:

@@ -30,6 +30,7 @@ import msgpack
 
 from kvcm.backends.metastore.base import ReadTxn
 from kvcm.cache.keys import derive_keys
+from kvcm.cache.locations import compact_row
 from kvcm.cache.locations import wire as wire_of
 from kvcm.cache.locations import wires as wire_cache
 from kvcm.cache.masks import BlockMask, check_mask, masked_flags, unmasked_indices
@@ -40,16 +41,21 @@ from kvcm.cache.record_codec import (
     ONE,
     RUNS_DB,
     STATUS_NAMES,
-    Location,
+    CompactRun,
     Status,
     decode,
     filter_wire,
     pack_keys,
     run_match,
+    run_match_compact,
     unpack_wire,
+)
+from kvcm.cache.record_codec import (
+    Location as RecordLocation,
 )
 from kvcm.cache.state import CacheState
 from kvcm.errors import InvalidArgument
+from kvcm.proto.locations import pack_compact
 from kvcm.proto.wire import Encodable, EncodableMap, Raw, pack_array_raw
 
 _packer = msgpack.Packer(use_bin_type=True)
@@ -61,8 +67,21 @@ _FIRST_SLICE = 256
 #: Record kinds that hold exactly one serving copy in their header (:func:`visible`'s fast case).
 _ONE_COPY = frozenset({ONE, FAST})
 _KIND = itemgetter(0)
+_FIRST_BYTE = itemgetter(0)
+_HEAD = itemgetter(slice(0, 4))
+_UINT32 = b"\xce"  # msgpack's uint32 marker: a compact address's 4-byte id read as a number
+Pick = Callable[[bytes, frozenset[str], Callable[[str], int]], "bytes | None"]
 QUERY_TYPES = ("prefix_match", "batch_get", "reverse_roll_sw_match")
 DETAIL_LEVELS = (0, 1, 2)
+
+
+def _best(value: bytes, unusable: frozenset[str], rank: Callable[[str], int]) -> RecordLocation | None:
+    best: RecordLocation | None = None
+    for loc in decode(value).locs:
+        usable = loc.status == Status.SERVING and loc.storage not in unusable
+        if usable and (best is None or rank(loc.storage) < rank(best.storage)):
+            best = loc
+    return best
 
 
 def visible(value: bytes, unusable: frozenset[str], rank: Callable[[str], int]) -> bytes | None:
@@ -73,12 +92,21 @@ def visible(value: bytes, unusable: frozenset[str], rank: Callable[[str], int]) 
             return wire_of(value[2 : 2 + value[1]])
         if kind == FAST:
             return value[3 : 3 + (value[1] << 8 | value[2])]
-    best: Location | None = None
-    for loc in decode(value).locs:
-        usable = loc.status == Status.SERVING and loc.storage not in unusable
-        if usable and (best is None or rank(loc.storage) < rank(best.storage)):
-            best = loc
+    best = _best(value, unusable, rank)
     return None if best is None else best.wire
+
+
+def visible_addr(value: bytes, unusable: frozenset[str], rank: Callable[[str], int]) -> bytes | None:
+    """:func:`visible`'s copy as its stored address (compact, or a wire as is): what a compact
+    reply carries, with no wire built."""
+    if not unusable:
+        kind = value[0]
+        if kind == ONE:
+            return value[2 : 2 + value[1]]
+        if kind == FAST:
+            return value[3 : 3 + (value[1] << 8 | value[2])]
+    best = _best(value, unusable, rank)
+    return None if best is None else best.addr
 
 
 def get_cache_location(
@@ -91,30 +119,39 @@ def get_cache_location(
     sw_size: int,
     spec_names: Sequence[str] | None,
     reply: bool = True,
+    compact: bool = False,
 ) -> tuple[int, Raw]:
     """``get_cache_location``: how many locations it answers, and (with ``reply``, else empty)
-    the reply; ``get_cache_location_len`` takes the count alone, the same lookup and reads."""
+    the reply, classic or ``compact`` (:mod:`kvcm.proto.locations`); ``get_cache_location_len``
+    takes the count alone, the same lookup and reads."""
     inst = s.instance(instance_id)
     if query_type not in QUERY_TYPES:
         raise InvalidArgument(f"query_type: {query_type!r} is not one of {', '.join(QUERY_TYPES)}")
     keys = derive_keys(block_keys, token_ids, inst.block_size)
     checked = check_mask(mask, len(keys))
-    if query_type == "prefix_match":
+    if query_type == "prefix_match" and compact and reply:
+        hits, chunks = _prefix_compact(s, inst, keys, checked, spec_names)
+        count = len(hits)
+    elif query_type == "prefix_match":
         hits, chunks = _prefix(s, inst, keys, checked, spec_names, reply)
         count = len(hits)
     else:
+        pick = visible_addr if compact else visible
         if query_type == "batch_get":
-            hits, wires = _batch(s, inst, keys, checked)
+            hits, wires = _batch(s, inst, keys, checked, pick)
         else:
             if not 0 < sw_size <= len(keys):
                 # sw_size == 0 made Tair loop forever.
                 raise InvalidArgument(f"sw_size: must be in 1..{len(keys)} (the number of blocks), got {sw_size}")
-            hits, wires = _window(s, inst, keys, checked, sw_size)
+            hits, wires = _window(s, inst, keys, checked, sw_size, pick)
         count = len(wires)
-        if spec_names and reply:
-            names = frozenset(spec_names)
-            wires = [filter_wire(w, names) for w in wires]
-        chunks = [_LOCATIONS_MAP, pack_array_raw(wires).data] if reply else []
+        if compact and reply:
+            chunks = [compact_reply(wires, spec_names)]
+        else:
+            if spec_names and reply:
+                names = frozenset(spec_names)
+                wires = [filter_wire(w, names) for w in wires]
+            chunks = [_LOCATIONS_MAP, pack_array_raw(wires).data] if reply else []
     if s.listeners:
         if hits:
             s.listeners.read(instance_id, hits, s.clock())
@@ -146,6 +183,101 @@ def _prefix(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask 
             done += len(wires)
     hits = wanted if done == len(wanted) else wanted[:done]
     return hits, [_LOCATIONS_MAP, _packer.pack_array_header(done), *parts]
+
+
+def _prefix_compact(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None,
+                    spec_names: Sequence[str] | None) -> tuple[list[int], list[bytes]]:
+    """:func:`_prefix` answering in the compact shape: runs first (their compact entries are a
+    slice of the run), then block by block, each block's stored address as is."""
+    wanted = keys if mask is None else [keys[i] for i in unmasked_indices(mask, len(keys))]
+    unusable = s.pool.unusable
+    reply = CompactParts()
+    epoch = s.index.cache.epoch  # before the snapshot begins: see MetaIndex.read
+    with s.store.read() as view:
+        if s.runs:
+            _runs_compact(view, inst.ns, wanted, unusable, reply)
+        if reply.count < len(wanted):
+            rank = s.group_view(inst.group).rank
+            reply.add(_addrs(s, CachedRead(view, epoch), inst, wanted[reply.count :], unusable, rank))
+    hits = wanted if reply.count == len(wanted) else wanted[: reply.count]
+    return hits, [reply.pack(spec_names)]
+
+
+def _runs_compact(view: ReadTxn, ns: bytes, wanted: list[int], unusable: frozenset[str], reply: CompactParts) -> None:
+    """:func:`_runs` adding each run's compact entries to ``reply``."""
+    packed: memoryview | None = None
+    while reply.count < len(wanted):
+        key = ns + _U64.pack(wanted[reply.count] + _SIGN)
+        value = view.get(RUNS_DB, key)
+        if value is None:
+            return
+        if packed is None:
+            packed = memoryview(pack_keys(wanted))
+        run = run_match_compact(value, packed[8 * reply.count :])
+        if run is None or run.storage in unusable:
+            return
+        reply.add_run(run)
+        if run.matched < 2:
+            return  # the request left the run after its first key: go block by block
+
+
+def _addrs(s: CacheState, snap: CachedRead, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
+           rank: Callable[[str], int]) -> list[bytes]:
+    """:func:`_blocks` giving stored addresses instead of wires."""
+    out: list[bytes] = []
+    for values in _walk(s, snap, inst.ns, wanted):
+        if not unusable and all(v[0] == ONE for v in values):
+            out += [v[2 : 2 + v[1]] for v in values]  # the common case: one serving copy each
+            continue
+        for value in values:
+            addr = visible_addr(value, unusable, rank)
+            if addr is None:
+                return out
+            out.append(addr)
+    return out
+
+
+class CompactParts:
+    """A compact reply being assembled from run slices and single addresses (compact ones, or
+    wires as is): a compact address is a 4-byte skeleton id and packed deltas, so the id as a
+    msgpack uint32 (``0xce`` + its 4 bytes) followed by the deltas is its entry."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.elements = 0
+        self.parts: list[bytes] = []
+        self.heads: set[bytes] = set()
+
+    def add_run(self, run: CompactRun) -> None:
+        self.count += run.matched
+        self.elements += run.elements
+        self.parts.append(run.entries)
+        self.heads.update(run.heads)
+
+    def add(self, entries: list[bytes]) -> None:
+        if not entries:
+            return
+        self.count += len(entries)
+        if max(map(_FIRST_BYTE, entries)) < 0x80:  # every one compact: one join
+            self.parts += (_UINT32, _UINT32.join(entries))
+            self.elements += 2 * len(entries)
+            self.heads.update(map(_HEAD, entries))
+            return
+        addrs = [e for e in entries if e[0] < 0x80]
+        self.parts.append(b"".join([_UINT32 + e if e[0] < 0x80 else e for e in entries]))
+        self.elements += len(entries) + len(addrs)
+        self.heads.update(map(_HEAD, addrs))
+
+    def pack(self, spec_names: Sequence[str] | None) -> bytes:
+        rows = [compact_row(h) for h in sorted(self.heads)]
+        return pack_compact(self.count, rows, self.elements, b"".join(self.parts), spec_names)
+
+
+def compact_reply(entries: list[bytes], spec_names: Sequence[str] | None) -> bytes:
+    """A compact reply of the locations whose stored addresses (or wires) are ``entries``."""
+    reply = CompactParts()
+    reply.add(entries)
+    return reply.pack(spec_names)
 
 
 def _runs(view: ReadTxn, ns: bytes, wanted: list[int], unusable: frozenset[str], parts: list[bytes]) -> int:
@@ -236,8 +368,9 @@ def _fast_wires(values: list[bytes]) -> list[bytes] | None:
     return out
 
 
-def _usable(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None) -> list[bytes | None]:
-    """Visible wire per request key (None: missing, invisible or masked)."""
+def _usable(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None,
+            pick: Pick = visible) -> list[bytes | None]:
+    """Visible wire (or what ``pick`` gives) per request key (None: missing, invisible or masked)."""
     flags = masked_flags(mask, len(keys))
     look = keys if flags is None else [k for k, masked in zip(keys, flags) if not masked]
     unusable, rank = s.pool.unusable, s.group_view(inst.group).rank
@@ -249,21 +382,22 @@ def _usable(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask 
             out.append(None)
             continue
         value = next(values)
-        out.append(None if value is None else visible(value, unusable, rank))
+        out.append(None if value is None else pick(value, unusable, rank))
     return out
 
 
-def _batch(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None) -> tuple[list[int], list[bytes]]:
-    found = _usable(s, inst, keys, mask)
+def _batch(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None,
+           pick: Pick = visible) -> tuple[list[int], list[bytes]]:
+    found = _usable(s, inst, keys, mask, pick)
     hits = [k for k, w in zip(keys, found) if w is not None]
     return hits, [inst.empty_wire if w is None else w for w in found]
 
 
 def _window(s: CacheState, inst: InstanceView, keys: list[int], mask: BlockMask | None,
-            sw: int) -> tuple[list[int], list[bytes]]:
+            sw: int, pick: Pick = visible) -> tuple[list[int], list[bytes]]:
     """The right-most window of ``sw`` consecutive keys that all have a visible copy (Tair's
     reverse roll: on a miss at window offset j, the next window ends right before it)."""
-    found = _usable(s, inst, keys, mask)
+    found = _usable(s, inst, keys, mask, pick)
     out = [inst.empty_wire] * len(keys)
     base = len(keys) - sw
     while base >= 0:
@@ -338,7 +472,7 @@ def _describe(key: int, value: bytes | None, level: int, unusable: frozenset[str
     return unpack_wire(loc.wire), meta
 
 
-def _loc_meta(loc: Location) -> dict[str, Encodable]:
+def _loc_meta(loc: RecordLocation) -> dict[str, Encodable]:
     return {"id": loc.id, "status": STATUS_NAMES[Status(loc.status)], "storage": loc.storage, "type": loc.type,
             "nbytes": loc.nbytes, "created": loc.created, "written": loc.written,
             "location": unpack_wire(loc.wire)}

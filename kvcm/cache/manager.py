@@ -97,9 +97,9 @@ class CacheManager(CacheState):
 
     def get_cache_location(self, instance_id: str, query_type: str, block_keys: Sequence[int] | None,
                            token_ids: Sequence[int] | None, mask: BlockMask | None, sw_size: int = 0,
-                           spec_names: Sequence[str] | None = None) -> Raw:
+                           spec_names: Sequence[str] | None = None, compact: bool = False) -> Raw:
         return lookup.get_cache_location(self, instance_id, query_type, block_keys, token_ids, mask, sw_size,
-                                         spec_names)[1]
+                                         spec_names, compact=compact)[1]
 
     def get_cache_location_len(self, instance_id: str, query_type: str, block_keys: Sequence[int] | None,
                                token_ids: Sequence[int] | None, mask: BlockMask | None, sw_size: int = 0,

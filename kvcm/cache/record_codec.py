@@ -27,7 +27,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import msgspec
@@ -284,9 +284,25 @@ def check_value(value: bytes) -> None:
 # never stale). Keys are plain big-endian int64 (:func:`pack_keys`, one C call for a whole
 # request), so a request compares bytewise with a run. Format 1 (no 0xFF, the body not
 # deflated) is still read.
+#
+# Format 3 (0xFE, what writes store) adds, between the keys and the deflated part, the members'
+# entries of a compact location reply (:mod:`kvcm.proto.locations`), so that reply is a slice
+# of the run too, built without a wire:
+#
+#   value := 0xFE u16 len(storage) storage u32 n  n x int64 key  u32 len(compact)  compact
+#            deflate((n+1) x u32 offset  body)
+#   compact := u8 h  h x 4-byte skeleton id  n x u8 skeleton index (0xFF: a wire as is)
+#              (n+1) x u32 offset  entries
+#
+# ``entries[:offset[m]]`` are the first ``m`` members' entries: ``0xce`` + a compact address
+# (its skeleton id read as a msgpack uint32, then its deltas), or the wire itself. Runs whose
+# members use more than 254 skeletons are stored in format 2.
 
 RUNS_DB = "runs"
 _RUN2 = 0xFF
+_RUN3 = 0xFE
+_VERBATIM = 0xFF  # the skeleton index of a member stored as its wire
+_UINT32 = b"\xce"
 _U32 = struct.Struct(">I")
 _WBITS = -12  # raw deflate, 4 KiB window: a small state to set up per run
 # Runs shorter than this are stored as format 1 (not deflated): setting up the compressor cost
@@ -305,23 +321,49 @@ def pack_keys(keys: Sequence[int]) -> bytes:
     return struct.pack(f">{len(keys)}q", *keys)
 
 
-def encode_run(storage: str, keys: Sequence[int], wires: Sequence[bytes]) -> bytes:
-    name = storage.encode()
+def _offsets(parts: Sequence[bytes]) -> bytes:
     offsets, total = [0], 0
-    for wire in wires:
-        total += len(wire)
+    for part in parts:
+        total += len(part)
         offsets.append(total)
-    packed = struct.pack(f">{len(offsets)}I", *offsets) + b"".join(wires)
+    return struct.pack(f">{len(offsets)}I", *offsets)
+
+
+def encode_run(storage: str, keys: Sequence[int], wires: Sequence[bytes],
+               addrs: Sequence[bytes] | None = None) -> bytes:
+    """A run of ``keys`` with their ``wires`` (format 1 or 2), and with their stored ``addrs``
+    the compact entries too (format 3)."""
+    name = storage.encode()
+    packed = _offsets(wires) + b"".join(wires)
     head = b"".join((_U16.pack(len(name)), name, _U32.pack(len(wires)), pack_keys(keys)))
-    if len(wires) < _DEFLATE_FROM:  # format 1: a short run is not worth a compressor's set-up
+    compact = None if addrs is None else _compact_section(addrs)
+    if compact is None and len(wires) < _DEFLATE_FROM:  # format 1: a short run is not worth a compressor's set-up
         return head + packed
     deflate = zlib.compressobj(1, zlib.DEFLATED, _WBITS, 4)
-    return bytes((_RUN2,)) + head + deflate.compress(packed) + deflate.flush()
+    deflated = deflate.compress(packed) + deflate.flush()
+    if compact is None:
+        return bytes((_RUN2,)) + head + deflated
+    return b"".join((bytes((_RUN3,)), head, _U32.pack(len(compact)), compact, deflated))
+
+
+def _compact_section(addrs: Sequence[bytes]) -> bytes | None:
+    heads: dict[bytes, int] = {}
+    index = bytearray()
+    for addr in addrs:
+        if addr[0] >= 0x80:
+            index.append(_VERBATIM)
+            continue
+        at = heads.setdefault(addr[:4], len(heads))
+        if at >= _VERBATIM:
+            return None
+        index.append(at)
+    entries = [_UINT32 + a if a[0] < 0x80 else a for a in addrs]
+    return b"".join((bytes((len(heads),)), *heads, bytes(index), _offsets(entries), *entries))
 
 
 def _layout(value: bytes) -> tuple[str, int, int]:
-    """``(storage, n, position of the keys)`` of a run value of either format."""
-    start = 1 if value[0] == _RUN2 else 0
+    """``(storage, n, position of the keys)`` of a run value of any format."""
+    start = 1 if value[0] in (_RUN2, _RUN3) else 0
     name_len = _U16.unpack_from(value, start)[0]
     pos = start + 2 + name_len
     return value[start + 2 : pos].decode(), _U32.unpack_from(value, pos)[0], pos + 4
@@ -344,22 +386,74 @@ def _inflated(value: bytes, pos: int, key: bytes | None) -> bytes:
 def _offsets_and_body(value: bytes, n: int, pos: int, key: bytes | None) -> tuple[bytes, int]:
     """``(bytes holding the offsets then the body, where the body starts)``; ``pos``: the end
     of the keys."""
-    if value[0] != _RUN2:
+    if value[0] == _RUN3:
+        pos += 4 + _U32.unpack_from(value, pos)[0]  # past the compact section
+    elif value[0] != _RUN2:
         return value, pos + 4 * (n + 1)  # format 1: offsets and body stored as they are
     return _inflated(value, pos, key), 4 * (n + 1)
+
+
+def _matched(value: bytes, n: int, pos: int, request: bytes | memoryview) -> int:
+    """How many leading 8-byte keys ``request`` shares with the run's keys (at ``pos``)."""
+    m = min(n, len(request) // 8)
+    # Compared in place: slicing the run's keys and the request cost two copies per lookup.
+    if not value.startswith(request if 8 * m == len(request) else request[: 8 * m], pos):
+        m = next(i for i in range(m) if not value.startswith(request[8 * i : 8 * i + 8], pos + 8 * i))
+    return m
 
 
 def run_match(value: bytes, request: bytes | memoryview, key: bytes | None = None) -> tuple[str, int, bytes]:
     """``(storage, m, body of the first m locations)`` where ``m`` is the number of leading
     8-byte keys ``request`` shares with the run. ``key``: the run's db key (its cache slot)."""
     storage, n, pos = _layout(value)
-    m = min(n, len(request) // 8)
-    # Compared in place: slicing the run's keys and the request cost two copies per lookup.
-    if not value.startswith(request if 8 * m == len(request) else request[: 8 * m], pos):
-        m = next(i for i in range(m) if not value.startswith(request[8 * i : 8 * i + 8], pos + 8 * i))
+    m = _matched(value, n, pos, request)
     data, body = _offsets_and_body(value, n, pos + 8 * n, key)
     end = _U32.unpack_from(data, body - 4 * (n + 1) + 4 * m)[0]
     return storage, m, data[body : body + end]
+
+
+class CompactRun(NamedTuple):
+    """The first ``matched`` members of a run as compact reply entries: ``entries`` holds
+    ``elements`` msgpack values; ``heads`` are the skeleton ids they use."""
+
+    storage: str
+    matched: int
+    entries: bytes
+    elements: int
+    heads: list[bytes]
+
+
+def run_match_compact(value: bytes, request: bytes | memoryview) -> CompactRun | None:
+    """:func:`run_match` for a compact reply; None for a run stored without compact entries
+    (formats 1 and 2: the caller reads its blocks one by one)."""
+    if value[0] != _RUN3:
+        return None
+    storage, n, pos = _layout(value)
+    m = _matched(value, n, pos, request)
+    at = pos + 8 * n + 4  # the compact section
+    h = value[at]
+    index_at = at + 1 + 4 * h
+    offsets_at = index_at + n
+    entries_at = offsets_at + 4 * (n + 1)
+    end = _U32.unpack_from(value, offsets_at + 4 * m)[0]
+    index = value[index_at : index_at + m]
+    verbatim = index.count(_VERBATIM)
+    used = set(index)
+    used.discard(_VERBATIM)
+    heads = [value[at + 1 + 4 * i : at + 5 + 4 * i] for i in sorted(used)]
+    return CompactRun(storage, m, value[entries_at : entries_at + end], 2 * m - verbatim, heads)
+
+
+def run_entries(value: bytes) -> list[bytes] | None:
+    """The stored addresses of a format 3 run's members (checks and tools), else None."""
+    if value[0] != _RUN3:
+        return None
+    _, n, pos = _layout(value)
+    found = run_match_compact(value, value[pos : pos + 8 * n])
+    assert found is not None
+    offsets = struct.unpack_from(f">{n + 1}I", value, pos + 8 * n + 4 + 1 + 4 * value[pos + 8 * n + 4] + n)
+    raw = [found.entries[offsets[i] : offsets[i + 1]] for i in range(n)]
+    return [e[1:] if e[0] == _UINT32[0] else e for e in raw]
 
 
 def run_members(value: bytes) -> tuple[str, list[int], list[bytes]]:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.backends.metastore.base import WriteTxn, i64
-from kvcm.backends.storage.base import SlotStorage, StorageBackend
+from kvcm.backends.storage.base import SlotStorage, StorageBackend, is_slot_storage
 from kvcm.cache.blockcount import bound_blocks, evicts_inline
 from kvcm.cache.deleter import schedule
 from kvcm.cache.keys import derive_keys
@@ -361,7 +361,7 @@ def _reuse(backend: StorageBackend, target: Target, specs: list[tuple[tuple[str,
     ``file``, ``shm``), and never across a grace delay (only copies dropped without one are in
     ``spare``)."""
     reused: list[bytes | None] = [None] * len(specs)
-    if not isinstance(backend, SlotStorage):
+    if not is_slot_storage(backend):
         return reused
     by_layout: dict[tuple[int, tuple[str, ...]], list[bytes]] = {}  # (bytes, spec names) -> addresses
     for addr in spare:
@@ -590,7 +590,7 @@ def _store_runs(txn: WriteTxn, ns: bytes, keys: list[int], first: list[int | Non
             j += 1
         if j - start >= 2:
             locs = [members[i] for i in range(start, j)]
-            value = encode_run(locs[0].storage, keys[start:j], [x.wire for x in locs])
+            value = encode_run(locs[0].storage, keys[start:j], [x.wire for x in locs], [x.addr for x in locs])
             txn.put(RUNS_DB, ns + i64(keys[start]), value)
         j = max(j, start + 1)
         while j < len(keys) and first[j] is not None and first[j] == first[start]:

@@ -19,10 +19,12 @@ default to ``None``. ``msgspec.to_builtins(result)`` gives the plain map back.
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from kvcm.proto.locations import CompactLocations, LazyLocations, Location, LocationSpec
 from kvcm.proto.wire import refuse_ext
 
 T = TypeVar("T")
@@ -35,26 +37,34 @@ class Mask(msgspec.Struct, omit_defaults=True, gc=False):
     bool_masks: list[bool] | None = None
 
 
-class LocationSpec(msgspec.Struct, gc=False):
-    name: str
-    uri: str
-
-
-class Location(msgspec.Struct, gc=False):
-    """One copy of a block: its storage type and one URI per spec (``type`` ``"unspecified"``
-    and empty URIs for a filler entry)."""
-
-    type: str
-    spec_size: int
-    location_specs: list[LocationSpec]
-
-
-class CacheLocations(msgspec.Struct, gc=False):
+class CacheLocations(msgspec.Struct, omit_defaults=True, gc=False):
     """``get_cache_location``: ``locations`` (the matched prefix for ``prefix_match``, one per
-    key otherwise); ``engine_locations`` only with ``include_engines``."""
+    key otherwise); ``engine_locations`` only with ``include_engines``.
 
-    locations: list[Location]
+    A compact reply (``reply_format="compact"``, what the typed clients ask for) arrives in
+    ``compact`` and is read lazily: ``locations`` is then a :class:`LazyLocations` (``len()``
+    free, :meth:`uri` without building a location, iteration building them on first use) and
+    ``compact`` is cleared, so the result compares equal to the classic one.
+    ``msgspec.to_builtins(result, enc_hook=kvcm.proto.locations.builtins)`` gives the classic map."""
+
+    locations: Sequence[Location] = ()
     engine_locations: list[object] | None = None
+    compact: CompactLocations | None = None
+
+    def __post_init__(self) -> None:
+        if self.compact is not None:
+            self.locations = LazyLocations(self.compact)
+            self.compact = None
+
+    def uri(self, block: int, spec: str) -> str:
+        """The URI of ``block``'s spec named ``spec`` (KeyError when it has none)."""
+        locations = self.locations
+        if isinstance(locations, LazyLocations):
+            return locations.uri(block, spec)
+        for s in locations[block].location_specs:
+            if s.name == spec:
+                return s.uri
+        raise KeyError(spec)
 
 
 class CacheLocationLen(msgspec.Struct, gc=False):
@@ -345,7 +355,7 @@ HEAD = msgspec.msgpack.Decoder(Head, ext_hook=refuse_ext)
 __all__ = [
     "AdminReply", "BlockMeta", "CacheLocationLen", "CacheLocations", "CacheMeta", "EngineMatch", "EngineMatches", "EnginePod", "Envelope",
     "EventsReported", "Head", "Health", "HostCacheMatch", "HostCacheState", "InstanceInfo", "InstanceInfoReply",
-    "Location", "LocationSpec", "Lost", "Mask", "ModelDeployment", "Pinned", "Registered", "Removed", "Routed",
+    "LazyLocations", "Location", "LocationSpec", "Lost", "Mask", "ModelDeployment", "Pinned", "Registered", "Removed", "Routed",
     "SourceFreshness", "SpecGroup", "SpecInfo", "StorageConfig", "StorageHealth", "StorageSpecs", "Unpinned",
     "WriteFinished", "WriteSession", "decoder",
 ]

@@ -436,8 +436,9 @@ def test_unset_arguments_are_not_sent_and_auth_is(tmp_path: Any) -> None:
 
     with Stub(f"ipc://{tmp_path}/s", answer) as stub, Client(stub.endpoint, timeout=2, auth={"token": "t"}) as kv:
         kv.get_cache_location(instance_id="i", query_type="prefix_match", block_keys=[1], block_mask=Mask(offset=1))
+    # reply_format is the typed client's own default (the compact reply), sent like auth
     assert stub.params[-1] == {"instance_id": "i", "query_type": "prefix_match", "block_keys": [1],
-                               "block_mask": {"offset": 1}, "auth": {"token": "t"}}
+                               "block_mask": {"offset": 1}, "reply_format": "compact", "auth": {"token": "t"}}
 
 
 def test_closed_client_refuses_typed_calls(server: Any) -> None:

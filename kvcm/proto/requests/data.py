@@ -11,7 +11,7 @@ or in proto-JSON form ``{"bool_masks": {"values": [..]}}`` (no other key).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -58,6 +58,7 @@ class GetCacheLocationRequest(KeysRequest, kw_only=True):
     sw_size: int = 0
     location_spec_names: list[str] = []
     include_engines: bool = False  # add "engine_locations": per key, the engines holding it
+    reply_format: Literal["classic", "compact"] = "classic"  # kvcm.proto.locations
 
 
 class GetCacheLocationLenRequest(KeysRequest, kw_only=True):
