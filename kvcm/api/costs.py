@@ -31,6 +31,9 @@ US_PER_KEY: dict[str, float] = {
     # storage tier, the length alone: 0.34 block by block (the records in the search cache), 0.16
     # over run records ("prefix_match_len (runs)")
     "prefix_match_len": 0.4,
+    # storage tier, a compact reply (kvcm.proto.locations): the walk, and each block's stored
+    # address copied as is ("prefix_match_compact": block by block; "... (runs)")
+    "prefix_match_compact": 1.5,
     "get_cache_meta": 14.0,  # 7.3
     "start_write_cache": 15.0,  # 13.1, plus the slots below
     "remove_cache": 20.0,  # 6.5
@@ -66,3 +69,7 @@ US_PER_MATCH_OPTION = 1.0
 
 #: Reply bytes of one location spec (its name and URI): the reply-size check before the work.
 REPLY_BYTES_PER_SPEC = 96
+#: The same for a compact reply: per location its skeleton id and delta array header, then per
+#: spec its integers' deltas (a few each, one byte when they repeat the reference).
+COMPACT_BYTES_PER_KEY = 8
+COMPACT_BYTES_PER_SPEC = 16

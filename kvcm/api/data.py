@@ -15,6 +15,8 @@ import functools
 from collections.abc import Mapping
 
 from kvcm.api.costs import (
+    COMPACT_BYTES_PER_KEY,
+    COMPACT_BYTES_PER_SPEC,
     REPLY_BYTES_PER_SPEC,
     US_PER_CONTAINER,
     US_PER_HELD_PIN,
@@ -141,18 +143,21 @@ class CacheCosts:
     def tokens(self, r: KeysRequest) -> TokenWork | None:
         return prompt_work(r, bool(r.block_keys), lambda: self.m.instance(r.instance_id).block_size)
 
-    def _per_key(self, r: KeysRequest, per_key: float, reply: bool = True) -> Estimate:
+    def _per_key(self, r: KeysRequest, per_key: float, reply: bool = True, compact: bool = False) -> Estimate:
         keys = len(r.block_keys)
-        reply_bytes = keys * len(self.m.instance(r.instance_id).specs) * REPLY_BYTES_PER_SPEC if reply and keys else 0
-        return Estimate(keys * per_key, reply_bytes, per_key, keys)
+        specs = len(self.m.instance(r.instance_id).specs)
+        per_reply_key = COMPACT_BYTES_PER_KEY + specs * COMPACT_BYTES_PER_SPEC if compact else specs * REPLY_BYTES_PER_SPEC
+        return Estimate(keys * per_key, keys * per_reply_key if reply else 0, per_key, keys)
 
     def get_cache_location(self, r: GetCacheLocationRequest) -> Estimate:
-        per_key = US_PER_KEY[_FULL.get(_enum(r.query_type, "qt_"), "batch_get")]
+        query = _FULL.get(_enum(r.query_type, "qt_"), "batch_get")
+        compact = r.reply_format == "compact"
+        per_key = US_PER_KEY["prefix_match_compact" if compact and query == "prefix_match" else query]
         if r.include_engines and self.engines is not None:
             # each key's holders, one entry per source holding it (at most every source followed)
             followed = sum(1 for state in self.engines.index.sources() if state.spec.instance_id == r.instance_id)
             per_key += US_PER_KEY["engine_location"] * followed
-        return self._per_key(r, per_key)
+        return self._per_key(r, per_key, compact=compact)
 
     def get_cache_location_len(self, r: GetCacheLocationLenRequest) -> Estimate:
         return self._per_key(r, US_PER_KEY[_LENGTH.get(_enum(r.query_type, "qt_"), "batch_get")], reply=False)

@@ -30,8 +30,9 @@ for.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import chain, cycle, repeat
+from itertools import accumulate, chain, cycle, repeat
 from operator import add
 from typing import overload
 
@@ -39,9 +40,10 @@ import msgpack
 import msgspec
 
 COMPACT_VERSION = 1
+_PLACEHOLDER = re.compile(r"(%%|%0[0-9]+[dx]|%[dx])")  # what a skeleton's formats may hold
 REPLY_FORMATS = ("classic", "compact")
 _MASK = (1 << 64) - 1
-_SEP = "\x00"  # joins many URIs into one format call; a URI format holding it is expanded one by one
+_SEP = "\x00"  # joins many URIs into one format call; a format holding it is filled one URI at a time
 _packer = msgpack.Packer(use_bin_type=True)
 _COMPACT_KEY = _packer.pack_map_header(1) + _packer.pack("compact")
 
@@ -99,11 +101,11 @@ def pack_compact(count: int, rows: Sequence[bytes], elements: int, body: bytes,
 
 
 class LazyLocations(Sequence[Location]):
-    """The locations of a compact reply, read on demand: ``len()`` costs nothing; the first
-    iteration, index or :meth:`uri` builds them all at once (one add and one ``%`` per URI
-    shape for every URI, the structs through ``map``), never before."""
+    """The locations of a compact reply, read on demand: ``len()`` costs nothing; :meth:`uri`
+    formats the one URI asked for; the first iteration or index builds every location at once
+    (one add and one ``%`` per URI shape for all their URIs, the structs through ``map``)."""
 
-    __slots__ = ("_built", "_compact")
+    __slots__ = ("_built", "_compact", "_entries")
 
     def __init__(self, compact: CompactLocations) -> None:
         if compact.version != COMPACT_VERSION:
@@ -111,6 +113,7 @@ class LazyLocations(Sequence[Location]):
                                      f"version {COMPACT_VERSION} (ask for reply_format='classic')")
         self._compact = compact
         self._built: list[Location] | None = None
+        self._entries: list[tuple[SkeletonRow, list[int]] | Location] | None = None
 
     def __len__(self) -> int:
         return self._compact.count
@@ -136,11 +139,27 @@ class LazyLocations(Sequence[Location]):
         return f"LazyLocations({len(self)} locations)"
 
     def uri(self, block: int, spec: str) -> str:
-        """The URI of ``block``'s spec ``spec`` (KeyError when the location has no such spec)."""
-        for s in self._locations()[block].location_specs:
-            if s.name == spec:
-                return s.uri
-        raise KeyError(spec)
+        """The URI of ``block``'s spec ``spec`` (KeyError when the location has no such spec):
+        that one URI formatted, no location built (a router reading a few of a long reply)."""
+        if self._built is not None:
+            return _spec_uri(self._built[block], spec)
+        entry = self._index()[block]
+        if isinstance(entry, Location):
+            return _spec_uri(_filtered(entry, self._compact.spec_names), spec)
+        row, deltas = entry
+        keep = self._compact.spec_names
+        if spec not in row.names or (keep and spec not in keep):
+            raise KeyError(spec)
+        j = row.names.index(spec)
+        lo = sum(row.counts[:j])
+        hi = lo + row.counts[j]
+        return row.fmts[j] % tuple((r + d) & _MASK for r, d in zip(row.ref[lo:hi], deltas[lo:hi]))
+
+    def _index(self) -> list[tuple[SkeletonRow, list[int]] | Location]:
+        """Per location its row and deltas (or its map), checked as :func:`expand` checks them."""
+        if self._entries is None:
+            self._entries = _entries(self._compact)
+        return self._entries
 
     def _locations(self) -> list[Location]:
         if self._built is None:
@@ -184,6 +203,37 @@ def expand(compact: CompactLocations) -> list[Location]:
         taken += before
         out.append(loc)
     out += built[taken:]
+    return out
+
+
+def _spec_uri(loc: Location, spec: str) -> str:
+    for s in loc.location_specs:
+        if s.name == spec:
+            return s.uri
+    raise KeyError(spec)
+
+
+def _entries(compact: CompactLocations) -> list[tuple[SkeletonRow, list[int]] | Location]:
+    elements = _ENTRIES.decode(compact.entries)
+    rows = {row.id: row for row in compact.skeletons}
+    out: list[tuple[SkeletonRow, list[int]] | Location] = []
+    i = 0
+    while i < len(elements):
+        element = elements[i]
+        if isinstance(element, Location):
+            out.append(element)
+            i += 1
+            continue
+        deltas = elements[i + 1] if i + 1 < len(elements) else None
+        if not isinstance(element, int) or not isinstance(deltas, list):
+            raise CompactFormatError(f"compact entry {len(out)}: not a skeleton id and its deltas")
+        row = _row(rows, element)
+        if len(deltas) != len(row.ref) or sum(row.counts) != len(row.ref):
+            raise CompactFormatError(f"compact entry {len(out)}: {len(deltas)} deltas for skeleton {row.id}")
+        out.append((row, deltas))
+        i += 2
+    if len(out) != compact.count:
+        raise CompactFormatError(f"compact reply says {compact.count} locations and holds {len(out)}")
     return out
 
 
@@ -232,39 +282,69 @@ def _filtered(loc: Location, keep: list[str] | None) -> Location:
 def _build(row: SkeletonRow, deltas: list[list[int]], keep: list[str] | None) -> list[Location]:
     """The locations of entries of one skeleton: every URI formatted in one call, the structs
     built through ``map`` (no Python frame per location)."""
-    n, per = len(deltas), len(row.fmts)
-    uris = _format(row, deltas)
-    names = row.names
-    if keep:
-        kept = [j for j, name in enumerate(names) if name in keep]
-        if len(kept) != per:
-            uris = [uris[b * per + j] for b in range(n) for j in kept]
-            names, per = [names[j] for j in kept], len(kept)
+    n = len(deltas)
+    kept = [j for j, name in enumerate(row.names) if not keep or name in keep]
+    uris = _format(row, deltas, kept)
+    per, names = len(kept), [row.names[j] for j in kept]
     specs = list(map(LocationSpec, cycle(names), uris)) if per else []
     lists: Iterable[list[LocationSpec]] = map(list, zip(*[iter(specs)] * per)) if per else ([] for _ in range(n))
     return list(map(Location, repeat(row.type, n), repeat(per, n), lists))
 
 
-def _format(row: SkeletonRow, deltas: list[list[int]]) -> list[str]:
-    """The URIs of many entries of one skeleton, spec by spec, entry after entry."""
+def _format(row: SkeletonRow, deltas: list[list[int]], kept: list[int]) -> list[str]:
+    """The URIs of the ``kept`` specs of many entries of one skeleton, spec by spec, entry
+    after entry. An integer that is the same in every entry (a size, a storage id, often the
+    container) is written into the format once, so only the integers that differ are
+    converted per entry."""
     width, n = len(row.ref), len(deltas)
     flat = list(chain.from_iterable(deltas))
     if len(flat) != width * n or sum(row.counts) != width or len(row.counts) != len(row.fmts):
         raise CompactFormatError(f"compact skeleton {row.id}: entries or counts disagree with its reference")
-    ints = list(map(add, row.ref * n, flat))
-    if ints and (min(ints) < 0 or max(ints) > _MASK):
-        ints = list(map(_MASK.__and__, ints))  # a delta that wrapped around 2**64
+    starts = list(accumulate(row.counts, initial=0))
+    wanted = {c for j in kept for c in range(starts[j], starts[j + 1])}  # the integers of kept specs
+    columns = [flat[c::width] for c in range(width)]
+    varying = [c for c in range(width) if c in wanted and len(set(columns[c])) > 1]
     try:
-        if not any(_SEP in f for f in row.fmts):
-            return (_SEP.join([_SEP.join(row.fmts)] * n) % tuple(ints)).split(_SEP)
+        baked = _bake(row, [None if c in varying else _int(row.ref[c] + columns[c][0]) for c in range(width)])
+        fmts = [baked[j] for j in kept]
+        ints = list(map(add, [row.ref[c] for c in varying] * n, chain.from_iterable(zip(*[columns[c] for c in varying]))))
+        if ints and (min(ints) < 0 or max(ints) > _MASK):
+            ints = list(map(_MASK.__and__, ints))  # a delta that wrapped around 2**64
+        if not fmts:
+            return []
+        if not any(_SEP in f for f in fmts):
+            return (_SEP.join([_SEP.join(fmts)] * n) % tuple(ints)).split(_SEP)
+        per = [len([p for p in _PLACEHOLDER.findall(f) if p != "%%"]) for f in fmts]
         out, pos = [], 0
         for _ in range(n):
-            for fmt, count in zip(row.fmts, row.counts):
+            for fmt, count in zip(fmts, per):
                 out.append(fmt % tuple(ints[pos : pos + count]))
                 pos += count
         return out
     except (TypeError, ValueError) as exc:
         raise CompactFormatError(f"compact skeleton {row.id}: {exc}") from None
+
+
+def _int(value: int) -> int:
+    return value & _MASK
+
+
+def _bake(row: SkeletonRow, fixed: list[int | None]) -> list[str]:
+    """The skeleton's formats with the ``fixed`` integers written in (None: left a placeholder)."""
+    out, at = [], 0
+    for fmt in row.fmts:
+        pieces = _PLACEHOLDER.split(fmt)  # literal, placeholder, literal, ...
+        for i in range(1, len(pieces), 2):
+            if pieces[i] == "%%":
+                continue
+            value = fixed[at]
+            if value is not None:
+                pieces[i] = (pieces[i] % value).replace("%", "%%")
+            at += 1
+        out.append("".join(pieces))
+    if at != len(fixed):
+        raise CompactFormatError(f"compact skeleton {row.id}: its formats take {at} integers, not {len(fixed)}")
+    return out
 
 
 def builtins(obj: object) -> object:

@@ -129,6 +129,13 @@ def test_expanding_the_compact_reply_gives_the_classic_one(server: Any, case: di
                 classic = c.call("get_cache_location", params)["locations"]
                 reply = c.call("get_cache_location", {**params, "reply_format": "compact"})
                 assert expand(reply) == classic, params
+                lazy = c.get_cache_location(**params)  # uri() before anything is built: one URI formatted
+                for b, loc in enumerate(classic):
+                    for spec in loc["location_specs"]:
+                        assert lazy.uri(b, spec["name"]) == spec["uri"]
+                    for name in set(names) - {s["name"] for s in loc["location_specs"]}:
+                        with pytest.raises(KeyError):
+                            lazy.uri(b, name)
                 typed = c.get_cache_location(**params)
                 assert len(typed.locations) == len(classic)
                 assert msgspec.to_builtins(typed, enc_hook=compact.builtins)["locations"] == classic
@@ -244,3 +251,19 @@ def test_inconsistent_entries_are_refused(entries: list[Any]) -> None:
     assert reply is not None
     with pytest.raises(compact.CompactFormatError):
         list(reply.locations)
+
+
+@pytest.mark.parametrize("keep", [["s0"], ["s1"], ["s0", "s1"], ["none"]])
+def test_a_spec_filter_drops_the_integers_of_the_specs_it_drops(keep: list[str]) -> None:
+    """Entries of one skeleton whose integers vary in every spec, filtered to some of them."""
+    addrs, want = [], []
+    for i in range(12):
+        specs = [(f"s{j}", f"file://st/s4096/{j * 100 + i // 5:08d}.kv?blkid={i % 5}&size=4096") for j in range(2)]
+        addrs.append(addresses.address("file", "st", 8192, specs))
+        kept = [{"name": n, "uri": u} for n, u in specs if n in keep]
+        want.append({"type": "file", "spec_size": len(kept), "location_specs": kept})
+    reply = msgpack.unpackb(compact_reply(addrs, keep))
+    assert len(reply["compact"][2]) == 1  # one skeleton: the test is about its columns
+    assert expand(reply) == want
+    typed = decoder(CacheLocations).decode(msgpack.packb([1, 0, None, reply])).result
+    assert typed is not None and msgspec.to_builtins(list(typed.locations)) == want
