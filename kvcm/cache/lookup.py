@@ -198,7 +198,8 @@ def _prefix_compact(s: CacheState, inst: InstanceView, keys: list[int], mask: Bl
             _runs_compact(view, inst.ns, wanted, unusable, reply)
         if reply.count < len(wanted):
             rank = s.group_view(inst.group).rank
-            reply.add(_addrs(s, CachedRead(view, epoch), inst, wanted[reply.count :], unusable, rank))
+            reply.add(_blocks(s, CachedRead(view, epoch), inst, wanted[reply.count :], unusable, rank,
+                              _fast_addrs, visible_addr))
     hits = wanted if reply.count == len(wanted) else wanted[: reply.count]
     return hits, [reply.pack(spec_names)]
 
@@ -221,20 +222,11 @@ def _runs_compact(view: ReadTxn, ns: bytes, wanted: list[int], unusable: frozens
             return  # the request left the run after its first key: go block by block
 
 
-def _addrs(s: CacheState, snap: CachedRead, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
-           rank: Callable[[str], int]) -> list[bytes]:
-    """:func:`_blocks` giving stored addresses instead of wires."""
-    out: list[bytes] = []
-    for values in _walk(s, snap, inst.ns, wanted):
-        if not unusable and all(v[0] == ONE for v in values):
-            out += [v[2 : 2 + v[1]] for v in values]  # the common case: one serving copy each
-            continue
-        for value in values:
-            addr = visible_addr(value, unusable, rank)
-            if addr is None:
-                return out
-            out.append(addr)
-    return out
+def _fast_addrs(values: list[bytes]) -> list[bytes] | None:
+    """Addresses of values that each hold one serving copy in their header, or None."""
+    if all(v[0] == ONE for v in values):
+        return [v[2 : 2 + v[1]] for v in values]
+    return None
 
 
 class CompactParts:
@@ -318,20 +310,23 @@ def _walk(s: CacheState, snap: CachedRead, ns: bytes, wanted: list[int]) -> Iter
 
 
 def _blocks(s: CacheState, snap: CachedRead, inst: InstanceView, wanted: list[int], unusable: frozenset[str],
-            rank: Callable[[str], int]) -> list[bytes]:
-    wires: list[bytes] = []
+            rank: Callable[[str], int], fast: Callable[[list[bytes]], list[bytes] | None] | None = None,
+            pick: Pick = visible) -> list[bytes]:
+    """The visible wires (or what ``pick`` gives: :func:`visible_addr`) of the matched prefix;
+    ``fast`` answers a slice whose blocks all hold one serving copy in their header."""
+    fast = fast or _fast_wires
+    out: list[bytes] = []
     for values in _walk(s, snap, inst.ns, wanted):
-        # The common case, inlined: every block has exactly one serving copy (records.ONE).
-        fast = None if unusable else _fast_wires(values)
-        if fast is not None:
-            wires += fast
+        found = None if unusable else fast(values)  # the common case: one serving copy each
+        if found is not None:
+            out += found
             continue
         for value in values:
-            wire = visible(value, unusable, rank)
-            if wire is None:
-                return wires
-            wires.append(wire)
-    return wires
+            one = pick(value, unusable, rank)
+            if one is None:
+                return out
+            out.append(one)
+    return out
 
 
 def _visible_count(s: CacheState, snap: CachedRead, inst: InstanceView, wanted: list[int], unusable: frozenset[str],

@@ -27,6 +27,8 @@ def test_bench_long_prints_one_line_per_figure():
             "2",
             "--calls",
             "3",
+            "--full",
+            "1000",
         ],
         capture_output=True,
         text=True,
@@ -41,6 +43,9 @@ def test_bench_long_prints_one_line_per_figure():
         "long prefix_match length-only 300 blocks",
         "long prefix_match length-only 1,500 blocks",
         "long match_engines 1,500 blocks",
+        "long prefix_match full locations 1,000 blocks, typed",
+        "long prefix_match full locations 1,000 blocks, typed, every URI",
+        "long prefix_match full locations 1,000 blocks, call()",
     ], lines
-    assert all("rounds: " in line for line in figures) and sum("target p50 <=" in line for line in figures) == 3, lines
+    assert all("rounds: " in line for line in figures) and sum("target p50 <=" in line for line in figures) == 4, lines
     assert lines[0].startswith("long setup: 1,500 blocks written, 5 push sources reported"), lines
