@@ -128,6 +128,7 @@ class Reclaimer(CacheListener):
         self._journal: list[Any] = []  # events folded in since the last append
         self._restored = self._persist is None
         self._next_round: float | None = None  # monotonic time of the next round (tick)
+        self._learned_at = float("-inf")  # monotonic time of the last sync for unknown instances (_learn_groups)
         # in-line victims -> their size, until their eviction commits (give_back re-tracks them)
         self._given: dict[tuple[str, int, str], int] = {}
         self._given_types: set[str] = set()
@@ -366,6 +367,7 @@ class Reclaimer(CacheListener):
         times are milliseconds, and ties would fall back to key order)."""
         pop = self._events.popleft
         events = [pop() for _ in range(len(self._events))]
+        self._learn_groups({e[1] for e in events}, now)
         if not self._restored or any(state.stale for state in self._groups.values()):  # rare
             pending = {(e[1], e[2], e[4]) for e in events if e[0] == _SERVE}
             if not self._restored:
@@ -374,6 +376,19 @@ class Reclaimer(CacheListener):
                 if state.stale:
                     self._rebuild(state, now, pending)
         self._drain(events, journal=True)
+
+    def _learn_groups(self, instances: set[str], now: float) -> None:
+        """Sync the limits when events name an instance of no group known here (a group created
+        since the last round), so that group's state is built before its events fold in:
+        otherwise they are dropped, and the block read after every write goes first. At most
+        once a second, for instances of groups without limits."""
+        if instances <= self._group_of.keys():
+            return
+        mono = time.monotonic()
+        if mono - self._learned_at < 1.0:
+            return
+        self._learned_at = mono
+        self._sync(now)
 
     def _drain(self, events: Iterable[tuple[Any, ...]], journal: bool) -> None:
         """Apply ``events`` in order (buffered ones; or a journal replayed at start-up, which is

@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -421,6 +422,23 @@ def test_new_group_first_round_keeps_the_block_read_after_every_write() -> None:
         at(n, 10)
         assert n.read([101], "late-inst") == 1
         _, report = n.tick()  # the reclaimer's first round for the group
+        assert victims_of(report, "late", "late-inst") == [(102, "watermark"), (103, "watermark")]
+
+
+def test_reads_folded_before_a_new_groups_first_sync_still_count() -> None:
+    """A tick between rounds folds the buffered events in (and journals them); a group created
+    since the last round must be known by then, or its reads are lost and the block read after
+    every write goes first."""
+    with node("lru") as n:
+        n.add_group("late", "late-inst", "lru")
+        for k in range(101, 107):  # 6 blocks, one a second: the high mark
+            at(n, k - 100)
+            n.write([k], "late-inst")
+        at(n, 10)
+        assert n.read([101], "late-inst") == 1
+        n.reclaimer._next_round = time.monotonic() + 3600  # so the tick only folds the events in
+        assert n.reclaimer.tick() is None
+        _, report = n.tick()
         assert victims_of(report, "late", "late-inst") == [(102, "watermark"), (103, "watermark")]
 
 
