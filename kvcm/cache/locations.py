@@ -359,6 +359,17 @@ def _uris(skeleton: Skeleton, addr: bytes) -> list[str]:
     return out
 
 
+#: msgpack's uint32 marker: a compact address's 4-byte skeleton id read as a number, so the id
+#: then the packed deltas are a compact reply's entry (kvcm.proto.locations).
+ENTRY_ID = b"\xce"
+
+
+def reply_entries(addrs: Sequence[bytes]) -> list[bytes]:
+    """Each address as a compact reply's entry: a compact one behind :data:`ENTRY_ID`, a wire
+    (a verbatim address) as it is."""
+    return [ENTRY_ID + a if a[0] < 0x80 else a for a in addrs]
+
+
 @lru_cache(maxsize=MAX_SKELETONS)
 def compact_row(head: bytes) -> bytes:
     """A skeleton's packed row in a compact location reply (:mod:`kvcm.proto.locations`):

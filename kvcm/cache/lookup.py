@@ -30,7 +30,7 @@ import msgpack
 
 from kvcm.backends.metastore.base import ReadTxn
 from kvcm.cache.keys import derive_keys
-from kvcm.cache.locations import compact_row
+from kvcm.cache.locations import ENTRY_ID, compact_row, reply_entries
 from kvcm.cache.locations import wire as wire_of
 from kvcm.cache.locations import wires as wire_cache
 from kvcm.cache.masks import BlockMask, check_mask, masked_flags, unmasked_indices
@@ -67,9 +67,7 @@ _FIRST_SLICE = 256
 #: Record kinds that hold exactly one serving copy in their header (:func:`visible`'s fast case).
 _ONE_COPY = frozenset({ONE, FAST})
 _KIND = itemgetter(0)
-_FIRST_BYTE = itemgetter(0)
 _HEAD = itemgetter(slice(0, 4))
-_UINT32 = b"\xce"  # msgpack's uint32 marker: a compact address's 4-byte id read as a number
 Pick = Callable[[bytes, frozenset[str], Callable[[str], int]], "bytes | None"]
 QUERY_TYPES = ("prefix_match", "batch_get", "reverse_roll_sw_match")
 DETAIL_LEVELS = (0, 1, 2)
@@ -86,14 +84,8 @@ def _best(value: bytes, unusable: frozenset[str], rank: Callable[[str], int]) ->
 
 def visible(value: bytes, unusable: frozenset[str], rank: Callable[[str], int]) -> bytes | None:
     """Wire bytes of the copy a reader should use, or None."""
-    if not unusable:
-        kind = value[0]
-        if kind == ONE:
-            return wire_of(value[2 : 2 + value[1]])
-        if kind == FAST:
-            return value[3 : 3 + (value[1] << 8 | value[2])]
-    best = _best(value, unusable, rank)
-    return None if best is None else best.wire
+    addr = visible_addr(value, unusable, rank)
+    return None if addr is None else wire_of(addr)
 
 
 def visible_addr(value: bytes, unusable: frozenset[str], rank: Callable[[str], int]) -> bytes | None:
@@ -250,13 +242,13 @@ class CompactParts:
         if not entries:
             return
         self.count += len(entries)
-        if max(map(_FIRST_BYTE, entries)) < 0x80:  # every one compact: one join
-            self.parts += (_UINT32, _UINT32.join(entries))
+        if max(map(_KIND, entries)) < 0x80:  # every one compact: one join
+            self.parts += (ENTRY_ID, ENTRY_ID.join(entries))
             self.elements += 2 * len(entries)
             self.heads.update(map(_HEAD, entries))
             return
         addrs = [e for e in entries if e[0] < 0x80]
-        self.parts.append(b"".join([_UINT32 + e if e[0] < 0x80 else e for e in entries]))
+        self.parts.append(b"".join(reply_entries(entries)))
         self.elements += len(entries) + len(addrs)
         self.heads.update(map(_HEAD, addrs))
 

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import msgpack
 import msgspec
 
-from kvcm.cache.locations import BuiltCache, address, facts, pack_wire, set_wire_cache_bytes
+from kvcm.cache.locations import ENTRY_ID, BuiltCache, address, facts, pack_wire, reply_entries, set_wire_cache_bytes
 from kvcm.cache.locations import uris as location_uris
 from kvcm.cache.locations import wire as location_wire
 
@@ -302,7 +302,6 @@ RUNS_DB = "runs"
 _RUN2 = 0xFF
 _RUN3 = 0xFE
 _VERBATIM = 0xFF  # the skeleton index of a member stored as its wire
-_UINT32 = b"\xce"
 _U32 = struct.Struct(">I")
 _WBITS = -12  # raw deflate, 4 KiB window: a small state to set up per run
 # Runs shorter than this are stored as format 1 (not deflated): setting up the compressor cost
@@ -357,7 +356,7 @@ def _compact_section(addrs: Sequence[bytes]) -> bytes | None:
         if at >= _VERBATIM:
             return None
         index.append(at)
-    entries = [_UINT32 + a if a[0] < 0x80 else a for a in addrs]
+    entries = reply_entries(addrs)
     return b"".join((bytes((len(heads),)), *heads, bytes(index), _offsets(entries), *entries))
 
 
@@ -453,7 +452,7 @@ def run_entries(value: bytes) -> list[bytes] | None:
     assert found is not None
     offsets = struct.unpack_from(f">{n + 1}I", value, pos + 8 * n + 4 + 1 + 4 * value[pos + 8 * n + 4] + n)
     raw = [found.entries[offsets[i] : offsets[i + 1]] for i in range(n)]
-    return [e[1:] if e[0] == _UINT32[0] else e for e in raw]
+    return [e[1:] if e[:1] == ENTRY_ID else e for e in raw]
 
 
 def run_members(value: bytes) -> tuple[str, list[int], list[bytes]]:

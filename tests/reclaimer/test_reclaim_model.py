@@ -413,14 +413,20 @@ def test_lru_keeps_the_system_prompt_every_request_reads() -> None:
         assert n.serving() == {1, 2, 20, 30}
 
 
+def _late_group_with_a_hot_block(n: Node) -> None:
+    """A group created after the reclaimer's rounds began: 6 blocks, one a second (the high
+    mark), then block 101 read."""
+    n.add_group("late", "late-inst", "lru")
+    for k in range(101, 107):
+        at(n, k - 100)
+        n.write([k], "late-inst")
+    at(n, 10)
+    assert n.read([101], "late-inst") == 1
+
+
 def test_new_group_first_round_keeps_the_block_read_after_every_write() -> None:
     with node("lru") as n:  # the reclaimer runs rounds already
-        n.add_group("late", "late-inst", "lru")
-        for k in range(101, 107):  # 6 blocks, one a second: the high mark
-            at(n, k - 100)
-            n.write([k], "late-inst")
-        at(n, 10)
-        assert n.read([101], "late-inst") == 1
+        _late_group_with_a_hot_block(n)
         _, report = n.tick()  # the reclaimer's first round for the group
         assert victims_of(report, "late", "late-inst") == [(102, "watermark"), (103, "watermark")]
 
@@ -430,12 +436,7 @@ def test_reads_folded_before_a_new_groups_first_sync_still_count() -> None:
     since the last round must be known by then, or its reads are lost and the block read after
     every write goes first."""
     with node("lru") as n:
-        n.add_group("late", "late-inst", "lru")
-        for k in range(101, 107):  # 6 blocks, one a second: the high mark
-            at(n, k - 100)
-            n.write([k], "late-inst")
-        at(n, 10)
-        assert n.read([101], "late-inst") == 1
+        _late_group_with_a_hot_block(n)
         n.reclaimer._next_round = time.monotonic() + 3600  # so the tick only folds the events in
         assert n.reclaimer.tick() is None
         _, report = n.tick()
