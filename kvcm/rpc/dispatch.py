@@ -20,6 +20,9 @@ through these steps, each of which can only fail *that* request:
 6. **schedule**: small requests run first; heavy ones run while the turn's budget lasts and the
    rest wait for the next turn (new small requests go ahead of them then too). One peer's
    requests never overtake each other: behind a carried request, its peer's later ones wait.
+   The common case skips the scheduling: a small read (a method with a Struct, no write and no
+   turn-wide hook) whose peer has nothing carried or pending before it is admitted and run as
+   soon as it is parsed (the express lane).
 7. **run**: reads at once; writes inside one ``group()`` (one store commit, made before any reply
    of the turn is produced), each in its own ``write()`` block (a savepoint), so a failing request
    rolls back alone. If the shared commit itself fails, every write of the group is answered with
@@ -142,6 +145,11 @@ class Dispatcher:
         self._tarpit = Tarpit(limits.refusal_hold_ms / 1000.0)
         self._settling = any(m.settle is not None for m in self.methods.values())
         self._admitting = any(m.admitted is not None for m in self.methods.values())
+        #: the methods of the express lane (:meth:`_express`): reads decoded straight into their
+        #: Struct, with no turn-wide hook
+        self._express_methods = frozenset(
+            m.name for m in self.methods.values()
+            if m.request is not None and not m.writes and m.settle is None and m.admitted is None)
         for method in self.methods.values():
             if method.request is not None:
                 decoder = msgspec.msgpack.Decoder(tuple[method.request], ext_hook=wire.refuse_ext)  # type: ignore[name-defined]
@@ -173,9 +181,15 @@ class Dispatcher:
             gc.enable()
 
     def _turn(self, arrivals: Sequence[tuple[object, bytes, bytes]]) -> list[tuple[object, bytes | None]]:
-        outcomes = self._carried + [self._parse(payload, tag, peer) for tag, peer, payload in arrivals]
-        self._carried = []
-        finished = self._schedule(outcomes)
+        self._preparing_us = 0.0  # real time this turn spent preparing requests
+        fresh = [self._parse(payload, tag, peer) for tag, peer, payload in arrivals]
+        carried, self._carried = self._carried, []
+        ran, rest = self._express(fresh, {o.peer for o in carried}) if self._express_methods else ([], fresh)
+        self._remember_waits(ran)
+        if not rest and not carried:
+            return self._answer(ran)
+        # what the express lane carried waits for a later turn, and its peers' later requests too
+        finished = self._schedule(carried + rest, {o.peer for o in self._carried})
         self._remember_waits(finished)
         runnable = [o for o in finished if o.error is None and o.method is not None]
         if self._admitting:
@@ -183,7 +197,51 @@ class Dispatcher:
         self._runner.run(runnable, self._group_commit)
         if self._settling:
             self._settle(runnable)
-        return self._answer(finished)
+        return self._answer(ran + finished if ran else finished)
+
+    # -- the express lane -----------------------------------------------------------------------
+
+    def _express(self, fresh: list[Outcome], slow: set[bytes]) -> tuple[list[Outcome], list[Outcome]]:
+        """Small reads run at once, in arrival order, without the scheduling below: ``(ran,
+        rest)``. A request of any other kind (a write, heavy work, a refusal to explain) goes to
+        the full path, one that must wait (a verdict, a long preparation) is carried, and so
+        goes every later request of its peer, which must not overtake it (nor a peer's carried
+        ones: ``slow`` holds the peers with one)."""
+        ran: list[Outcome] = []
+        rest: list[Outcome] = []
+        for outcome in fresh:
+            method = outcome.method
+            if (outcome.peer not in slow and method is not None and method.name in self._express_methods
+                    and outcome.error is None):
+                try:
+                    if self._run_express(outcome):
+                        ran.append(outcome)
+                        continue
+                except _Carry as carry:  # each step runs once: what it began goes on in a later turn
+                    self._carry(outcome, carry.reason)
+                    if outcome.error is not None:  # nothing more may wait: answered now
+                        rest.append(outcome)
+                    slow.add(outcome.peer)
+                    continue
+            slow.add(outcome.peer)
+            rest.append(outcome)
+        return ran, rest
+
+    def _run_express(self, outcome: Outcome) -> bool:
+        """Admit and run one small read now (True), or leave it, as far as it got, to the full
+        path (False: heavy work, or an error found here, answered there). Raises
+        :class:`_Carry` for a request that must wait."""
+        try:
+            if self._admit(outcome, 0.0, False) is not None:
+                return False  # heavy: scheduled against the turn's budget
+        except _Carry:
+            raise
+        except Exception as exc:  # noqa: BLE001 - admission failures are the request's own
+            assert outcome.method is not None  # internal: only resolved methods are expressed
+            outcome.error = self._to_error(exc, outcome.method.name)
+            return False
+        self._runner.run_read(outcome)
+        return True
 
     def _answer(self, finished: list[Outcome]) -> list[tuple[object, bytes | None]]:
         """The replies to send now: a big request's refusal for its sender's fault is held
@@ -383,14 +441,14 @@ class Dispatcher:
 
     # -- schedule -------------------------------------------------------------------------------
 
-    def _schedule(self, outcomes: list[Outcome]) -> list[Outcome]:
-        """Admit what runs this turn (small first, then heavy within the budget); carry the rest.
-        Returns the finished outcomes (errors included) in the order they are to run."""
-        self._preparing_us = 0.0  # real time this turn spent preparing requests
+    def _schedule(self, outcomes: list[Outcome], blocked: set[bytes]) -> list[Outcome]:
+        """Admit what runs this turn (small first, then heavy within the budget); carry the rest
+        (and every request of the ``blocked`` peers: they have one carried already). Returns the
+        finished outcomes (errors included) in the order they are to run."""
         spent = 0.0  # estimated microseconds of the heavy work admitted this turn
         small: list[Outcome] = []
         heavy: list[Outcome] = []
-        blocked: set[bytes] = set()  # peers with a carried request: their later ones wait too
+        # blocked: peers with a carried request: their later ones wait too
         in_heavy: set[bytes] = set()  # peers with a heavy request admitted: their later ones follow it
         for outcome in outcomes:
             if outcome.peer in blocked:

@@ -98,6 +98,11 @@ class Runner:
             return
         self._commit_group([outcome])
 
+    def run_read(self, outcome: Outcome) -> None:
+        """Run one read now (the dispatcher's express lane): nothing to commit."""
+        assert outcome.method is not None and not outcome.method.writes  # internal: reads only
+        self._execute(outcome)
+
     def _execute(self, outcome: Outcome) -> None:
         method = outcome.method
         assert method is not None  # internal invariant: only called for resolved methods

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgpack
@@ -99,6 +101,62 @@ def test_a_peers_requests_never_overtake_each_other():
     assert ran == ["a1", "a2"]
     d.serve([("b3", b"B", _req(5, micros=1, tag="b3"))])
     assert ran == ["a1", "a2", "b1", "b2", "b3"]
+
+
+class _Store:
+    """A write that keeps its tag until the group commits, and a read that answers what is
+    committed: a read run before a write of its own peer would miss it."""
+
+    def __init__(self, ran: list[str]) -> None:
+        self.ran = ran
+        self.committed: list[str] = []
+        self.pending: list[str] = []
+        self.methods = [Method("put", self.put, Work, writes=True), Method("get", self.get, Work)]
+
+    def put(self, r: Work) -> dict[str, Any]:
+        self.ran.append(r.tag)
+        self.pending.append(r.tag)
+        return {}
+
+    def get(self, r: Work) -> dict[str, Any]:
+        self.ran.append(r.tag)
+        return {"seen": list(self.committed)}
+
+    @contextmanager
+    def group(self) -> Iterator[None]:
+        self.pending.clear()
+        yield
+        self.committed.extend(self.pending)
+
+
+def _call(method: str, msgid: int, **params: Any) -> bytes:
+    return wire.pack_request(msgid, method, params)
+
+
+def test_small_reads_run_at_once_but_never_before_their_peers_write_or_carried_request():
+    ran: list[str] = []
+    store = _Store(ran)
+    verdicts = {b"A": 1}
+
+    def authorize(method: Method, request: Any, peer: bytes) -> None:
+        if verdicts.get(peer):
+            verdicts[peer] -= 1
+            raise Deferred()
+
+    d = Dispatcher(store.methods, authorize=authorize, group=store.group)
+    replies = _results(d.serve([
+        ("b-put", b"B", _call("put", 1, tag="b-put")),
+        ("b-get", b"B", _call("get", 2, tag="b-get")),  # behind its peer's write: after the commit
+        ("c-get", b"C", _call("get", 3, tag="c-get")),  # a read of another peer runs at once
+    ]))
+    assert ran == ["c-get", "b-put", "b-get"]
+    assert replies["b-get"][1] == {"seen": ["b-put"]} and replies["c-get"][1] == {"seen": []}
+    # A's first read waits for its verdict (asked once this turn); its second read, small too,
+    # waits behind it
+    assert d.serve([("a1", b"A", _call("get", 4, tag="a1")), ("a2", b"A", _call("get", 5, tag="a2"))]) == []
+    assert verdicts[b"A"] == 0 and ran == ["c-get", "b-put", "b-get"]
+    later = _results(d.serve([("c2", b"C", _call("get", 6, tag="c2"))]))
+    assert ran[-3:] == ["c2", "a1", "a2"] and set(later) == {"a1", "a2", "c2"}
 
 
 def test_a_request_estimated_over_the_budget_is_refused_before_it_runs():
