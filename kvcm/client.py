@@ -25,6 +25,14 @@ or ``"tcp://a:6381,tcp://b:6381"``. A ``SERVER_NOT_LEADER`` answer is followed f
 the next endpoint after a short pause, and the request is sent again there. A timeout moves to
 the next endpoint; only an idempotent call is resent after one.
 
+Reads from followers: with ``read_from="any"`` the reads every node answers
+(:data:`kvcm.proto.methods.FOLLOWER_READS`) go to the given endpoints in turn, leader included,
+each over a connection of its own; everything else goes to the leader as above. A node that does
+not answer a read in time, or refuses to serve it (not ready, not serving reads, shutting down),
+is left out of the turn for :data:`READER_DOWN_S` and the read is sent to the next node; when
+none is left, to the leader. A follower's read sees every write acknowledged before it was sent
+(docs/ha.md).
+
 CURVE (a server with ``server.curve_secret_key_file``): pass ``curve_server_key`` (the server's
 public key: z85 text or its ``.key`` certificate file) and ``curve_client_keys`` (this client's
 secret certificate file, or a ``(public, secret)`` pair); without client keys an ephemeral pair
@@ -47,6 +55,7 @@ import zmq
 from kvcm.client_methods import ClientMethods
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, Unavailable, error_from_wire
 from kvcm.proto import methods, wire
+from kvcm.proto.methods import FOLLOWER_READS
 from kvcm.proto.results import HEAD, Envelope, decoder
 from kvcm.rpc.curve import KeyPair, apply_client, client_keypair, load_public_key
 
@@ -160,6 +169,54 @@ def follows_leader(exc: KvcmError, follows: int) -> bool:
     return exc.code is Code.SERVER_NOT_LEADER and follows < MAX_FOLLOWS
 
 
+#: How long a node that failed a read (no answer in time, or a refusal to serve it) is left out
+#: of the spread of reads (``read_from="any"``).
+READER_DOWN_S = 2.0
+#: How long a read waits for a node's connection before asking the next one: a node that is
+#: down is passed over at once instead of after the call's whole timeout.
+READER_CONNECT_S = 0.25
+#: Refusals of a read that say "not here" rather than "not at all": the next node is asked.
+_ELSEWHERE = frozenset({Code.SERVICE_NOT_READY, Code.SERVER_NOT_LEADER, Code.SHUTTING_DOWN})
+
+
+class Spread:
+    """Which node a read goes to (``read_from="any"``): the endpoints in turn, minus those that
+    failed a read within :data:`READER_DOWN_S`."""
+
+    def __init__(self, endpoints: Endpoints) -> None:
+        self._endpoints = endpoints
+        self._turn = 0
+        self._down: dict[str, float] = {}
+
+    def order(self) -> list[str]:
+        """The nodes to try for the next read, the next one in turn first."""
+        nodes = self._endpoints.all
+        if self._down:  # the turn goes round the nodes still up, so each keeps an even share
+            now = time.monotonic()
+            nodes = [e for e in nodes if self._down.get(e, 0.0) <= now]
+            if not nodes:
+                return []
+        start = self._turn % len(nodes)
+        self._turn += 1
+        return nodes[start:] + nodes[:start]
+
+    def failed(self, endpoint: str) -> None:
+        self._down[endpoint] = time.monotonic() + READER_DOWN_S
+
+
+class _Link:
+    """One DEALER socket to one endpoint, the receive timeout set on it, and how long a send
+    waits for its connection (``connect_s``; a reader's is short: another node can answer)."""
+
+    __slots__ = ("connect_s", "endpoint", "rcvtimeo", "sock")
+
+    def __init__(self, endpoint: str, sock: zmq.Socket[bytes], connect_s: float = float("inf")) -> None:
+        self.endpoint = endpoint
+        self.sock = sock
+        self.connect_s = connect_s
+        self.rcvtimeo = -1  # -1: none set
+
+
 class ClientState(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
@@ -179,10 +236,17 @@ class Client(ClientMethods):
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_keys: CurveClientKeys | None = None,
         routing_id_prefix: bytes = b"",
+        read_from: str = "leader",
     ) -> None:
         """``routing_id_prefix``: the socket's ZeroMQ routing id starts with it (then random
-        bytes); kvcm's own relays use :data:`kvcm.proto.wire.RELAY_ID_PREFIX`."""
+        bytes); kvcm's own relays use :data:`kvcm.proto.wire.RELAY_ID_PREFIX`. ``read_from``:
+        ``"leader"``, or ``"any"`` to spread reads over the endpoints (see the module doc)."""
+        if read_from not in ("leader", "any"):
+            raise InvalidArgument(f"read_from: must be 'leader' or 'any', got {read_from!r}")
         self.endpoints = Endpoints(endpoint)
+        self.read_from = read_from
+        self._spread = Spread(self.endpoints) if read_from == "any" else None
+        self._readers: dict[str, _Link] = {}
         self._routing_prefix = routing_id_prefix
         self._curve: tuple[bytes, KeyPair] | None = None
         if curve_server_key is not None:
@@ -194,8 +258,7 @@ class Client(ClientMethods):
         self.auth = auth
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(int.from_bytes(os.urandom(3), "big"))
-        self._socket: zmq.Socket[bytes] | None = None
-        self._rcvtimeo = -1  # RCVTIMEO of the current socket (-1: none set)
+        self._link: _Link | None = None  # to the current endpoint
         self.state = ClientState.OPEN
 
     @property
@@ -212,6 +275,8 @@ class Client(ClientMethods):
     def close(self) -> None:
         """Idempotent; the client refuses calls afterwards."""
         self._drop_socket()
+        for endpoint in list(self._readers):
+            self._drop_reader(endpoint)
         self.state = ClientState.CLOSED
 
     def call(
@@ -235,10 +300,36 @@ class Client(ClientMethods):
         may_retry = method in IDEMPOTENT_METHODS if retry is None else retry
         wait = self.timeout if timeout is None else timeout
 
+        if self._spread is not None and method in FOLLOWER_READS:
+            spread = self._read_spread(lambda link: _here(self._roundtrip(payload, msgid, wait, link)), wait)
+            if not isinstance(spread, _NoReply):
+                return _result(spread)
+
         def once() -> object:
             reply = self._roundtrip(payload, msgid, wait)
             return _NO_REPLY if reply is None else _result(reply)
         return self._send_until_answered(method, once, may_retry, wait)
+
+    def _read_spread(self, exchange: Callable[[_Link], T | None], wait: float) -> T | _NoReply:
+        """One read over the nodes in turn (``read_from="any"``): the first answer, or
+        ``_NO_REPLY`` when no node answered it (the leader path takes it then)."""
+        assert self._spread is not None  # internal: only with read_from="any"
+        for endpoint in self._spread.order():
+            link = self._reader(endpoint)
+            if link is None:
+                got = None
+            else:
+                try:
+                    got = exchange(link)
+                except KvcmError as exc:
+                    if exc.code not in _ELSEWHERE:
+                        raise
+                    got = None
+            if got is not None:
+                return got
+            self._spread.failed(endpoint)
+            self._drop_reader(endpoint)  # a late reply must not be read as the next call's
+        return _NO_REPLY
 
     def _send_until_answered(self, method: str, once: Callable[[], T | _NoReply], may_retry: bool, wait: float,
                              first: T | _NoReply | KvcmError | None = None) -> T:
@@ -282,6 +373,10 @@ class Client(ClientMethods):
         payload = build_request(method, msgid, drop_unset(params), self.auth)
         dec = decoder(reply)
         wait = self.timeout if timeout is None else timeout
+        if self._spread is not None and method in FOLLOWER_READS:
+            spread = self._read_spread(lambda link: self._exchange(payload, dec, msgid, wait, link), wait)
+            if not isinstance(spread, _NoReply):
+                return spread
 
         first: T | KvcmError | None
         try:  # the common case without the retry loop's frames: one attempt, answered
@@ -300,24 +395,26 @@ class Client(ClientMethods):
                                          first=_NO_REPLY if first is None else first)
 
     def _exchange(self, payload: bytes, dec: msgspec.msgpack.Decoder[Envelope[T]], msgid: int,
-                  wait: float) -> T | None:
+                  wait: float, link: _Link | None = None) -> T | None:
         """Send and await the reply to ``msgid``; its decoded result, or None on timeout.
 
         Cheaper than :meth:`_roundtrip`: the send is tried first without a poll (a DEALER queues
         at once once connected; only a socket with no usable pipe needs the poll), and the wait
-        is one blocking recv bounded by ``RCVTIMEO``, set only when the wait changes."""
-        sock = self._connected()
+        is one blocking recv bounded by ``RCVTIMEO``, set only when the wait changes. ``link``:
+        the connection to use (default: the current endpoint's)."""
+        link = link or self._connected()
+        sock = link.sock
         deadline = time.monotonic() + wait
         try:
             sock.send(payload, zmq.NOBLOCK)
         except zmq.Again:
-            if not self._send_polled(sock, payload, wait):
+            if not self._send_polled(sock, payload, min(wait, link.connect_s)):
                 return None
         ms = int(wait * 1000) + 1
         while True:
-            if ms != self._rcvtimeo:
+            if ms != link.rcvtimeo:
                 sock.setsockopt(zmq.RCVTIMEO, ms)
-                self._rcvtimeo = ms
+                link.rcvtimeo = ms
             try:
                 data = sock.recv()
             except zmq.Again:
@@ -343,13 +440,15 @@ class Client(ClientMethods):
             return False
         return True
 
-    def _roundtrip(self, payload: bytes, msgid: int, wait: float) -> tuple[object, object] | None:
-        sock = self._connected()
+    def _roundtrip(self, payload: bytes, msgid: int, wait: float,
+                   link: _Link | None = None) -> tuple[object, object] | None:
+        link = link or self._connected()
+        sock = link.sock
         deadline = time.monotonic() + wait
         # Never a blocking send: a DEALER with no usable pipe (a server that refused the CURVE
         # handshake, or not there yet) would block in send() for ever, past every timeout.
         try:
-            if not sock.poll(int(wait * 1000) + 1, zmq.POLLOUT):
+            if not sock.poll(int(min(wait, link.connect_s) * 1000) + 1, zmq.POLLOUT):
                 return None
             sock.send(payload, zmq.NOBLOCK)
         except zmq.Again:
@@ -366,23 +465,42 @@ class Client(ClientMethods):
             # a late reply to an earlier, timed-out call: skip it
         return None
 
-    def _connected(self) -> zmq.Socket[bytes]:
-        if self._socket is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            if self._routing_prefix:
-                sock.setsockopt(zmq.ROUTING_ID, self._routing_prefix + os.urandom(8))
-            if self._curve is not None:
-                apply_client(sock, *self._curve)
-            sock.connect(self.endpoint)
-            self._socket = sock
-        return self._socket
+    def _connected(self) -> _Link:
+        if self._link is None:
+            self._link = _Link(self.endpoint, self._open(self.endpoint))
+        return self._link
+
+    def _open(self, endpoint: str, immediate: bool = False) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if immediate:  # queue nothing for a node not connected (yet): its reads go elsewhere
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+        if self._routing_prefix:
+            sock.setsockopt(zmq.ROUTING_ID, self._routing_prefix + os.urandom(8))
+        if self._curve is not None:
+            apply_client(sock, *self._curve)
+        sock.connect(endpoint)
+        return sock
+
+    def _reader(self, endpoint: str) -> _Link | None:
+        """The connection reads to ``endpoint`` use; None when it is not up within
+        :data:`READER_CONNECT_S`."""
+        link = self._readers.get(endpoint)
+        if link is None:
+            link = self._readers[endpoint] = _Link(endpoint, self._open(endpoint, immediate=True), READER_CONNECT_S)
+            if not link.sock.poll(int(READER_CONNECT_S * 1000), zmq.POLLOUT):
+                return None
+        return link
+
+    def _drop_reader(self, endpoint: str) -> None:
+        link = self._readers.pop(endpoint, None)
+        if link is not None:
+            link.sock.close(linger=0)
 
     def _drop_socket(self) -> None:
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
-            self._rcvtimeo = -1
+        if self._link is not None:
+            self._link.sock.close(linger=0)
+            self._link = None
 
 
 class _NoReply:
@@ -400,3 +518,11 @@ def _result(reply: tuple[object, object]) -> object:
 
 
 __all__ = ["IDEMPOTENT_METHODS", "METHODS", "Client", "ClientState", "Endpoints", "KvcmError"]
+
+
+
+def _here(reply: tuple[object, object] | None) -> tuple[object, object] | None:
+    """A classic ``(error, result)`` reply, raised when its error says to ask another node."""
+    if reply is not None and isinstance(reply[0], dict) and reply[0].get("code") in _ELSEWHERE:
+        raise error_from_wire(reply[0])
+    return reply

@@ -38,6 +38,7 @@ from kvcm.errors import KvcmError, Unavailable
 from kvcm.http import SideHttp, SidePort
 from kvcm.metrics import Metrics
 from kvcm.node.stores import open_engine_store
+from kvcm.proto.methods import FOLLOWER_READS
 from kvcm.proto.wire import Encodable
 from kvcm.rpc.curve import CurveServer, serve_curve
 from kvcm.rpc.dispatch import Dispatcher, Method
@@ -54,8 +55,7 @@ REFRESH_S = 1.0  # how often an idle follower looks for what the leader changed
 RETRY_READS_S = 2.0  # how long a follower stage without reads serves before it tries them again
 
 #: What a follower answers from the shared store (with ``ha.follower_reads``).
-READS = frozenset({"get_cache_location", "get_cache_location_len", "get_cache_meta", "get_instance_info", "get_storage_specs",
-                   "match_engines", "get_host_cache_state", "list_event_sources"})
+READS = FOLLOWER_READS
 
 class FollowedStore(MetaStore, Protocol):
     """The leader's store as a follower reads it (Redis, or the LMDB of a shared data dir)."""

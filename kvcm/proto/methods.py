@@ -155,4 +155,10 @@ METHODS: dict[str, Rpc] = {
 #: Methods a client may resend after a timeout.
 IDEMPOTENT: frozenset[str] = frozenset(name for name, rpc in METHODS.items() if rpc.idempotent)
 
-__all__ = ["IDEMPOTENT", "METHODS", "Rpc"]
+#: Reads every node of a deployment answers from the shared store, followers included (with
+#: ``ha.follower_reads``): what a client may spread over the nodes (``read_from="any"``).
+FOLLOWER_READS: frozenset[str] = frozenset({
+    "get_cache_location", "get_cache_location_len", "get_cache_meta", "get_instance_info", "get_storage_specs",
+    "match_engines", "get_host_cache_state", "list_event_sources"})
+
+__all__ = ["FOLLOWER_READS", "IDEMPOTENT", "METHODS", "Rpc"]
