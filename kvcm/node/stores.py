@@ -114,6 +114,7 @@ def open_redis(config: Config, orphans: str = "refuse", follower: bool = False) 
             store.claim(data_dir, create=False)
         else:
             _claim_as_writer(store, config, orphans, where)
+            store.enable_cache()  # the deployment's one writer: its own commits are the only changes
     except BaseException:
         store.close()
         raise

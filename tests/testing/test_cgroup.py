@@ -44,7 +44,7 @@ def test_a_budgeted_process_gets_its_share_and_is_throttled():
 def test_without_a_usable_controller_the_reason_is_given(tmp_path):
     why = unavailable(str(tmp_path))
     assert why is not None and "no cgroup v1 cpu controller" in why
-    with pytest.raises(NoCpuControl, match="cpu.cfs_quota_us missing"):
+    with pytest.raises(NoCpuControl, match=r"cpu\.cfs_quota_us missing"):
         CpuBudget("kvcm-test", 0.4, root=str(tmp_path))
     (tmp_path / "cpu.cfs_quota_us").write_text("-1\n")  # looks like one, but cannot hold a group
     with pytest.raises(NoCpuControl, match="cannot create a cgroup"):

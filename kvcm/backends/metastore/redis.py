@@ -32,6 +32,7 @@ from contextlib import contextmanager
 import redis
 
 from kvcm.backends.metastore.base import DATABASES, merge_savepoint, run_aborts
+from kvcm.backends.metastore.redis_cache import DEFAULT_BYTES, CommittedCache
 from kvcm.backends.metastore.redis_conn import (
     CONNECT_TIMEOUT_S,
     PROBE_EVERY_S,
@@ -141,6 +142,8 @@ class RedisStore:
         self._run = uuid.uuid4().hex[:12]
         self._closed = False
         self.in_doubt: list[Group] = []  # commits whose outcome Redis could not tell (settle)
+        #: what this store's writer knows Redis holds (:meth:`enable_cache`; None: no caching)
+        self.cache: CommittedCache | None = None
         self._doubt_lock = threading.RLock()
         self._probe = connect_probe(url, password)
         self.readiness = Readiness(self._probe)
@@ -170,6 +173,13 @@ class RedisStore:
         if self._lock_path is not None:
             drop_lock_file(self._lock_path)
             self._lock_path = None
+
+    def enable_cache(self, max_bytes: int = DEFAULT_BYTES) -> None:
+        """Keep what this store commits and reads (:mod:`~kvcm.backends.metastore.redis_cache`):
+        only for the deployment's one writer, whose own commits are the only changes."""
+        if self.read_only:
+            raise ValueError("a read-only store reads another process's writes: it cannot cache them")
+        self.cache = CommittedCache(max_bytes)
 
     def hash_key(self, db: str) -> bytes:
         return self.keys.hash[db]
@@ -275,18 +285,35 @@ class RedisStore:
             self.settle()
         commit_id = group.commit_id = f"{self._run}-{next(self._ids)}".encode()
         token = b"" if self.fencing_token is None else str(self.fencing_token).encode()
-        with self.gate.exclusive():
-            try:
-                self.commit_script(keys=[self.epoch_key, self.commit_key, self.versions_key, self.deployment_key,
-                                         *keys],
-                                   args=[token, commit_id, self.deployment.encode(), *args])
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                self._resolve_in_doubt(commit_id, exc)
-            except redis.RedisError as exc:
-                if str(exc).startswith("KVCMLOST"):
-                    raise self.identity.lose(str(exc).split(" ", 1)[1] if " " in str(exc) else "") from None
-                raise translate(exc) from None
+        cache = self.cache
+        if cache is not None:
+            cache.begin_commit()  # no read sent from now on is kept: it may be older than this commit
+        try:
+            with self.gate.exclusive():
+                self._apply(keys, [token, commit_id, self.deployment.encode(), *args], commit_id)
+        except InDoubt:
+            raise  # the cache was emptied, and keeps nothing until settle() tells what Redis holds
+        except BaseException:
+            if cache is not None:
+                cache.end_commit(None)
+            raise
+        if cache is not None:
+            cache.end_commit(group.overlay)
         return self._wait_replicas()
+
+    def _apply(self, keys: list[bytes], args: list[bytes | int], commit_id: bytes) -> None:
+        """One call of the commit script; a lost reply is resolved by the commit marker."""
+        try:
+            self.commit_script(keys=[self.epoch_key, self.commit_key, self.versions_key, self.deployment_key, *keys],
+                               args=args)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if self.cache is not None:
+                self.cache.clear()  # whatever the marker says: what a reply got lost around is not kept
+            self._resolve_in_doubt(commit_id, exc)
+        except redis.RedisError as exc:
+            if str(exc).startswith("KVCMLOST"):
+                raise self.identity.lose(str(exc).split(" ", 1)[1] if " " in str(exc) else "") from None
+            raise translate(exc) from None
 
     def _resolve_in_doubt(self, commit_id: bytes, exc: Exception) -> None:
         """The connection failed around the commit call: applied iff the marker holds its id."""
@@ -319,6 +346,8 @@ class RedisStore:
                 # names this commit iff Redis applied it.
                 applied = marker == group.commit_id
                 self.in_doubt.pop(0)
+                if self.cache is not None:
+                    self.cache.end_commit(None)  # cleared when it went in doubt: refilled from Redis
                 log.warning("metadata commit %s %s", group.commit_id.decode(),
                             "was applied after all" if applied else "was not applied")
                 if applied:

@@ -24,6 +24,7 @@ import redis
 from redis.commands.core import Script
 
 from kvcm.backends.metastore.base import DATABASES, bad_key, key_fits
+from kvcm.backends.metastore.redis_cache import CommittedCache, Miss
 from kvcm.backends.metastore.redis_conn import SOCKET_TIMEOUT_S
 from kvcm.backends.metastore.redis_errors import call
 from kvcm.backends.metastore.redis_layout import Layer, Overlay, upper
@@ -108,13 +109,26 @@ class Source(Protocol):
     @property
     def scan_script(self) -> Script: ...
 
+    @property
+    def cache(self) -> CommittedCache | None:
+        """What the store's writer knows it holds (None: every read goes to Redis)."""
+
     def hash_key(self, db: str) -> bytes: ...
 
     def zset_key(self, db: str) -> bytes: ...
 
 
 class RedisReadTxn:
-    """Reads of committed data (through the overlay of a write transaction, when it has one)."""
+    """Reads of committed data (through the overlay of a write transaction, when it has one).
+
+    Every value read is offered to the writer's cache (:mod:`~kvcm.backends.metastore.redis_cache`),
+    but only a write transaction answers from it: what it read is acknowledged only once its
+    commit reached Redis, while a plain read answered from memory while Redis is away (or has
+    lost the deployment's data, until the writer's watch notices) could tell a client what Redis
+    no longer holds."""
+
+    #: answer reads from the store's cache (write transactions)
+    _from_cache = False
 
     def __init__(self, store: Source, overlay: Overlay | None = None) -> None:
         self._store = store
@@ -126,17 +140,44 @@ class RedisReadTxn:
             return layer[key]
         if not key_fits(key):
             return None
+        cache = self._store.cache
+        token = -1
+        if cache is not None:
+            if self._from_cache:
+                known = cache.get(db, bytes(key))
+                if not isinstance(known, Miss):
+                    return known
+            token = cache.before_read()
         value = call(self._store.client.hget, self._store.hash_key(db), key)
-        return value if not isinstance(value, str) else value.encode()  # never str: replies are not decoded
+        value = value if not isinstance(value, str) else value.encode()  # never str: replies are not decoded
+        if cache is not None:
+            cache.fill(token, db, ((bytes(key), value),))
+        return value
 
     def get_many(self, db: str, keys: Iterable[bytes]) -> list[bytes | None]:
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         layer = self._overlay.get(db, {})
         wanted = [k for k in keys if k not in layer and key_fits(k)]
         found: dict[bytes, bytes | None] = {}
+        cache = self._store.cache
+        token = -1
+        if wanted and cache is not None and self._from_cache:
+            missed = []
+            for k in wanted:
+                known = cache.get(db, bytes(k))
+                if isinstance(known, Miss):
+                    missed.append(k)
+                else:
+                    found[k] = known
+            wanted = missed
+        if wanted and cache is not None:
+            token = cache.before_read()
         if wanted:
             values = call(self._store.client.hmget, self._store.hash_key(db), wanted)
-            found = {k: v for k, v in zip(wanted, values) if not isinstance(v, str)}  # never str: not decoded
+            read = {k: v for k, v in zip(wanted, values) if not isinstance(v, str)}  # never str: not decoded
+            if cache is not None:
+                cache.fill(token, db, ((bytes(k), read.get(k)) for k in wanted))
+            found.update(read)
         return [layer[k] if k in layer else found.get(k) for k in keys]
 
     def scan(
@@ -209,6 +250,8 @@ def merge(base: Iterator[tuple[bytes, bytes]], own: list[bytes], layer: Layer) -
 class RedisWriteTxn(RedisReadTxn):
     """A savepoint of the group's overlay: ``undo`` holds each key's overlay entry as it was
     when the savepoint began (``_Absent.ABSENT``: none), written back on rollback."""
+
+    _from_cache = True
 
     def __init__(self, store: Source, overlay: Overlay) -> None:
         super().__init__(store, overlay)
