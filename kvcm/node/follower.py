@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvcm.backends.metastore import DataDirLocked
 from kvcm.backends.metastore.base import MetaStore
@@ -62,6 +62,16 @@ class FollowedStore(MetaStore, Protocol):
 
     def versions(self, dbs: Sequence[str]) -> tuple[int, ...]:
         """How many commits touched each of ``dbs`` so far: a changed number means stale caches."""
+        ...
+
+
+@runtime_checkable
+class Marked(Protocol):
+    """A followed store that names its last commit in one cheap call (Redis: one GET), so a turn
+    in which nothing was committed costs no read of every database's version."""
+
+    def commit_marker(self) -> bytes | None:
+        """The last commit's id; None when it cannot tell (no commit yet, or emptied)."""
         ...
 
 
@@ -103,6 +113,8 @@ class FollowerReads:
             undo.pop_all()
         self._registry_dbs = self.registry.databases
         self._dbs = (*self._registry_dbs, DEFINITIONS, SKELETONS, BLOCKS_DB, RUNS_DB)
+        self._marker_of = store.commit_marker if isinstance(store, Marked) else None  # decided once
+        self._marker = self._marker_of() if self._marker_of is not None else None
         self._seen = store.versions(self._dbs)
         self.refreshes = 0  # how often a read found the leader had changed something (tests, logs)
 
@@ -147,7 +159,13 @@ class FollowerReads:
         :raises Unavailable: the store cannot be reached."""
         from kvcm.cache.locations import load as load_skeletons
 
+        marker = None
+        if self._marker_of is not None:
+            marker = self._marker_of()
+            if marker is not None and marker == self._marker:
+                return  # nothing committed since the last look (None: unknown, look at every version)
         versions = self.store.versions(self._dbs)
+        self._marker = marker  # read before the versions: a commit in between is seen next time
         if versions == self._seen:
             return
         seen, self._seen = self._seen, versions

@@ -7,6 +7,7 @@ import shutil
 import tempfile
 
 import pytest
+import redis
 
 from kvcm import Client
 from kvcm.errors import Code, KvcmError
@@ -248,3 +249,36 @@ def test_a_follower_s_front_door_is_the_leader_s_curve_on_rpc_and_credentials_on
     finally:
         stage.request_stop()
         thread.join(10)
+
+
+def test_a_turn_after_no_commit_costs_the_follower_one_get_not_every_version(pair):
+    """The follower names the last commit it saw; only when Redis names another one does it read
+    every database's version (and what changed)."""
+    leader, follower = _follower(pair)
+    at = pair.endpoints[follower]
+    raw = redis.Redis.from_url(pair.redis_url)
+    versions, marker = f"{{{pair.prefix}}}:versions".encode(), f"{{{pair.prefix}}}:commit".encode()
+    with Client(pair.endpoints[leader], timeout=5.0) as c:
+        register(c, "inst")
+        write(c, [1, 2])
+        assert _served(at, [1, 2]) == [1, 2]
+
+        def commands(action) -> list[list[bytes]]:
+            seen: list[list[bytes]] = []
+            with raw.monitor() as m:
+                action()
+                raw.ping()  # a command of our own marks the end of what the action caused
+                for entry in m.listen():
+                    parts = entry["command"].encode("latin-1", "replace").split(b" ")
+                    if parts[0] == b"PING":
+                        break
+                    seen.append(parts)
+            return seen
+
+        quiet = commands(lambda: [_served(at, [1, 2]) for _ in range(5)])
+        assert sum(1 for cmd in quiet if cmd[0] == b"GET" and cmd[1] == marker) >= 5
+        assert not [cmd for cmd in quiet if cmd[0] == b"HMGET" and cmd[1] == versions]
+        write(c, [3])
+        after = commands(lambda: _served(at, [1, 2, 3]))
+        assert [cmd for cmd in after if cmd[0] == b"HMGET" and cmd[1] == versions]
+        assert _served(at, [1, 2, 3]) == [1, 2, 3]

@@ -418,6 +418,13 @@ class RedisStore:
         ``PROBE_EVERY_S``): what the readiness probe reports about the store."""
         return not self.lost and self.readiness.answered()
 
+    def commit_marker(self) -> bytes | None:
+        """The id of the last commit applied (None: none yet, or the store was emptied): one GET,
+        what a follower asks per turn before it reads every database's version."""
+        self.refuse_if_lost()
+        marker = call(self.client.get, self.commit_key)
+        return marker.encode() if isinstance(marker, str) else marker
+
     def versions(self, dbs: Sequence[str]) -> tuple[int, ...]:
         """How many commits touched each of ``dbs`` so far (0 = never): a reader that cached
         something of a database knows it is stale when its number moved."""
