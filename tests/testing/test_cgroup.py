@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvcm.testing.cgroup import CPU_ROOT, CpuBudget, NoCpuControl, cpu_seconds, saturation, unavailable
+from kvcm.testing.cgroup import CPU_ROOT, CpuBudget, NoCpuControl, cpu_seconds, machine_busy_s, saturation, unavailable
 
 SPIN = "import time\nend = time.time() + 30\nwhile time.time() < end: pass\n"
 
@@ -58,3 +58,10 @@ def test_saturation_names_the_busiest_helper_and_the_machine():
     assert not calm.saturated and calm.busiest == pytest.approx(0.3) and calm.machine == pytest.approx(0.5)
     assert saturation([0.95], total_cpu_s=1.0, wall_s=1.0, cores=2).saturated  # one helper at its core
     assert saturation([0.5], total_cpu_s=1.96, wall_s=1.0, cores=2).saturated  # every core busy
+
+
+def test_the_machine_s_busy_time_counts_whoever_used_the_cpu():
+    before, began = machine_busy_s(), time.perf_counter()
+    while time.perf_counter() - began < 0.5:  # half a second of one core, busy
+        pass
+    assert machine_busy_s() - before >= 0.4
