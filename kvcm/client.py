@@ -30,8 +30,9 @@ Reads from followers: with ``read_from="any"`` the reads every node answers
 each over a connection of its own; everything else goes to the leader as above. A node that does
 not answer a read in time, or refuses to serve it (not ready, not serving reads, shutting down),
 is left out of the turn for :data:`READER_DOWN_S` and the read is sent to the next node; when
-none is left, to the leader. A follower's read sees every write acknowledged before it was sent
-(docs/ha.md).
+none is left, to the leader. The nodes a deployment lists (``get_manager_cluster_info``'s
+``members``) are added to the given endpoints, asked every :data:`DISCOVER_S`. A follower's
+read sees every write acknowledged before it was sent (docs/ha.md).
 
 CURVE (a server with ``server.curve_secret_key_file``): pass ``curve_server_key`` (the server's
 public key: z85 text or its ``.key`` certificate file) and ``curve_client_keys`` (this client's
@@ -175,6 +176,11 @@ READER_DOWN_S = 2.0
 #: How long a read waits for a node's connection before asking the next one: a node that is
 #: down is passed over at once instead of after the call's whole timeout.
 READER_CONNECT_S = 0.25
+#: How often a client spreading reads asks for the deployment's nodes (seconds): nodes that
+#: joined since are read from after at most this long.
+DISCOVER_S = 10.0
+#: Endpoints a client spreads reads over at most (the given ones and those discovered).
+MAX_READERS = 64
 #: Refusals of a read that say "not here" rather than "not at all": the next node is asked.
 _ELSEWHERE = frozenset({Code.SERVICE_NOT_READY, Code.SERVER_NOT_LEADER, Code.SHUTTING_DOWN})
 
@@ -247,6 +253,7 @@ class Client(ClientMethods):
         self.read_from = read_from
         self._spread = Spread(self.endpoints) if read_from == "any" else None
         self._readers: dict[str, _Link] = {}
+        self._discover_at = 0.0  # monotonic: when a spreading client asks for the nodes again
         self._routing_prefix = routing_id_prefix
         self._curve: tuple[bytes, KeyPair] | None = None
         if curve_server_key is not None:
@@ -314,6 +321,8 @@ class Client(ClientMethods):
         """One read over the nodes in turn (``read_from="any"``): the first answer, or
         ``_NO_REPLY`` when no node answered it (the leader path takes it then)."""
         assert self._spread is not None  # internal: only with read_from="any"
+        if time.monotonic() >= self._discover_at:
+            self._discover()
         for endpoint in self._spread.order():
             link = self._reader(endpoint)
             if link is None:
@@ -464,6 +473,22 @@ class Client(ClientMethods):
                 return err, result
             # a late reply to an earlier, timed-out call: skip it
         return None
+
+    def _discover(self) -> None:
+        """Add the nodes ``get_manager_cluster_info`` lists (``members``) to the endpoints reads
+        go to; a deployment without the lease, or a call that fails, adds none (asked again in
+        :data:`DISCOVER_S`)."""
+        self._discover_at = time.monotonic() + DISCOVER_S
+        try:
+            info = self.call("get_manager_cluster_info", timeout=min(self.timeout, 2.0), retry=False)
+        except KvcmError:
+            return
+        members = info.get("members") if isinstance(info, dict) else None
+        for member in members if isinstance(members, list) else []:
+            endpoint = member.get("endpoint") if isinstance(member, dict) else None
+            if (isinstance(endpoint, str) and endpoint.startswith(("tcp://", "ipc://"))
+                    and endpoint not in self.endpoints.all and len(self.endpoints.all) < MAX_READERS):
+                self.endpoints.all.append(endpoint)
 
     def _connected(self) -> _Link:
         if self._link is None:

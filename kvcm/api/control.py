@@ -217,10 +217,15 @@ def cluster_info(info: Mapping[str, object], started: float) -> dict[str, object
     leader_node = {"node_id": ha.get("leader_node_id") or "", "endpoint": ha.get("leader_endpoint") or "",
                    "leader": True}
     nodes = [me] if leader or not leader_node["node_id"] else [me, leader_node]
+    members = _members(ha.get("members"))
+    listed = {n["node_id"] for n in nodes}
+    nodes += [{**m, "leader": m["node_id"] == leader_node["node_id"]} for m in members if m["node_id"] not in listed]
     return {
         "leader": leader,
         "self": me,
         "nodes": nodes,
+        # every node that announced itself within a lease, at the endpoint clients reach it on
+        "members": members,
         "self_node_id": node_id,
         "leader_node_id": leader_node["node_id"],
         "leader_endpoint": me if leader else leader_node,
@@ -231,6 +236,14 @@ def cluster_info(info: Mapping[str, object], started: float) -> dict[str, object
         # Wall-clock ms this node won its current term (0 = not the leader): failover timing.
         "self_leader_since_time": int(float(ha.get("leader_since") or 0) * 1000),
     }
+
+
+def _members(raw: object) -> list[dict[str, object]]:
+    """The lease's ``members`` as plain maps (none when the facts hold no list)."""
+    if not isinstance(raw, list):
+        return []
+    return [{"node_id": str(m["node_id"]), "endpoint": str(m["endpoint"])} for m in raw
+            if isinstance(m, dict) and "node_id" in m and "endpoint" in m]
 
 
 #: The spec fields a data-plane user sees, per storage type: a whitelist, so a field added to a

@@ -43,6 +43,33 @@ class Holder:
     epoch: int
 
 
+#: Nodes a deployment lists at most (``get_manager_cluster_info``): announcements past it are
+#: not read, so nodes that come and go cannot grow what every node reads each second.
+MAX_MEMBERS = 64
+#: How often a node reads the list of nodes again (seconds); what it shows may be this old.
+MEMBERS_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Member:
+    """A node of the deployment as it announced itself (``at``: its wall clock, seconds)."""
+
+    node_id: str
+    endpoint: str
+    at: float
+
+
+def parse_member(raw: str | bytes | None) -> Member | None:
+    """The node an announcement names, None when it is not one kvcm wrote."""
+    if raw is None:
+        return None
+    try:
+        obj = json.loads(raw)
+        return Member(str(obj["node_id"]), str(obj["endpoint"]), float(obj["at"]))
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
 def parse_holder(raw: str | bytes | None) -> Holder | None:
     """The holder in a leader record, None when absent or not a record kvcm wrote."""
     if raw is None:
@@ -92,6 +119,8 @@ class Campaign(ABC):
         self._was: tuple[bool, int] = (False, 0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._members: list[Member] = []
+        self._members_at = float("-inf")
 
     # -- one coordination's primitives -----------------------------------------------------------
 
@@ -110,6 +139,48 @@ class Campaign(ABC):
     @abstractmethod
     def _read_holder(self) -> Holder | None:
         """The current holder as the coordination says now (raises one of :attr:`errors`)."""
+
+    @abstractmethod
+    def _announce(self, record: bytes) -> None:
+        """Store this node's announcement (raises one of :attr:`errors`)."""
+
+    @abstractmethod
+    def _read_members(self) -> list[bytes]:
+        """At most :data:`MAX_MEMBERS` announcements (raises one of :attr:`errors`)."""
+
+    @abstractmethod
+    def _forget_members(self, node_ids: list[str]) -> None:
+        """Remove these nodes' announcements (the leader's clean-up; raises one of :attr:`errors`)."""
+
+    # -- the nodes of the deployment -----------------------------------------------------------------
+
+    def announce(self) -> None:
+        """Say this node is here (every round): what ``get_manager_cluster_info`` lists, and
+        where ``Client(read_from="any")`` sends reads."""
+        self._announce(json.dumps({"node_id": self.node_id, "endpoint": self.endpoint,
+                                   "at": round(time.time(), 3)}).encode())
+
+    def members(self) -> list[Member]:
+        """The nodes that announced themselves within ``lease_ms`` (sorted by node id; read at
+        most every :data:`MEMBERS_EVERY_S`; a coordination error keeps the last reading). The
+        leader forgets the announcements of nodes silent for ten leases."""
+        now_mono = time.monotonic()
+        if now_mono - self._members_at > MEMBERS_EVERY_S:
+            self._members_at = now_mono
+            try:
+                found = [m for m in map(parse_member, self._read_members()) if m is not None]
+            except self.errors:
+                return self._members
+            now = time.time()
+            live = now - self.lease_ms / 1000.0
+            self._members = sorted((m for m in found if m.at >= live), key=lambda m: m.node_id)
+            gone = [m.node_id for m in found if m.at < now - 10 * self.lease_ms / 1000.0]
+            if gone and self.is_leader():
+                try:
+                    self._forget_members(gone)
+                except self.errors:
+                    pass
+        return self._members
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -204,6 +275,7 @@ class Campaign(ABC):
                     self.renew()
             if self._record is None and time.monotonic() >= self._hold_until:
                 self.try_acquire()
+            self.announce()
         except self.errors as exc:
             log.warning("lease: %s coordination unavailable (%s)", self.coordination, exc)
             if self._record is not None and not self.is_leader():
@@ -259,6 +331,7 @@ def lease_facts(lease: Campaign) -> dict[str, Encodable]:
         "epoch": lease.epoch if leader else (holder.epoch if holder else 0),
         "lease_expires_at": lease.expires_at(),
         "leader_since": lease.since(),
+        "members": [{"node_id": m.node_id, "endpoint": m.endpoint} for m in lease.members()],
     }
 
 

@@ -21,6 +21,10 @@ followers keep answering reads. Should someone remove ``leader.lock`` by hand, a
 could win a term, but not the store: the leader's LMDB store holds the data dir's own lock
 (``kvcm.lock``) for as long as it is open, and the second node waits for it.
 
+* ``members/`` — one announcement per node, ``{"node_id", "endpoint", "at"}``, rewritten every
+  round (a new private file renamed over the old one), named by the hex of the node id; what
+  ``get_manager_cluster_info`` lists. The leader removes those of nodes silent for ten leases.
+
 The directory must belong to kvcm's user and be writable by nobody else: another local user who
 could write there could hold the lock or replace the record. A directory that is not is refused.
 """
@@ -36,7 +40,7 @@ from collections.abc import Callable
 
 from kvcm.backends.storage.safe_files import create_unique, open_regular
 from kvcm.errors import Conflict, StartRefused
-from kvcm.ha.campaign import Campaign, Holder, parse_holder
+from kvcm.ha.campaign import MAX_MEMBERS, Campaign, Holder, parse_holder
 from kvcm.ha.floor import EpochFloor
 from kvcm.lockfile import LockBusy, drop_lock_file, hold_lock_file, still_held
 
@@ -44,6 +48,7 @@ log = logging.getLogger("kvcm.ha")
 
 LOCK_FILE = "leader.lock"
 RECORD_FILE = "leader.json"
+MEMBERS_DIR = "members"
 _MAX_RECORD = 4096  # a record kvcm writes is far smaller: a bigger file is not one of ours
 
 
@@ -84,6 +89,8 @@ class FileLease(Campaign):
         self.directory = directory
         self.lock_path = os.path.join(directory, LOCK_FILE)
         self.record_path = os.path.join(directory, RECORD_FILE)
+        self.members_dir = os.path.join(directory, MEMBERS_DIR)
+        check_private_dir(self.members_dir)
         self._owner = f"the leader lease of node {node_id} ({id(self):x})"
 
     def try_acquire(self) -> bool:
@@ -148,13 +155,40 @@ class FileLease(Campaign):
             return None
         return None if gone else holder
 
+    def _announce(self, record: bytes) -> None:
+        self._write_file(self.members_dir, self._member_name(self.node_id), record)
+
+    def _read_members(self) -> list[bytes]:
+        found: list[bytes] = []
+        with os.scandir(self.members_dir) as entries:
+            for entry in entries:
+                if not _is_member_name(entry.name):
+                    continue  # a temporary file being renamed, or nothing of ours
+                raw = self._read_file(entry.path)
+                if raw is not None:
+                    found.append(raw)
+                if len(found) >= MAX_MEMBERS:
+                    break
+        return found
+
+    def _forget_members(self, node_ids: list[str]) -> None:
+        for node_id in node_ids:
+            _unlink_quietly(os.path.join(self.members_dir, self._member_name(node_id)))
+
+    @staticmethod
+    def _member_name(node_id: str) -> str:
+        return node_id.encode().hex() + ".json"
+
     def _read_record(self) -> bytes | None:
+        return self._read_file(self.record_path)
+
+    def _read_file(self, path: str) -> bytes | None:
         try:
-            fd = open_regular(self.record_path, os.O_RDONLY)
+            fd = open_regular(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
-        except OSError as exc:  # a symlink or a FIFO at its name: not a record (replaced at the next term)
-            log.warning("leader record %s unreadable: %s", self.record_path, exc)
+        except OSError as exc:  # a symlink or a FIFO at its name: not a record (replaced when next written)
+            log.warning("coordination file %s unreadable: %s", path, exc)
             return None
         try:
             raw = os.read(fd, _MAX_RECORD + 1)
@@ -163,16 +197,34 @@ class FileLease(Campaign):
         return raw if len(raw) <= _MAX_RECORD else None
 
     def _write_record(self, record: bytes) -> None:
-        tmp, fd = create_unique(os.path.join(self.directory, f".{RECORD_FILE}."))
+        self._write_file(self.directory, RECORD_FILE, record, sync=True)
+
+    @staticmethod
+    def _write_file(directory: str, name: str, record: bytes, sync: bool = False) -> None:
+        """``record`` as ``directory/name``: a new private file renamed over the old one
+        (``sync``: on disk first; an announcement is rewritten every round and need not be)."""
+        tmp, fd = create_unique(os.path.join(directory, f".{name}."))
         try:
             os.write(fd, record)
-            os.fsync(fd)
-            os.replace(tmp, self.record_path)
+            if sync:
+                os.fsync(fd)
+            os.replace(tmp, os.path.join(directory, name))
         except BaseException:
             _unlink_quietly(tmp)
             raise
         finally:
             os.close(fd)
+
+
+def _is_member_name(name: str) -> bool:
+    stem, dot, ext = name.partition(".")
+    if dot != "." or ext != "json" or not stem:
+        return False
+    try:
+        bytes.fromhex(stem)
+    except ValueError:
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
@@ -195,4 +247,4 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-__all__ = ["LOCK_FILE", "RECORD_FILE", "FileLease", "check_private_dir", "coordination_dir"]
+__all__ = ["LOCK_FILE", "MEMBERS_DIR", "RECORD_FILE", "FileLease", "check_private_dir", "coordination_dir"]

@@ -4,6 +4,8 @@ Keys (beside the store's, under the same hash tag ``{P}``):
 
 * ``{P}:leader`` — the holder's record, a JSON map ``{"node_id", "endpoint", "epoch"}``, set
   with ``PX lease_ms NX``: it vanishes by itself when the holder stops renewing;
+* ``{P}:members`` — a hash: node id → that node's announcement ``{"node_id", "endpoint", "at"}``,
+  written every round by each node (what ``get_manager_cluster_info`` lists);
 * ``{P}:epoch`` — the fencing epoch the store's commit script checks. Acquiring runs ``SET NX``
   and ``INCR`` in one Lua script, so every term has its own epoch and the new holder's commits
   carry it (:attr:`RedisStore.fencing_token`) while a deposed holder's are refused. The node's
@@ -31,7 +33,7 @@ from collections.abc import Callable
 
 import redis
 
-from kvcm.ha.campaign import VALID_SHARE, Campaign, Holder, lease_facts, not_leader, parse_holder
+from kvcm.ha.campaign import MAX_MEMBERS, VALID_SHARE, Campaign, Holder, lease_facts, not_leader, parse_holder
 from kvcm.ha.floor import EpochFloor
 
 # KEYS: leader, epoch. ARGV: node id, endpoint, lease ms, the epoch floor (kvcm.ha.floor). {1,
@@ -94,6 +96,7 @@ class Lease(Campaign):
         tag = "{" + prefix + "}"
         self.leader_key = f"{tag}:leader".encode()
         self.epoch_key = f"{tag}:epoch".encode()
+        self.members_key = f"{tag}:members".encode()
         self._client = client
         self._fence = fence
         self._acquire = client.register_script(_ACQUIRE)
@@ -131,6 +134,21 @@ class Lease(Campaign):
 
     def _read_holder(self) -> Holder | None:
         return parse_holder(self._client.get(self.leader_key))
+
+    def _announce(self, record: bytes) -> None:
+        self._client.hset(self.members_key, self.node_id, record)
+
+    def _read_members(self) -> list[bytes]:
+        # HSCAN pages rather than HGETALL: a hash grown past the bound is read no further
+        found: list[bytes] = []
+        for _, value in self._client.hscan_iter(self.members_key, count=MAX_MEMBERS):
+            found.append(value)
+            if len(found) >= MAX_MEMBERS:
+                break
+        return found
+
+    def _forget_members(self, node_ids: list[str]) -> None:
+        self._client.hdel(self.members_key, *node_ids)
 
 
 __all__ = ["VALID_SHARE", "Holder", "Lease", "lease_facts", "not_leader", "parse_holder"]

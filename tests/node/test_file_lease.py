@@ -19,7 +19,7 @@ import pytest
 
 from kvcm.errors import StartRefused
 from kvcm.ha.campaign import not_leader
-from kvcm.ha.filelease import LOCK_FILE, RECORD_FILE, FileLease, coordination_dir
+from kvcm.ha.filelease import LOCK_FILE, MEMBERS_DIR, RECORD_FILE, FileLease, coordination_dir
 from kvcm.ha.floor import EpochFloor
 from tests.helpers import TIME_FACTOR, wait_until
 
@@ -194,3 +194,21 @@ def test_coordination_uri():
     assert coordination_dir("file:///var/lib/kvcm/") == "/var/lib/kvcm"
     with pytest.raises(ValueError):
         coordination_dir("file://host/dir")
+
+
+def test_members_list_the_announced_nodes_and_the_leader_forgets_the_long_silent(tmp_path):
+    a, b = lease(tmp_path, "n1"), lease(tmp_path, "n2")
+    assert a.try_acquire()
+    a.announce()
+    b.announce()
+    members = tmp_path / MEMBERS_DIR
+    silent = members / (b"n9".hex() + ".json")  # a node gone for 100 s: ten leases ago
+    silent.write_text(json.dumps({"node_id": "n9", "endpoint": "tcp://10.0.0.9:6381", "at": time.time() - 100}))
+    (members / "notes.txt").write_text("not ours")  # neither read nor removed
+    (members / (b"n8".hex() + ".json")).symlink_to(tmp_path / RECORD_FILE)  # not followed
+    assert [m.node_id for m in b.members()] == ["n1", "n2"]
+    assert silent.exists()  # a follower lists without removing
+    assert [(m.node_id, m.endpoint) for m in a.members()] == [("n1", a.endpoint), ("n2", b.endpoint)]
+    assert not silent.exists() and (members / "notes.txt").exists()
+    assert stat.S_IMODE(members.stat().st_mode) == 0o700
+    assert stat.S_IMODE((members / (b"n1".hex() + ".json")).stat().st_mode) == 0o600

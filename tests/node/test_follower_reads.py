@@ -3,15 +3,17 @@ leader commit, and never write: two real ``kvcm serve`` nodes on one Redis prefi
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 
 import pytest
 import redis
+import requests
 
 from kvcm import Client
 from kvcm.errors import Code, KvcmError
-from tests.helpers import add_file_storage, add_group, register, write
+from tests.helpers import add_file_storage, add_group, register, wait_until, write
 from tests.node.test_ha import Pair, _raw_call
 
 
@@ -282,3 +284,33 @@ def test_a_turn_after_no_commit_costs_the_follower_one_get_not_every_version(pai
         after = commands(lambda: _served(at, [1, 2, 3]))
         assert [cmd for cmd in after if cmd[0] == b"HMGET" and cmd[1] == versions]
         assert _served(at, [1, 2, 3]) == [1, 2, 3]
+
+
+def test_every_node_lists_both_nodes_and_a_client_seeded_with_one_reads_from_both(pair):
+    leader, follower = _follower(pair)
+
+    def members(node: str) -> dict[str, str]:
+        with Client(pair.endpoints[node], timeout=5.0, retries=0) as c:
+            return {m["node_id"]: m["endpoint"] for m in c.call("get_manager_cluster_info")["members"]}
+
+    wait_until(lambda: members(leader) == pair.endpoints and members(follower) == pair.endpoints,
+               what="both nodes listed by both")
+    raw = redis.Redis.from_url(pair.redis_url)
+    assert set(raw.hkeys(f"{{{pair.prefix}}}:members".encode())) == {b"n1", b"n2"}
+    with Client(pair.endpoints[leader], timeout=5.0, read_from="any") as kv:
+        register(kv, "inst")
+        write(kv, [1, 2])
+        for _ in range(6):
+            assert len(kv.get_cache_location(instance_id="inst", query_type="prefix_match",
+                                             block_keys=[1, 2]).locations) == 2
+    assert _ran(pair.endpoints[follower], "get_cache_location") == 3  # seeded with the leader only
+    assert _ran(pair.endpoints[leader], "get_cache_location") == 3
+
+
+def _ran(endpoint: str, method: str) -> float:
+    """How many ``method`` requests the node at ``endpoint`` ran (its ``/metrics``)."""
+    with Client(endpoint, timeout=5.0, retries=0) as c:
+        port = c.call("check_health")["node"]["http_port"]
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    found = re.search(rf'^kvcm_rpc_requests_total{{method="{method}"}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0

@@ -109,3 +109,33 @@ def test_reads_go_to_every_node_writes_to_the_leader_and_a_dead_followers_reads_
 def test_read_from_is_checked():
     with pytest.raises(InvalidArgument, match="read_from"):
         Client("ipc:///nowhere", read_from="followers")
+
+
+def test_one_seed_endpoint_is_enough_the_deployment_lists_its_nodes(trio):
+    leader = _leader(trio)
+    follower = next(name for name in trio if name != leader)
+    endpoints = {name: s.endpoint for name, s in trio.items()}
+
+    def listed(at: str) -> dict[str, str]:
+        with Client(at, timeout=3.0, retries=0) as c:
+            info = c.call("get_manager_cluster_info")
+        return {m["node_id"]: m["endpoint"] for m in info["members"]}
+
+    wait_until(lambda: listed(endpoints[follower]) == endpoints, what="every node listed")
+    with Client(endpoints[follower], timeout=3.0) as c:
+        info = c.call("get_manager_cluster_info")
+    assert {n["node_id"]: n["leader"] for n in info["nodes"]} == {name: name == leader for name in trio}
+    before = {name: _served(server, "get_cache_location") for name, server in trio.items()}
+    with Client(endpoints[follower], timeout=3.0, read_from="any") as kv:  # one seed: a follower
+        register(kv)
+        write(kv, [1, 2, 3])
+        for _ in range(9):
+            assert len(kv.get_cache_location(instance_id="inst", query_type="prefix_match",
+                                             block_keys=[1, 2, 3]).locations) == 3
+    after = {name: _served(server, "get_cache_location") - before[name] for name, server in trio.items()}
+    assert all(n >= 2 for n in after.values()), after  # every node served reads
+    gone = next(name for name in trio if name not in (leader, follower))
+    os.kill(trio[gone].process.pid, signal.SIGKILL)  # type: ignore[union-attr]
+    # no longer announced: dropped once a lease (1 s) passed without its word (and a listing
+    # read a second at most later), long before the leader forgets its announcement (10 leases)
+    wait_until(lambda: gone not in listed(endpoints[leader]), timeout=5.0, what="the killed node unlisted")
