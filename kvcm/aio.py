@@ -13,7 +13,8 @@ is dropped. ``timeout`` is per attempt; a call with no reply in time raises
 under a new msgid, so a late reply to the first attempt cannot be taken for the retry's.
 :meth:`Client.close` fails every pending call with ``Unavailable`` (``SHUTTING_DOWN``).
 One client belongs to one event loop. Several endpoints and ``SERVER_NOT_LEADER`` are handled
-as by :class:`kvcm.Client` (follow the leader for any method; on a timeout, the next endpoint).
+as by :class:`kvcm.Client` (follow the leader for any method; on a timeout, the next endpoint),
+and so is ``read_from="any"`` (reads spread over the nodes, each over a socket of its own).
 """
 
 from __future__ import annotations
@@ -30,20 +31,27 @@ import zmq.asyncio
 
 from kvcm.aio_methods import AsyncClientMethods
 from kvcm.client import (
+    DISCOVER_S,
     IDEMPOTENT_METHODS,
     METHODS,
+    READER_CONNECT_S,
     ClientState,
     CurveClientKeys,
     Endpoints,
+    Spread,
     _Skip,
+    add_members,
     build_request,
+    check_read_from,
     decode_reply,
     drop_unset,
+    elsewhere,
     follows_leader,
     timeout_error,
 )
 from kvcm.errors import Code, InvalidArgument, KvcmError, Unavailable
 from kvcm.proto import wire
+from kvcm.proto.methods import FOLLOWER_READS
 from kvcm.proto.results import HEAD, Envelope, decoder
 from kvcm.rpc.curve import KeyPair, apply_client, client_keypair, load_public_key
 
@@ -73,8 +81,16 @@ class Client(AsyncClientMethods):
         context: zmq.asyncio.Context | None = None,
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_keys: CurveClientKeys | None = None,
+        read_from: str = "leader",
     ) -> None:
+        """``read_from``: ``"leader"``, or ``"any"`` to spread reads over the nodes
+        (:class:`kvcm.Client`)."""
+        check_read_from(read_from)
         self.endpoints = Endpoints(endpoint)
+        self.read_from = read_from
+        self._spread = Spread(self.endpoints) if read_from == "any" else None
+        self._readers: dict[str, tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = {}
+        self._discover_at = 0.0
         self._curve: tuple[bytes, KeyPair] | None = None
         if curve_server_key is not None:
             self._curve = (load_public_key(curve_server_key), client_keypair(curve_client_keys))
@@ -124,6 +140,8 @@ class Client(AsyncClientMethods):
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+        for endpoint in list(self._readers):
+            self._drop_reader(endpoint)
         retired, self._retired = self._retired, []
         for sock, task in retired:
             self._close_socket(sock, task)
@@ -152,6 +170,10 @@ class Client(AsyncClientMethods):
         if self.state is ClientState.CLOSED:
             raise RuntimeError("client is closed")
         wait = self.timeout if timeout is None else timeout
+        if self._spread is not None and method in FOLLOWER_READS:
+            spread = await self._read_spread(method, params, dec, wait)
+            if not isinstance(spread, _TimedOut):
+                return spread
         attempts = 1 + (self.retries if may_retry else 0)
         timeouts = follows = 0
         while True:
@@ -180,6 +202,51 @@ class Client(AsyncClientMethods):
             if timeouts >= attempts:
                 raise timeout_error(method, where, wait, attempts, self._curve is not None)
 
+    async def _read_spread(self, method: str, params: dict[str, object],
+                           dec: msgspec.msgpack.Decoder[Envelope[T]], wait: float) -> T | _TimedOut:
+        """One read over the nodes in turn (``read_from="any"``): the first answer, or
+        ``_TIMED_OUT`` when no node answered it (the leader path takes it then)."""
+        assert self._spread is not None  # internal: only with read_from="any"
+        if asyncio.get_running_loop().time() >= self._discover_at:
+            await self._discover()
+        for endpoint in self._spread.order():
+            msgid = self._next_id()
+            payload = build_request(method, msgid, params, self.auth)
+            data = await self._attempt(msgid, payload, wait, self._read_socket(endpoint))
+            if not isinstance(data, _TimedOut):
+                try:
+                    return decode_reply(dec, data, msgid)
+                except KvcmError as exc:
+                    if not elsewhere(exc):
+                        raise
+                except _Skip:
+                    pass
+            self._spread.failed(endpoint)
+            self._drop_reader(endpoint)
+        return _TIMED_OUT
+
+    async def _discover(self) -> None:
+        """Add the nodes the deployment lists to the endpoints reads go to (:class:`kvcm.Client`)."""
+        self._discover_at = asyncio.get_running_loop().time() + DISCOVER_S
+        try:
+            info = await self.call("get_manager_cluster_info", timeout=min(self.timeout, 2.0), retry=False)
+        except KvcmError:
+            return
+        add_members(self.endpoints, info)
+
+    def _read_socket(self, endpoint: str) -> zmq.asyncio.Socket:
+        """The socket reads to ``endpoint`` use (queueing nothing while it is not connected)."""
+        found = self._readers.get(endpoint)
+        if found is None:
+            sock = self._open(endpoint, immediate=True)
+            found = self._readers[endpoint] = (sock, asyncio.get_running_loop().create_task(self._read(sock)))
+        return found[0]
+
+    def _drop_reader(self, endpoint: str) -> None:
+        found = self._readers.pop(endpoint, None)
+        if found is not None:
+            self._close_socket(*found)
+
     async def _move(self, pause: float) -> None:
         """Connect to ``self.endpoint`` (changed by the caller) for the next attempts, after
         ``pause`` seconds. The old socket keeps its reader for a while: calls in flight on it still
@@ -192,9 +259,11 @@ class Client(AsyncClientMethods):
         if pause:
             await asyncio.sleep(pause)
 
-    async def _attempt(self, msgid: int, payload: bytes, wait: float) -> bytes | _TimedOut:
-        """The reply bytes to ``msgid``, or ``_TIMED_OUT``."""
-        sock = self._connected()
+    async def _attempt(self, msgid: int, payload: bytes, wait: float,
+                       reader: zmq.asyncio.Socket | None = None) -> bytes | _TimedOut:
+        """The reply bytes to ``msgid``, or ``_TIMED_OUT``. ``reader``: a node's read socket,
+        whose connection is waited for :data:`~kvcm.client.READER_CONNECT_S` at most."""
+        sock = reader or self._connected()
         loop = asyncio.get_running_loop()
         fut: Pending = loop.create_future()
         self._pending[msgid] = fut
@@ -202,9 +271,12 @@ class Client(AsyncClientMethods):
         try:
             sent = asyncio.ensure_future(sock.send(payload))
             if not sent.done():  # no usable pipe yet (no high-water mark is set, so nothing else)
-                await asyncio.wait((sent, fut), return_when=asyncio.FIRST_COMPLETED)
-                if not sent.done():  # only the timer or close() ends fut before the send
+                connect = min(wait, READER_CONNECT_S) if reader is not None else None
+                await asyncio.wait((sent, fut), timeout=connect, return_when=asyncio.FIRST_COMPLETED)
+                if not sent.done():  # the timer, close() or the reader's connect wait came first
                     sent.cancel()
+                    if not fut.done():
+                        return _TIMED_OUT
             return await fut
         finally:
             timer.cancel()
@@ -218,19 +290,24 @@ class Client(AsyncClientMethods):
 
     def _connected(self) -> zmq.asyncio.Socket:
         if self._socket is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            # No high-water marks: the pending calls (each with its timeout) bound both queues.
-            # A send limit would park calls in pyzmq's send queue, whose cost grows with its
-            # length; a receive limit would only make the server drop replies in a burst.
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            if self._curve is not None:
-                apply_client(sock, *self._curve)
-            sock.connect(self.endpoint)
-            self._socket = sock
+            sock = self._socket = self._open(self.endpoint)
             self._reader = asyncio.get_running_loop().create_task(self._read(sock))
         return self._socket
+
+    def _open(self, endpoint: str, immediate: bool = False) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # No high-water marks: the pending calls (each with its timeout) bound both queues.
+        # A send limit would park calls in pyzmq's send queue, whose cost grows with its
+        # length; a receive limit would only make the server drop replies in a burst.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if immediate:  # queue nothing for a node not connected (yet): its reads go elsewhere
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+        if self._curve is not None:
+            apply_client(sock, *self._curve)
+        sock.connect(endpoint)
+        return sock
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         """Route every reply to the future of its msgid; drop replies nobody awaits."""

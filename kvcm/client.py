@@ -185,6 +185,27 @@ MAX_READERS = 64
 _ELSEWHERE = frozenset({Code.SERVICE_NOT_READY, Code.SERVER_NOT_LEADER, Code.SHUTTING_DOWN})
 
 
+def add_members(endpoints: Endpoints, info: object) -> None:
+    """Add the nodes a ``get_manager_cluster_info`` reply lists (``members``) to ``endpoints``
+    (``tcp://`` and ``ipc://`` ones, up to :data:`MAX_READERS` in all)."""
+    members = info.get("members") if isinstance(info, dict) else None
+    for member in members if isinstance(members, list) else []:
+        endpoint = member.get("endpoint") if isinstance(member, dict) else None
+        if (isinstance(endpoint, str) and endpoint.startswith(("tcp://", "ipc://"))
+                and endpoint not in endpoints.all and len(endpoints.all) < MAX_READERS):
+            endpoints.all.append(endpoint)
+
+
+def check_read_from(read_from: str) -> None:
+    if read_from not in ("leader", "any"):
+        raise InvalidArgument(f"read_from: must be 'leader' or 'any', got {read_from!r}")
+
+
+def elsewhere(exc: KvcmError) -> bool:
+    """A refusal of a read that says "not here" rather than "not at all": ask the next node."""
+    return exc.code in _ELSEWHERE
+
+
 class Spread:
     """Which node a read goes to (``read_from="any"``): the endpoints in turn, minus those that
     failed a read within :data:`READER_DOWN_S`."""
@@ -247,8 +268,7 @@ class Client(ClientMethods):
         """``routing_id_prefix``: the socket's ZeroMQ routing id starts with it (then random
         bytes); kvcm's own relays use :data:`kvcm.proto.wire.RELAY_ID_PREFIX`. ``read_from``:
         ``"leader"``, or ``"any"`` to spread reads over the endpoints (see the module doc)."""
-        if read_from not in ("leader", "any"):
-            raise InvalidArgument(f"read_from: must be 'leader' or 'any', got {read_from!r}")
+        check_read_from(read_from)
         self.endpoints = Endpoints(endpoint)
         self.read_from = read_from
         self._spread = Spread(self.endpoints) if read_from == "any" else None
@@ -331,7 +351,7 @@ class Client(ClientMethods):
                 try:
                     got = exchange(link)
                 except KvcmError as exc:
-                    if exc.code not in _ELSEWHERE:
+                    if not elsewhere(exc):
                         raise
                     got = None
             if got is not None:
@@ -483,12 +503,7 @@ class Client(ClientMethods):
             info = self.call("get_manager_cluster_info", timeout=min(self.timeout, 2.0), retry=False)
         except KvcmError:
             return
-        members = info.get("members") if isinstance(info, dict) else None
-        for member in members if isinstance(members, list) else []:
-            endpoint = member.get("endpoint") if isinstance(member, dict) else None
-            if (isinstance(endpoint, str) and endpoint.startswith(("tcp://", "ipc://"))
-                    and endpoint not in self.endpoints.all and len(self.endpoints.all) < MAX_READERS):
-                self.endpoints.all.append(endpoint)
+        add_members(self.endpoints, info)
 
     def _connected(self) -> _Link:
         if self._link is None:
