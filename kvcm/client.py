@@ -232,13 +232,12 @@ class Spread:
 
 
 class _Link:
-    """One DEALER socket to one endpoint, the receive timeout set on it, and how long a send
-    waits for its connection (``connect_s``; a reader's is short: another node can answer)."""
+    """One DEALER socket, the receive timeout set on it, and how long a send waits for its
+    connection (``connect_s``; a reader's is short: another node can answer)."""
 
-    __slots__ = ("connect_s", "endpoint", "rcvtimeo", "sock")
+    __slots__ = ("connect_s", "rcvtimeo", "sock")
 
-    def __init__(self, endpoint: str, sock: zmq.Socket[bytes], connect_s: float = float("inf")) -> None:
-        self.endpoint = endpoint
+    def __init__(self, sock: zmq.Socket[bytes], connect_s: float = float("inf")) -> None:
         self.sock = sock
         self.connect_s = connect_s
         self.rcvtimeo = -1  # -1: none set
@@ -328,7 +327,7 @@ class Client(ClientMethods):
         wait = self.timeout if timeout is None else timeout
 
         if self._spread is not None and method in FOLLOWER_READS:
-            spread = self._read_spread(lambda link: _here(self._roundtrip(payload, msgid, wait, link)), wait)
+            spread = self._read_spread(lambda link: _here(self._roundtrip(payload, msgid, wait, link)))
             if not isinstance(spread, _NoReply):
                 return _result(spread)
 
@@ -337,7 +336,7 @@ class Client(ClientMethods):
             return _NO_REPLY if reply is None else _result(reply)
         return self._send_until_answered(method, once, may_retry, wait)
 
-    def _read_spread(self, exchange: Callable[[_Link], T | None], wait: float) -> T | _NoReply:
+    def _read_spread(self, exchange: Callable[[_Link], T | None]) -> T | _NoReply:
         """One read over the nodes in turn (``read_from="any"``): the first answer, or
         ``_NO_REPLY`` when no node answered it (the leader path takes it then)."""
         assert self._spread is not None  # internal: only with read_from="any"
@@ -403,7 +402,7 @@ class Client(ClientMethods):
         dec = decoder(reply)
         wait = self.timeout if timeout is None else timeout
         if self._spread is not None and method in FOLLOWER_READS:
-            spread = self._read_spread(lambda link: self._exchange(payload, dec, msgid, wait, link), wait)
+            spread = self._read_spread(lambda link: self._exchange(payload, dec, msgid, wait, link))
             if not isinstance(spread, _NoReply):
                 return spread
 
@@ -507,7 +506,7 @@ class Client(ClientMethods):
 
     def _connected(self) -> _Link:
         if self._link is None:
-            self._link = _Link(self.endpoint, self._open(self.endpoint))
+            self._link = _Link(self._open(self.endpoint))
         return self._link
 
     def _open(self, endpoint: str, immediate: bool = False) -> zmq.Socket[bytes]:
@@ -527,7 +526,7 @@ class Client(ClientMethods):
         :data:`READER_CONNECT_S`."""
         link = self._readers.get(endpoint)
         if link is None:
-            link = self._readers[endpoint] = _Link(endpoint, self._open(endpoint, immediate=True), READER_CONNECT_S)
+            link = self._readers[endpoint] = _Link(self._open(endpoint, immediate=True), READER_CONNECT_S)
             if not link.sock.poll(int(READER_CONNECT_S * 1000), zmq.POLLOUT):
                 return None
         return link

@@ -128,6 +128,27 @@ def wait_until(cond, timeout=10.0, interval=0.02, what="condition not met in tim
         time.sleep(interval)
 
 
+def one_leader(endpoints: dict[str, str], timeout: float = 20.0) -> str:
+    """The name of the node (of ``endpoints``: name -> endpoint) that leads, once exactly one
+    says so in ``check_health``; a node that does not answer is not it."""
+    from kvcm import Client
+
+    found: list[str] = []
+
+    def one() -> bool:
+        found.clear()
+        for name, endpoint in endpoints.items():
+            try:
+                with Client(endpoint, timeout=1.0, retries=0) as c:
+                    if c.call("check_health")["is_leader"]:
+                        found.append(name)
+            except KvcmError:
+                pass
+        return len(found) == 1
+    wait_until(one, timeout=timeout, what="exactly one leader")
+    return found[0]
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (another process may take it before it is bound)."""
     with socket.socket() as s:

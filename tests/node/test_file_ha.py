@@ -26,7 +26,7 @@ from kvcm import Client
 from kvcm.config import ConfigError, load
 from kvcm.errors import Code, KvcmError
 from kvcm.testing import start_subprocess, stop_subprocess
-from tests.helpers import TIME_FACTOR, register, write
+from tests.helpers import TIME_FACTOR, one_leader, register, write
 from tests.helpers import wait_until as _poll
 
 LEASE_MS, RENEW_MS = 1000, 200
@@ -72,19 +72,7 @@ class Pair:
             return c.call("get_manager_cluster_info")
 
     def leader(self, among: tuple[str, ...] = ("n1", "n2")) -> str:
-        found: list[str] = []
-
-        def one() -> bool:
-            found.clear()
-            for node in among:
-                try:
-                    if self.health(node)["is_leader"]:
-                        found.append(node)
-                except KvcmError:
-                    pass
-            return len(found) == 1
-        wait_until(one, what="exactly one leader")
-        return found[0]
+        return one_leader({node: self.endpoints[node] for node in among})
 
     def stop(self) -> None:
         for server in self.nodes.values():

@@ -21,9 +21,9 @@ import requests
 
 import kvcm.aio
 from kvcm import Client
-from kvcm.errors import InvalidArgument, KvcmError
+from kvcm.errors import InvalidArgument
 from kvcm.testing import RunningServer, start_subprocess, stop_subprocess
-from tests.helpers import TIME_FACTOR, register, write
+from tests.helpers import TIME_FACTOR, one_leader, register, write
 from tests.helpers import wait_until as _poll
 
 wait_until = functools.partial(_poll, timeout=20.0)
@@ -59,20 +59,7 @@ def _served(server: RunningServer, method: str) -> float:
 
 
 def _leader(nodes: dict[str, RunningServer]) -> str:
-    found: list[str] = []
-
-    def one() -> bool:
-        found.clear()
-        for name, server in nodes.items():
-            try:
-                with Client(server.endpoint, timeout=1.0, retries=0) as c:
-                    if c.call("check_health")["is_leader"]:
-                        found.append(name)
-            except KvcmError:
-                pass
-        return len(found) == 1
-    wait_until(one, what="exactly one leader")
-    return found[0]
+    return one_leader({name: server.endpoint for name, server in nodes.items()})
 
 
 def test_reads_go_to_every_node_writes_to_the_leader_and_a_dead_followers_reads_move(trio):

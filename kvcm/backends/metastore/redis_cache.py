@@ -43,17 +43,12 @@ class CommittedCache:
         self._lock = threading.Lock()
         self._generation = 0  # moves when a commit begins and when it ends
         self._committing = 0  # commits between begin_commit and their end
-        self.hits = 0
-        self.misses = 0
 
     def get(self, db: str, key: bytes) -> bytes | Miss | None:
         with self._lock:
             value = self._data.get((db, key), MISS)
-            if value is MISS:
-                self.misses += 1
-                return MISS
-            self._data.move_to_end((db, key))
-            self.hits += 1
+            if value is not MISS:
+                self._data.move_to_end((db, key))
             return value
 
     def before_read(self) -> int:

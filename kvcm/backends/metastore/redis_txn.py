@@ -143,15 +143,16 @@ class RedisReadTxn:
         cache = self._store.cache
         token = -1
         if cache is not None:
+            key = bytes(key)  # the cache's key (a view of the caller's would change under it)
             if self._from_cache:
-                known = cache.get(db, bytes(key))
+                known = cache.get(db, key)
                 if not isinstance(known, Miss):
                     return known
             token = cache.before_read()
         value = call(self._store.client.hget, self._store.hash_key(db), key)
         value = value if not isinstance(value, str) else value.encode()  # never str: replies are not decoded
         if cache is not None:
-            cache.fill(token, db, ((bytes(key), value),))
+            cache.fill(token, db, ((key, value),))
         return value
 
     def get_many(self, db: str, keys: Iterable[bytes]) -> list[bytes | None]:
