@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -49,10 +49,12 @@ from kvcm.client import (
     follows_leader,
     timeout_error,
 )
+from kvcm.client_shards import MAX_REDIRECTS, Routes, merge, redirected
 from kvcm.errors import Code, InvalidArgument, KvcmError, Unavailable
 from kvcm.proto import wire
 from kvcm.proto.methods import FOLLOWER_READS
 from kvcm.proto.results import HEAD, Envelope, decoder
+from kvcm.proto.shards import ShardInfo
 from kvcm.rpc.curve import KeyPair, apply_client, client_keypair, load_public_key
 
 T = TypeVar("T")
@@ -82,9 +84,15 @@ class Client(AsyncClientMethods):
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_keys: CurveClientKeys | None = None,
         read_from: str = "leader",
+        routed: bool = True,
     ) -> None:
-        """``read_from``: ``"leader"``, or ``"any"`` to spread reads over the nodes
-        (:class:`kvcm.Client`)."""
+        """``read_from``: ``"leader"``, or ``"any"`` to spread reads over the nodes; ``routed``:
+        follow ``WRONG_SHARD`` to the owning shard (both as :class:`kvcm.Client`)."""
+        self._options: dict[str, Any] = dict(timeout=timeout, retries=retries, auth=auth, context=context,
+                                             curve_server_key=curve_server_key,
+                                             curve_client_keys=curve_client_keys, read_from=read_from)
+        self._routes: Routes | None = Routes() if routed else None
+        self._shard_clients: dict[str, Client] = {}
         check_read_from(read_from)
         self.endpoints = Endpoints(endpoint)
         self.read_from = read_from
@@ -126,6 +134,9 @@ class Client(AsyncClientMethods):
     async def close(self) -> None:
         """Idempotent: fail every pending call, stop the reader, close the socket."""
         self.state = ClientState.CLOSED
+        shards, self._shard_clients = list(self._shard_clients.values()), {}
+        for shard in shards:
+            await shard.close()
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():
@@ -160,10 +171,67 @@ class Client(AsyncClientMethods):
     ) -> Any:
         """Send one request and return its result map; raise the mapped KvcmError on error."""
         may_retry = method in IDEMPOTENT_METHODS if retry is None else retry
-        return await self._request(method, dict(params or {}), decoder(object), timeout, may_retry)
+        sent = dict(params or {})
+        if self._routes is None:
+            return await self._request(method, sent, decoder(object), timeout, may_retry)
+        return await self._routed(method, sent, lambda c: c._request(method, sent, decoder(object), timeout, may_retry))
 
     async def _typed(self, method: str, reply: type[T], timeout: float | None, **params: object) -> T:
-        return await self._request(method, drop_unset(params), decoder(reply), timeout, method in IDEMPOTENT_METHODS)
+        sent = drop_unset(params)
+        may_retry = method in IDEMPOTENT_METHODS
+        if self._routes is None:
+            return await self._request(method, sent, decoder(reply), timeout, may_retry)
+        return await self._routed(method, sent, lambda c: c._request(method, sent, decoder(reply), timeout, may_retry))
+
+    async def _routed(self, method: str, params: Mapping[str, object],
+                      once: Callable[[Client], Awaitable[T]]) -> T:
+        """As :meth:`kvcm.Client._routed`: to the call's shard, following ``WRONG_SHARD``."""
+        routes = self._routes
+        assert routes is not None  # internal: only a routed client
+        key = routes.fans_out(method, params)
+        if key is not None and routes.map_due():
+            await self._take_map(routes)
+        if key is not None and routes.shards:
+            replies = [await once(self._shard_client(s)) for s in sorted(routes.shards.values())]
+            return merge(list(replies), key)  # type: ignore[return-value]
+        shard = routes.shard_for(method, params)
+        target = self if shard is None or key is not None else self._shard_client(shard)
+        for redirects in range(MAX_REDIRECTS + 1):
+            try:
+                return await once(target)
+            except KvcmError as exc:
+                if not redirected(exc) or redirects == MAX_REDIRECTS:
+                    raise
+                shard = routes.learn(exc)
+                if shard is None:
+                    raise
+                if not routes.mapped:  # sharded after all: the seeds' shard's other nodes, once
+                    await self._take_map(routes)
+                target = self._shard_client(shard)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    async def _take_map(self, routes: Routes) -> None:
+        try:
+            reply = await self._request("get_shard_map", {}, decoder(object), min(self.timeout, 2.0), True)
+        except KvcmError:
+            reply = None
+        for endpoint in routes.take_map(reply):
+            if endpoint not in self.endpoints.all:
+                self.endpoints.all.append(endpoint)
+
+    def _shard_client(self, shard: ShardInfo) -> Client:
+        known = self._shard_clients.get(shard.name)
+        if known is not None and set(shard.endpoints) <= set(known.endpoints.all):
+            return known
+        if known is not None:
+            self._retire_client(known)
+        client = self._shard_clients[shard.name] = Client(list(shard.endpoints), routed=False, **self._options)
+        return client
+
+    @staticmethod
+    def _retire_client(client: Client) -> None:
+        """A shard's client replaced by one of its new nodes: closed off the caller's path."""
+        asyncio.get_running_loop().create_task(client.close())
 
     async def _request(self, method: str, params: dict[str, object], dec: msgspec.msgpack.Decoder[Envelope[T]],
                        timeout: float | None, may_retry: bool) -> T:

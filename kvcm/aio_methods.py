@@ -88,11 +88,11 @@ class AsyncClientMethods(ABC):
         """Every storage; ``{"storage": [...]}``."""
         return await self._typed("list_storage", AdminReply, timeout, trace_id=trace_id)
 
-    async def create_instance_group(self, *, instance_group: InstanceGroup | EncodableMap,
+    async def create_instance_group(self, *, instance_group: InstanceGroup | EncodableMap, shard: str | None = None,
                                     trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
         """Create an instance group; ``{"instance_group": ...}`` at version 1."""
         return await self._typed("create_instance_group", AdminReply, timeout,
-                                 instance_group=_sendable(instance_group), trace_id=trace_id)
+                                 instance_group=_sendable(instance_group), shard=shard, trace_id=trace_id)
 
     async def update_instance_group(self, *, instance_group: Mapping[str, Encodable],
                                     current_version: int | None = None, expected_version: int | None = None,
@@ -196,6 +196,11 @@ class AsyncClientMethods(ABC):
                                        timeout: float | None = None) -> AdminReply:
         """The (single) node, always the leader, with Tair's fields."""
         return await self._typed("get_manager_cluster_info", AdminReply, timeout, trace_id=trace_id)
+
+    async def get_shard_map(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
+        """The shards of this node's directory (docs/shards.md): ``{"directory", "shard", "shards": [{"name",
+        "leader_endpoint", "endpoints", "groups"}]}``; no shards when the deployment is not sharded."""
+        return await self._typed("get_shard_map", AdminReply, timeout, trace_id=trace_id)
 
     async def leader_demote(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
         """The leader hands the lease over (never retried: each call is one step-down)."""

@@ -158,8 +158,43 @@ def build_parser() -> argparse.ArgumentParser:
     _call_parser(sub)
     _config_parser(sub)
     _storage_parser(sub)
+    _shards_parser(sub)
     _plugin_parsers(sub)
     return parser
+
+
+def _shards_parser(sub: Subcommands) -> None:
+    p = sub.add_parser("shards", help="list the shards of a sharded deployment: leaders, nodes, groups (any node "
+                                      "of any shard answers)")
+    _add_config_args(p)
+    p.add_argument("--endpoint", help="a node's RPC endpoint; else as `kvcm call` finds one")
+    p.add_argument("--timeout", type=_positive_seconds, default=5.0, help="seconds to wait for the reply")
+    p.add_argument("--json", action="store_true", help="print the shard map as JSON")
+    p.set_defaults(run=cmd_shards)
+
+
+def cmd_shards(args: argparse.Namespace) -> int:
+    """``kvcm shards``: ``get_shard_map`` of one node, as a table (or JSON)."""
+    from kvcm.client import Client
+
+    endpoint, _ = call_endpoint(args)
+    auth = _call_auth(argparse.Namespace(token=None, user=None, password=None, password_file=None), os.environ)
+    with Client(endpoint, timeout=args.timeout, retries=0, auth=auth) as client:
+        reply = client.call("get_shard_map")
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+        return 0
+    shards = reply.get("shards") or []
+    if not shards:
+        print(f"{endpoint}: not sharded (no shard.directory)")
+        return 0
+    print(f"directory {reply.get('directory')} (asked {endpoint}, shard {reply.get('shard')})")
+    print(f"{'shard':<16} {'groups':>7}  {'leader':<40} nodes")
+    for shard in shards:
+        followers = [e for e in shard.get("endpoints", []) if e != shard.get("leader_endpoint")]
+        print(f"{shard.get('name', ''):<16} {shard.get('groups', 0):>7}  {shard.get('leader_endpoint') or '(none)':<40} "
+              f"{len(shard.get('endpoints', []))} ({', '.join(followers) or 'no followers'})")
+    return 0
 
 
 def _plugin_parsers(sub: Subcommands) -> None:

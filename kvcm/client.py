@@ -54,10 +54,12 @@ import msgspec
 import zmq
 
 from kvcm.client_methods import ClientMethods
+from kvcm.client_shards import MAX_REDIRECTS, Routes, merge, redirected
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, Unavailable, error_from_wire
 from kvcm.proto import methods, wire
 from kvcm.proto.methods import FOLLOWER_READS
 from kvcm.proto.results import HEAD, Envelope, decoder
+from kvcm.proto.shards import ShardInfo
 from kvcm.rpc.curve import KeyPair, apply_client, client_keypair, load_public_key
 
 CurveClientKeys = str | os.PathLike[str] | tuple[str | bytes, str | bytes] | KeyPair
@@ -263,10 +265,16 @@ class Client(ClientMethods):
         curve_client_keys: CurveClientKeys | None = None,
         routing_id_prefix: bytes = b"",
         read_from: str = "leader",
+        routed: bool = True,
     ) -> None:
         """``routing_id_prefix``: the socket's ZeroMQ routing id starts with it (then random
         bytes); kvcm's own relays use :data:`kvcm.proto.wire.RELAY_ID_PREFIX`. ``read_from``:
-        ``"leader"``, or ``"any"`` to spread reads over the endpoints (see the module doc)."""
+        ``"leader"``, or ``"any"`` to spread reads over the endpoints (see the module doc).
+        ``routed``: follow ``WRONG_SHARD`` to the shard that owns a call's instance or group
+        (:mod:`kvcm.client_shards`); False: raise it (a client of one shard's nodes)."""
+        self._options: dict[str, Any] = dict(
+            timeout=timeout, retries=retries, auth=auth, context=context, curve_server_key=curve_server_key,
+            curve_client_keys=curve_client_keys, routing_id_prefix=routing_id_prefix, read_from=read_from)
         check_read_from(read_from)
         self.endpoints = Endpoints(endpoint)
         self.read_from = read_from
@@ -285,6 +293,9 @@ class Client(ClientMethods):
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(int.from_bytes(os.urandom(3), "big"))
         self._link: _Link | None = None  # to the current endpoint
+        #: a sharded deployment's shards this client learnt of (None: a client of one shard)
+        self._routes: Routes | None = Routes() if routed else None
+        self._shard_clients: dict[str, Client] = {}
         self.state = ClientState.OPEN
 
     @property
@@ -300,6 +311,9 @@ class Client(ClientMethods):
 
     def close(self) -> None:
         """Idempotent; the client refuses calls afterwards."""
+        for shard in list(self._shard_clients.values()):
+            shard.close()
+        self._shard_clients.clear()
         self._drop_socket()
         for endpoint in list(self._readers):
             self._drop_reader(endpoint)
@@ -313,6 +327,12 @@ class Client(ClientMethods):
         retry: bool | None = None,
     ) -> Any:
         """Send one request and return its result map; raise the mapped KvcmError on error."""
+        if self._routes is None:
+            return self._call_here(method, params, timeout, retry)
+        return self._routed(method, params or {}, lambda c: c._call_here(method, params, timeout, retry))
+
+    def _call_here(self, method: str, params: Mapping[str, object] | None, timeout: float | None,
+                   retry: bool | None) -> Any:
         if self.state is ClientState.CLOSED:
             raise RuntimeError("client is closed")
         sent = dict(params or {})
@@ -395,6 +415,63 @@ class Client(ClientMethods):
 
     def _typed(self, method: str, reply: type[T], timeout: float | None, **params: object) -> T:
         """One typed call: the reply is decoded straight into ``reply`` (:mod:`kvcm.proto.results`)."""
+        if self._routes is None:
+            return self._typed_here(method, reply, timeout, **params)
+        return self._routed(method, params, lambda c: c._typed_here(method, reply, timeout, **params))
+
+    def _routed(self, method: str, params: Mapping[str, object], once: Callable[[Client], T]) -> T:
+        """``once`` on the client of the shard the call belongs to, following ``WRONG_SHARD``."""
+        routes = self._routes
+        assert routes is not None  # internal: only a routed client
+        key = routes.fans_out(method, params)
+        if key is not None:
+            return self._fan_out(routes, key, once)
+        shard = routes.shard_for(method, params)
+        target = self if shard is None else self._shard_client(shard)
+        for redirects in range(MAX_REDIRECTS + 1):
+            try:
+                return once(target)
+            except KvcmError as exc:
+                if not redirected(exc) or redirects == MAX_REDIRECTS:
+                    raise
+                shard = routes.learn(exc)
+                if shard is None:
+                    raise
+                if not routes.mapped:  # sharded after all: the seeds' shard's other nodes, once
+                    self._take_map(routes)
+                target = self._shard_client(shard)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _fan_out(self, routes: Routes, key: str, once: Callable[[Client], T]) -> T:
+        """A list every shard answers for its part: asked of each shard of the map, merged."""
+        if routes.map_due():
+            self._take_map(routes)
+        if not routes.shards:
+            return once(self)  # not sharded: this deployment is the whole
+        replies = [once(self._shard_client(shard)) for shard in sorted(routes.shards.values())]
+        return merge(list(replies), key)  # type: ignore[return-value]
+
+    def _take_map(self, routes: Routes) -> None:
+        """Ask for the shard map (an answer that does not come is no shard map)."""
+        try:
+            reply = self._call_here("get_shard_map", None, min(self.timeout, 2.0), None)
+        except KvcmError:
+            reply = None
+        for endpoint in routes.take_map(reply):
+            if endpoint not in self.endpoints.all:
+                self.endpoints.all.append(endpoint)
+
+    def _shard_client(self, shard: ShardInfo) -> Client:
+        """The client of ``shard``'s nodes (made again when the shard's nodes changed)."""
+        known = self._shard_clients.get(shard.name)
+        if known is not None and set(shard.endpoints) <= set(known.endpoints.all):
+            return known
+        if known is not None:
+            known.close()
+        client = self._shard_clients[shard.name] = Client(list(shard.endpoints), routed=False, **self._options)
+        return client
+
+    def _typed_here(self, method: str, reply: type[T], timeout: float | None, **params: object) -> T:
         if self.state is ClientState.CLOSED:
             raise RuntimeError("client is closed")
         msgid = next(self._ids) & wire.MAX_MSGID

@@ -96,11 +96,11 @@ class ClientMethods(ABC):
         """Every storage; ``{"storage": [...]}``."""
         return self._typed("list_storage", AdminReply, timeout, trace_id=trace_id)
 
-    def create_instance_group(self, *, instance_group: InstanceGroup | EncodableMap, trace_id: str | None = None,
-                              timeout: float | None = None) -> AdminReply:
+    def create_instance_group(self, *, instance_group: InstanceGroup | EncodableMap, shard: str | None = None,
+                              trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
         """Create an instance group; ``{"instance_group": ...}`` at version 1."""
         return self._typed("create_instance_group", AdminReply, timeout, instance_group=_sendable(instance_group),
-                           trace_id=trace_id)
+                           shard=shard, trace_id=trace_id)
 
     def update_instance_group(self, *, instance_group: Mapping[str, Encodable], current_version: int | None = None,
                               expected_version: int | None = None, trace_id: str | None = None,
@@ -201,6 +201,11 @@ class ClientMethods(ABC):
     def get_manager_cluster_info(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
         """The (single) node, always the leader, with Tair's fields."""
         return self._typed("get_manager_cluster_info", AdminReply, timeout, trace_id=trace_id)
+
+    def get_shard_map(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
+        """The shards of this node's directory (docs/shards.md): ``{"directory", "shard", "shards": [{"name",
+        "leader_endpoint", "endpoints", "groups"}]}``; no shards when the deployment is not sharded."""
+        return self._typed("get_shard_map", AdminReply, timeout, trace_id=trace_id)
 
     def leader_demote(self, *, trace_id: str | None = None, timeout: float | None = None) -> AdminReply:
         """The leader hands the lease over (never retried: each call is one step-down)."""

@@ -206,6 +206,12 @@ class HaConfig:
 
 
 @dataclass(frozen=True)
+class ShardConfig:
+    directory: str = ""  # "" = not sharded; else the shard directory's name in Redis (docs/shards.md)
+    name: str = ""  # this deployment's shard name in that directory; required with directory
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
@@ -218,6 +224,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     log: LogConfig = field(default_factory=LogConfig)
     ha: HaConfig = field(default_factory=HaConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
 
     def to_dict(self) -> dict[str, dict[str, object]]:
         return dataclasses.asdict(self)
@@ -240,6 +247,7 @@ class Sections(TypedDict, total=False):
     auth: AuthConfig
     log: LogConfig
     ha: HaConfig
+    shard: ShardConfig
 
 
 #: Settings by section as a layer gives them (TOML values, environment text, ``--set`` text or
@@ -388,7 +396,7 @@ _HOST_ENTRY = re.compile(r"(?:[a-z0-9_.-]{1,253}|\[[0-9a-f:.]{2,45}\])(?::[0-9]{
 def validate(config: Config) -> None:
     """Cross-field and range checks; raise ConfigError naming the key."""
     for section in (_store_server_checks, _http_checks, _cache_reclaim_checks, _auth_checks, _events_checks,
-                    _misc_checks, _ha_checks):
+                    _misc_checks, _ha_checks, _shard_checks):
         for ok, message in section(config):
             if not ok:
                 raise ConfigError(message)
@@ -528,11 +536,48 @@ def _ha_checks(config: Config) -> list[tuple[bool, str]]:
     ]
 
 
+def _shard_checks(config: Config) -> list[tuple[bool, str]]:
+    """Sharding: a shard is an HA deployment on the Redis store, named in one directory."""
+    shard = config.shard
+    if not shard.directory and not shard.name:
+        return []
+    return [
+        (bool(shard.directory) and bool(shard.name), "shard.directory and shard.name go together"),
+        (bool(_NODE_ID.fullmatch(shard.directory)), "shard.directory must be 1 to 64 of A-Z a-z 0-9 _ . : -"),
+        (bool(re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", shard.name)) and "/" not in shard.name,
+         "shard.name must be 1 to 64 of A-Z a-z 0-9 _ . : -"),
+        (config.store.backend == "redis" and config.ha.enabled and not config.ha.coordination,
+         'a shard (shard.directory) runs on store.backend = "redis" with ha.enabled (a shard of one node is one '
+         "HA node): the directory lives in that Redis"),
+    ]
+
+
+#: ``store.redis_url`` of a Redis Cluster: seeds, comma-separated (the deployment's slot's master
+#: is found from them, docs/shards.md).
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+_SEED = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
+
+
+def _check_cluster_url(url: str) -> None:
+    rest = url.split("://", 1)[1]
+    hosts = rest.rsplit("@", 1)[-1]
+    hosts, _, path = hosts.partition("/")
+    seeds = [s.strip() for s in hosts.split(",") if s.strip()]
+    ports = [int(m.group(2)) for m in map(_SEED.fullmatch, seeds) if m is not None]
+    if (not seeds or len(seeds) > 16 or len(ports) < len(seeds) or not all(0 < p < 65536 for p in ports)
+            or path not in ("", "0")):
+        raise ConfigError("store.redis_url of a cluster must be redis+cluster://host:port[,host:port...] "
+                          "(1 to 16 seeds, database 0 only)")
+
+
 _REDIS_PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 def _check_redis(store: StoreConfig) -> None:
     """The Redis keys are checked whatever the backend, so a typo fails before it is used."""
+    if store.redis_url.startswith(CLUSTER_SCHEMES):
+        _check_cluster_url(store.redis_url)
+        store = dataclasses.replace(store, redis_url="redis://cluster/0")  # the seeds are checked: the rest as usual
     try:
         url = urlsplit(store.redis_url)
         url.port  # noqa: B018 - parses the port: a bad one raises ValueError

@@ -3,7 +3,7 @@
 Codes keep Tair KVCM's numbers where Tair has them, and add precise codes where Tair collapses
 everything into ``INTERNAL_ERROR``. On the wire an error is ``{"code", "name", "message"}``, plus
 ``"detail"`` (a map of strings) when the error names something a client acts on (the leader's
-endpoint of ``SERVER_NOT_LEADER``);
+endpoint of ``SERVER_NOT_LEADER``, the owning shard of ``WRONG_SHARD``);
 the server maps exceptions to it in ``dispatch`` and the client maps it back with
 :func:`error_from_wire`, each in exactly one place.
 
@@ -18,7 +18,8 @@ Hierarchy::
     │   │                       CAPACITY_EXHAUSTED)
     │   └── StoreFull          (CAPACITY_EXHAUSTED: the metadata store itself ran out of room)
     ├── AccessDenied           (UNAUTHENTICATED, PERMISSION_DENIED)
-    ├── Unavailable            (SERVICE_NOT_READY, SERVER_NOT_LEADER, SHUTTING_DOWN, TIMEOUT, RATE_LIMITED)
+    ├── Unavailable            (SERVICE_NOT_READY, SERVER_NOT_LEADER, SHUTTING_DOWN, TIMEOUT, RATE_LIMITED,
+    │                           WRONG_SHARD)
     └── ServerError            (INTERNAL_ERROR, UNSUPPORTED, IO_ERROR)
         └── StartRefused       (IO_ERROR: the data dir cannot be served as it is; exit code 2)
 """
@@ -58,6 +59,7 @@ class Code(IntEnum):
     TIMEOUT = 114
     TOO_LARGE = 115  # the work or the reply of a request would exceed a configured limit
     RATE_LIMITED = 116  # too many attempts (failed logins) from this peer or account; retry later
+    WRONG_SHARD = 117  # another shard owns the instance or group; the detail names it (kvcm.proto.shards)
 
 
 class KvcmError(Exception):
@@ -145,6 +147,7 @@ _FAMILY: dict[Code, type[KvcmError]] = {
     Code.SHUTTING_DOWN: Unavailable,
     Code.TIMEOUT: Unavailable,
     Code.RATE_LIMITED: Unavailable,
+    Code.WRONG_SHARD: Unavailable,
     Code.INTERNAL_ERROR: ServerError,
     Code.UNSUPPORTED: ServerError,
     Code.IO_ERROR: ServerError,

@@ -34,6 +34,7 @@ from kvcm.metrics import Metrics
 from kvcm.node.follower import READS
 from kvcm.node.kernel import load_hash_kernel
 from kvcm.node.refusals import http_bind_failed, refuse_taken_ports, rpc_in_use, store_error
+from kvcm.node.shard import Sharding, shard_map_method
 from kvcm.node.stores import open_engine_store, open_redis, open_store
 from kvcm.proto.wire import Encodable
 from kvcm.rpc.curve import CurveServer, serve_curve
@@ -56,7 +57,7 @@ if TYPE_CHECKING:  # the lease needs redis-py, an optional extra; the rest is im
 log = logging.getLogger("kvcm.app")
 
 #: Methods every node answers whatever its role: they describe the node (and name the leader).
-ROLE_FREE = frozenset({"check_health", "get_manager_cluster_info", "get_metrics"})
+ROLE_FREE = frozenset({"check_health", "get_manager_cluster_info", "get_metrics", "get_shard_map"})
 
 
 class App:
@@ -75,13 +76,14 @@ class App:
     server: Server
 
     def __init__(self, config: Config, orphans: str = "refuse", lease: Campaign | None = None,
-                 side_port: SidePort | None = None) -> None:
+                 side_port: SidePort | None = None, sharding: Sharding | None = None) -> None:
         """``lease``: the leader lease this process holds (``ha.enabled``, from
         :class:`~kvcm.node.ha.HaNode`): commits carry its epoch, requests and background work run
         only while it is valid. ``side_port``: the side HTTP port's listeners the node holds
         across its stages (bound already: served here, not bound)."""
         self.lease = lease
         self.side_port = side_port
+        self.sharding = sharding  # this node's part in a shard directory (shard.directory), if any
         self.term = lease.epoch if lease is not None else 0  # the lease term this App serves
         refuse_unguarded(config)
         refuse_taken_ports(config, side_port)
@@ -229,7 +231,9 @@ class App:
         methods += cache_api.methods(cache, self.engines)
         self._build_storage_events(undo)
         self.reclaimer = self._build_reclaimer()
-        return methods
+        if self.sharding is None:
+            return [*methods, shard_map_method(None)]
+        return self.sharding.shape(methods, self.registry, self.store)
 
     def _build_control(self, data_dir: str | None, undo: ExitStack) -> list[Method]:
         """The registry, accounts and tokens, the node's own facts and its elector."""

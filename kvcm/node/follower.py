@@ -46,6 +46,7 @@ from kvcm.rpc.server import Server, Timer
 from kvcm.version import __version__
 
 if TYPE_CHECKING:
+    from kvcm.control.registry import Registry
     from kvcm.engines.service import EngineService
     from kvcm.ha.campaign import Campaign
 
@@ -77,6 +78,8 @@ class Marked(Protocol):
 
 #: Facts about a node, as check_health / get_manager_cluster_info report them.
 Info = Callable[[], dict[str, Encodable]]
+#: Turns a follower's method table into the one it serves, given the registry its reads use.
+Shape = Callable[[list[Method], "Registry | None"], list[Method]]
 
 
 class FollowerReads:
@@ -231,8 +234,11 @@ class FollowerStage:
     leader's caches are never older than its term."""
 
     def __init__(self, config: Config, lease: Campaign, open_store: Callable[[], FollowedStore],
-                 side_port: SidePort | None = None) -> None:
-        """``side_port``: the side HTTP port's listeners the node holds across its stages."""
+                 side_port: SidePort | None = None, shape: Shape | None = None) -> None:
+        """``side_port``: the side HTTP port's listeners the node holds across its stages.
+        ``shape``: turns the method table into the served one, given the registry the reads
+        use (None without reads): a shard's node guards its routed methods with it."""
+        self._shape = shape
         from kvcm.lockfile import drop_lock_file
 
         self.config = config
@@ -288,6 +294,8 @@ class FollowerStage:
         ]
         if self.reads is not None:
             methods += self.reads.methods(self.info)
+        if self._shape is not None:
+            methods = self._shape(methods, self.reads.registry if self.reads is not None else None)
         return methods
 
     def _check_health(self, req: object) -> dict[str, Encodable]:

@@ -30,6 +30,7 @@ from kvcm.node.app import App
 from kvcm.node.follower import FollowedStore, FollowerStage
 from kvcm.node.kernel import load_hash_kernel
 from kvcm.node.refusals import http_bind_failed
+from kvcm.node.shard import Sharding
 from kvcm.node.stores import open_lmdb_follower, open_redis, redis_password, require_redis_client
 from kvcm.rpc.server import endpoint_in_use
 from kvcm.version import __version__
@@ -69,6 +70,8 @@ class HaNode:
         else:
             self.lease, self._open_follower_store = self._redis_lease(config)
         self.stage: Stage | None = None
+        # A shard's node (shard.directory): its directory entry lives as long as the node.
+        self.sharding = Sharding(config) if config.shard.directory else None
         self._stop = threading.Event()
         self._stage_lock = threading.Lock()
         self._announced = False
@@ -87,7 +90,10 @@ class HaNode:
         ha = config.ha
         # Replies within a renew interval: a Redis that hangs must not hold the renew thread past
         # the lease's deadline (is_leader() turns false by the clock regardless).
-        client = redis.Redis.from_url(config.store.redis_url, password=redis_password(config),
+        from kvcm.backends.metastore.redis_conn import resolve
+
+        url = resolve(config.store.redis_url, config.store.redis_prefix, redis_password(config))
+        client = redis.Redis.from_url(url, password=redis_password(config),
                                       socket_timeout=ha.renew_ms / 1000.0,
                                       socket_connect_timeout=min(CONNECT_TIMEOUT_S, ha.renew_ms / 1000.0))
         check_node_start(client, config)  # a node that could never lead says so before binding anything
@@ -132,10 +138,14 @@ class HaNode:
     def run(self, started: Callable[[], None] | None = None) -> None:
         self.lease.step()  # the first attempt before any port is bound: a free lease is taken at once
         self.lease.start()
+        if self.sharding is not None:
+            self.sharding.start(self.lease)
         try:
             while not self._stop.is_set():
                 self._run_stage(started)
         finally:
+            if self.sharding is not None:
+                self.sharding.stop()
             self.lease.stop(release=True)
             if self.side_port is not None:
                 self.side_port.close()
@@ -176,9 +186,11 @@ class HaNode:
         self._stop.wait(0.02)
 
     def _build_stage(self, leader: bool) -> Stage:
+        sharding = self.sharding
         if leader:
-            return App(self.config, self.orphans, lease=self.lease, side_port=self.side_port)
-        return FollowerStage(self.config, self.lease, self._open_follower_store, side_port=self.side_port)
+            return App(self.config, self.orphans, lease=self.lease, side_port=self.side_port, sharding=sharding)
+        shape = None if sharding is None else (lambda methods, registry: sharding.follower_shape(methods, registry))
+        return FollowerStage(self.config, self.lease, self._open_follower_store, side_port=self.side_port, shape=shape)
 
     def _wait_endpoint_free(self, timeout: float = 5.0) -> None:
         """The last stage's sockets close in ZeroMQ's I/O thread, a moment after its stop: the

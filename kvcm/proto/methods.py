@@ -85,6 +85,10 @@ METHODS: dict[str, Rpc] = {
                         "Whether the server answers and its store reads; registry counts and storage states."),
     "get_manager_cluster_info": Rpc(control.Empty, _ADMIN, True,
                                     "The (single) node, always the leader, with Tair's fields."),
+    "get_shard_map": Rpc(control.Empty, _ADMIN, True,
+                         "The shards of this node's directory (docs/shards.md): ``{\"directory\", \"shard\", "
+                         "\"shards\": [{\"name\",\n\"leader_endpoint\", \"endpoints\", \"groups\"}]}``; "
+                         "no shards when the deployment is not sharded."),
     "leader_demote": Rpc(admin.LeaderDemoteRequest, _ADMIN, False,
                          "The leader hands the lease over (never retried: each call is one step-down)."),
     "get_leader_elector_config": Rpc(admin.GetLeaderElectorConfigRequest, _ADMIN, True,

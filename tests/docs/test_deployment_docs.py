@@ -24,6 +24,7 @@ import pytest
 
 from kvcm.client import Client
 from kvcm.errors import KvcmError
+from kvcm.testing.redis_cluster import cluster_port
 from tests.block_bytes import read_problems, storage_roots, write_session
 from tests.conftest import _redis_binary
 from tests.docs.test_docs import blocks
@@ -34,11 +35,11 @@ PAGE = ROOT / "docs" / "deployment.md"
 KEYS = list(range(1, 17))
 
 
-def _commands(test_name: str, ports: dict[str, int], root: Path) -> list[list[str]]:
-    """The commands of the block marked as run by ``test_name``, with documented ports and paths
-    replaced (whole words only, so 6381 never touches 63810)."""
-    marked = [b for b in blocks(PAGE) if b.marker == f"by tests/docs/test_deployment_docs.py::{test_name}"]
-    assert len(marked) == 1, f"{PAGE.name}: no block (or several) for {test_name}"
+def _commands(test_name: str, ports: dict[str, int], root: Path, page: Path = PAGE) -> list[list[str]]:
+    """The commands of the block of ``page`` marked as run by ``test_name``, with documented
+    ports and paths replaced (whole words only, so 6381 never touches 63810)."""
+    marked = [b for b in blocks(page) if b.marker == f"by tests/docs/test_deployment_docs.py::{test_name}"]
+    assert len(marked) == 1, f"{page.name}: no block (or several) for {test_name}"
     out = []
     for line in marked[0].text.splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
@@ -195,3 +196,63 @@ def test_two_nodes_and_redis_commands(root: Path, procs: Processes) -> None:
         assert read_problems(c, "inst", KEYS, storage_roots(c)) == []
     nodes[survivor].terminate()
     assert nodes[survivor].wait(20) == 0, procs.log(nodes[survivor])
+
+
+def _cli_beside(server: str) -> str:
+    """The cluster-creating CLI shipped with ``server`` (``redis-cli`` or ``valkey-cli``)."""
+    folder = os.path.dirname(server)
+    for name in ("redis-cli", "valkey-cli"):
+        if os.access(os.path.join(folder, name), os.X_OK):
+            return os.path.join(folder, name)
+    found = shutil.which("redis-cli") or shutil.which("valkey-cli")
+    assert found, f"no redis-cli or valkey-cli beside {server} or on the PATH"
+    return found
+
+
+@pytest.mark.redis
+def test_two_shards_on_a_redis_cluster_commands(root: Path, procs: Processes) -> None:
+    server = _redis_binary()
+    ports = _free_ports("6381", "6382", "6391", "6392")
+    ports.update({p: cluster_port() for p in ("7001", "7002", "7003")})  # a cluster's bus port is port + 10000
+    mkdir, r1, r2, r3, create, *nodes, shards_cmd = _commands("test_two_shards_on_a_redis_cluster_commands", ports,
+                                                               root, ROOT / "docs" / "shards.md")
+    assert subprocess.run(mkdir, timeout=30).returncode == 0
+    redis_procs = []
+    for argv in (r1, r2, r3):
+        assert argv[0] == "redis-server" and "--cluster-enabled" in argv and "--appendfsync" in argv
+        argv[0] = server.path
+        redis_procs.append(procs.start(argv))
+    for process in redis_procs:
+        _wait_log(procs, process, "Ready to accept connections")
+    assert create[0] == "redis-cli"
+    create[0] = _cli_beside(server.path)
+    done = subprocess.run(create, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    started = [procs.start(argv) for argv in nodes]
+    endpoints = {n: f"tcp://127.0.0.1:{ports[p]}" for n, p in zip(("a1", "a2", "b1", "b2"), ("6381", "6382", "6391", "6392"))}
+    for endpoint, process in zip(endpoints.values(), started):
+        try:
+            _answer(endpoint, "check_health", 60 * TIME_FACTOR)
+        except KvcmError:
+            raise AssertionError(procs.log(process)) from None
+    deadline = time.monotonic() + 20 * TIME_FACTOR
+    while True:  # both shards led, and every node in the directory
+        out = subprocess.run(shards_cmd, capture_output=True, text=True, timeout=30)
+        rows = {line.split()[0]: line for line in out.stdout.splitlines()[2:] if line.strip()}
+        if out.returncode == 0 and set(rows) == {"a", "b"} and all("(none)" not in r and " 2 (" in r for r in rows.values()):
+            break
+        assert time.monotonic() < deadline, out.stdout + out.stderr + "".join(procs.log(p) for p in started)
+        time.sleep(0.1)
+    with Client(endpoints["a1"]) as c:  # one seed, a group on each shard
+        for shard in ("a", "b"):
+            c.call("create_instance_group", {"shard": shard, "instance_group": {
+                "name": f"g{shard}", "storage_candidates": ["default-file"]}})
+            c.call("register_instance", {"instance_group": f"g{shard}", "instance_id": f"i{shard}", "block_size": 16,
+                                         "location_spec_infos": [{"name": "tp0", "size": 512}]})
+            session = c.call("start_write_cache", {"instance_id": f"i{shard}", "block_keys": KEYS})
+            assert len(session["locations"]) == len(KEYS)
+            c.call("finish_write_cache", {"instance_id": f"i{shard}", "write_session_id": session["write_session_id"],
+                                          "success_blocks": {"offset": len(KEYS)}})
+    for shard, node in (("a", "a2"), ("b", "b2")):  # each shard's own nodes know its instance
+        with Client(endpoints[node], routed=False) as c:
+            assert c.call("get_instance_info", {"instance_id": f"i{shard}"})["instance_group"] == f"g{shard}"

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvcm.cache",),  # the data plane
     ("kvcm.reclaimer", "kvcm.engines", "kvcm.publish"),  # eviction; the inbound engine tier; outbound events
     ("kvcm.rpc.dispatch", "kvcm.rpc.auth", "kvcm.api"),  # the method table and its handlers
-    ("kvcm.rpc.server", "kvcm.client", "kvcm.client_methods", "kvcm.aio", "kvcm.aio_methods", "kvcm.blocks", "kvcm.http", "kvcm.tair"),  # sockets, client SDK; Tair's HTTP surface
+    ("kvcm.rpc.server", "kvcm.client", "kvcm.client_methods", "kvcm.client_shards", "kvcm.aio", "kvcm.aio_methods", "kvcm.blocks", "kvcm.http", "kvcm.tair"),  # sockets, client SDK; Tair's HTTP surface
     ("kvcm.connector", "kvcm.aio_connector"),  # the connector helpers over the clients and block I/O
     # a follower node's serving stage (reads from the shared store); opening stores; start refusals
     ("kvcm.node.follower", "kvcm.node.stores", "kvcm.node.refusals", "kvcm.node.kernel"),
@@ -192,7 +192,7 @@ def test_proto_rule_catches_a_server_import():
     assert proto_violations({"kvcm.cache.keys": {"kvcm.backends.metastore"}}, {"kvcm.cache.keys": {"lmdb"}}) == []
 
 
-SDK = ("kvcm.client", "kvcm.client_methods", "kvcm.aio", "kvcm.aio_methods", "kvcm.blocks", "kvcm.connector",
+SDK = ("kvcm.client", "kvcm.client_methods", "kvcm.client_shards", "kvcm.aio", "kvcm.aio_methods", "kvcm.blocks", "kvcm.connector",
        "kvcm.aio_connector")
 
 

@@ -23,6 +23,7 @@ NOTES = {
     "whoami": "itself",
     "check_health": "any caller with valid credentials",
     "get_manager_cluster_info": "any caller with valid credentials",
+    "get_shard_map": "any caller with valid credentials",
 }
 
 #: A config key that bounds work, memory or an index kvcm keeps for others.

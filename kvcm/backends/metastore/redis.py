@@ -41,6 +41,7 @@ from kvcm.backends.metastore.redis_conn import (
     connect,
     connect_probe,
     redact,
+    resolve,
 )
 from kvcm.backends.metastore.redis_errors import Fenced, InDoubt, NotReplicated, StoreLost, call, text, translate
 from kvcm.backends.metastore.redis_identity import (
@@ -128,6 +129,8 @@ class RedisStore:
         # must never write, whatever code path tries.
         self.read_only = ""
         self._lock_path = self._lock_dir(path) if path is not None else None
+        #: the Redis node the deployment's slot is on (``url`` itself unless it names a cluster)
+        self.node_url = url
         self.client = self._connect(url, password)
         self.keys = Keys.of(prefix)
         self.epoch_key, self.commit_key = self.keys.epoch, self.keys.commit
@@ -145,7 +148,7 @@ class RedisStore:
         #: what this store's writer knows Redis holds (:meth:`enable_cache`; None: no caching)
         self.cache: CommittedCache | None = None
         self._doubt_lock = threading.RLock()
-        self._probe = connect_probe(url, password)
+        self._probe = connect_probe(self.node_url, password)
         self.readiness = Readiness(self._probe)
         self.identity = Identity(self.client, self._probe, self.keys, prefix, url, self._run)
 
@@ -164,7 +167,8 @@ class RedisStore:
     def _connect(self, url: str, password: str | None) -> redis.Redis:
         """The data-plane connection; the data dir's lock is given back if there is none."""
         try:
-            return connect(url, password)
+            self.node_url = resolve(url, self.prefix, password)
+            return connect(self.node_url, password)
         except BaseException:
             self._release_lock()
             raise

@@ -49,6 +49,13 @@ def translate(exc: redis.RedisError) -> Exception:
         return Unavailable(f"metadata store (Redis) refused the password: {exc}", Code.SERVICE_NOT_READY)
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return Unavailable(f"metadata store (Redis) unavailable: {exc}", Code.SERVICE_NOT_READY)
+    if isinstance(exc, (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)):
+        # A Redis Cluster that is forming, or failing a master over: the slot comes back.
+        return Unavailable(f"metadata store (Redis Cluster) not serving now: {exc}", Code.SERVICE_NOT_READY)
+    if isinstance(exc, (redis.exceptions.MovedError, redis.exceptions.AskError)):
+        return Unavailable(f"metadata store (Redis Cluster): the deployment's slot moved to another master ({exc}); "
+                           "a node finds the slot's master at its start: restart it (docs/shards.md)",
+                           Code.SERVICE_NOT_READY)
     if isinstance(exc, redis.ReadOnlyError):
         return Unavailable(f"metadata store (Redis) is a read-only replica: {exc}", Code.SERVER_NOT_LEADER)
     if str(exc).startswith("KVCMFENCED"):

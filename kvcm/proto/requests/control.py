@@ -110,6 +110,7 @@ class StorageNameRequest(_Request):
 
 class CreateInstanceGroupRequest(_Request):
     instance_group: InstanceGroup
+    shard: str = ""  # sharded deployments: the shard to place the group on ("" = the least loaded)
 
 
 class UpdateInstanceGroupRequest(_Request):

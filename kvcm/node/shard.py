@@ -1,0 +1,302 @@
+"""A node of one shard (``shard.directory``): it keeps its entry in the directory fresh, answers
+``WRONG_SHARD`` for another shard's instances and groups, places new groups, and records its
+own (:mod:`kvcm.proto.shards` says which request is routed by what; :mod:`kvcm.ha.directory`
+holds the shared state).
+
+The guard wraps the routed methods' handlers, so it runs where the request is already
+validated and authorized. A name this shard holds costs one dict lookup; only a name it does not
+hold is looked up in the directory (cached for :data:`OWNER_TTL_S`, at most
+:data:`MAX_CACHED` names), so another shard's traffic cannot make a node hammer Redis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvcm.config import Config
+from kvcm.errors import Code, InvalidArgument, KvcmError, NotFound, Unavailable
+from kvcm.node.stores import redis_password
+from kvcm.proto.requests.control import Empty
+from kvcm.proto.shards import (
+    DETAIL_ENDPOINTS,
+    DETAIL_KIND,
+    DETAIL_LEADER,
+    DETAIL_NAME,
+    DETAIL_SHARD,
+    ROUTES,
+    Kind,
+    Route,
+    ShardInfo,
+)
+from kvcm.rpc.methods import Method
+from kvcm.threads import LoopThread
+
+if TYPE_CHECKING:  # redis-py is an optional extra: imported where a shard is built
+    from kvcm.control.registry import Registry
+    from kvcm.ha.campaign import Campaign
+    from kvcm.ha.directory import Directory
+
+log = logging.getLogger("kvcm.node.shard")
+
+#: How long a directory answer about another shard's name is reused (seconds).
+OWNER_TTL_S = 1.0
+#: Names whose owner is cached at most (the cache starts over when full).
+MAX_CACHED = 4096
+#: How long the list of shards is reused (seconds).
+SHARDS_TTL_S = 0.5
+
+
+class Committing(Protocol):
+    """A store whose write transaction can run a callback after its group commits."""
+
+    def write(self, join: bool = False) -> AbstractContextManager[Any]: ...
+
+
+class Sharding:
+    """This node's part in the shard directory."""
+
+    def __init__(self, config: Config) -> None:
+        import redis
+
+        from kvcm.backends.metastore.redis_conn import connect, resolve
+        from kvcm.ha.directory import Directory, tag
+
+        #: what a failed directory read or write raises
+        self.errors: tuple[type[Exception], ...] = (redis.RedisError,)
+        self.shard = config.shard.name
+        self.node_id = config.ha.node_id
+        self.endpoint = config.ha.advertise_endpoint or config.server.endpoint
+        password = redis_password(config)
+        url = resolve(config.store.redis_url, tag(config.shard.directory), password)
+        self.directory: Directory = Directory(connect(url, password), config.shard.directory, config.ha.lease_ms)
+        self._renew_s = config.ha.renew_ms / 1000.0
+        self._owners: dict[tuple[Kind, str], tuple[float, str | None]] = {}
+        self._shards: tuple[float, dict[str, ShardInfo]] = (float("-inf"), {})
+        self._recorded: set[str] = set()  # instances this node wrote to the directory
+        self._thread: LoopThread | None = None
+        self._rounds = 0
+
+    # -- the node's entry -------------------------------------------------------------------------
+
+    def start(self, lease: Campaign) -> None:
+        def beat() -> None:
+            leader = lease.is_leader()
+            self.directory.announce(self.shard, self.node_id, lease.endpoint, leader, lease.epoch if leader else 0)
+            self._rounds += 1
+            if leader and self._rounds % 10 == 0:
+                self.directory.forget_silent()
+        self._thread = LoopThread("directory", beat, self._renew_s)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
+
+    # -- reading the directory ---------------------------------------------------------------------
+
+    def shards(self) -> dict[str, ShardInfo]:
+        at, found = self._shards
+        if time.monotonic() - at > SHARDS_TTL_S:
+            found = self._ask(self.directory.shards)
+            self._shards = (time.monotonic(), found)
+        return found
+
+    def owner(self, kind: Kind, name: str) -> str | None:
+        """The shard the directory names for ``name`` (None: it names none)."""
+        now = time.monotonic()
+        cached = self._owners.get((kind, name))
+        if cached is not None and now - cached[0] < OWNER_TTL_S:
+            return cached[1]
+        lookup = self.directory.group_shard if kind is Kind.GROUP else self.directory.instance_shard
+        found: str | None = self._ask(lambda: lookup(name))
+        if len(self._owners) >= MAX_CACHED:
+            self._owners.clear()
+        self._owners[(kind, name)] = (now, found)
+        return found
+
+    def _ask(self, read: Callable[[], Any]) -> Any:
+        try:
+            return read()
+        except self.errors as exc:
+            # Not knowing the owner, "no such instance" could be a wrong answer: an error instead.
+            raise Unavailable(f"the shard directory (Redis) is unavailable: {exc}", Code.SERVICE_NOT_READY) from None
+
+    def wrong_shard(self, owner: str, kind: Kind, name: str) -> KvcmError:
+        info = self.shards().get(owner)
+        exc = Unavailable(f"{kind.value} {name[:200]!r} belongs to shard {owner!r}; ask "
+                          f"{info.leader if info and info.leader else 'its nodes'}", Code.WRONG_SHARD)
+        exc.detail = {DETAIL_SHARD: owner, DETAIL_LEADER: info.leader if info else "",
+                      DETAIL_ENDPOINTS: ",".join(info.endpoints) if info else "", DETAIL_KIND: kind.value,
+                      DETAIL_NAME: name[:200]}
+        return exc
+
+    def shard_map(self) -> dict[str, object]:
+        """``get_shard_map``: every live shard, its leader, nodes and groups."""
+        counts = self._ask(self.directory.groups_per_shard)
+        return {"directory": self.directory.name, "shard": self.shard, "shards": [
+            {"name": s.name, "leader_endpoint": s.leader, "endpoints": list(s.endpoints), "groups": counts.get(s.name, 0)}
+            for s in sorted(self.shards().values())]}
+
+    # -- the guard ---------------------------------------------------------------------------------
+
+    def shape(self, methods: list[Method], registry: Registry, store: Committing | None) -> list[Method]:
+        """``methods`` with the routed ones guarded, and ``get_shard_map`` (``store``: the
+        leader's, None on a follower)."""
+        guard = _Guard(self, registry, store)
+        out = []
+        for method in methods:
+            route = ROUTES.get(method.name)
+            if route is not None:
+                # The hooks that run before the handler (costing, preparing) read the instance
+                # too: each checks first, so another shard's name is redirected, not "unknown".
+                method = dataclasses.replace(
+                    method, handler=guard.wrap(method, route),
+                    prepare=None if method.prepare is None else guard.checked(method.prepare, route),
+                    cost=None if method.cost is None else guard.checked(method.cost, route))
+            out.append(method)
+        return [*out, shard_map_method(self)]
+
+    def follower_shape(self, methods: list[Method], registry: Registry | None) -> list[Method]:
+        """A follower's table: guarded as the leader's when it serves reads; ``get_shard_map`` always."""
+        if registry is None:
+            return [*methods, shard_map_method(self)]
+        return self.shape(methods, registry, None)
+
+
+class _Guard:
+    def __init__(self, sharding: Sharding, registry: Registry, store: Committing | None) -> None:
+        self.sharding = sharding
+        self.registry = registry
+        self.store = store
+
+    def wrap(self, method: Method, route: Route) -> Callable[[Any], object]:
+        special = {"create_instance_group": self._create_group, "remove_instance_group": self._remove_group,
+                   "register_instance": self._register, "remove_instance": self._remove_instance}.get(method.name)
+        handler = method.handler
+
+        def guarded(req: Any) -> object:
+            name = _name(req, route.field)
+            if special is not None and name:
+                return special(handler, req, name)
+            if name:
+                self.check(route.kind, name)
+            return handler(req)
+        return guarded
+
+    def checked(self, hook: Callable[..., Any], route: Route) -> Any:
+        """``hook(req, ...)`` after the request's name passed :meth:`check`."""
+        def guarded(req: Any, *rest: Any) -> Any:
+            name = _name(req, route.field)
+            if name:
+                self.check(route.kind, name)
+            return hook(req, *rest)
+        return guarded
+
+    def local(self, kind: Kind, name: str) -> bool:
+        if kind is Kind.INSTANCE:
+            return self.registry.group_of(name) is not None
+        try:
+            self.registry.get_group(name)
+        except NotFound:
+            return False
+        return True
+
+    def check(self, kind: Kind, name: str) -> None:
+        """Pass a name this shard holds, or one no other shard is named for; else WRONG_SHARD."""
+        if self.local(kind, name):
+            return
+        owner = self.sharding.owner(kind, name)
+        if owner is not None and owner != self.sharding.shard:
+            raise self.sharding.wrong_shard(owner, kind, name)
+
+    def _after_commit(self, fn: Callable[[], object]) -> None:
+        if self.store is None:
+            return
+        with self.store.write(join=True) as txn:
+            txn.on_commit(lambda: _quietly(fn, self.sharding.errors))
+
+    def _create_group(self, handler: Callable[[Any], object], req: Any, name: str) -> object:
+        sharding = self.sharding
+        if self.local(Kind.GROUP, name):
+            return handler(req)  # DUPLICATE_ENTITY, answered by the registry
+        wanted = getattr(req, "shard", "") or ""
+        if wanted and wanted not in sharding.shards():
+            raise InvalidArgument(f"shard: no shard named {wanted[:100]!r} is live in directory "
+                                  f"{sharding.directory.name!r}")
+        owner, placed = sharding._ask(lambda: sharding.directory.claim_group(name, wanted or self._least_loaded()))
+        sharding._owners.pop((Kind.GROUP, name), None)
+        if owner != sharding.shard:
+            raise sharding.wrong_shard(owner, Kind.GROUP, name)
+        try:
+            return handler(req)
+        except BaseException:
+            if placed:
+                _quietly(lambda: sharding.directory.release_group(name, sharding.shard), sharding.errors)
+            raise
+
+    def _least_loaded(self) -> str:
+        sharding = self.sharding
+        counts = sharding._ask(sharding.directory.groups_per_shard)
+        live = set(sharding.shards()) | {sharding.shard}
+        return min(live, key=lambda s: (counts.get(s, 0), s != sharding.shard, s))
+
+    def _remove_group(self, handler: Callable[[Any], object], req: Any, name: str) -> object:
+        self.check(Kind.GROUP, name)
+        done = handler(req)
+        shard = self.sharding.shard
+        self._after_commit(lambda: self.sharding.directory.release_group(name, shard))
+        return done
+
+    def _register(self, handler: Callable[[Any], object], req: Any, group: str) -> object:
+        self.check(Kind.GROUP, group)
+        instance = getattr(req, "instance_id", "")
+        if isinstance(instance, str) and instance and instance not in self.sharding._recorded and self.local(Kind.GROUP, group):
+            # Ahead of the commit: a hint naming this shard for an instance it then fails to
+            # create only sends askers here, where the answer is the one any shard would give.
+            self.sharding._ask(lambda: self.sharding.directory.record_instance(instance, group))
+            if len(self.sharding._recorded) >= 100_000:
+                self.sharding._recorded.clear()
+            self.sharding._recorded.add(instance)
+        return handler(req)
+
+    def _remove_instance(self, handler: Callable[[Any], object], req: Any, instance: str) -> object:
+        self.check(Kind.INSTANCE, instance)
+        group = self.registry.group_of(instance)
+        done = handler(req)
+        if group is not None:
+            self.sharding._recorded.discard(instance)
+            self._after_commit(lambda: self.sharding.directory.forget_instance(instance, group))
+        return done
+
+
+def _name(req: Any, path: str) -> str:
+    value: Any = req
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+    return value if isinstance(value, str) and 0 < len(value) <= 256 else ""
+
+
+def _quietly(fn: Callable[[], object], errors: tuple[type[Exception], ...]) -> None:
+    """A directory write after the shard's own commit: a failure leaves a stale hint (logged)."""
+    try:
+        fn()
+    except errors as exc:
+        log.warning("shard directory not updated (%s); it keeps a stale routing hint", exc)
+
+
+def shard_map_method(sharding: Sharding | None) -> Method:
+    """``get_shard_map`` (every node serves it; an unsharded one answers no shards)."""
+    def handler(req: Empty) -> dict[str, object]:
+        if sharding is None:
+            return {"directory": "", "shard": "", "shards": []}
+        return sharding.shard_map()
+    return Method("get_shard_map", handler, request=Empty, writes=False, idempotent=True, admin=False)
+
+
+__all__ = ["MAX_CACHED", "OWNER_TTL_S", "Committing", "Sharding", "shard_map_method"]
