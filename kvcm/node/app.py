@@ -233,7 +233,7 @@ class App:
         self.reclaimer = self._build_reclaimer()
         if self.sharding is None:
             return [*methods, shard_map_method(None)]
-        return self.sharding.shape(methods, self.registry, self.store)
+        return self.sharding.shape(methods, self.registry, self.store, self.authorize)
 
     def _build_control(self, data_dir: str | None, undo: ExitStack) -> list[Method]:
         """The registry, accounts and tokens, the node's own facts and its elector."""

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from kvcm.control.registry import Registry
     from kvcm.engines.service import EngineService
     from kvcm.ha.campaign import Campaign
+    from kvcm.rpc.auth import Authenticator
 
 log = logging.getLogger("kvcm.follower")
 
@@ -79,7 +80,7 @@ class Marked(Protocol):
 #: Facts about a node, as check_health / get_manager_cluster_info report them.
 Info = Callable[[], dict[str, Encodable]]
 #: Turns a follower's method table into the one it serves, given the registry its reads use.
-Shape = Callable[[list[Method], "Registry | None"], list[Method]]
+Shape = Callable[[list[Method], "Registry | None", "Authenticator | None"], list[Method]]
 
 
 class FollowerReads:
@@ -295,7 +296,9 @@ class FollowerStage:
         if self.reads is not None:
             methods += self.reads.methods(self.info)
         if self._shape is not None:
-            methods = self._shape(methods, self.reads.registry if self.reads is not None else None)
+            reads = self.reads
+            methods = self._shape(methods, reads.registry if reads is not None else None,
+                                  reads.authorize if reads is not None else None)
         return methods
 
     def _check_health(self, req: object) -> dict[str, Encodable]:

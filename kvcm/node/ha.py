@@ -189,7 +189,7 @@ class HaNode:
         sharding = self.sharding
         if leader:
             return App(self.config, self.orphans, lease=self.lease, side_port=self.side_port, sharding=sharding)
-        shape = None if sharding is None else (lambda methods, registry: sharding.follower_shape(methods, registry))
+        shape = None if sharding is None else sharding.follower_shape
         return FollowerStage(self.config, self.lease, self._open_follower_store, side_port=self.side_port, shape=shape)
 
     def _wait_endpoint_free(self, timeout: float = 5.0) -> None:

@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcm.config import Config
+from kvcm.control.registry_core import instance_not_found
 from kvcm.errors import Code, InvalidArgument, KvcmError, NotFound, Unavailable
 from kvcm.node.stores import redis_password
 from kvcm.proto.requests.control import Empty
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # redis-py is an optional extra: imported where a shard is bu
     from kvcm.control.registry import Registry
     from kvcm.ha.campaign import Campaign
     from kvcm.ha.directory import Directory
+    from kvcm.rpc.auth import Authenticator
 
 log = logging.getLogger("kvcm.node.shard")
 
@@ -75,7 +77,7 @@ class Sharding:
         url = resolve(config.store.redis_url, tag(config.shard.directory), password)
         self.directory: Directory = Directory(connect(url, password), config.shard.directory, config.ha.lease_ms)
         self._renew_s = config.ha.renew_ms / 1000.0
-        self._owners: dict[tuple[Kind, str], tuple[float, str | None]] = {}
+        self._owners: dict[tuple[Kind, str], tuple[float, tuple[str, str] | None]] = {}
         self._shards: tuple[float, dict[str, ShardInfo]] = (float("-inf"), {})
         self._recorded: set[str] = set()  # instances this node wrote to the directory
         self._thread: LoopThread | None = None
@@ -107,18 +109,22 @@ class Sharding:
             self._shards = (time.monotonic(), found)
         return found
 
-    def owner(self, kind: Kind, name: str) -> str | None:
-        """The shard the directory names for ``name`` (None: it names none)."""
+    def owner(self, kind: Kind, name: str) -> tuple[str, str] | None:
+        """(shard, group) the directory names for ``name`` (None: it names none)."""
         now = time.monotonic()
         cached = self._owners.get((kind, name))
         if cached is not None and now - cached[0] < OWNER_TTL_S:
             return cached[1]
-        lookup = self.directory.group_shard if kind is Kind.GROUP else self.directory.instance_shard
-        found: str | None = self._ask(lambda: lookup(name))
+        found: tuple[str, str] | None = self._ask(lambda: self._lookup(kind, name))
         if len(self._owners) >= MAX_CACHED:
             self._owners.clear()
         self._owners[(kind, name)] = (now, found)
         return found
+
+    def _lookup(self, kind: Kind, name: str) -> tuple[str, str] | None:
+        group = name if kind is Kind.GROUP else self.directory.instance_group(name)
+        shard = None if group is None else self.directory.group_shard(group)
+        return None if shard is None or group is None else (shard, group)
 
     def _ask(self, read: Callable[[], Any]) -> Any:
         try:
@@ -145,35 +151,39 @@ class Sharding:
 
     # -- the guard ---------------------------------------------------------------------------------
 
-    def shape(self, methods: list[Method], registry: Registry, store: Committing | None) -> list[Method]:
+    def shape(self, methods: list[Method], registry: Registry, store: Committing | None,
+              auth: Authenticator | None = None) -> list[Method]:
         """``methods`` with the routed ones guarded, and ``get_shard_map`` (``store``: the
         leader's, None on a follower)."""
-        guard = _Guard(self, registry, store)
+        guard = _Guard(self, registry, store, auth)
         out = []
         for method in methods:
             route = ROUTES.get(method.name)
             if route is not None:
-                # The hooks that run before the handler (costing, preparing) read the instance
-                # too: each checks first, so another shard's name is redirected, not "unknown".
+                # The prepare hook runs before the handler (and before the estimate, which reads
+                # the instance too): it checks first, so another shard's name is redirected, not
+                # "unknown". A method without one reads no instance in its estimate.
                 method = dataclasses.replace(
                     method, handler=guard.wrap(method, route),
-                    prepare=None if method.prepare is None else guard.checked(method.prepare, route),
-                    cost=None if method.cost is None else guard.checked(method.cost, route))
+                    prepare=None if method.prepare is None else guard.checked(method.prepare, route))
             out.append(method)
         return [*out, shard_map_method(self)]
 
-    def follower_shape(self, methods: list[Method], registry: Registry | None) -> list[Method]:
+    def follower_shape(self, methods: list[Method], registry: Registry | None,
+                       auth: Authenticator | None) -> list[Method]:
         """A follower's table: guarded as the leader's when it serves reads; ``get_shard_map`` always."""
         if registry is None:
             return [*methods, shard_map_method(self)]
-        return self.shape(methods, registry, None)
+        return self.shape(methods, registry, None, auth)
 
 
 class _Guard:
-    def __init__(self, sharding: Sharding, registry: Registry, store: Committing | None) -> None:
+    def __init__(self, sharding: Sharding, registry: Registry, store: Committing | None,
+                 auth: Authenticator | None) -> None:
         self.sharding = sharding
         self.registry = registry
         self.store = store
+        self.auth = auth if auth is not None and auth.enabled else None
 
     def wrap(self, method: Method, route: Route) -> Callable[[Any], object]:
         special = {"create_instance_group": self._create_group, "remove_instance_group": self._remove_group,
@@ -185,7 +195,7 @@ class _Guard:
             if special is not None and name:
                 return special(handler, req, name)
             if name:
-                self.check(route.kind, name)
+                self.check(route.kind, name, req)
             return handler(req)
         return guarded
 
@@ -194,7 +204,7 @@ class _Guard:
         def guarded(req: Any, *rest: Any) -> Any:
             name = _name(req, route.field)
             if name:
-                self.check(route.kind, name)
+                self.check(route.kind, name, req)
             return hook(req, *rest)
         return guarded
 
@@ -207,13 +217,21 @@ class _Guard:
             return False
         return True
 
-    def check(self, kind: Kind, name: str) -> None:
-        """Pass a name this shard holds, or one no other shard is named for; else WRONG_SHARD."""
+    def check(self, kind: Kind, name: str, req: Any) -> None:
+        """Pass a name this shard holds, or one no other shard is named for; else WRONG_SHARD
+        (to a caller that may use the owning group: to anyone else the name does not exist here,
+        as another tenant's instance does not on its own shard)."""
         if self.local(kind, name):
             return
         owner = self.sharding.owner(kind, name)
-        if owner is not None and owner != self.sharding.shard:
-            raise self.sharding.wrong_shard(owner, kind, name)
+        if owner is None or owner[0] == self.sharding.shard:
+            return
+        principal = self.auth.principal(req) if self.auth is not None else None
+        if principal is not None and not principal.all_groups and not principal.may_use(owner[1]):
+            if kind is Kind.INSTANCE:
+                raise instance_not_found(name)
+            raise NotFound(f"instance group {name[:200]!r} does not exist")
+        raise self.sharding.wrong_shard(owner[0], kind, name)
 
     def _after_commit(self, fn: Callable[[], object]) -> None:
         if self.store is None:
@@ -247,14 +265,14 @@ class _Guard:
         return min(live, key=lambda s: (counts.get(s, 0), s != sharding.shard, s))
 
     def _remove_group(self, handler: Callable[[Any], object], req: Any, name: str) -> object:
-        self.check(Kind.GROUP, name)
+        self.check(Kind.GROUP, name, req)
         done = handler(req)
         shard = self.sharding.shard
         self._after_commit(lambda: self.sharding.directory.release_group(name, shard))
         return done
 
     def _register(self, handler: Callable[[Any], object], req: Any, group: str) -> object:
-        self.check(Kind.GROUP, group)
+        self.check(Kind.GROUP, group, req)
         instance = getattr(req, "instance_id", "")
         if isinstance(instance, str) and instance and instance not in self.sharding._recorded and self.local(Kind.GROUP, group):
             # Ahead of the commit: a hint naming this shard for an instance it then fails to
@@ -266,7 +284,7 @@ class _Guard:
         return handler(req)
 
     def _remove_instance(self, handler: Callable[[Any], object], req: Any, instance: str) -> object:
-        self.check(Kind.INSTANCE, instance)
+        self.check(Kind.INSTANCE, instance, req)
         group = self.registry.group_of(instance)
         done = handler(req)
         if group is not None:
