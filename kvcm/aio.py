@@ -49,7 +49,7 @@ from kvcm.client import (
     follows_leader,
     timeout_error,
 )
-from kvcm.client_shards import MAX_REDIRECTS, Routes, merge, redirected
+from kvcm.client_shards import MAX_REDIRECTS, Routes, merge, redirected, serves
 from kvcm.errors import Code, InvalidArgument, KvcmError, Unavailable
 from kvcm.proto import wire
 from kvcm.proto.methods import FOLLOWER_READS
@@ -215,13 +215,11 @@ class Client(AsyncClientMethods):
             reply = await self._request("get_shard_map", {}, decoder(object), min(self.timeout, 2.0), True)
         except KvcmError:
             reply = None
-        for endpoint in routes.take_map(reply):
-            if endpoint not in self.endpoints.all:
-                self.endpoints.all.append(endpoint)
+        routes.take_map(reply, self.endpoints.all)
 
     def _shard_client(self, shard: ShardInfo) -> Client:
         known = self._shard_clients.get(shard.name)
-        if known is not None and set(shard.endpoints) <= set(known.endpoints.all):
+        if known is not None and serves(shard, known.endpoints.all):
             return known
         if known is not None:
             self._retire_client(known)

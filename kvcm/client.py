@@ -54,7 +54,7 @@ import msgspec
 import zmq
 
 from kvcm.client_methods import ClientMethods
-from kvcm.client_shards import MAX_REDIRECTS, Routes, merge, redirected
+from kvcm.client_shards import MAX_REDIRECTS, Routes, merge, redirected, serves
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, Unavailable, error_from_wire
 from kvcm.proto import methods, wire
 from kvcm.proto.methods import FOLLOWER_READS
@@ -457,14 +457,12 @@ class Client(ClientMethods):
             reply = self._call_here("get_shard_map", None, min(self.timeout, 2.0), None)
         except KvcmError:
             reply = None
-        for endpoint in routes.take_map(reply):
-            if endpoint not in self.endpoints.all:
-                self.endpoints.all.append(endpoint)
+        routes.take_map(reply, self.endpoints.all)
 
     def _shard_client(self, shard: ShardInfo) -> Client:
         """The client of ``shard``'s nodes (made again when the shard's nodes changed)."""
         known = self._shard_clients.get(shard.name)
-        if known is not None and set(shard.endpoints) <= set(known.endpoints.all):
+        if known is not None and serves(shard, known.endpoints.all):
             return known
         if known is not None:
             known.close()

@@ -83,15 +83,22 @@ class Routes:
     def map_due(self) -> bool:
         return time.monotonic() - self._map_at >= MAP_EVERY_S
 
-    def take_map(self, reply: object) -> tuple[str, ...]:
-        """Take a ``get_shard_map`` reply (None: it could not be had); the endpoints of the
-        answering node's own shard (the seeds' shard: they join the client's own endpoints)."""
+    def take_map(self, reply: object, seeds: list[str]) -> None:
+        """Take a ``get_shard_map`` reply (None: it could not be had); the nodes of the
+        answering node's own shard (the seeds' shard) join ``seeds``, the client's endpoints."""
         self._map_at = time.monotonic()
         self.mapped = True
         self.shards.update(shards_from_map(reply))
         own = reply.get("shard") if isinstance(reply, Mapping) else None
         info = self.shards.get(own) if isinstance(own, str) else None
-        return info.endpoints if info is not None else ()
+        for endpoint in info.endpoints if info is not None else ():
+            if endpoint not in seeds:
+                seeds.append(endpoint)
+
+
+def serves(shard: ShardInfo, endpoints: list[str]) -> bool:
+    """A client of ``endpoints`` still reaches every node of ``shard`` (else one is made anew)."""
+    return set(shard.endpoints) <= set(endpoints)
 
 
 def merge(replies: list[object], key: str) -> object:
@@ -106,4 +113,4 @@ def merge(replies: list[object], key: str) -> object:
     return merged
 
 
-__all__ = ["MAP_EVERY_S", "MAX_REDIRECTS", "MAX_ROUTES", "Routes", "merge", "redirected"]
+__all__ = ["MAP_EVERY_S", "MAX_REDIRECTS", "MAX_ROUTES", "Routes", "merge", "redirected", "serves"]

@@ -180,11 +180,11 @@ def kvcm_store(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark ``redis`` every test that starts a Redis-compatible server: by its fixtures, or by
+    """Mark ``redis`` every test that starts a Redis-compatible server (or cluster): by its fixtures, or by
     its store parameter (those fixtures ask for the server at run time)."""
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if ({"redis_server", "redis_factory"} & set(getattr(item, "fixturenames", ()))
+        if ({"redis_server", "redis_factory", "redis_cluster"} & set(getattr(item, "fixturenames", ()))
                 or "redis" in params.values()):
             item.add_marker(pytest.mark.redis)
         elif item.get_closest_marker("slow") is None and item.get_closest_marker("heavy") is None and _quick(item):

@@ -37,7 +37,7 @@ SPECS = [{"name": "tp0", "size": 64}]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def redis_cluster(tmp_path_factory):
     _redis_binary()  # skips (or fails under KVCM_TEST_REQUIRE_REDIS=1) without a server
     with RedisCluster(str(tmp_path_factory.mktemp("cluster"))) as c:
         yield c
@@ -95,10 +95,10 @@ class Shards:
 
 
 @pytest.fixture
-def shards(cluster):
+def shards(redis_cluster):
     sock_dir = tempfile.mkdtemp(prefix="kvcm-sh-", dir="/tmp")
     root = tempfile.mkdtemp(prefix="kvcm-shroot-")
-    s = Shards(cluster, root, sock_dir)
+    s = Shards(redis_cluster, root, sock_dir)
     s.start_all()
     yield s
     s.stop()
@@ -312,10 +312,10 @@ ADMIN_PW = "shard-admin-pw"
 
 
 @pytest.fixture
-def auth_shards(cluster):
+def auth_shards(redis_cluster):
     sock_dir = tempfile.mkdtemp(prefix="kvcm-sha-", dir="/tmp")
     root = tempfile.mkdtemp(prefix="kvcm-sharoot-")
-    s = Shards(cluster, root, sock_dir)
+    s = Shards(redis_cluster, root, sock_dir)
     real_args = s.args
     s.args = lambda node: [*real_args(node), "--set", "auth.enabled=true",  # type: ignore[method-assign]
                            "--set", f"auth.admin_password={ADMIN_PW}"]
