@@ -49,7 +49,7 @@ from kvcm.client import (
     follows_leader,
     timeout_error,
 )
-from kvcm.client_shards import MAX_REDIRECTS, Routes, merge, redirected, serves
+from kvcm.client_shards import MAX_REDIRECTS, Routes, applied_everywhere, merge, redirected, serves
 from kvcm.errors import Code, InvalidArgument, KvcmError, Unavailable
 from kvcm.proto import wire
 from kvcm.proto.methods import FOLLOWER_READS
@@ -189,11 +189,14 @@ class Client(AsyncClientMethods):
         routes = self._routes
         assert routes is not None  # internal: only a routed client
         key = routes.fans_out(method, params)
-        if key is not None and routes.map_due():
+        everywhere = routes.everywhere(method)
+        if (key is not None or everywhere) and routes.map_due():
             await self._take_map(routes)
         if key is not None and routes.shards:
             replies = [await once(self._shard_client(s)) for s in sorted(routes.shards.values())]
             return merge(list(replies), key)  # type: ignore[return-value]
+        if everywhere and routes.shards:
+            return await self._everywhere(routes, once)
         shard = routes.shard_for(method, params)
         target = self if shard is None or key is not None else self._shard_client(shard)
         for redirects in range(MAX_REDIRECTS + 1):
@@ -209,6 +212,19 @@ class Client(AsyncClientMethods):
                     await self._take_map(routes)
                 target = self._shard_client(shard)
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    async def _everywhere(self, routes: Routes, once: Callable[[Client], Awaitable[T]]) -> T:
+        """A change of what every shard keeps a copy of: sent to each (:meth:`kvcm.Client._fan_out`)."""
+        outcomes: list[tuple[str, object | KvcmError]] = []
+        for shard in sorted(routes.shards.values()):
+            try:
+                outcomes.append((shard.name, await once(self._shard_client(shard))))
+            except KvcmError as exc:
+                outcomes.append((shard.name, exc))
+        got = applied_everywhere(outcomes)
+        if isinstance(got, KvcmError):
+            raise got
+        return got  # type: ignore[return-value]
 
     async def _take_map(self, routes: Routes) -> None:
         try:

@@ -54,7 +54,7 @@ import msgspec
 import zmq
 
 from kvcm.client_methods import ClientMethods
-from kvcm.client_shards import MAX_REDIRECTS, Routes, merge, redirected, serves
+from kvcm.client_shards import MAX_REDIRECTS, Routes, applied_everywhere, merge, redirected, serves
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, Unavailable, error_from_wire
 from kvcm.proto import methods, wire
 from kvcm.proto.methods import FOLLOWER_READS
@@ -424,7 +424,7 @@ class Client(ClientMethods):
         routes = self._routes
         assert routes is not None  # internal: only a routed client
         key = routes.fans_out(method, params)
-        if key is not None:
+        if key is not None or routes.everywhere(method):
             return self._fan_out(routes, key, once)
         shard = routes.shard_for(method, params)
         target = self if shard is None else self._shard_client(shard)
@@ -442,14 +442,26 @@ class Client(ClientMethods):
                 target = self._shard_client(shard)
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
-    def _fan_out(self, routes: Routes, key: str, once: Callable[[Client], T]) -> T:
-        """A list every shard answers for its part: asked of each shard of the map, merged."""
+    def _fan_out(self, routes: Routes, key: str | None, once: Callable[[Client], T]) -> T:
+        """A call every shard answers for its part: a list (merged under ``key``), or a change
+        of what each shard keeps a copy of (``key`` None: the first reply, or the first error
+        naming the shards that took it)."""
         if routes.map_due():
             self._take_map(routes)
         if not routes.shards:
             return once(self)  # not sharded: this deployment is the whole
-        replies = [once(self._shard_client(shard)) for shard in sorted(routes.shards.values())]
-        return merge(list(replies), key)  # type: ignore[return-value]
+        if key is not None:
+            return merge([once(self._shard_client(s)) for s in sorted(routes.shards.values())], key)  # type: ignore[return-value]
+        outcomes: list[tuple[str, object | KvcmError]] = []
+        for shard in sorted(routes.shards.values()):
+            try:
+                outcomes.append((shard.name, once(self._shard_client(shard))))
+            except KvcmError as exc:
+                outcomes.append((shard.name, exc))
+        got = applied_everywhere(outcomes)
+        if isinstance(got, KvcmError):
+            raise got
+        return got  # type: ignore[return-value]
 
     def _take_map(self, routes: Routes) -> None:
         """Ask for the shard map (an answer that does not come is no shard map)."""

@@ -9,7 +9,9 @@ Later calls naming it go straight to its shard: one redirect per name, the first
 first redirect the client also asks for the shard map once: the seeds' own shard's other nodes
 join its endpoints, so it follows that shard's failover too. The
 lists that span shards (:data:`~kvcm.proto.shards.FAN_OUT`) ask every shard of the map
-(``get_shard_map``, asked once and again every :data:`MAP_EVERY_S`) and are merged.
+(``get_shard_map``, asked once and again every :data:`MAP_EVERY_S`) and are merged; the
+changes of what every shard keeps a copy of (:data:`~kvcm.proto.shards.EVERYWHERE`: accounts)
+are sent to every shard.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from kvcm.errors import Code, KvcmError
+from kvcm.errors import Code, KvcmError, error
 from kvcm.proto.shards import (
     DETAIL_KIND,
     DETAIL_NAME,
+    EVERYWHERE,
     FAN_OUT,
+    MAX_SHARDS,
     Kind,
     ShardInfo,
     route_of,
@@ -65,6 +69,8 @@ class Routes:
         if info is None:
             return None
         known = self.shards.get(info.name)
+        if known is None and len(self.shards) >= MAX_SHARDS:
+            return None  # more shards than a deployment has: not followed
         if known is not None and not info.endpoints:
             info = known
         self.shards[info.name] = info
@@ -80,6 +86,10 @@ class Routes:
         key = FAN_OUT.get(method)
         return None if key is None or route_of(method, params) is not None else key
 
+    def everywhere(self, method: str) -> bool:
+        """``method`` changes a definition every shard keeps: sent to each."""
+        return method in EVERYWHERE
+
     def map_due(self) -> bool:
         return time.monotonic() - self._map_at >= MAP_EVERY_S
 
@@ -88,7 +98,9 @@ class Routes:
         answering node's own shard (the seeds' shard) join ``seeds``, the client's endpoints."""
         self._map_at = time.monotonic()
         self.mapped = True
-        self.shards.update(shards_from_map(reply))
+        for name, listed in shards_from_map(reply).items():
+            if name in self.shards or len(self.shards) < MAX_SHARDS:
+                self.shards[name] = listed
         own = reply.get("shard") if isinstance(reply, Mapping) else None
         info = self.shards.get(own) if isinstance(own, str) else None
         for endpoint in info.endpoints if info is not None else ():
@@ -99,6 +111,22 @@ class Routes:
 def serves(shard: ShardInfo, endpoints: list[str]) -> bool:
     """A client of ``endpoints`` still reaches every node of ``shard`` (else one is made anew)."""
     return set(shard.endpoints) <= set(endpoints)
+
+
+def applied_everywhere(outcomes: list[tuple[str, object | KvcmError]]) -> object:
+    """The reply of a change sent to every shard (``outcomes``: per shard, its reply or its
+    error): the first reply when every shard took it, else the first error, saying which
+    shards took the change and which did not (the change is not undone where it was taken)."""
+    failed = [(shard, out) for shard, out in outcomes if isinstance(out, KvcmError)]
+    if not failed:
+        return outcomes[0][1]
+    shard, first = failed[0]
+    assert isinstance(first, KvcmError)  # internal: failed holds errors only
+    taken = [s for s, out in outcomes if not isinstance(out, KvcmError)]
+    exc = error(first.code, f"shard {shard}: {first.message} (taken by shards: {', '.join(taken) or 'none'}; "
+                            f"not by: {', '.join(s for s, _ in failed)})")
+    exc.detail = {**first.detail, "taken_by": ",".join(taken)}
+    return exc
 
 
 def merge(replies: list[object], key: str) -> object:
@@ -113,4 +141,5 @@ def merge(replies: list[object], key: str) -> object:
     return merged
 
 
-__all__ = ["MAP_EVERY_S", "MAX_REDIRECTS", "MAX_ROUTES", "Routes", "merge", "redirected", "serves"]
+__all__ = ["MAP_EVERY_S", "MAX_REDIRECTS", "MAX_ROUTES", "Routes", "applied_everywhere", "merge", "redirected",
+           "serves"]

@@ -57,6 +57,13 @@ FAN_OUT: dict[str, str] = {
     "list_event_sources": "sources",
 }
 
+#: Definitions every shard keeps a copy of in its own store (its authorizer reads them in the
+#: same turn as the request): a sharded client sends each change to every shard, so one call
+#: defines an account everywhere. Not storages: a storage's root is owned by one deployment
+#: (which alone creates and sweeps its files), so each shard has storages of its own. Nor API
+#: tokens: each shard makes its own secret.
+EVERYWHERE: frozenset[str] = frozenset({"add_account", "update_account", "delete_account"})
+
 #: ``WRONG_SHARD``'s detail: the owner's name, its leader's endpoint (may be "" in a failover),
 #: every endpoint of its nodes (comma-separated), and what was routed (kind, name).
 DETAIL_SHARD, DETAIL_LEADER, DETAIL_ENDPOINTS = "shard", "leader_endpoint", "endpoints"
@@ -65,6 +72,9 @@ DETAIL_KIND, DETAIL_NAME = "kind", "name"
 #: Names longer than this are never looked up in the directory (they are refused by the
 #: requests' own checks anyway).
 MAX_NAME = 256
+#: Shards a directory lists, and a client keeps clients of, at most (so an answer naming more
+#: cannot make a client open a socket per name).
+MAX_SHARDS = 64
 
 
 def route_of(method: str, params: Mapping[str, object]) -> tuple[Kind, str] | None:
@@ -112,7 +122,7 @@ def shards_from_map(reply: object) -> dict[str, ShardInfo]:
     "endpoints"}]}``); malformed entries are skipped."""
     shards = reply.get("shards") if isinstance(reply, Mapping) else None
     out: dict[str, ShardInfo] = {}
-    for item in shards if isinstance(shards, list) else []:
+    for item in shards[:MAX_SHARDS] if isinstance(shards, list) else []:
         if not isinstance(item, Mapping):
             continue
         name, leader, endpoints = item.get("name"), item.get("leader_endpoint"), item.get("endpoints")
@@ -130,7 +140,9 @@ __all__ = [
     "DETAIL_LEADER",
     "DETAIL_NAME",
     "DETAIL_SHARD",
+    "EVERYWHERE",
     "FAN_OUT",
+    "MAX_SHARDS",
     "ROUTES",
     "Kind",
     "Route",

@@ -58,6 +58,8 @@ TAIR_CODES: dict[Code, str] = {
     Code.CAPACITY_EXHAUSTED: "INTERNAL_ERROR",
     # try again later
     Code.SHUTTING_DOWN: "SERVICE_NOT_READY", Code.TIMEOUT: "SERVICE_NOT_READY", Code.RATE_LIMITED: "SERVICE_NOT_READY",
+    # another manager answers (Tair's clients try their other managers on it; kvcm's name the shard)
+    Code.WRONG_SHARD: "SERVER_NOT_LEADER",
 }
 
 

@@ -425,3 +425,39 @@ def test_a_cluster_that_is_down_or_moved_is_unavailable_not_an_io_error():
                 redis.exceptions.MovedError("3999 127.0.0.1:6381"), redis.exceptions.AskError("3999 127.0.0.1:6381")):
         got = translate(exc)
         assert getattr(got, "code", None) is Code.SERVICE_NOT_READY, (exc, got)
+
+
+def test_accounts_are_defined_on_every_shard_by_one_call_and_storages_stay_each_shard_s(shards, tmp_path):
+    with Client(shards.endpoints["b1"]) as c:
+        _setup(c)  # the client knows the deployment is sharded from its first redirect
+        c.call("add_account", {"user_name": "carol", "password": "carol-pw", "role": "user", "groups": ["ga"]})
+        with Client(shards.endpoints[shards.leader("a")], routed=False) as a:  # only shard a has dave
+            a.call("add_account", {"user_name": "dave", "password": "dave-pw", "role": "user", "groups": ["ga"]})
+        with pytest.raises(KvcmError) as again:
+            c.call("add_account", {"user_name": "dave", "password": "dave-pw", "role": "user", "groups": ["ga"]})
+        # a storage's root belongs to one deployment: added on the seed's shard only
+        c.call("add_storage", {"storage": {"global_unique_name": "local", "storage_type": "file",
+                                           "storage_spec": {"root_path": str(tmp_path / "blocks-b")}}})
+    assert again.value.code is Code.DUPLICATE_ENTITY
+    assert again.value.detail["taken_by"] == "b" and "not by: a" in again.value.message
+    for shard in "ab":
+        with Client(shards.endpoints[shards.leader(shard)], routed=False) as one:
+            assert {"carol", "dave"} <= {a["user_name"] for a in one.call("list_account")["accounts"]}
+            storages = {s["global_unique_name"] for s in one.call("list_storage")["storage"]}
+            assert ("local" in storages) == (shard == "b")
+
+
+def test_a_connector_given_one_seed_writes_and_reads_another_shard_s_instance(shards):
+    from kvcm.connector import Connector
+
+    with Client(shards.endpoints["a1"]) as c:
+        _setup(c)
+    tokens = list(range(100, 112))  # three blocks of 4
+    with Connector(shards.endpoints["a1"], instance_id="ib", block_size=4) as conn:
+        assert conn.lookup(tokens).blocks == 0
+        with conn.begin_write(tokens) as session:
+            for block in session.new_blocks:
+                block.write("tp0", _pattern("ib", block.index))
+        assert conn.lookup(tokens).blocks == 3
+        for block in conn.read(tokens):
+            assert bytes(block.read("tp0")) == _pattern("ib", block.index)

@@ -8,7 +8,7 @@ from kvcm.client_shards import MAX_ROUTES, Routes, merge
 from kvcm.config import ConfigError, load
 from kvcm.errors import Code, Unavailable, error_from_wire
 from kvcm.proto.methods import METHODS
-from kvcm.proto.shards import FAN_OUT, ROUTES, Kind, route_of, shard_from_detail, shards_from_map
+from kvcm.proto.shards import FAN_OUT, MAX_SHARDS, ROUTES, Kind, route_of, shard_from_detail, shards_from_map
 
 
 def test_every_routed_method_exists_and_names_a_field_of_its_request():
@@ -63,6 +63,11 @@ def test_routes_are_bounded():
     for n in range(MAX_ROUTES + 5):
         routes.learn(_wrong("b", "instance", f"i{n}"))
     assert len(routes._owners) <= MAX_ROUTES
+    for n in range(MAX_SHARDS + 5):  # a server naming ever more shards
+        routes.learn(_wrong(f"s{n}", "instance", f"j{n}"))
+    routes.take_map({"shards": [{"name": f"m{n}", "leader_endpoint": "tcp://x:1", "endpoints": []}
+                                for n in range(1000)]}, [])
+    assert len(routes.shards) == MAX_SHARDS
 
 
 def test_shard_maps_and_merges():
