@@ -273,15 +273,16 @@ class _Guard:
 
     def _register(self, handler: Callable[[Any], object], req: Any, group: str) -> object:
         self.check(Kind.GROUP, group, req)
+        done = handler(req)  # the registry's checks (capacity, identity) first: a refusal records nothing
         instance = getattr(req, "instance_id", "")
-        if isinstance(instance, str) and instance and instance not in self.sharding._recorded and self.local(Kind.GROUP, group):
-            # Ahead of the commit: a hint naming this shard for an instance it then fails to
-            # create only sends askers here, where the answer is the one any shard would give.
+        if isinstance(instance, str) and instance and instance not in self.sharding._recorded:
+            # Ahead of the commit: a hint naming this shard for an instance its commit then
+            # fails to keep only sends askers here, where the answer is the one any shard gives.
             self.sharding._ask(lambda: self.sharding.directory.record_instance(instance, group))
             if len(self.sharding._recorded) >= 100_000:
                 self.sharding._recorded.clear()
             self.sharding._recorded.add(instance)
-        return handler(req)
+        return done
 
     def _remove_instance(self, handler: Callable[[Any], object], req: Any, instance: str) -> object:
         self.check(Kind.INSTANCE, instance, req)

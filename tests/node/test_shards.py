@@ -461,3 +461,21 @@ def test_a_connector_given_one_seed_writes_and_reads_another_shard_s_instance(sh
         assert conn.lookup(tokens).blocks == 3
         for block in conn.read(tokens):
             assert bytes(block.read("tp0")) == _pattern("ib", block.index)
+
+
+def test_a_refused_registration_or_placement_leaves_nothing_in_the_directory(shards):
+    directory = redis.Redis(port=shards.cluster.node_for(f"kvcmdir:{shards.directory}").port)
+    key = f"{{kvcmdir:{shards.directory}}}"
+    with Client(shards.endpoints["a1"]) as c:
+        c.call("create_instance_group", {"shard": "a", "instance_group": {
+            "name": "full", "storage_candidates": ["default-file"], "max_instance_count": 1}})
+        _register(c, "one", "full")
+        for n in range(5):  # past the group's capacity: refused, and not recorded
+            with pytest.raises(KvcmError) as refused:
+                _register(c, f"more{n}", "full")
+            assert refused.value.code is Code.REACH_MAX_ENTITY_CAPACITY
+        with pytest.raises(KvcmError) as unknown:
+            c.call("create_instance_group", {"shard": "zz", "instance_group": {"name": "g-nowhere"}})
+        assert unknown.value.code is Code.INVALID_ARGUMENT
+    assert {k.decode() for k in directory.hkeys(f"{key}:instances")} == {"one"}
+    assert directory.hget(f"{key}:groups", "g-nowhere") is None
