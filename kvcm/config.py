@@ -209,6 +209,7 @@ class HaConfig:
 class ShardConfig:
     directory: str = ""  # "" = not sharded; else the shard directory's name in Redis (docs/shards.md)
     name: str = ""  # this deployment's shard name in that directory; required with directory
+    max_lookups_per_s: int = 2000  # directory lookups of names this shard does not hold, per second; then RATE_LIMITED
 
 
 @dataclass(frozen=True)
@@ -546,6 +547,7 @@ def _shard_checks(config: Config) -> list[tuple[bool, str]]:
         (bool(_NODE_ID.fullmatch(shard.directory)), "shard.directory must be 1 to 64 of A-Z a-z 0-9 _ . : -"),
         (bool(re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", shard.name)) and "/" not in shard.name,
          "shard.name must be 1 to 64 of A-Z a-z 0-9 _ . : -"),
+        (0 < shard.max_lookups_per_s <= 1_000_000, "shard.max_lookups_per_s must be in 1..1000000"),
         (config.store.backend == "redis" and config.ha.enabled and not config.ha.coordination,
          'a shard (shard.directory) runs on store.backend = "redis" with ha.enabled (a shard of one node is one '
          "HA node): the directory lives in that Redis"),

@@ -77,6 +77,9 @@ class Sharding:
         url = resolve(config.store.redis_url, tag(config.shard.directory), password)
         self.directory: Directory = Directory(connect(url, password), config.shard.directory, config.ha.lease_ms)
         self._renew_s = config.ha.renew_ms / 1000.0
+        # Another shard's names cost directory round trips on the RPC loop: a bounded rate, so
+        # requests naming made-up instances cannot keep the loop waiting on Redis.
+        self._lookups = _Bucket(config.shard.max_lookups_per_s)
         self._owners: dict[tuple[Kind, str], tuple[float, tuple[str, str] | None]] = {}
         self._shards: tuple[float, dict[str, ShardInfo]] = (float("-inf"), {})
         self._recorded: set[str] = set()  # instances this node wrote to the directory
@@ -115,6 +118,10 @@ class Sharding:
         cached = self._owners.get((kind, name))
         if cached is not None and now - cached[0] < OWNER_TTL_S:
             return cached[1]
+        if not self._lookups.take():
+            exc = Unavailable(f"too many lookups of names shard {self.shard!r} does not hold; retry", Code.RATE_LIMITED)
+            exc.detail = {"retry_after_ms": "100"}
+            raise exc
         found: tuple[str, str] | None = self._ask(lambda: self._lookup(kind, name))
         if len(self._owners) >= MAX_CACHED:
             self._owners.clear()
@@ -175,6 +182,24 @@ class Sharding:
         if registry is None:
             return [*methods, shard_map_method(self)]
         return self.shape(methods, registry, None, auth)
+
+
+class _Bucket:
+    """``rate`` takes per second, as many at once (a token bucket; the RPC loop's thread only)."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = float(rate)
+        self._tokens = self.rate
+        self._at = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
 
 
 class _Guard:

@@ -479,3 +479,44 @@ def test_a_refused_registration_or_placement_leaves_nothing_in_the_directory(sha
         assert unknown.value.code is Code.INVALID_ARGUMENT
     assert {k.decode() for k in directory.hkeys(f"{key}:instances")} == {"one"}
     assert directory.hget(f"{key}:groups", "g-nowhere") is None
+
+
+def test_lookups_of_made_up_names_are_bounded_per_second(redis_cluster):
+    import msgpack
+    import zmq
+
+    sock_dir = tempfile.mkdtemp(prefix="kvcm-shl-", dir="/tmp")
+    root = tempfile.mkdtemp(prefix="kvcm-shlroot-")
+    s = Shards(redis_cluster, root, sock_dir)
+    real_args = s.args
+    s.args = lambda node: [*real_args(node), "--set", "shard.max_lookups_per_s=20"]  # type: ignore[method-assign]
+    try:
+        s.start_all()
+        leader = s.endpoints[s.leader("a")]
+        directory = redis.Redis(port=s.cluster.node_for(f"kvcmdir:{s.directory}").port)
+
+        def hgets() -> int:
+            return int(directory.info("commandstats").get("cmdstat_hget", {}).get("calls", 0))
+
+        before, began = hgets(), time.monotonic()
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(leader)
+        for n in range(300):  # 300 made-up instance ids, as fast as they go
+            sock.send(msgpack.packb([0, n, "get_instance_info", [{"instance_id": f"nobody-{n}"}]]))
+        codes = []
+        for _ in range(300):
+            assert sock.poll(10_000), "a request went unanswered"
+            codes.append(msgpack.unpackb(sock.recv(), raw=False)[2]["code"])
+        sock.close()
+        elapsed = time.monotonic() - began
+        looked_up = hgets() - before
+    finally:
+        s.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+    limited = codes.count(Code.RATE_LIMITED)
+    assert set(codes) <= {Code.RATE_LIMITED, Code.INSTANCE_NOT_EXIST} and limited > 150, (limited, set(codes))
+    # an instance costs at most two reads (its group, then the group's shard); a little slack for
+    # the nodes' own placements
+    assert looked_up <= 2 * (20 + 20 * elapsed) + 10, (looked_up, elapsed)
