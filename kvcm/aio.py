@@ -49,7 +49,7 @@ from kvcm.client import (
     follows_leader,
     timeout_error,
 )
-from kvcm.client_shards import MAX_REDIRECTS, Routes, applied_everywhere, merge, redirected, serves
+from kvcm.client_shards import MAP_WAIT_S, MAX_REDIRECTS, Routes, applied_everywhere, merge, redirected, serves
 from kvcm.errors import Code, InvalidArgument, KvcmError, Unavailable
 from kvcm.proto import wire
 from kvcm.proto.methods import FOLLOWER_READS
@@ -228,7 +228,7 @@ class Client(AsyncClientMethods):
 
     async def _take_map(self, routes: Routes) -> None:
         try:
-            reply = await self._request("get_shard_map", {}, decoder(object), min(self.timeout, 2.0), True)
+            reply = await self._request("get_shard_map", {}, decoder(object), min(self.timeout, MAP_WAIT_S), True)
         except KvcmError:
             reply = None
         routes.take_map(reply, self.endpoints.all)
@@ -311,7 +311,7 @@ class Client(AsyncClientMethods):
         """Add the nodes the deployment lists to the endpoints reads go to (:class:`kvcm.Client`)."""
         self._discover_at = asyncio.get_running_loop().time() + DISCOVER_S
         try:
-            info = await self.call("get_manager_cluster_info", timeout=min(self.timeout, 2.0), retry=False)
+            info = await self.call("get_manager_cluster_info", timeout=min(self.timeout, MAP_WAIT_S), retry=False)
         except KvcmError:
             return
         add_members(self.endpoints, info)

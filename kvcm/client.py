@@ -54,7 +54,7 @@ import msgspec
 import zmq
 
 from kvcm.client_methods import ClientMethods
-from kvcm.client_shards import MAX_REDIRECTS, Routes, applied_everywhere, merge, redirected, serves
+from kvcm.client_shards import MAP_WAIT_S, MAX_REDIRECTS, Routes, applied_everywhere, merge, redirected, serves
 from kvcm.errors import Code, InvalidArgument, KvcmError, ServerError, Unavailable, error_from_wire
 from kvcm.proto import methods, wire
 from kvcm.proto.methods import FOLLOWER_READS
@@ -466,7 +466,7 @@ class Client(ClientMethods):
     def _take_map(self, routes: Routes) -> None:
         """Ask for the shard map (an answer that does not come is no shard map)."""
         try:
-            reply = self._call_here("get_shard_map", None, min(self.timeout, 2.0), None)
+            reply = self._call_here("get_shard_map", None, min(self.timeout, MAP_WAIT_S), None)
         except KvcmError:
             reply = None
         routes.take_map(reply, self.endpoints.all)
@@ -586,7 +586,7 @@ class Client(ClientMethods):
         :data:`DISCOVER_S`)."""
         self._discover_at = time.monotonic() + DISCOVER_S
         try:
-            info = self.call("get_manager_cluster_info", timeout=min(self.timeout, 2.0), retry=False)
+            info = self.call("get_manager_cluster_info", timeout=min(self.timeout, MAP_WAIT_S), retry=False)
         except KvcmError:
             return
         add_members(self.endpoints, info)

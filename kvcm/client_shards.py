@@ -39,6 +39,8 @@ MAX_REDIRECTS = 3
 MAX_ROUTES = 100_000
 #: How often a client that fans out asks for the shard map again (seconds).
 MAP_EVERY_S = 10.0
+#: The longest wait for the shard map (an answer that does not come is no map).
+MAP_WAIT_S = 2.0
 
 
 def redirected(exc: KvcmError) -> bool:
@@ -141,5 +143,5 @@ def merge(replies: list[object], key: str) -> object:
     return merged
 
 
-__all__ = ["MAP_EVERY_S", "MAX_REDIRECTS", "MAX_ROUTES", "Routes", "applied_everywhere", "merge", "redirected",
+__all__ = ["MAP_EVERY_S", "MAP_WAIT_S", "MAX_REDIRECTS", "MAX_ROUTES", "Routes", "applied_everywhere", "merge", "redirected",
            "serves"]

@@ -114,11 +114,6 @@ class Directory:
     def instance_group(self, instance_id: str) -> str | None:
         return _text(self.client.hget(self.instances_key, instance_id.encode()))
 
-    def instance_shard(self, instance_id: str) -> str | None:
-        """The shard of the instance's group (two reads: the instance's group, then its shard)."""
-        group = self.instance_group(instance_id)
-        return None if group is None else self.group_shard(group)
-
     def claim_group(self, group: str, shard: str) -> tuple[str, bool]:
         """Place ``group`` on ``shard`` unless it is placed already: (the owner, whether this
         call placed it)."""
@@ -150,17 +145,6 @@ class Directory:
             if name is not None:
                 counts[name] = counts.get(name, 0) + 1
         return counts
-
-    def groups(self, limit: int = 100_000) -> dict[str, str]:
-        """Group -> shard, at most ``limit`` of them (``kvcm shards``)."""
-        out: dict[str, str] = {}
-        for n, (group, shard) in enumerate(self.client.hscan_iter(self.groups_key, count=_SCAN)):
-            if n >= limit:
-                break
-            g, s = _text(group), _text(shard)
-            if g is not None and s is not None:
-                out[g] = s
-        return out
 
 
 def _text(value: object) -> str | None:

@@ -33,6 +33,7 @@ from kvcm.proto.shards import (
     Kind,
     Route,
     ShardInfo,
+    name_at,
 )
 from kvcm.rpc.methods import Method
 from kvcm.threads import LoopThread
@@ -72,7 +73,6 @@ class Sharding:
         self.errors: tuple[type[Exception], ...] = (redis.RedisError,)
         self.shard = config.shard.name
         self.node_id = config.ha.node_id
-        self.endpoint = config.ha.advertise_endpoint or config.server.endpoint
         password = redis_password(config)
         url = resolve(config.store.redis_url, tag(config.shard.directory), password)
         self.directory: Directory = Directory(connect(url, password), config.shard.directory, config.ha.lease_ms)
@@ -82,6 +82,7 @@ class Sharding:
         self._lookups = _Bucket(config.shard.max_lookups_per_s)
         self._owners: dict[tuple[Kind, str], tuple[float, tuple[str, str] | None]] = {}
         self._shards: tuple[float, dict[str, ShardInfo]] = (float("-inf"), {})
+        self._counts: tuple[float, dict[str, int]] = (float("-inf"), {})  # groups per shard, for get_shard_map
         self._recorded: set[str] = set()  # instances this node wrote to the directory
         self._thread: LoopThread | None = None
         self._rounds = 0
@@ -150,11 +151,48 @@ class Sharding:
         return exc
 
     def shard_map(self) -> dict[str, object]:
-        """``get_shard_map``: every live shard, its leader, nodes and groups."""
-        counts = self._ask(self.directory.groups_per_shard)
+        """``get_shard_map``: every live shard, its leader, nodes and groups (counting the groups
+        reads every placement: the count is reused for :data:`SHARDS_TTL_S`, however often asked)."""
+        at, counts = self._counts
+        if time.monotonic() - at > SHARDS_TTL_S:
+            counts = self._ask(self.directory.groups_per_shard)
+            self._counts = (time.monotonic(), counts)
         return {"directory": self.directory.name, "shard": self.shard, "shards": [
             {"name": s.name, "leader_endpoint": s.leader, "endpoints": list(s.endpoints), "groups": counts.get(s.name, 0)}
             for s in sorted(self.shards().values())]}
+
+    # -- writing the directory ---------------------------------------------------------------------
+
+    def claim_group(self, group: str, wanted: str) -> tuple[str, bool]:
+        """Place ``group`` on ``wanted`` ("" = the least loaded live shard) unless it is placed:
+        (its owner, whether this call placed it)."""
+        placed = self._ask(lambda: self.directory.claim_group(group, wanted or self._least_loaded()))
+        self._owners.pop((Kind.GROUP, group), None)
+        self._counts = (float("-inf"), {})
+        return placed  # type: ignore[no-any-return]
+
+    def _least_loaded(self) -> str:
+        counts = self.directory.groups_per_shard()  # read now, not the cached count: it decides
+        live = set(self.shards()) | {self.shard}
+        return min(live, key=lambda s: (counts.get(s, 0), s != self.shard, s))
+
+    def release_group(self, group: str) -> None:
+        """Forget this shard's placement of ``group`` (a failure is logged: a stale hint)."""
+        _quietly(lambda: self.directory.release_group(group, self.shard), self.errors)
+        self._counts = (float("-inf"), {})
+
+    def record_instance(self, instance: str, group: str) -> None:
+        """Record that ``instance`` is in ``group`` (of this shard), once per node and instance."""
+        if instance in self._recorded:
+            return
+        self._ask(lambda: self.directory.record_instance(instance, group))
+        if len(self._recorded) >= 100_000:
+            self._recorded.clear()
+        self._recorded.add(instance)
+
+    def forget_instance(self, instance: str, group: str) -> None:
+        self._recorded.discard(instance)
+        _quietly(lambda: self.directory.forget_instance(instance, group), self.errors)
 
     # -- the guard ---------------------------------------------------------------------------------
 
@@ -216,7 +254,7 @@ class _Guard:
         handler = method.handler
 
         def guarded(req: Any) -> object:
-            name = _name(req, route.field)
+            name = name_at(req, route.field)
             if special is not None and name:
                 return special(handler, req, name)
             if name:
@@ -227,7 +265,7 @@ class _Guard:
     def checked(self, hook: Callable[..., Any], route: Route) -> Any:
         """``hook(req, ...)`` after the request's name passed :meth:`check`."""
         def guarded(req: Any, *rest: Any) -> Any:
-            name = _name(req, route.field)
+            name = name_at(req, route.field)
             if name:
                 self.check(route.kind, name, req)
             return hook(req, *rest)
@@ -262,7 +300,7 @@ class _Guard:
         if self.store is None:
             return
         with self.store.write(join=True) as txn:
-            txn.on_commit(lambda: _quietly(fn, self.sharding.errors))
+            txn.on_commit(fn)
 
     def _create_group(self, handler: Callable[[Any], object], req: Any, name: str) -> object:
         sharding = self.sharding
@@ -272,41 +310,30 @@ class _Guard:
         if wanted and wanted not in sharding.shards():
             raise InvalidArgument(f"shard: no shard named {wanted[:100]!r} is live in directory "
                                   f"{sharding.directory.name!r}")
-        owner, placed = sharding._ask(lambda: sharding.directory.claim_group(name, wanted or self._least_loaded()))
-        sharding._owners.pop((Kind.GROUP, name), None)
+        owner, placed = sharding.claim_group(name, wanted)
         if owner != sharding.shard:
             raise sharding.wrong_shard(owner, Kind.GROUP, name)
         try:
             return handler(req)
         except BaseException:
             if placed:
-                _quietly(lambda: sharding.directory.release_group(name, sharding.shard), sharding.errors)
+                sharding.release_group(name)
             raise
-
-    def _least_loaded(self) -> str:
-        sharding = self.sharding
-        counts = sharding._ask(sharding.directory.groups_per_shard)
-        live = set(sharding.shards()) | {sharding.shard}
-        return min(live, key=lambda s: (counts.get(s, 0), s != sharding.shard, s))
 
     def _remove_group(self, handler: Callable[[Any], object], req: Any, name: str) -> object:
         self.check(Kind.GROUP, name, req)
         done = handler(req)
-        shard = self.sharding.shard
-        self._after_commit(lambda: self.sharding.directory.release_group(name, shard))
+        self._after_commit(lambda: self.sharding.release_group(name))
         return done
 
     def _register(self, handler: Callable[[Any], object], req: Any, group: str) -> object:
         self.check(Kind.GROUP, group, req)
         done = handler(req)  # the registry's checks (capacity, identity) first: a refusal records nothing
         instance = getattr(req, "instance_id", "")
-        if isinstance(instance, str) and instance and instance not in self.sharding._recorded:
+        if isinstance(instance, str) and instance:
             # Ahead of the commit: a hint naming this shard for an instance its commit then
             # fails to keep only sends askers here, where the answer is the one any shard gives.
-            self.sharding._ask(lambda: self.sharding.directory.record_instance(instance, group))
-            if len(self.sharding._recorded) >= 100_000:
-                self.sharding._recorded.clear()
-            self.sharding._recorded.add(instance)
+            self.sharding.record_instance(instance, group)
         return done
 
     def _remove_instance(self, handler: Callable[[Any], object], req: Any, instance: str) -> object:
@@ -314,16 +341,8 @@ class _Guard:
         group = self.registry.group_of(instance)
         done = handler(req)
         if group is not None:
-            self.sharding._recorded.discard(instance)
-            self._after_commit(lambda: self.sharding.directory.forget_instance(instance, group))
+            self._after_commit(lambda: self.sharding.forget_instance(instance, group))
         return done
-
-
-def _name(req: Any, path: str) -> str:
-    value: Any = req
-    for part in path.split("."):
-        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
-    return value if isinstance(value, str) and 0 < len(value) <= 256 else ""
 
 
 def _quietly(fn: Callable[[], object], errors: tuple[type[Exception], ...]) -> None:

@@ -77,18 +77,22 @@ MAX_NAME = 256
 MAX_SHARDS = 64
 
 
-def route_of(method: str, params: Mapping[str, object]) -> tuple[Kind, str] | None:
-    """What ``params`` of ``method`` is routed by: (kind, name), or None (any node answers, or
-    the name is missing, empty or not a string)."""
+def route_of(method: str, params: object) -> tuple[Kind, str] | None:
+    """What a call of ``method`` is routed by: (kind, name), or None (any node answers, or the
+    name is missing, empty or not a string). ``params``: its params map, or its validated request."""
     route = ROUTES.get(method)
     if route is None:
         return None
-    value: object = params
-    for part in route.field.split("."):
-        value = value.get(part) if isinstance(value, Mapping) else None
-    if not isinstance(value, str) or not value or len(value) > MAX_NAME:
-        return None
-    return route.kind, value
+    name = name_at(params, route.field)
+    return None if name is None else (route.kind, name)
+
+
+def name_at(value: object, field: str) -> str | None:
+    """The name at ``field`` (dotted) of a params map or a request Struct; None when there is
+    none, or it is not a string of 1 to :data:`MAX_NAME` characters."""
+    for part in field.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else getattr(value, part, None)
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_NAME else None
 
 
 class ShardInfo(NamedTuple):
@@ -147,6 +151,7 @@ __all__ = [
     "Kind",
     "Route",
     "ShardInfo",
+    "name_at",
     "route_of",
     "shard_from_detail",
     "shards_from_map",
