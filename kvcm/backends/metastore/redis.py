@@ -54,6 +54,7 @@ from kvcm.backends.metastore.redis_identity import (
 )
 from kvcm.backends.metastore.redis_layout import AT_RANKS, COMMIT, SCAN, Keys, commit_input, upper
 from kvcm.backends.metastore.redis_txn import Gate, Group, RedisReadTxn, RedisWriteTxn, ThreadState
+from kvcm.backends.metastore.redis_wire import Wire
 from kvcm.errors import Code, Unavailable
 from kvcm.lockfile import LockBusy, drop_lock_file, hold_lock_file
 
@@ -135,6 +136,7 @@ class RedisStore:
         self.keys = Keys.of(prefix)
         self.epoch_key, self.commit_key = self.keys.epoch, self.keys.commit
         self.versions_key, self.deployment_key = self.keys.versions, self.keys.deployment
+        self.wire = Wire(self.client)
         self.commit_script = self.client.register_script(COMMIT)
         self.scan_script = self.client.register_script(SCAN)
         self._ranks_script = self.client.register_script(AT_RANKS)
@@ -308,8 +310,8 @@ class RedisStore:
     def _apply(self, keys: list[bytes], args: list[bytes | int], commit_id: bytes) -> None:
         """One call of the commit script; a lost reply is resolved by the commit marker."""
         try:
-            self.commit_script(keys=[self.epoch_key, self.commit_key, self.versions_key, self.deployment_key, *keys],
-                               args=args)
+            self.wire.evalsha(self.commit_script,
+                              [self.epoch_key, self.commit_key, self.versions_key, self.deployment_key, *keys], args)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if self.cache is not None:
                 self.cache.clear()  # whatever the marker says: what a reply got lost around is not kept

@@ -28,6 +28,7 @@ from kvcm.backends.metastore.redis_cache import CommittedCache, Miss
 from kvcm.backends.metastore.redis_conn import SOCKET_TIMEOUT_S
 from kvcm.backends.metastore.redis_errors import call
 from kvcm.backends.metastore.redis_layout import Layer, Overlay, upper
+from kvcm.backends.metastore.redis_wire import Wire
 
 log = logging.getLogger("kvcm.backends.metastore")
 
@@ -110,6 +111,10 @@ class Source(Protocol):
     def scan_script(self) -> Script: ...
 
     @property
+    def wire(self) -> Wire:
+        """The hot reads' path (``HGET`` / ``HMGET``) on ``client``'s pool."""
+
+    @property
     def cache(self) -> CommittedCache | None:
         """What the store's writer knows it holds (None: every read goes to Redis)."""
 
@@ -149,7 +154,7 @@ class RedisReadTxn:
                 if not isinstance(known, Miss):
                     return known
             token = cache.before_read()
-        value = call(self._store.client.hget, self._store.hash_key(db), key)
+        value = call(self._store.wire.command, b"HGET", self._store.hash_key(db), key)
         value = value if not isinstance(value, str) else value.encode()  # never str: replies are not decoded
         if cache is not None:
             cache.fill(token, db, ((key, value),))
@@ -174,7 +179,7 @@ class RedisReadTxn:
         if wanted and cache is not None:
             token = cache.before_read()
         if wanted:
-            values = call(self._store.client.hmget, self._store.hash_key(db), wanted)
+            values = call(self._store.wire.command, b"HMGET", self._store.hash_key(db), *wanted)
             read = {k: v for k, v in zip(wanted, values) if not isinstance(v, str)}  # never str: not decoded
             if cache is not None:
                 cache.fill(token, db, ((bytes(k), read.get(k)) for k in wanted))
